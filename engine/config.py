@@ -1,0 +1,79 @@
+"""Model and engine configuration: fixed inputs, read once at start-up."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import UnsupportedModel
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The shape of a Llama-family decoder, in Hugging Face's terms."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    qk_norm: bool = False
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        if arch not in ARCHITECTURES:
+            raise UnsupportedModel(f"architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+        scaling = cfg.get("rope_scaling")
+        if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+            raise UnsupportedModel(f"rope_scaling {scaling!r} is not supported")
+        heads = cfg["num_attention_heads"]
+        rope = cfg.get("rope_parameters") or {}
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
+            qk_norm=arch == "Qwen3ForCausalLM",
+        )
+
+    @property
+    def num_params(self) -> int:
+        """Parameters that take part in a token's matmuls (embedding lookup excluded, LM head included)."""
+        h, i = self.hidden_size, self.intermediate_size
+        attn = h * self.head_dim * (self.num_heads * 2 + self.num_kv_heads * 2)
+        return self.num_layers * (attn + 3 * h * i) + self.vocab_size * h
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """What an operator chooses: the model, where it runs, and how much memory it may use."""
+
+    model: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    kv_cache_tokens: int = 32768
+    block_size: int = 16
+    max_batch_size: int = 64
+    max_batched_tokens: int = 256
+    max_context_length: int | None = None
+    engine_loops: int = 1
+    default_max_new_tokens: int = 256

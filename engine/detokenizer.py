@@ -1,0 +1,98 @@
+"""Streaming token ids -> text, with stop strings.
+
+Decoding one token at a time is wrong for byte-level vocabularies: an emoji or CJK character is
+often split over several tokens, and each piece alone decodes to U+FFFD. So, like vLLM and TGI,
+we decode a small window of recent tokens and emit only what lies beyond the window's previous
+text, holding back while the window ends in U+FFFD (an incomplete character).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .tokenizer import Tokenizer
+
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns one sequence's generated tokens into text deltas, as they arrive.
+
+    Invariant: without a stop-string hit, the deltas from `step` plus `finish()` concatenate to
+    exactly `tokenizer.decode(generated_ids, skip_special_tokens)`. With a hit, they concatenate
+    to that text cut right before the earliest stop string.
+
+    `prompt_ids` is accepted but deliberately not used as decoding context: the contract is the
+    decode of the generated ids alone, and for decoders that strip a leading space at sequence
+    start (SentencePiece) prompt context would make the first delta start with a space that
+    `decode(generated_ids)` lacks. Windows over generated ids only agree with it by construction.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int],
+        skip_special_tokens: bool,
+        stop: Sequence[str] = (),
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._stop = [s for s in stop if s]
+        self._ids: list[int] = []  # generated ids
+        self._prefix_offset = 0  # window start: decode(ids[prefix:read]) was fully emitted...
+        self._read_offset = 0  # ...so text beyond it is new
+        self._decoded = ""  # generated text confirmed so far (complete characters only)
+        self.text = ""  # text emitted so far: a prefix of _decoded without stop strings
+        self.stopped = False  # a stop string was hit; everything after it is dropped
+
+    def step(self, new_token_ids: Sequence[int]) -> tuple[str, bool]:
+        """Add tokens; return (text safe to emit now, whether a stop string was hit)."""
+        if self.stopped:
+            return "", True
+        self._ids.extend(new_token_ids)
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        if len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT):
+            self._decoded += new_text[len(prefix_text) :]
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        delta = self._release(final=False)
+        return delta, self.stopped
+
+    def finish(self) -> str:
+        """Generation ended for another reason (length, eos, cancel): release held-back text."""
+        if self.stopped:
+            return ""
+        full = self._decode(self._ids)
+        if full.startswith(self._decoded):  # always so, unless a decoder is context-sensitive
+            self._decoded = full
+        return self._release(final=True)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip) if ids else ""
+
+    def _release(self, final: bool) -> str:
+        """Emit confirmed text up to the earliest stop string, or up to any tail that could still
+        grow into one (unless final)."""
+        start = len(self.text)  # no stop string can start in emitted text: it would have been found
+        hit = min((i for s in self._stop if (i := self._decoded.find(s, start)) >= 0), default=-1)
+        if hit >= 0:
+            self.stopped = True
+            end = hit
+        elif final:
+            end = len(self._decoded)
+        else:
+            end = len(self._decoded) - self._partial_stop_len(start)
+        delta = self._decoded[start:end]
+        self.text += delta
+        return delta
+
+    def _partial_stop_len(self, start: int) -> int:
+        """Length of the longest tail of the pending text that is a proper prefix of a stop string."""
+        pending = self._decoded[start:]
+        longest = 0
+        for s in self._stop:
+            for k in range(min(len(s) - 1, len(pending)), longest, -1):
+                if pending.endswith(s[:k]):
+                    longest = k
+                    break
+        return longest

@@ -1,0 +1,216 @@
+"""The engine as a Python library: load a model, start the engine loops, submit, stream, cancel."""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .engine_loop import EngineLoop
+from .errors import ContextOverflow, InvalidRequest
+from .gateway import Gateway
+from .kv_cache import allocate_kv_cache, kv_bytes_per_token
+from .loader import Checkpoint, load_checkpoint
+from .model_runner import ModelRunner
+from .models import build_model
+from .request import Request, RequestKind, RequestOutput
+from .sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass(slots=True)
+class EngineInfo:
+    model: str
+    architecture: str
+    max_context_length: int
+    vocab_size: int
+    engine_loops: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_block_size: int
+    active_sessions: int
+    running_sequences: int
+    waiting_sequences: int
+    preemptions: int
+
+
+class Stream:
+    """The outputs of one request, for a caller on an ordinary thread. Iterating raises the request's error."""
+
+    def __init__(self, engine: "Engine") -> None:
+        self._engine = engine
+        self._queue: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        self.request: Request | None = None
+
+    def put(self, output: RequestOutput) -> None:
+        self._queue.put(output)
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        while True:
+            out = self._queue.get()
+            if out.error is not None:
+                raise out.error
+            yield out
+            if out.finished:
+                return
+
+    def cancel(self) -> bool:
+        return self._engine.cancel(self.request)
+
+
+class Engine:
+    """Shared read-only weights, one `EngineLoop` thread per data-parallel rank, each with its own KV cache."""
+
+    def __init__(self, config: EngineConfig | None = None, checkpoint: Checkpoint | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        if config.dtype not in DTYPES:
+            raise InvalidRequest(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
+        self.dtype = DTYPES[config.dtype]
+        self.device = torch.device(config.device)
+        ckpt = checkpoint or load_checkpoint(config.model)
+        self.model_path, self.model_config, self.tokenizer = ckpt.path, ckpt.config, ckpt.tokenizer
+        self.model = build_model(ckpt.config, ckpt.weights, self.dtype, self.device)
+        num_blocks = max(1, config.kv_cache_tokens // config.block_size)
+        self.max_context_length = min(
+            config.max_context_length or ckpt.config.max_position_embeddings,
+            ckpt.config.max_position_embeddings,
+            num_blocks * config.block_size,
+        )
+        self.kv_bytes_per_token = kv_bytes_per_token(ckpt.config, self.dtype)
+        self.gateway = Gateway(config.engine_loops)
+        self.loops = [self._make_loop(rank, num_blocks) for rank in range(config.engine_loops)]
+        self._threads = [
+            threading.Thread(target=loop.run, name=f"lmgate-engine-{loop.rank}", daemon=True) for loop in self.loops
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _make_loop(self, rank: int, num_blocks: int) -> EngineLoop:
+        c = self.config
+        kv = allocate_kv_cache(self.model_config, num_blocks, c.block_size, self.dtype, self.device)
+        runner = ModelRunner(self.model, kv, c.block_size, self.device)
+        return EngineLoop(
+            rank, self.gateway, runner, BlockManager(num_blocks, c.block_size), self.tokenizer,
+            c.max_batch_size, c.max_batched_tokens, self.max_context_length, c.default_max_new_tokens,
+        )
+
+    # requests ----------------------------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a text or id prompt, checked against the vocabulary and the context window."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise InvalidRequest("the prompt is empty")
+        vocab = self.tokenizer.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return ids
+
+    def submit(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        session_id: int = 0,
+        request_id: str = "",
+        on_output: Callable[[RequestOutput], None] | None = None,
+    ) -> Stream | Request:
+        """Queue a generation. With `on_output`, it runs on the signal thread and the `Request` is returned;
+        without, a `Stream` to iterate is returned. Bad input raises here and leaves nothing behind."""
+        params = params or SamplingParams()
+        ids = self.encode_prompt(prompt)
+        self._check_request(ids, params)
+        stream = None if on_output else Stream(self)
+        request = Request(
+            RequestKind.GENERATE, session_id, on_output or stream.put, request_id, ids, params, stateless=not session_id
+        )
+        self.gateway.push(request)
+        if stream is None:
+            return request
+        stream.request = request
+        return stream
+
+    def _check_request(self, ids: list[int], params: SamplingParams) -> None:
+        vocab = self.tokenizer.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise InvalidRequest(f"stop_token_ids must be below the vocabulary size {vocab}")
+        total = len(ids) + params.max_new_tokens
+        if total > self.max_context_length:
+            raise ContextOverflow(
+                f"{len(ids)} prompt tokens + {params.max_new_tokens} new tokens exceed the context window "
+                f"of {self.max_context_length} tokens"
+            )
+        if len(ids) >= self.max_context_length:
+            raise ContextOverflow(f"{len(ids)} prompt tokens leave no room in the context window of {self.max_context_length} tokens")
+
+    def generate(self, prompt: str | list[int], params: SamplingParams | None = None, **kw) -> RequestOutput:
+        """Run one request to the end; the merged output (all tokens and text, last finish reason and usage)."""
+        merged = None
+        for out in self.submit(prompt, params, **kw):
+            if merged is None:
+                merged = out
+            else:
+                merged.token_ids += out.token_ids
+                merged.text += out.text
+                merged.logprobs += out.logprobs
+                merged.finish_reason, merged.usage = out.finish_reason, out.usage
+        return merged
+
+    def cancel(self, request: Request) -> bool:
+        return self.gateway.cancel(request)
+
+    # sessions ----------------------------------------------------------------------------------------------
+
+    def start_session(self, session_id: int = 0) -> int:
+        return self.gateway.start_session(session_id)
+
+    def end_session(self, session_id: int, on_done: Callable[[RequestOutput], None] | None = None) -> None:
+        """Cancel the session's active generation, free its KV, forget it. Blocks unless `on_done` is given."""
+        if on_done is not None:
+            self.gateway.kill(session_id, on_done)
+            return
+        done = threading.Event()
+        self.gateway.kill(session_id, lambda _: done.set())
+        done.wait()
+
+    # state -------------------------------------------------------------------------------------------------
+
+    def info(self) -> EngineInfo:
+        """A snapshot read from other threads without locks: each figure is a single int read, possibly stale."""
+        return EngineInfo(
+            model=self.model_path,
+            architecture=self.model_config.architecture,
+            max_context_length=self.max_context_length,
+            vocab_size=self.tokenizer.vocab_size,
+            engine_loops=len(self.loops),
+            kv_blocks_total=sum(l.blocks.num_blocks for l in self.loops),
+            kv_blocks_free=sum(l.blocks.num_free for l in self.loops),
+            kv_block_size=self.config.block_size,
+            active_sessions=len(self.gateway.binding),
+            running_sequences=sum(len(l.scheduler.running) for l in self.loops),
+            waiting_sequences=sum(len(l.scheduler.waiting) for l in self.loops),
+            preemptions=sum(l.scheduler.num_preemptions for l in self.loops),
+        )
+
+    def shutdown(self) -> None:
+        """Refuse new work, cancel what runs, join the loops; every stream gets its last output."""
+        self.gateway.shutdown()
+        for t in self._threads:
+            t.join()
+        self.gateway.stop_signals()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

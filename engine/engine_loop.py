@@ -1,0 +1,212 @@
+"""One data-parallel engine loop: continuous batching over its own KV cache, driven by `BatchOp`s."""
+from __future__ import annotations
+
+import logging
+
+from .batch import BatchData
+from .block_manager import BlockManager
+from .detokenizer import IncrementalDetokenizer
+from .errors import ContextOverflow, EngineError, InternalError, SessionBusy
+from .gateway import Gateway, Signal, cancelled_output
+from .model_runner import ModelRunner
+from .request import CancelFlag, FinishReason, Request, RequestKind, RequestOutput, TokenLogprob, Usage
+from .scheduler import Scheduler
+from .sequence import Sequence, Session
+from .tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+DETOKENIZER_CONTEXT = 6  # prompt tokens the detokenizer sees, so the first delta's spacing is right
+
+
+class EngineLoop:
+    """Owns its scheduler, sequences, sessions, block manager and KV cache; runs on its own thread.
+
+    Other threads reach it only through the Gateway (requests in, outputs out).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        gateway: Gateway,
+        runner: ModelRunner,
+        blocks: BlockManager,
+        tokenizer: Tokenizer,
+        max_batch_size: int,
+        max_batched_tokens: int,
+        max_context_length: int,
+        default_max_new_tokens: int,
+    ) -> None:
+        self.rank = rank
+        self.gateway = gateway
+        self.runner = runner
+        self.blocks = blocks
+        self.tokenizer = tokenizer
+        self.sessions: dict[int, Session] = {}
+        self.scheduler = Scheduler(blocks, self.sessions, max_batch_size, max_batched_tokens)
+        self.max_batch_size = max_batch_size
+        self.max_context_length = max_context_length
+        self.default_max_new_tokens = default_max_new_tokens
+        self.num_steps = 0
+        self._signals: list[Signal] = []
+
+    # the loop ----------------------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        while True:
+            free = self.max_batch_size - len(self.scheduler.running) - len(self.scheduler.waiting)
+            requests = self.gateway.pop(self.rank, max(free, 0), blocking=not self.scheduler.has_work)
+            if requests is None:
+                break
+            try:
+                self.step(requests)
+            except Exception as exc:  # a failed step must end its streams, not hang them
+                log.exception("engine loop %d: step failed", self.rank)
+                self._fail_all(InternalError(f"engine step failed: {exc}"))
+            self._flush()
+        self._cancel_all()
+        self._flush()
+
+    def step(self, requests: list[Request]) -> None:
+        """One engine step: kAdd, cancellations, then the batch ops kSetup .. kDel."""
+        self.num_steps += 1
+        for request in requests:
+            self._add(request)
+        self._reap_cancelled()
+        batch = BatchData(self.scheduler.schedule())
+        if not batch.seqs:
+            return
+        samplers = [s for s in batch.seqs if s.samples_this_step]
+        batch.inputs = self.runner.setup(batch.seqs)  # kSetup + kPrepare
+        batch.logits = self.runner.forward(batch.inputs)  # kForward + kUnprep
+        batch.result = self.runner.sample(batch.logits, batch.inputs)  # kFetch
+        for seq in batch.seqs:
+            seq.num_computed += seq.num_scheduled
+        self._update(samplers, batch)
+        for seq in batch.finished:
+            self._del(seq)
+
+    # kAdd --------------------------------------------------------------------------------------------------
+
+    def _add(self, request: Request) -> None:
+        if request.kind is RequestKind.KILL:
+            self._kill(request)
+            return
+        session = Session(0) if request.stateless else self.sessions.setdefault(request.session_id, Session(request.session_id))
+        if session.active is not None:
+            self._emit(request, RequestOutput(request.request_id, request.session_id, error=SessionBusy(f"session {request.session_id} is already generating")))
+            return
+        try:
+            max_new = self._max_new_tokens(request, len(session.token_ids) + len(request.input_ids))
+        except EngineError as exc:
+            self._emit(request, RequestOutput(request.request_id, request.session_id, error=exc))
+            return
+        history = session.token_ids + request.input_ids
+        detok = IncrementalDetokenizer(
+            self.tokenizer, history[-DETOKENIZER_CONTEXT:], request.params.skip_special_tokens, request.params.stop
+        )
+        seq = Sequence(request, session, detok, max_new, self.tokenizer.eos_token_ids)
+        session.block_table = []
+        session.active = seq
+        self.scheduler.add(seq)
+
+    def _max_new_tokens(self, request: Request, prompt_len: int) -> int:
+        room = self.max_context_length - prompt_len
+        asked = request.params.max_new_tokens
+        if room <= 0 or asked > room:
+            need = f"{prompt_len} prompt tokens" + (f" + {asked} new tokens" if asked else "")
+            raise ContextOverflow(f"{need} exceed the context window of {self.max_context_length} tokens")
+        return asked or min(self.default_max_new_tokens, room)
+
+    def _kill(self, request: Request) -> None:
+        session = self.sessions.pop(request.session_id, None)
+        if session is not None:
+            if session.active is not None:
+                self._finish(session.active, FinishReason.CANCELLED)
+                self._del(session.active)
+            self.blocks.release(session.block_table)
+            session.block_table = []
+        self._emit(request, RequestOutput("", request.session_id, finish_reason=FinishReason.STOP))
+
+    def _reap_cancelled(self) -> None:
+        for seq in self.scheduler.running + list(self.scheduler.waiting):
+            if seq.request.cancel_flag.value == CancelFlag.CANCELLED:
+                self._finish(seq, FinishReason.CANCELLED)
+                self._del(seq)
+
+    # kUpdate -----------------------------------------------------------------------------------------------
+
+    def _update(self, samplers: list[Sequence], batch: BatchData) -> None:
+        for row, seq in enumerate(samplers):
+            token = batch.result.token_ids[row]
+            seq.token_ids.append(token)
+            out = RequestOutput(seq.request.request_id, seq.request.session_id, token_ids=[token])
+            lp = batch.result.logprobs[row]
+            if lp is not None:
+                out.logprobs.append(TokenLogprob(token, lp[0], lp[1]))
+            reason, stop_hit = None, False
+            if token in seq.stop_ids:
+                reason = FinishReason.STOP
+            else:
+                out.text, stop_hit = seq.detokenizer.step([token])
+                if stop_hit:
+                    reason = FinishReason.STOP
+                elif seq.num_output >= seq.max_new_tokens or len(seq.token_ids) >= self.max_context_length:
+                    reason = FinishReason.LENGTH
+            if reason is not None:
+                if not stop_hit:
+                    out.text += seq.detokenizer.finish()
+                seq.finish_reason = out.finish_reason = reason
+                out.usage = self._usage(seq)
+                batch.finished.append(seq)
+            self._emit(seq.request, out)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End a sequence outside kUpdate (cancel, kill, shutdown), releasing the text held back."""
+        seq.finish_reason = reason
+        text = seq.detokenizer.finish()
+        self._emit(seq.request, RequestOutput(seq.request.request_id, seq.request.session_id, text=text, finish_reason=reason, usage=self._usage(seq)))
+
+    @staticmethod
+    def _usage(seq: Sequence) -> Usage:
+        return Usage(seq.num_prompt_tokens, seq.num_output, seq.num_cached_tokens)
+
+    # kDel --------------------------------------------------------------------------------------------------
+
+    def _del(self, seq: Sequence) -> None:
+        """The sequence leaves the batch; its blocks go back to its session, or to the free list."""
+        self.scheduler.remove(seq)
+        session = seq.session
+        session.active = None
+        if seq.request.stateless or session.session_id not in self.sessions:
+            self.blocks.release(seq.block_table)
+            return
+        session.token_ids, session.block_table, session.num_computed = seq.token_ids, seq.block_table, seq.num_computed
+        session.last_used = self.num_steps
+
+    # failure and shutdown ----------------------------------------------------------------------------------
+
+    def _fail_all(self, error: EngineError) -> None:
+        for seq in self.scheduler.running + list(self.scheduler.waiting):
+            self._emit(seq.request, RequestOutput(seq.request.request_id, seq.request.session_id, error=error))
+            self.scheduler.remove(seq)
+            self.blocks.release(seq.block_table)
+            seq.session.active, seq.session.block_table, seq.session.num_computed = None, [], 0
+
+    def _cancel_all(self) -> None:
+        for seq in self.scheduler.running + list(self.scheduler.waiting):
+            self._finish(seq, FinishReason.CANCELLED)
+            self._del(seq)
+        for session in self.sessions.values():
+            self.blocks.release(session.block_table)
+            session.block_table = []
+        self.sessions.clear()
+
+    # output ------------------------------------------------------------------------------------------------
+
+    def _emit(self, request: Request, output: RequestOutput) -> None:
+        self._signals.append((request, output))
+
+    def _flush(self) -> None:
+        self.gateway.notify(self._signals)
+        self._signals = []

@@ -1,0 +1,169 @@
+"""The Gateway, after TurboMind's: routes requests to engine loops and delivers their outputs.
+
+Lock order (each a leaf; no thread waits on one while holding another):
+  SequenceBinding._lock, RequestQueue._cond, CancelFlag._lock, Gateway._admission_lock, Gateway._signal_cond.
+Callbacks run on the signal thread with no lock held.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import threading
+from collections import deque
+from typing import Callable
+
+from .errors import SessionExists, Unavailable
+from .request import CancelFlag, FinishReason, Request, RequestKind, RequestOutput, Usage
+from .request_queue import RequestQueue
+from .sequence_binding import SequenceBinding
+
+log = logging.getLogger(__name__)
+
+Signal = tuple[Request, RequestOutput]
+
+
+class Gateway:
+    """Shared by the caller threads (push, cancel, kill), the engine loops (pop, notify) and the signal thread."""
+
+    def __init__(self, num_queues: int) -> None:
+        self.queues = [RequestQueue() for _ in range(num_queues)]
+        self.binding = SequenceBinding()
+        self._next_rank = itertools.count()  # next() on a count is atomic in CPython
+        self._next_id = itertools.count(1)
+        self._admission_lock = threading.Lock()  # guards _closed_reason
+        self._closed_reason: str | None = None
+        self._signals: deque[list[Signal]] = deque()
+        self._signal_cond = threading.Condition()  # guards _signals and _stopping
+        self._stopping = False
+        self._signal_thread = threading.Thread(target=self._signal_loop, name="lmgate-signal", daemon=True)
+        self._signal_thread.start()
+
+    # admission ---------------------------------------------------------------------------------------------
+
+    def close_admission(self, reason: str) -> None:
+        with self._admission_lock:
+            self._closed_reason = reason
+
+    def open_admission(self) -> None:
+        with self._admission_lock:
+            self._closed_reason = None
+
+    def check_admission(self) -> None:
+        with self._admission_lock:
+            reason = self._closed_reason
+        if reason is not None:
+            raise Unavailable(reason)
+
+    # caller side -------------------------------------------------------------------------------------------
+
+    def start_session(self, session_id: int) -> int:
+        """Bind a new session to an engine loop, round robin; 0 picks an unused id."""
+        self.check_admission()
+        rank = next(self._next_rank) % len(self.queues)
+        if session_id:
+            self.binding.bind(session_id, rank)
+            return session_id
+        while True:
+            session_id = random.getrandbits(63) + 1
+            try:
+                self.binding.bind(session_id, rank)
+                return session_id
+            except SessionExists:  # an id collision: draw again
+                continue
+
+    def push(self, request: Request) -> None:
+        """Queue a generate request: stateless ones round robin, session turns to their session's loop."""
+        self.check_admission()
+        if request.stateless:
+            rank = next(self._next_rank) % len(self.queues)
+        else:
+            rank = self.binding.claim(request.session_id, request)
+        if not self.queues[rank].push(request):
+            if not request.stateless:
+                self.binding.release(request.session_id, request)
+            raise Unavailable("the engine is shutting down")
+
+    def kill(self, session_id: int, on_done: Callable[[RequestOutput], None]) -> None:
+        """End a session: later requests on it are NOT_FOUND at once; `on_done` runs after its engine loop has
+        cancelled its active generation and freed its KV. Ending an unknown session is a no-op."""
+        rank = self.binding.unbind(session_id)
+        done = RequestOutput("", session_id, finish_reason=FinishReason.STOP)
+        request = Request(RequestKind.KILL, session_id, on_done)
+        if rank is None or not self.queues[rank].push(request):
+            self.notify([(request, done)])
+
+    def cancel(self, request: Request) -> bool:
+        """Flip the flag; a queued request ends here and now, an active one at its loop's next step."""
+        old = request.cancel_flag.exchange(CancelFlag.CANCELLED)
+        if old == CancelFlag.QUEUED:
+            self.notify([(request, cancelled_output(request))])
+        return old != CancelFlag.CANCELLED
+
+    # engine side -------------------------------------------------------------------------------------------
+
+    def pop(self, rank: int, max_infer: int, blocking: bool, timeout: float | None = None) -> list[Request] | None:
+        """New work for engine loop `rank`, with unique ids; requests cancelled while queued are skipped."""
+        taken = self.queues[rank].pop(max_infer, blocking, timeout)
+        if taken is None:
+            return None
+        live = []
+        for r in taken:
+            if r.kind is RequestKind.GENERATE and not r.cancel_flag.compare_exchange(CancelFlag.QUEUED, CancelFlag.ACTIVE):
+                continue
+            r.unique_id = next(self._next_id)
+            live.append(r)
+        return live
+
+    def notify(self, signals: list[Signal]) -> None:
+        """Hand outputs to the signal thread; one hand-off per engine step, never blocking on a client."""
+        if signals:
+            with self._signal_cond:
+                self._signals.append(signals)
+                self._signal_cond.notify()
+
+    def shutdown(self) -> None:
+        """Refuse new work, cancel what is still queued, and stop the signal thread once it has delivered all."""
+        self.close_admission("the engine is shutting down")
+        for queue in self.queues:
+            for request in queue.close():
+                if request.kind is RequestKind.KILL:
+                    self.notify([(request, RequestOutput("", request.session_id, finish_reason=FinishReason.STOP))])
+                else:
+                    self.cancel(request)
+
+    def stop_signals(self) -> None:
+        with self._signal_cond:
+            self._stopping = True
+            self._signal_cond.notify()
+        self._signal_thread.join()
+
+    # signal thread -----------------------------------------------------------------------------------------
+
+    def _signal_loop(self) -> None:
+        while True:
+            with self._signal_cond:
+                self._signal_cond.wait_for(lambda: self._signals or self._stopping)
+                if not self._signals:
+                    return
+                batch = self._signals.popleft()
+            for request, output in batch:
+                self._deliver(request, output)
+
+    def _deliver(self, request: Request, output: RequestOutput) -> None:
+        # Release the session before the last output reaches the client, so its next turn is never refused.
+        if output.finished and request.kind is RequestKind.GENERATE and not request.stateless:
+            self.binding.release(request.session_id, request)
+        try:
+            request.on_output(output)
+        except Exception:
+            log.exception("output callback of request %r failed", request.request_id)
+
+
+def cancelled_output(request: Request) -> RequestOutput:
+    return RequestOutput(
+        request.request_id,
+        request.session_id,
+        finish_reason=FinishReason.CANCELLED,
+        usage=Usage(prompt_tokens=len(request.input_ids)),
+    )

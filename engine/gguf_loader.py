@@ -1,0 +1,100 @@
+"""Loading a GGUF file: metadata to a config, tensors dequantized to Hugging Face names and layout."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from .config import ModelConfig
+from .errors import UnsupportedModel
+
+_ARCHES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def _field(reader: GGUFReader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def read_gguf_config(reader: GGUFReader) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in _ARCHES:
+        raise UnsupportedModel(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(_ARCHES)}")
+    hidden = _field(reader, f"{arch}.embedding_length")
+    heads = _field(reader, f"{arch}.attention.head_count")
+    names = {t.name for t in reader.tensors}
+    return ModelConfig(
+        architecture=_ARCHES[arch],
+        vocab_size=_field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),
+        hidden_size=hidden,
+        intermediate_size=_field(reader, f"{arch}.feed_forward_length"),
+        num_layers=_field(reader, f"{arch}.block_count"),
+        num_heads=heads,
+        num_kv_heads=_field(reader, f"{arch}.attention.head_count_kv", heads),
+        head_dim=_field(reader, f"{arch}.attention.key_length", hidden // heads),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=_field(reader, f"{arch}.context_length", 2048),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+    )
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _LAYER_RE.fullmatch(gguf_name)
+    if m is None or m.group(2) not in _LAYER_NAMES:
+        return None
+    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's interleaving of rotary halves in Q/K rows, back to Hugging Face's rotate-half layout."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def read_gguf_weights(reader: GGUFReader, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Dequantized fp32 tensors by Hugging Face name; unknown tensors (e.g. rope tables) are skipped."""
+    permute = config.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
+    weights: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        name = _hf_name(t.name)
+        if name is None:
+            continue
+        if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            data = np.asarray(t.data, dtype=np.float32)
+        else:
+            data = dequantize(t.data, t.tensor_type)
+        data = data.reshape([int(d) for d in reversed(t.shape)])
+        if permute and name.endswith("q_proj.weight"):
+            data = _unpermute(data, config.num_heads)
+        elif permute and name.endswith("k_proj.weight"):
+            data = _unpermute(data, config.num_kv_heads)
+        weights[name] = torch.from_numpy(np.array(data, dtype=np.float32))
+    return weights

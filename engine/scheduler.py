@@ -1,0 +1,103 @@
+"""Which sequences run this step and how many tokens each computes. Owned by one engine loop's thread.
+
+Policy: every running decode gets its token; running prefills, then waiting sequences (FIFO), share what is
+left of the step's token budget, so a long prompt is prefilled in chunks while streams keep flowing. When
+blocks run out the scheduler first drops idle sessions' KV (their history recomputes on the next turn), then
+preempts the newest running sequence, which recomputes later; a request is never failed for lack of blocks.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from .block_manager import BlockManager
+from .sequence import Sequence, SequenceStatus, Session
+
+
+class Scheduler:
+    def __init__(
+        self, blocks: BlockManager, sessions: dict[int, Session], max_batch_size: int, max_batched_tokens: int
+    ) -> None:
+        self.blocks = blocks
+        self.sessions = sessions
+        self.max_batch_size = max_batch_size
+        self.max_batched_tokens = max_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a finished or cancelled sequence out of the queues; the caller decides what its blocks become."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def schedule(self) -> list[Sequence]:
+        """Sequences to run, decodes first, each with `num_scheduled` set."""
+        for seq in self.running + list(self.waiting):
+            seq.num_scheduled = 0
+        decodes = [s for s in self.running if s.num_uncomputed == 1]
+        for seq in decodes:
+            if seq.status is SequenceStatus.RUNNING and self._reserve(seq, 1):
+                seq.num_scheduled = 1
+        budget = self.max_batched_tokens - sum(s.num_scheduled for s in decodes)
+        prefills = [s for s in self.running if s.num_uncomputed > 1]
+        for seq in prefills:
+            budget -= self._schedule_prefill(seq, budget)
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+            seq = self.waiting[0]
+            chunk = min(seq.num_uncomputed, budget)
+            if not self._make_room(self.blocks.blocks_for(seq.num_computed + chunk) - len(seq.block_table), seq):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            budget -= self._schedule_prefill(seq, budget)
+        batch = [s for s in self.running if s.num_scheduled]
+        return sorted(batch, key=lambda s: s.num_scheduled > 1)
+
+    def _schedule_prefill(self, seq: Sequence, budget: int) -> int:
+        chunk = min(seq.num_uncomputed, budget)
+        if chunk > 0 and seq.status is SequenceStatus.RUNNING and self._reserve(seq, chunk):
+            seq.num_scheduled = chunk
+        return seq.num_scheduled
+
+    def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Blocks for `num_tokens` more tokens of `seq`, preempting newer sequences if need be."""
+        needed = self.blocks.blocks_for(seq.num_computed + num_tokens) - len(seq.block_table)
+        while not self._make_room(needed, seq):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        seq.block_table.extend(self.blocks.allocate(needed) if needed > 0 else [])
+        return True
+
+    def _make_room(self, needed: int, seq: Sequence) -> bool:
+        """True once `needed` blocks are free, after dropping idle sessions' KV, least recently used first."""
+        if self.blocks.can_allocate(needed):
+            return True
+        idle = [s for s in self.sessions.values() if s.active is None and s.block_table and s is not seq.session]
+        for session in sorted(idle, key=lambda s: s.last_used):
+            self.blocks.release(session.block_table)
+            session.block_table, session.num_computed = [], 0
+            if self.blocks.can_allocate(needed):
+                return True
+        return False
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's KV and queue it first in line; its tokens are recomputed, never lost."""
+        self.running.remove(seq)
+        self.blocks.release(seq.block_table)
+        seq.block_table, seq.num_computed, seq.num_scheduled = [], 0, 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1

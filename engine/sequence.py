@@ -1,0 +1,79 @@
+"""Per-sequence and per-session state. Owned by one engine loop's thread; nothing else touches it."""
+from __future__ import annotations
+
+import enum
+import random
+
+import torch
+
+from .detokenizer import IncrementalDetokenizer
+from .request import Request
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # admitted, no KV yet (new or preempted)
+    RUNNING = "running"  # holds blocks; prefilling or decoding
+    FINISHED = "finished"
+
+
+class Session:
+    """A conversation's token history, the truth, and the KV blocks that cache it (possibly dropped)."""
+
+    def __init__(self, session_id: int) -> None:
+        self.session_id = session_id
+        self.token_ids: list[int] = []
+        self.block_table: list[int] = []
+        self.num_computed = 0  # leading history tokens whose KV is in block_table
+        self.active: "Sequence | None" = None
+        self.last_used = 0  # engine step, for choosing whose KV to drop under memory pressure
+
+
+class Sequence:
+    """One generation: history + new input as its prompt, then sampled tokens."""
+
+    def __init__(
+        self,
+        request: Request,
+        session: Session,
+        detokenizer: IncrementalDetokenizer,
+        max_new_tokens: int,
+        eos_ids: frozenset[int],
+    ) -> None:
+        self.request = request
+        self.session = session
+        self.params = request.params
+        self.token_ids = session.token_ids + request.input_ids
+        self.num_prompt_tokens = len(self.token_ids)
+        self.num_cached_tokens = session.num_computed
+        self.block_table = session.block_table
+        self.num_computed = session.num_computed
+        self.max_new_tokens = max_new_tokens
+        self.stop_ids = frozenset(self.params.stop_token_ids) | (frozenset() if self.params.ignore_eos else eos_ids)
+        self.detokenizer = detokenizer
+        seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
+        self.generator = torch.Generator().manual_seed(seed)
+        self.status = SequenceStatus.WAITING
+        self.num_scheduled = 0  # tokens this step will compute; set by the scheduler
+        self.finish_reason = None
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def samples_this_step(self) -> bool:
+        """Only the step that brings the KV up to the last token produces a new token."""
+        return self.num_computed + self.num_scheduled == len(self.token_ids)
+
+    @property
+    def banned_ids(self) -> list[int]:
+        """Tokens that would end the turn early, while min_new_tokens is not reached yet."""
+        return sorted(self.stop_ids) if self.num_output < self.params.min_new_tokens else []

@@ -1,0 +1,59 @@
+"""Which engine loop holds each session, and which request is generating on it."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from .errors import SessionBusy, SessionExists, SessionNotFound
+from .request import Request
+
+
+@dataclass(slots=True)
+class _Binding:
+    rank: int
+    active: Request | None = None
+
+
+class SequenceBinding:
+    """Thread-safe map session id -> engine rank. `_lock` guards `_bindings`; it is a leaf lock."""
+
+    def __init__(self) -> None:
+        self._bindings: dict[int, _Binding] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._bindings)
+
+    def find(self, session_id: int) -> int | None:
+        with self._lock:
+            b = self._bindings.get(session_id)
+            return None if b is None else b.rank
+
+    def bind(self, session_id: int, rank: int) -> None:
+        with self._lock:
+            if session_id in self._bindings:
+                raise SessionExists(f"session {session_id} already exists")
+            self._bindings[session_id] = _Binding(rank)
+
+    def unbind(self, session_id: int) -> int | None:
+        with self._lock:
+            b = self._bindings.pop(session_id, None)
+            return None if b is None else b.rank
+
+    def claim(self, session_id: int, request: Request) -> int:
+        """Mark `request` as the session's one active generation and return the session's rank."""
+        with self._lock:
+            b = self._bindings.get(session_id)
+            if b is None:
+                raise SessionNotFound(f"session {session_id} not found (never started, or ended)")
+            if b.active is not None:
+                raise SessionBusy(f"session {session_id} is already generating; cancel it or wait for it to finish")
+            b.active = request
+            return b.rank
+
+    def release(self, session_id: int, request: Request) -> None:
+        with self._lock:
+            b = self._bindings.get(session_id)
+            if b is not None and b.active is request:
+                b.active = None

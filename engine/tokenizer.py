@@ -1,0 +1,247 @@
+"""Text <-> token ids, and chat-template rendering.
+
+The tokenizer is always a `tokenizers.Tokenizer` (the HF Rust library); this module only
+assembles one from what a model ships: GGUF metadata or a Hugging Face model directory.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+import gguf
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as _Backend
+
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
+
+# llama.cpp token types (gguf.TokenType).
+_UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
+
+# llama.cpp "pre" names whose split regex differs from plain GPT-2 ByteLevel.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT}
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` plus the special-token facts and chat template of one model."""
+
+    def __init__(
+        self,
+        backend: _Backend,
+        *,
+        bos_token_id: int | None,
+        eos_token_ids: Sequence[int],
+        add_bos_token: bool,
+        chat_template: str | None,
+    ) -> None:
+        self._backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids: frozenset[int] = frozenset(eos_token_ids)
+        self._eos_token_id = eos_token_ids[0] if eos_token_ids else None  # the one templates call eos_token
+        self.chat_template = chat_template
+        self._special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        # A tokenizer.json may already add BOS in its post-processor; only prepend it ourselves if not.
+        added_by_backend = bos_token_id in backend.encode("", add_special_tokens=True).ids
+        self._prepend_bos = add_bos_token and bos_token_id is not None and not added_by_backend
+
+    # ----------------------------------------------------------------- loading
+    @classmethod
+    def from_gguf(cls, reader: gguf.GGUFReader) -> Tokenizer:
+        """Rebuild the tokenizer llama.cpp would use from a GGUF's `tokenizer.*` metadata."""
+
+        def field(key: str, default: Any = None) -> Any:
+            f = reader.fields.get(key)
+            return default if f is None else f.contents()
+
+        kind = field("tokenizer.ggml.model")
+        tokens: list[str] = field("tokenizer.ggml.tokens") or []
+        types: list[int] = field("tokenizer.ggml.token_type") or [1] * len(tokens)
+        merges = field("tokenizer.ggml.merges")
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        if kind == "gpt2":
+            backend = _byte_level_bpe(vocab, merges or [], field("tokenizer.ggml.pre"))
+            add_bos_default = False
+        elif kind == "llama":
+            unk_id = field("tokenizer.ggml.unknown_token_id")
+            unk = None if unk_id is None else tokens[unk_id]
+            if merges is None:
+                merges = _merges_from_scores(tokens, field("tokenizer.ggml.scores"))
+            backend = _sentencepiece_bpe(vocab, merges, unk, field("tokenizer.ggml.add_space_prefix", True))
+            add_bos_default = True  # llama.cpp's default for SentencePiece vocabularies
+        else:
+            raise ValueError(f"unsupported GGUF tokenizer model {kind!r} (supported: 'gpt2', 'llama')")
+
+        # Control / user-defined tokens must be matched whole in text, before the model splits it.
+        typed = list(zip(tokens, types))
+        backend.add_special_tokens(
+            [AddedToken(t, special=True, normalized=False) for t, ty in typed if ty in (_CONTROL, _UNKNOWN)]
+        )
+        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in typed if ty == _USER_DEFINED])
+        eos_ids = [
+            i
+            for key in ("eos_token_id", "eot_token_id", "eom_token_id")
+            if (i := field(f"tokenizer.ggml.{key}")) is not None
+        ]
+        return cls(
+            backend,
+            bos_token_id=field("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=eos_ids,
+            add_bos_token=bool(field("tokenizer.ggml.add_bos_token", add_bos_default)),
+            chat_template=field("tokenizer.chat_template"),
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str) -> Tokenizer:
+        """Load `tokenizer.json` and the special-token/chat-template facts from a HF model directory."""
+        backend = _Backend.from_file(os.path.join(path, "tokenizer.json"))
+        config = _read_json(os.path.join(path, "tokenizer_config.json"))
+
+        def token_id(entry: Any) -> int | None:
+            text = entry.get("content") if isinstance(entry, dict) else entry
+            return None if text is None else backend.token_to_id(text)
+
+        bos_id = token_id(config.get("bos_token"))
+        eos_ids = [i for i in [token_id(config.get("eos_token"))] if i is not None]
+        for name in ("generation_config.json", "config.json"):
+            extra = _read_json(os.path.join(path, name)).get("eos_token_id")
+            eos_ids += extra if isinstance(extra, list) else [] if extra is None else [extra]
+
+        template = config.get("chat_template")
+        if isinstance(template, list):  # [{name, template}, ...]: the "default" one is the chat template
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        jinja_file = os.path.join(path, "chat_template.jinja")
+        if template is None and os.path.exists(jinja_file):
+            with open(jinja_file, encoding="utf-8") as f:
+                template = f.read()
+        return cls(
+            backend,
+            bos_token_id=bos_id,
+            eos_token_ids=eos_ids,
+            add_bos_token=bool(config.get("add_bos_token", False)),
+            chat_template=template,
+        )
+
+    # ------------------------------------------------------------------- codec
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added tokens included."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self._prepend_bos:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
+        return [self._backend.id_to_token(i) for i in ids]
+
+    def is_special(self, token_id: int) -> bool:
+        """True for tokens that `decode(..., skip_special_tokens=True)` drops."""
+        return token_id in self._special_ids
+
+    # ------------------------------------------------------------------- chat
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Render messages the way transformers' `apply_chat_template(tokenize=False)` does."""
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template")
+        for m in messages:
+            role = m.get("role") if isinstance(m, dict) else None
+            if role not in CHAT_ROLES:
+                raise ValueError(f"unknown message role {role!r}; expected one of {sorted(CHAT_ROLES)}")
+        template = _compile_template(self.chat_template)
+        bos = None if self.bos_token_id is None else self._backend.id_to_token(self.bos_token_id)
+        eos = None if self._eos_token_id is None else self._backend.id_to_token(self._eos_token_id)
+        try:
+            return template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
+            )
+        except jinja2.TemplateError as e:  # raise_exception() or a missing field: the messages don't fit
+            raise ValueError(f"chat template rejected the messages: {e}") from e
+
+
+# --------------------------------------------------------------------- helpers
+def _byte_level_bpe(vocab: dict[str, int], merges: list[str], pre: str | None) -> _Backend:
+    backend = _Backend(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False))
+    if pre == "smollm":  # as SmolLM2's own tokenizer.json: every digit is its own pre-token
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        )
+    elif pre in _PRE_SPLITS:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_PRE_SPLITS[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    else:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_bpe(vocab: dict[str, int], merges: list, unk: str | None, add_space_prefix: bool) -> _Backend:
+    """SentencePiece BPE as `LlamaTokenizer` builds it: '▁' for spaces, byte fallback for unknown chars."""
+    if merges and isinstance(merges[0], str):
+        merges = [tuple(m.split(" ", 1)) for m in merges]
+    backend = _Backend(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    scheme = "first" if add_space_prefix else "never"
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    backend.decoder = decoders.Sequence(steps)
+    return backend
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float] | None) -> list[tuple[str, str]]:
+    """SentencePiece GGUFs carry scores, not merges: every split of a token into two vocabulary
+    tokens is a merge, ranked by the merged token's score (higher first)."""
+    if scores is None:
+        raise ValueError("GGUF 'llama' tokenizer has neither merges nor scores")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    found = []
+    for tok, score in zip(tokens, scores):
+        pairs = [(tok[:k], tok[k:]) for k in range(1, len(tok)) if tok[:k] in vocab and tok[k:] in vocab]
+        pairs.sort(key=lambda p: (vocab[p[0]], vocab[p[1]]))
+        found += [(score, left, right) for left, right in pairs]
+    found.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)
+    return [(left, right) for _, left, right in found]
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+@functools.lru_cache(maxsize=16)
+def _compile_template(source: str) -> jinja2.Template:
+    """Same environment transformers uses, so templates written for it render identically."""
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False):
+        # Jinja's own tojson HTML-escapes; transformers overrides it like this.
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)

@@ -1,0 +1,154 @@
+import random
+
+import pytest
+
+from lmgate.engine.detokenizer import IncrementalDetokenizer
+
+TEXTS = [
+    "Party time 🎉🚀 with family 👩‍👩‍👧 in 🇫🇷!",
+    "中文分词测试，日本語のテキスト、한국어 문장。",
+    "Mixed: naïve café — 価格は 1200円 😀 ok",
+    "🙂",
+    "plain ascii text, nothing special",
+]
+
+PROMPT = "<|im_start|>user\nSay something<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _chunks(ids, sizes):
+    i = 0
+    while i < len(ids):
+        n = next(sizes)
+        yield ids[i : i + n]
+        i += n
+
+
+def _stream(tokenizer, ids, *, stop=(), skip_special_tokens=True, sizes=None):
+    """Feed ids through a detokenizer; return (deltas, stop_hit, finish_text, detokenizer)."""
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode(PROMPT), skip_special_tokens, stop)
+    deltas, hit = [], False
+    for chunk in _chunks(ids, sizes or iter(lambda: 1, None)):
+        delta, hit = detok.step(chunk)
+        deltas.append(delta)
+        if hit:  # the engine stops feeding a sequence once a stop string is hit
+            break
+    return deltas, hit, ("" if hit else detok.finish()), detok
+
+
+def test_detokenizer_tokens_split_characters_in_test_texts(tokenizer):
+    # Guards the tests below: per-token decoding really does produce U+FFFD on these texts.
+    for text in TEXTS[:4]:
+        assert any("\ufffd" in tokenizer.decode([i]) for i in tokenizer.encode(text))
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_detokenizer_one_token_at_a_time_matches_full_decode(tokenizer, text):
+    ids = tokenizer.encode(text)
+    deltas, hit, tail, detok = _stream(tokenizer, ids)
+    assert not hit
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) + tail == tokenizer.decode(ids) == text
+    assert detok.text == text
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("text", TEXTS)
+def test_detokenizer_random_chunks_match_full_decode(tokenizer, text, seed):
+    rng = random.Random(seed)
+    ids = tokenizer.encode(text)
+    deltas, hit, tail, _ = _stream(tokenizer, ids, sizes=iter(lambda: rng.randint(1, 4), None))
+    assert not hit
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) + tail == text
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_detokenizer_special_tokens_follow_skip_flag(tokenizer, skip):
+    ids = tokenizer.encode("Answer: 🎉<|im_end|>\n<|endoftext|>")
+    deltas, _, tail, _ = _stream(tokenizer, ids, skip_special_tokens=skip)
+    assert "".join(deltas) + tail == tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+def test_detokenizer_invalid_utf8_tail_is_released_by_finish(tokenizer):
+    # Generation cut in the middle of an emoji: the dangling bytes decode to U+FFFD in the full
+    # decode too, so finish() must hand them out rather than drop them.
+    ids = tokenizer.encode("ok 🎉")[:-1]
+    deltas, _, tail, _ = _stream(tokenizer, ids)
+    full = tokenizer.decode(ids)
+    assert full.endswith("\ufffd")
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) + tail == full
+
+
+def _assert_stopped_before(tokenizer, text, stop, **kw):
+    ids = tokenizer.encode(text)
+    deltas, hit, _, detok = _stream(tokenizer, ids, stop=stop, **kw)
+    emitted = "".join(deltas)
+    first = min(text.index(s) for s in stop if s in text)
+    assert hit
+    assert emitted == detok.text == text[:first]
+    for s in stop:
+        assert s not in emitted
+    assert detok.step(tokenizer.encode(" more")) == ("", True)
+    assert detok.finish() == ""
+    return ids
+
+
+def test_detokenizer_stop_single_token(tokenizer):
+    text = "The answer is yes. Done here"
+    assert len(tokenizer.encode(" Done")) == 1
+    _assert_stopped_before(tokenizer, text, [" Done"])
+
+
+def test_detokenizer_stop_multi_token(tokenizer):
+    text = "Step one. Step two. ###END### trailing words"
+    assert len(tokenizer.encode("###END###")) > 1
+    _assert_stopped_before(tokenizer, text, ["###END###"])
+
+
+def test_detokenizer_stop_inside_a_token(tokenizer):
+    # The stop ends in the middle of " world": text after it in that same token is dropped.
+    _assert_stopped_before(tokenizer, "Hello world and more", ["lo wo"])
+
+
+def test_detokenizer_stop_spanning_held_back_text(tokenizer):
+    # "ab" is held back as a possible start of "abc"; the stop completes two tokens later.
+    text = "x ab ab abc tail"
+    _assert_stopped_before(tokenizer, text, ["ab abc"])
+    _assert_stopped_before(tokenizer, text, ["ab abc"], sizes=iter(lambda: 2, None))
+
+
+def test_detokenizer_stop_with_emoji_and_special_token(tokenizer):
+    _assert_stopped_before(tokenizer, "Cheers 🎉🎉 bye", ["🎉 b"])
+    _assert_stopped_before(tokenizer, "Done.<|im_end|> junk", ["<|im_end|>"], skip_special_tokens=False)
+
+
+def test_detokenizer_earliest_of_several_stops_wins(tokenizer):
+    _assert_stopped_before(tokenizer, "alpha beta gamma delta", ["delta", "beta", "gamma"])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_detokenizer_stop_never_partially_emitted(tokenizer, seed):
+    rng = random.Random(seed)
+    text = "one STO two STOP three STOP four"
+    stop = "STOP"
+    ids = tokenizer.encode(text)
+    detok = IncrementalDetokenizer(tokenizer, [], True, [stop])
+    emitted, hit = "", False
+    for chunk in _chunks(ids, iter(lambda: rng.randint(1, 3), None)):
+        delta, hit = detok.step(chunk)
+        emitted += delta
+        assert stop not in emitted
+        if hit:
+            break
+    assert hit and emitted == text[: text.index(stop)]
+
+
+def test_detokenizer_finish_releases_held_back_text_without_stop(tokenizer):
+    text = "the story ends with ST"
+    ids = tokenizer.encode(text)
+    deltas, hit, tail, detok = _stream(tokenizer, ids, stop=["STOP"])
+    assert not hit
+    assert "".join(deltas) == "the story ends with "  # "ST" could still become "STOP"
+    assert tail == "ST"
+    assert detok.text == text

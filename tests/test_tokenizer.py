@@ -1,0 +1,165 @@
+import os
+
+import gguf
+import numpy as np
+import pytest
+import transformers
+
+from lmgate.engine.tokenizer import Tokenizer
+
+TEXTS = [
+    "Hello, world!",
+    "  leading spaces and trailing   ",
+    "def add(a, b):\n    return a + b\n\n\tprint(add(1, 2))",
+    "Prices: 12345 apples, 3.14159 pies, 2024-06-01, x² + y³",
+    "emoji: 🎉🚀👩‍👩‍👧 and flags 🇫🇷",
+    "中文分词测试，日本語のテキスト、한국어 문장",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "mixed<|endoftext|>tokens<|im_end|>",
+    "Ünïcödé çàfé naïve — “quotes” … ",
+    "",
+]
+
+CHATS = [
+    [{"role": "user", "content": "Hi there!"}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a prime."},
+        {"role": "assistant", "content": "7"},
+        {"role": "user", "content": "Another 🙂?"},
+    ],
+    [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "tool", "content": "c"}],
+]
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(gguf_path):
+    """transformers' own tokenizer built from the same GGUF: the oracle."""
+    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_tokenizer_encode_matches_transformers_gguf(tokenizer, hf_tokenizer, text):
+    # transformers builds SmolLM2's GGUF tokenizer with plain ByteLevel (no Digits pre-tokenizer);
+    # the vocabulary has no multi-digit tokens, so both split digits one by one and agree anyway.
+    assert tokenizer.encode(text) == hf_tokenizer.encode(text)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_tokenizer_decode_roundtrips(tokenizer, hf_tokenizer, text):
+    ids = tokenizer.encode(text)
+    assert tokenizer.decode(ids, skip_special_tokens=False) == text
+    assert tokenizer.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_tokenizer_splits_digits_individually(tokenizer):
+    ids = tokenizer.encode("9876543210")
+    assert len(ids) == 10
+    assert [tokenizer.decode([i]) for i in ids] == list("9876543210")
+
+
+def test_tokenizer_chat_tokens_are_single_special_ids(tokenizer):
+    ids = tokenizer.encode("<|im_start|>user\nhi<|im_end|>")
+    assert ids[0] == 1 and ids[-1] == 2
+    assert tokenizer.is_special(1) and tokenizer.is_special(2) and not tokenizer.is_special(ids[1])
+    assert tokenizer.decode(ids) == "user\nhi"
+    assert tokenizer.convert_ids_to_tokens([1, 2]) == ["<|im_start|>", "<|im_end|>"]
+
+
+def test_tokenizer_gguf_special_ids(tokenizer, hf_tokenizer):
+    assert tokenizer.vocab_size == len(hf_tokenizer) == 49152
+    assert tokenizer.bos_token_id == hf_tokenizer.bos_token_id == 1
+    assert tokenizer.eos_token_ids == frozenset({hf_tokenizer.eos_token_id}) == frozenset({2})
+    # add_bos_token is False in this GGUF: no BOS is prepended.
+    assert tokenizer.encode("hi") == tokenizer.encode("hi", add_special_tokens=False)
+
+
+@pytest.mark.parametrize("messages", CHATS)
+def test_tokenizer_chat_template_matches_transformers(tokenizer, hf_tokenizer, messages):
+    expected = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert tokenizer.apply_chat_template(messages) == expected
+    expected = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    assert tokenizer.apply_chat_template(messages, add_generation_prompt=False) == expected
+
+
+def test_tokenizer_chat_template_rejects_unknown_role(tokenizer):
+    with pytest.raises(ValueError, match="role"):
+        tokenizer.apply_chat_template([{"role": "wizard", "content": "hi"}])
+
+
+def test_tokenizer_chat_template_errors_become_value_error(hf_tokenizer, tmp_path):
+    hf_tokenizer.save_pretrained(tmp_path)
+    loaded = Tokenizer.from_hf_dir(str(tmp_path))
+    loaded.chat_template = "{% if messages[0]['role'] == 'tool' %}{{ raise_exception('no tools first') }}{% endif %}ok"
+    assert loaded.apply_chat_template([{"role": "user", "content": "x"}]) == "ok"
+    with pytest.raises(ValueError, match="no tools first"):
+        loaded.apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+def test_tokenizer_from_hf_dir_matches_gguf(tokenizer, hf_tokenizer, tmp_path):
+    hf_tokenizer.save_pretrained(tmp_path)
+    loaded = Tokenizer.from_hf_dir(str(tmp_path))
+    for text in TEXTS:
+        assert loaded.encode(text) == tokenizer.encode(text)
+    assert loaded.chat_template == tokenizer.chat_template
+    assert loaded.bos_token_id == 1 and 2 in loaded.eos_token_ids
+    assert loaded.apply_chat_template(CHATS[1]) == tokenizer.apply_chat_template(CHATS[1])
+
+
+def test_tokenizer_from_hf_dir_reads_eos_lists_and_jinja_file(hf_tokenizer, tmp_path):
+    hf_tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [2, 0]}')
+    (tmp_path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    config = tmp_path / "tokenizer_config.json"
+    config.write_text(config.read_text().replace('"chat_template"', '"unused_template"'))
+    loaded = Tokenizer.from_hf_dir(str(tmp_path))
+    assert loaded.eos_token_ids == frozenset({0, 2})
+    assert loaded.apply_chat_template([{"role": "user", "content": "x"}]) == "x"
+
+
+def _tiny_llama_gguf(path: str) -> None:
+    """A SentencePiece-style ('llama') vocabulary with scores and no merges, as such GGUFs ship."""
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    pieces += ["▁", "h", "e", "l", "o", "w", "r", "d", "he", "ll", "llo", "hello", "▁hello"]
+    pieces += ["▁w", "or", "▁wor", "ld", "▁world"]
+    types = [2, 3, 3] + [6] * 256 + [1] * (len(pieces) - 259)
+    scores = [0.0] * 259 + [-float(i) for i in range(len(pieces) - 259)]
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(pieces)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_tensor("dummy", np.zeros(1, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_tokenizer_llama_gguf_encodes_with_bos_and_byte_fallback(tmp_path):
+    path = str(tmp_path / "tiny.gguf")
+    _tiny_llama_gguf(path)
+    tok = Tokenizer.from_gguf(gguf.GGUFReader(path))
+    ids = tok.encode("hello world")
+    assert tok.convert_ids_to_tokens(ids) == ["<s>", "▁hello", "▁world"]
+    assert tok.decode(ids) == "hello world"
+    emoji_ids = tok.encode("hello 🙂", add_special_tokens=False)
+    assert len(emoji_ids) == 2 + 4  # "▁hello", "▁", then the emoji's four UTF-8 bytes
+    assert tok.decode(emoji_ids) == "hello 🙂"
+
+
+def test_tokenizer_gguf_rejects_unsupported_model(tmp_path):
+    path = str(tmp_path / "bert.gguf")
+    writer = gguf.GGUFWriter(path, "bert")
+    writer.add_tokenizer_model("bert")
+    writer.add_token_list(["[PAD]", "a"])
+    writer.add_tensor("dummy", np.zeros(1, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="unsupported GGUF tokenizer model 'bert'"):
+        Tokenizer.from_gguf(gguf.GGUFReader(path))
