@@ -32,7 +32,7 @@ test-fast: install
 	$(PY) -m pytest -q -m "not slow" $(ARGS)
 
 bench-engine: install
-	$(PY) -m tests.bench_engine $(ARGS)
+	$(PY) tests/bench_engine.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -14,7 +14,7 @@ class PrefillChunk:
     start: int
     end: int
     context_len: int  # tokens of KV after this chunk is written, prefix included
-    block_table: torch.Tensor  # [blocks covering context_len]
+    rows: torch.Tensor  # [KVH * blocks covering context_len] rows of the [KVH * blocks] cache view
 
 
 @dataclass(slots=True)
@@ -23,7 +23,7 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [tokens], index into the flattened [blocks * block_size] cache
     num_decode: int  # the first num_decode tokens are one-token decodes
-    decode_block_tables: torch.Tensor | None  # [num_decode, max_blocks], padded with block 0
+    decode_rows: torch.Tensor | None  # [KVH * num_decode * max_blocks] rows of the [KVH * blocks] cache view
     decode_mask: torch.Tensor | None  # [num_decode, max_blocks * block_size], 0 or -inf
     prefills: list[PrefillChunk]
 
@@ -37,10 +37,14 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, KVH, D]; caches: [blocks, block_size, KVH, D]. Returns [T, H, D]."""
-    kvh, d = k_cache.shape[-2:]
-    k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
+    """q: [T, H, D]; k, v: [T, KVH, D]; caches: [KVH, blocks, block_size, D]. Returns [T, H, D].
+
+    Head-major caches make a gathered context [KVH, ..., L, D] contiguous per head, so the score and value
+    matmuls read it in place instead of copying a transposed view.
+    """
+    kvh, _, _, d = k_cache.shape
+    k_cache.view(kvh, -1, d).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+    v_cache.view(kvh, -1, d).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
     parts = []
     if meta.num_decode:
         parts.append(_decode(q[: meta.num_decode], k_cache, v_cache, meta, scale))
@@ -51,22 +55,22 @@ def paged_attention(
 def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """One query per sequence against its gathered cache, as grouped batched matmuls (no head expansion)."""
     n, h, d = q.shape
-    kvh = k_cache.shape[-2]
-    keys = k_cache[meta.decode_block_tables].view(n, -1, kvh, d).transpose(1, 2)  # [n, KVH, L, D]
-    values = v_cache[meta.decode_block_tables].view(n, -1, kvh, d).transpose(1, 2)
-    q = q.view(n, kvh, h // kvh, d)
-    scores = torch.matmul(q, keys.transpose(2, 3)) * scale  # [n, KVH, G, L]
-    scores = scores + meta.decode_mask[:, None, None, :]
+    kvh = k_cache.shape[0]
+    keys = _gather(k_cache, meta.decode_rows).view(kvh, n, -1, d)  # [KVH, n, L, D]
+    values = _gather(v_cache, meta.decode_rows).view(kvh, n, -1, d)
+    q = q.view(n, kvh, h // kvh, d).transpose(0, 1)  # [KVH, n, G, D]
+    scores = torch.matmul(q, keys.transpose(2, 3)) * scale  # [KVH, n, G, L]
+    scores = scores + meta.decode_mask[None, :, None, :]
     probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
-    return torch.matmul(probs, values).view(n, h, d)
+    return torch.matmul(probs, values).transpose(0, 1).reshape(n, h, d)
 
 
 def _prefill(q, k_cache, v_cache, chunk: PrefillChunk, scale: float) -> torch.Tensor:
     """A chunk of queries against its sequence's whole context, causal within the chunk."""
-    n, h, d = q.shape
-    kvh = k_cache.shape[-2]
-    keys = k_cache[chunk.block_table].view(-1, kvh, d)[: chunk.context_len].transpose(0, 1)
-    values = v_cache[chunk.block_table].view(-1, kvh, d)[: chunk.context_len].transpose(0, 1)
+    n = q.shape[0]
+    kvh, _, _, d = k_cache.shape
+    keys = _gather(k_cache, chunk.rows).view(kvh, -1, d)[:, : chunk.context_len]
+    values = _gather(v_cache, chunk.rows).view(kvh, -1, d)[:, : chunk.context_len]
     prefix = chunk.context_len - n
     if prefix == 0:
         out = F.scaled_dot_product_attention(
@@ -79,3 +83,15 @@ def _prefill(q, k_cache, v_cache, chunk: PrefillChunk, scale: float) -> torch.Te
             q.transpose(0, 1), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
         )
     return out.transpose(0, 1)
+
+
+def _gather(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Whole blocks, one contiguous [block_size * D] row each, picked from the [KVH * blocks] view."""
+    kvh, blocks, block_size, d = cache.shape
+    return cache.view(kvh * blocks, block_size * d).index_select(0, rows)
+
+
+def gather_rows(block_tables: torch.Tensor, kv_heads: int, num_blocks: int) -> torch.Tensor:
+    """Row indices, head-major, of each table's blocks in the [KVH * blocks] view of a cache."""
+    heads = torch.arange(kv_heads, device=block_tables.device).view(-1, *([1] * block_tables.dim())) * num_blocks
+    return (heads + block_tables).flatten()

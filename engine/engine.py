@@ -169,6 +169,11 @@ class Engine:
     def cancel(self, request: Request) -> bool:
         return self.gateway.cancel(request)
 
+    def cancel_session(self, session_id: int) -> bool:
+        """Cancel the session's active generation; False if it has none. Unknown session: SessionNotFound."""
+        request = self.gateway.binding.active(session_id)
+        return request is not None and self.gateway.cancel(request)
+
     # sessions ----------------------------------------------------------------------------------------------
 
     def start_session(self, session_id: int = 0) -> int:

@@ -1,4 +1,4 @@
-"""The paged KV cache tensors of one engine loop: [layers] x (key, value) of [blocks, block_size, kv_heads, head_dim]."""
+"""The paged KV cache tensors of one engine loop: [layers] x (key, value) of [kv_heads, blocks, block_size, head_dim]."""
 from __future__ import annotations
 
 import torch
@@ -13,7 +13,7 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 def allocate_kv_cache(
     cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
     return [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(cfg.num_layers)

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import AttentionMetadata, PrefillChunk
+from .attention import AttentionMetadata, PrefillChunk, gather_rows
 from .models.llama import LlamaForCausalLM
 from .sampling import SampleResult, SampleRow, sample
 from .sequence import Sequence
@@ -54,19 +54,19 @@ class ModelRunner:
             slots.extend(seq.block_table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end))
             if seq not in decodes:
                 table = torch.tensor(seq.block_table[: -(-end // self.block_size)], dtype=torch.long)
-                prefills.append(PrefillChunk(first_row, len(ids), end, table.to(self.device)))
+                prefills.append(PrefillChunk(first_row, len(ids), end, self._rows(table)))
             if seq.samples_this_step:
                 logit_rows.append(len(ids) - 1)
                 rows.append(SampleRow(seq.params, seq.generator, seq.token_ids[: seq.num_prompt_tokens], seq.output_ids, seq.banned_ids))
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
             num_decode=len(decodes),
-            decode_block_tables=None,
+            decode_rows=None,
             decode_mask=None,
             prefills=prefills,
         )
         if decodes:
-            meta.decode_block_tables, meta.decode_mask = self._decode_tables(decodes)
+            meta.decode_rows, meta.decode_mask = self._decode_tables(decodes)
         return StepInputs(self._tensor(ids), self._tensor(positions), meta, self._tensor(logit_rows), rows)
 
     def _decode_tables(self, decodes: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +76,11 @@ class ModelRunner:
         dtype = self.kv_caches[0][0].dtype
         mask = torch.zeros(len(decodes), width * self.block_size, dtype=dtype)
         mask.masked_fill_(torch.arange(width * self.block_size)[None, :] >= lengths[:, None], float("-inf"))
-        return tables.to(self.device), mask.to(self.device)
+        return self._rows(tables), mask.to(self.device)
+
+    def _rows(self, tables: torch.Tensor) -> torch.Tensor:
+        kvh, num_blocks = self.kv_caches[0][0].shape[:2]
+        return gather_rows(tables, kvh, num_blocks).to(self.device)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device)

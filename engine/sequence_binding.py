@@ -52,6 +52,14 @@ class SequenceBinding:
             b.active = request
             return b.rank
 
+    def active(self, session_id: int) -> Request | None:
+        """The session's generating request, if any."""
+        with self._lock:
+            b = self._bindings.get(session_id)
+            if b is None:
+                raise SessionNotFound(f"session {session_id} not found (never started, or ended)")
+            return b.active
+
     def release(self, session_id: int, request: Request) -> None:
         with self._lock:
             b = self._bindings.get(session_id)

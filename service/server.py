@@ -1,0 +1,47 @@
+"""Building the gRPC server: services, health, reflection; and its graceful shutdown."""
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from lmgate.engine.engine import Engine
+from lmgate.v1 import lmgate_pb2 as pb
+from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
+
+from .metrics import Metrics
+from .servicer import InferenceServicer
+
+SERVICES = (pb.DESCRIPTOR.services_by_name["Inference"].full_name, pb.DESCRIPTOR.services_by_name["Admin"].full_name)
+
+
+class Server:
+    """A running `grpc.aio` server in front of one engine. Create and stop it on the same event loop."""
+
+    def __init__(self, engine: Engine, address: str = "127.0.0.1:0") -> None:
+        self.engine = engine
+        self.metrics = Metrics(engine)
+        self.grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_InferenceServicer_to_server(InferenceServicer(engine, self.metrics), self.grpc)
+        pb_grpc.add_AdminServicer_to_server(pb_grpc.AdminServicer(), self.grpc)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        reflection.enable_server_reflection(SERVICES + (health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
+        self.port = self.grpc.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"cannot listen on {address}")
+
+    async def start(self) -> None:
+        await self.grpc.start()
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    async def stop(self, grace: float) -> None:
+        """NOT_SERVING and no new requests at once; running streams get `grace` seconds, then are cancelled."""
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.engine.gateway.close_admission("the server is shutting down")
+        await self.grpc.stop(grace)
+        self.engine.shutdown()
+
+    async def _set_health(self, status: int) -> None:
+        for name in ("",) + SERVICES:
+            await self.health.set(name, status)

@@ -1,0 +1,129 @@
+"""The Inference service: each RPC validated, mapped onto the engine, and streamed back."""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import AsyncIterator
+
+import grpc
+
+from lmgate.engine.engine import Engine
+from lmgate.engine.errors import EngineError, InvalidRequest
+from lmgate.engine.request import Request, RequestOutput
+from lmgate.v1 import lmgate_pb2 as pb
+from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
+
+from . import convert
+from .metrics import Metrics
+from .status import abort
+
+
+class InferenceServicer(pb_grpc.InferenceServicer):
+    """Runs on the gRPC event loop; reaches the engine only through its thread-safe calls.
+
+    `_requests` (request id -> engine request) is touched only on the event loop, so it needs no lock.
+    """
+
+    def __init__(self, engine: Engine, metrics: Metrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self._requests: dict[str, Request] = {}
+
+    async def Start(self, request: pb.StartRequest, context: grpc.aio.ServicerContext) -> pb.StartResponse:
+        try:
+            session_id = self.engine.start_session(request.session_id)
+        except EngineError as exc:
+            await abort(context, exc)
+        self.metrics.sessions_started.inc()
+        return pb.StartResponse(session_id=session_id)
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        request_id = request.request_id or uuid.uuid4().hex
+        try:
+            if request_id in self._requests:
+                raise InvalidRequest(f"request_id {request_id!r} is already in use by an active request")
+            ids = convert.prompt_ids(request, self.engine.tokenizer)
+            params = convert.sampling_params(request.sampling)
+            engine_request = self.engine.submit(
+                ids, params, session_id=request.session_id, request_id=request_id,
+                on_output=lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out),
+            )
+        except EngineError as exc:
+            self.metrics.refused(exc)
+            await abort(context, exc)
+        self._requests[request_id] = engine_request
+        tracker = self.metrics.track(len(ids))
+        finished = False
+        try:
+            while not finished:
+                batch = [await outputs.get()]
+                while not outputs.empty():
+                    batch.append(outputs.get_nowait())
+                error = next((o.error for o in batch if o.error is not None), None)
+                if error is not None:
+                    finished = True
+                    tracker.failed()
+                    await abort(context, error)
+                finished = batch[-1].finished
+                tracker.tokens(sum(len(o.token_ids) for o in batch), batch[-1].finish_reason)
+                yield convert.merge(batch)
+        finally:
+            # A client that disconnects or whose deadline passes lands here with the request still running.
+            if not finished:
+                self.engine.cancel(engine_request)
+                tracker.finish_cancelled()
+            del self._requests[request_id]
+
+    async def Cancel(self, request: pb.CancelRequest, context: grpc.aio.ServicerContext) -> pb.CancelResponse:
+        try:
+            if request.request_id:
+                target = self._requests.get(request.request_id)
+                cancelled = target is not None and self.engine.cancel(target)
+            elif request.session_id:
+                cancelled = self.engine.cancel_session(request.session_id)
+            else:
+                raise InvalidRequest("set request_id or session_id")
+        except EngineError as exc:
+            await abort(context, exc)
+        return pb.CancelResponse(cancelled=cancelled)
+
+    async def End(self, request: pb.EndRequest, context: grpc.aio.ServicerContext) -> pb.EndResponse:
+        if not request.session_id:
+            await abort(context, InvalidRequest("session_id is required"))
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self.engine.end_session(request.session_id, on_done=lambda _: loop.call_soon_threadsafe(_resolve, done))
+        await done
+        self.metrics.sessions_ended.inc()
+        return pb.EndResponse()
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        return pb.TokenizeResponse(token_ids=self.engine.tokenizer.encode(request.text, request.add_special_tokens))
+
+    async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
+        i = self.engine.info()
+        return pb.InfoResponse(
+            model=i.model,
+            architecture=i.architecture,
+            max_context_length=i.max_context_length,
+            vocab_size=i.vocab_size,
+            engine_loops=i.engine_loops,
+            kv_blocks_total=i.kv_blocks_total,
+            kv_blocks_free=i.kv_blocks_free,
+            kv_block_size=i.kv_block_size,
+            active_sessions=i.active_sessions,
+            running_requests=i.running_sequences,
+            waiting_requests=i.waiting_sequences,
+            preemptions=i.preemptions,
+            dtype=str(self.engine.dtype).removeprefix("torch."),
+            device=str(self.engine.device),
+        )
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
