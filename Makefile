@@ -25,10 +25,16 @@ proto: install
 serve: install
 	$(VENV)/bin/lmgate serve $(ARGS)
 
-test: install
+JS_DEPS := tests/js/node_modules/.package-lock.json
+
+# The grpc-js client test needs Node.js; without it that one test is skipped.
+$(JS_DEPS): tests/js/package.json tests/js/package-lock.json
+	if command -v npm >/dev/null; then cd tests/js && npm ci --no-audit --no-fund --loglevel=error; fi
+
+test: install $(JS_DEPS)
 	$(PY) -m pytest -q $(ARGS)
 
-test-fast: install
+test-fast: install $(JS_DEPS)
 	$(PY) -m pytest -q -m "not slow" $(ARGS)
 
 bench-engine: install

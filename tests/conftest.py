@@ -16,3 +16,33 @@ def gguf_path() -> str:
 @pytest.fixture(scope="session")
 def tokenizer(gguf_path: str) -> Tokenizer:
     return Tokenizer.from_gguf(gguf.GGUFReader(gguf_path))
+
+
+@pytest.fixture(scope="session")
+def checkpoint():
+    """The embedded model read once; every engine in the session builds its own model from it."""
+    from lmgate.engine.loader import load_checkpoint
+
+    return load_checkpoint()
+
+
+@pytest.fixture(scope="session")
+def server(checkpoint):
+    """One engine loop behind a real gRPC server on loopback."""
+    from lmgate.engine.config import EngineConfig
+    from tests.serving import ServerThread
+
+    s = ServerThread(EngineConfig(kv_cache_tokens=16384), checkpoint)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def server2(checkpoint):
+    """Two data-parallel engine loops behind a real gRPC server on loopback."""
+    from lmgate.engine.config import EngineConfig
+    from tests.serving import ServerThread
+
+    s = ServerThread(EngineConfig(kv_cache_tokens=8192, engine_loops=2), checkpoint)
+    yield s
+    s.stop()

@@ -1,0 +1,50 @@
+"""A real lmgate server on loopback for integration tests: the engine plus grpc.aio on a thread of its own."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+
+from lmgate.engine.config import EngineConfig
+from lmgate.engine.engine import Engine
+from lmgate.engine.loader import Checkpoint
+from lmgate.service.server import Server
+from lmgate.v1 import lmgate_pb2 as pb
+from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
+
+
+class ServerThread:
+    """Starts on construction, bound to 127.0.0.1 on a free port; `stop()` shuts it down as SIGTERM would."""
+
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None, **server_kw) -> None:
+        self.engine = Engine(config, checkpoint)
+        self.loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._server_kw = server_kw
+        self._thread = threading.Thread(target=self._run, name="test-grpc-server", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        self.address = f"127.0.0.1:{self.server.port}"
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.server = Server(self.engine, "127.0.0.1:0", **self._server_kw)
+        self.loop.run_until_complete(self.server.start())
+        self._ready.set()
+        self.loop.run_forever()
+
+    def stop(self, grace: float = 5.0) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(grace), self.loop).result()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+
+    def channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(self.address)
+
+    def stub(self) -> pb_grpc.InferenceStub:
+        return pb_grpc.InferenceStub(self.channel())
+
+    def info(self) -> pb.InfoResponse:
+        with self.channel() as ch:
+            return pb_grpc.InferenceStub(ch).Info(pb.InfoRequest())

@@ -1,0 +1,492 @@
+"""The engine through its Python API, on the embedded SmolLM2-135M GGUF.
+
+  * greedy tokens equal transformers' `generate` on the same GGUF, alone and batched;
+  * a request's tokens do not depend on what shares its batch (greedy and seeded sampling);
+  * KV blocks all come back after finished, cancelled and preempted requests and ended sessions;
+  * chunked prefill, session turns, bad input, sampling features and streaming detokenization.
+
+One roomy engine serves the module; tests that need a small KV budget, a small context or a small
+token budget build their own engine from the shared checkpoint (cheap: the weights are read once).
+"""
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from lmgate.engine.config import EngineConfig
+from lmgate.engine.engine import Engine
+from lmgate.engine.errors import ContextOverflow, InvalidRequest, SessionBusy, SessionNotFound
+from lmgate.engine.request import FinishReason
+from lmgate.engine.sampling import SamplingParams
+
+REPLACEMENT = "\ufffd"
+NEW = 32  # tokens per reference-equivalence request
+
+GREEDY = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+
+
+# ------------------------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    eng = Engine(EngineConfig(), checkpoint=checkpoint)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hf_model(gguf_path):
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=torch.float32
+    )
+    return model.eval()
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation, not stopping at (nor banning) EOS."""
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
+        )
+    tokens = out[0, len(ids):].tolist()
+    assert len(tokens) == n  # transformers really did not stop at EOS
+    return tokens
+
+
+def collect(stream) -> list:
+    return list(stream)
+
+
+def tokens_of(outputs) -> list[int]:
+    return [t for o in outputs for t in o.token_ids]
+
+
+def text_of(outputs) -> str:
+    return "".join(o.text for o in outputs)
+
+
+def chat(tokenizer, *messages: tuple[str, str]) -> str:
+    return tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in messages])
+
+
+def assert_idle(engine: Engine) -> None:
+    info = engine.info()
+    assert info.kv_blocks_free == info.kv_blocks_total
+    assert info.running_sequences == 0 and info.waiting_sequences == 0
+
+
+@pytest.fixture(scope="module")
+def reference_prompts(tokenizer) -> list[list[int]]:
+    texts = [
+        "The capital of France is",
+        "Once upon a time, there was a little",
+        "def fibonacci(n):\n    ",
+        chat(tokenizer, ("user", "What is 2+2?")),
+        chat(tokenizer, ("system", "You are a helpful assistant."), ("user", "Write a haiku about the sea.")),
+        chat(tokenizer, ("user", "List three colors, then explain why the sky is blue.")),
+    ]
+    return [tokenizer.encode(t) for t in texts]
+
+
+# ---------------------------------------------------------------------------------- 1. reference
+def test_engine_greedy_matches_transformers_alone_and_concurrent(engine, hf_model, reference_prompts):
+    expected = [hf_greedy(hf_model, ids, NEW) for ids in reference_prompts]
+    alone = [engine.generate(ids, GREEDY) for ids in reference_prompts]
+    streams = [engine.submit(ids, GREEDY) for ids in reference_prompts]
+    together = [collect(s) for s in streams]
+    for ids, exp, one, outs in zip(reference_prompts, expected, alone, together):
+        assert one.token_ids == exp, f"alone, prompt of {len(ids)} tokens"
+        assert tokens_of(outs) == exp, f"concurrent, prompt of {len(ids)} tokens"
+        assert one.finish_reason is FinishReason.LENGTH
+        assert one.usage.prompt_tokens == len(ids) and one.usage.completion_tokens == NEW
+    # The chat prompts run past the model's end of turn: the check covers tokens after EOS too.
+    assert any(t in engine.tokenizer.eos_token_ids for exp in expected for t in exp)
+    assert_idle(engine)
+
+
+# ----------------------------------------------------------------------------- 2. batch invariance
+def test_engine_tokens_do_not_depend_on_batch(engine, tokenizer):
+    probe = tokenizer.encode("The three most important inventions in history are")
+    greedy = SamplingParams(max_new_tokens=24)
+    seeded = SamplingParams(max_new_tokens=24, temperature=0.8, top_p=0.9, top_k=50, seed=1234)
+    other_seed = SamplingParams(max_new_tokens=24, temperature=0.8, top_p=0.9, top_k=50, seed=4321)
+    greedy_alone = engine.generate(probe, greedy).token_ids
+    seeded_alone = engine.generate(probe, seeded).token_ids
+    other_alone = engine.generate(probe, other_seed).token_ids
+    assert len(seeded_alone) == len(other_alone) == 24
+    assert seeded_alone != other_alone  # different seeds, different samples (equal with tiny odds)
+    assert seeded_alone != greedy_alone
+
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho".split()
+
+    def crowd_request(i: int):
+        prompt = tokenizer.encode(f"Story {i}: " + " ".join(words[: 1 + (i * 5) % len(words)] * (1 + i % 4)))
+        if i % 3 == 0:  # some sampled rows (unseeded) in the batch too
+            params = SamplingParams(max_new_tokens=16 + 2 * i, temperature=1.0, top_k=20)
+        else:
+            params = SamplingParams(max_new_tokens=16 + 2 * i, ignore_eos=True)
+        return prompt, params
+
+    early = [engine.submit(*crowd_request(i)) for i in range(8)]
+    next(iter(early[0]))  # the crowd is decoding before the probes arrive
+    probes = [engine.submit(probe, greedy), engine.submit(probe, seeded)]
+    late: list = []
+
+    def submit_late():
+        for i in range(8, 16):
+            time.sleep(0.03 * (i - 7))  # join at different steps of the probes' decode
+            late.append(engine.submit(*crowd_request(i)))
+
+    t = threading.Thread(target=submit_late)
+    t.start()
+    max_running = 0
+    probe_outputs = []
+    for out in probes[0]:
+        max_running = max(max_running, engine.info().running_sequences)
+        probe_outputs.append(out)
+    seeded_crowd = tokens_of(collect(probes[1]))
+    t.join()
+    crowd = [collect(s) for s in early + late]
+    assert max_running > 2  # the probe really shared its batch
+    assert tokens_of(probe_outputs) == greedy_alone
+    assert seeded_crowd == seeded_alone
+    assert all(o[-1].finish_reason is not None for o in crowd)
+    assert_idle(engine)
+
+
+# ------------------------------------------------------------------------------- 3. KV accounting
+def test_engine_kv_blocks_all_free_after_preemption_cancel_and_sessions(engine, checkpoint, tokenizer):
+    small = Engine(EngineConfig(kv_cache_tokens=512, block_size=16, max_batch_size=16), checkpoint=checkpoint)
+    try:
+        info = small.info()
+        assert info.kv_blocks_total == 32 and info.kv_blocks_free == 32
+        topics = ["the ocean", "mountains", "a city at night", "old books", "coffee", "trains", "the moon", "gardens",
+                  "winter", "robots"]
+        prompts = [
+            tokenizer.encode(f"Write a long, detailed essay about {t}. " + f"Describe {t} in depth. " * (10 + i))
+            for i, t in enumerate(topics)
+        ]
+        params = [SamplingParams(max_new_tokens=20, ignore_eos=True) for _ in prompts]
+        params[3] = SamplingParams(max_new_tokens=20, temperature=0.9, top_k=40, seed=77)
+        # Each request alone fits; together they need far more than the 32 blocks (each ~8).
+        assert all(len(p) + 20 <= 512 for p in prompts)
+        assert sum(-(-(len(p) + 20) // 16) for p in prompts) > 2 * info.kv_blocks_total
+        expected = [engine.generate(p, sp).token_ids for p, sp in zip(prompts, params)]
+
+        sid = small.start_session()
+        turn1 = tokenizer.encode(chat(tokenizer, ("user", "Name a fruit.")))
+        first = small.generate(turn1, SamplingParams(max_new_tokens=8, ignore_eos=True), session_id=sid)
+        assert small.info().kv_blocks_free < small.info().kv_blocks_total  # the idle session keeps its KV
+
+        streams = [small.submit(p, sp) for p, sp in zip(prompts, params)]
+        queued = small.submit(prompts[0], SamplingParams(max_new_tokens=20))
+        assert queued.cancel()  # before it starts (or, racing the loop, right after)
+        midway = small.submit(prompts[1], SamplingParams(max_new_tokens=200, ignore_eos=True))
+        it = iter(midway)
+        started = [next(it) for _ in range(2)]
+        assert midway.cancel()
+        rest = started + list(it)
+        outputs = [collect(s) for s in streams]
+
+        assert small.info().preemptions > 0
+        for i, (outs, exp) in enumerate(zip(outputs, expected)):
+            assert tokens_of(outs) == exp, f"request {i} changed under preemption"
+            assert outs[-1].finish_reason is FinishReason.LENGTH
+        q = collect(queued)
+        assert q[-1].finish_reason is FinishReason.CANCELLED and len(tokens_of(q)) < 20
+        assert rest[-1].finish_reason is FinishReason.CANCELLED
+        assert 2 <= len(tokens_of(rest)) < 200
+
+        # The session's KV may have been dropped under pressure; its next turn must still be right.
+        turn2 = tokenizer.encode("<|im_end|>\n<|im_start|>user\nAnd a vegetable?<|im_end|>\n<|im_start|>assistant\n")
+        second = small.generate(turn2, SamplingParams(max_new_tokens=8, ignore_eos=True), session_id=sid)
+        stateless = engine.generate(turn1 + first.token_ids + turn2, SamplingParams(max_new_tokens=8, ignore_eos=True))
+        assert second.token_ids == stateless.token_ids
+        assert small.info().kv_blocks_free < small.info().kv_blocks_total
+        small.end_session(sid)
+        assert_idle(small)
+        assert small.info().active_sessions == 0
+    finally:
+        small.shutdown()
+
+
+# ------------------------------------------------------------------------------ 4. chunked prefill
+@pytest.fixture(scope="module")
+def long_prompt(tokenizer) -> list[int]:
+    text = " ".join(
+        f"Chapter {i}. The traveller reached town number {i * 7 % 31} and wrote about its {w} in the diary."
+        for i, w in enumerate(["river", "market", "bridge", "castle", "harbour", "library", "square"] * 8)
+    )
+    ids = tokenizer.encode(text)
+    assert len(ids) >= 600
+    return ids[:600]
+
+
+@pytest.mark.parametrize("budget", [128, 100])
+def test_engine_chunked_prefill_matches_transformers(checkpoint, hf_model, long_prompt, tokenizer, budget):
+    expected = hf_greedy(hf_model, long_prompt, 16)
+    short = tokenizer.encode("The best way to learn a language is")
+    short_alone = hf_greedy(hf_model, short, 16)
+    eng = Engine(EngineConfig(kv_cache_tokens=2048, max_batched_tokens=budget), checkpoint=checkpoint)
+    try:
+        params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+        assert eng.generate(long_prompt, params).token_ids == expected
+        # Again, with a decoding stream sharing every step of the chunked prefill.
+        short_stream = iter(eng.submit(short, params))
+        short_out = [next(short_stream)]
+        long_out = collect(eng.submit(long_prompt, params))
+        short_out += list(short_stream)
+        assert tokens_of(long_out) == expected
+        assert tokens_of(short_out) == short_alone
+        assert long_out[-1].usage.prompt_tokens == 600
+        assert_idle(eng)
+    finally:
+        eng.shutdown()
+
+
+# ------------------------------------------------------------------------------------- 5. sessions
+def test_engine_session_turn_reuses_kv_and_equals_stateless(engine, tokenizer):
+    sid = engine.start_session()
+    turn1 = tokenizer.encode(chat(tokenizer, ("user", "What is the capital of Italy?")))
+    turn2 = tokenizer.encode("<|im_end|>\n<|im_start|>user\nAnd of Spain?<|im_end|>\n<|im_start|>assistant\n")
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    first = engine.generate(turn1, params, session_id=sid)
+    assert first.usage.cached_tokens == 0
+    held = engine.info()
+    assert held.kv_blocks_free < held.kv_blocks_total and held.active_sessions == 1
+    second = engine.generate(turn2, params, session_id=sid)
+    history = turn1 + first.token_ids
+    stateless = engine.generate(history + turn2, params)
+    assert second.token_ids == stateless.token_ids
+    assert 0 < second.usage.cached_tokens <= len(history)
+    assert second.usage.prompt_tokens == len(history) + len(turn2)
+    engine.end_session(sid)
+    assert_idle(engine)
+    assert engine.info().active_sessions == 0
+    with pytest.raises(SessionNotFound):
+        engine.submit(turn2, params, session_id=sid)
+    with pytest.raises(SessionNotFound):
+        engine.submit(turn2, params, session_id=987654321)  # never started
+
+
+def test_engine_session_busy_and_end_during_stream_cancels(engine, tokenizer):
+    sid = engine.start_session()
+    prompt = tokenizer.encode(chat(tokenizer, ("user", "Tell me a long story.")))
+    stream = engine.submit(prompt, SamplingParams(max_new_tokens=300, ignore_eos=True), session_id=sid)
+    it = iter(stream)
+    got = [next(it)]
+    with pytest.raises(SessionBusy):
+        engine.submit(prompt, SamplingParams(max_new_tokens=4), session_id=sid)
+    engine.end_session(sid)
+    got += list(it)
+    assert got[-1].finish_reason is FinishReason.CANCELLED
+    assert 1 <= len(tokens_of(got)) < 300
+    assert_idle(engine)
+    assert engine.info().active_sessions == 0
+    with pytest.raises(SessionNotFound):
+        engine.submit(prompt, SamplingParams(max_new_tokens=4), session_id=sid)
+
+
+# ------------------------------------------------------------------------------------ 6. bad input
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(temperature=-1.0),
+        dict(temperature=float("inf")),
+        dict(top_p=float("nan")),
+        dict(top_p=1.5),
+        dict(top_k=-3),
+        dict(min_p=-0.1),
+        dict(repetition_penalty=float("inf")),
+        dict(repetition_penalty=-1.0),
+        dict(presence_penalty=float("nan")),
+        dict(frequency_penalty=3.0),
+        dict(max_new_tokens=-1),
+        dict(min_new_tokens=10, max_new_tokens=5),
+        dict(logprobs=1000),
+        dict(logprobs=-1),
+        dict(seed=-1),
+        dict(stop=("",)),
+        dict(stop_token_ids=(-1,)),
+    ],
+)
+def test_sampling_params_rejects_bad_values(kwargs):
+    with pytest.raises(InvalidRequest):
+        SamplingParams(**kwargs)
+
+
+def test_engine_bad_input_raises_and_leaves_no_state(engine, tokenizer):
+    before = engine.info()
+    vocab = engine.tokenizer.vocab_size
+    ok = tokenizer.encode("Hello")
+    with pytest.raises(InvalidRequest):
+        engine.submit("")
+    with pytest.raises(InvalidRequest):
+        engine.submit([])
+    with pytest.raises(InvalidRequest):
+        engine.submit(ok + [vocab])
+    with pytest.raises(InvalidRequest):
+        engine.submit(ok + [-1])
+    with pytest.raises(InvalidRequest):
+        engine.submit(ok, SamplingParams(stop_token_ids=(vocab,)))
+    with pytest.raises(ContextOverflow):
+        engine.submit(ok, SamplingParams(max_new_tokens=engine.max_context_length))
+    assert engine.info() == before
+    out = engine.generate(ok, SamplingParams(max_new_tokens=2, ignore_eos=True))  # still serves
+    assert len(out.token_ids) == 2
+    assert engine.info() == before
+
+
+def test_engine_context_window_limits(checkpoint, tokenizer):
+    with Engine(EngineConfig(max_context_length=256, kv_cache_tokens=1024), checkpoint=checkpoint) as eng:
+        assert eng.max_context_length == 256
+        before = eng.info()
+        filler = tokenizer.encode("word " * 400)
+        assert len(filler) >= 300
+        with pytest.raises(ContextOverflow):
+            eng.submit(filler[:300])  # longer than the context
+        with pytest.raises(ContextOverflow):
+            eng.submit(filler[:256])  # fills it: no room for one new token
+        with pytest.raises(ContextOverflow):
+            eng.submit(filler[:200], SamplingParams(max_new_tokens=57))  # 257 > 256
+        assert eng.info() == before
+        # exactly at the limit is fine; with no max_new_tokens the window bounds the default
+        out = eng.generate(filler[:250], SamplingParams(max_new_tokens=6, ignore_eos=True))
+        assert len(out.token_ids) == 6 and out.finish_reason is FinishReason.LENGTH
+        out = eng.generate(filler[:253], SamplingParams(ignore_eos=True))
+        assert len(out.token_ids) == 3 and out.finish_reason is FinishReason.LENGTH
+        # a session whose history leaves no room for the next turn: the error arrives on the stream
+        sid = eng.start_session()
+        eng.generate(filler[:200], SamplingParams(max_new_tokens=40, ignore_eos=True), session_id=sid)
+        with pytest.raises(ContextOverflow):
+            collect(eng.submit(filler[:30], SamplingParams(max_new_tokens=4), session_id=sid))
+        assert eng.info().running_sequences == 0 and eng.info().waiting_sequences == 0
+        eng.end_session(sid)
+        assert eng.info() == before
+
+
+# ------------------------------------------------------------------------------ 7. sampling features
+def test_engine_stop_string_cuts_text_before_it(engine, tokenizer):
+    prompt = tokenizer.encode("Once upon a time, there was a little")
+    ref = engine.generate(prompt, GREEDY)
+    full = ref.text
+    assert full == tokenizer.decode(ref.token_ids)
+    # a stop string spanning token boundaries, taken from the middle of the greedy text
+    at = len(full) // 2
+    stop = full[at : at + 7]
+    cut = full.find(stop)
+    assert cut > 0
+    outs = collect(engine.submit(prompt, SamplingParams(max_new_tokens=NEW, ignore_eos=True, stop=(stop, "zzzz-never"))))
+    text = text_of(outs)
+    assert outs[-1].finish_reason is FinishReason.STOP
+    assert text == full[:cut]
+    assert stop not in text
+    ids = tokens_of(outs)
+    assert ids == ref.token_ids[: len(ids)] and len(ids) < NEW
+
+
+def test_engine_stop_token_ids_end_generation(engine, tokenizer):
+    prompt = tokenizer.encode("Once upon a time, there was a little")
+    ref = engine.generate(prompt, GREEDY).token_ids
+    k = 10
+    stop_id = ref[k]
+    k = ref.index(stop_id)  # its first occurrence
+    out = engine.generate(prompt, SamplingParams(max_new_tokens=NEW, stop_token_ids=(stop_id,)))
+    assert out.finish_reason is FinishReason.STOP
+    assert out.token_ids == ref[: k + 1]
+    assert out.text == tokenizer.decode(ref[:k])
+
+
+def test_engine_max_new_tokens_finishes_with_length(engine, tokenizer):
+    out = engine.generate(tokenizer.encode("Count: one, two, three,"), SamplingParams(max_new_tokens=5, ignore_eos=True))
+    assert out.finish_reason is FinishReason.LENGTH
+    assert len(out.token_ids) == 5 and out.usage.completion_tokens == 5
+
+
+def test_engine_min_new_tokens_and_ignore_eos_hold_off_eos(engine, tokenizer):
+    prompt = tokenizer.encode(chat(tokenizer, ("user", "What is 2+2?")))
+    eos = engine.tokenizer.eos_token_ids
+    plain, at_least, ignoring = [
+        engine.submit(prompt, p)
+        for p in (
+            SamplingParams(max_new_tokens=40),
+            SamplingParams(max_new_tokens=40, min_new_tokens=24),
+            SamplingParams(max_new_tokens=24, ignore_eos=True),
+        )
+    ]
+    plain, at_least, ignoring = tokens_of(collect(plain)), tokens_of(collect(at_least)), tokens_of(collect(ignoring))
+    # the plain answer ends early with EOS
+    assert plain[-1] in eos and len(plain) < 24
+    n = len(plain) - 1
+    # min_new_tokens: EOS banned for 24 tokens, the answer before it unchanged
+    assert len(at_least) >= 24
+    assert not any(t in eos for t in at_least[:24])
+    assert at_least[:n] == plain[:n]
+    # ignore_eos: EOS is generated but does not stop
+    assert len(ignoring) == 24 and ignoring[: n + 1] == plain
+
+
+def test_engine_logprobs_top_n_and_greedy_choice(engine, tokenizer):
+    out = engine.generate(tokenizer.encode("The capital of France is"), SamplingParams(max_new_tokens=8, logprobs=3, ignore_eos=True))
+    assert len(out.logprobs) == len(out.token_ids) == 8
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert lp.token_id == tok
+        assert len(lp.top) == 3
+        values = [v for _, v in lp.top]
+        assert values == sorted(values, reverse=True) and all(v <= 0 for v in values)
+        assert lp.top[0][0] == tok
+        assert math.isclose(lp.logprob, max(values), abs_tol=1e-6)
+        assert sum(math.exp(v) for v in values) <= 1 + 1e-5
+
+
+def test_engine_penalties_change_repetitive_greedy_output(engine, tokenizer):
+    prompt = tokenizer.encode("one two one two one two one two one two")
+    variants = [
+        SamplingParams(max_new_tokens=16, ignore_eos=True),
+        SamplingParams(max_new_tokens=16, ignore_eos=True, repetition_penalty=1.5),
+        SamplingParams(max_new_tokens=16, ignore_eos=True, presence_penalty=1.5),
+        SamplingParams(max_new_tokens=16, ignore_eos=True, frequency_penalty=1.5),
+    ]
+    streams = [engine.submit(prompt, p) for p in variants]
+    base, *penalized = [tokens_of(collect(s)) for s in streams]
+    assert len(set(base)) < len(base) // 2  # the unpenalized output repeats itself
+    for p, toks in zip(variants[1:], penalized):
+        assert toks != base, p
+        assert len(set(toks)) > len(set(base)), p
+
+
+# ----------------------------------------------------------------------- 8. streaming detokenization
+def _stream_deltas(engine, prompt, n):
+    outs = collect(engine.submit(prompt, SamplingParams(max_new_tokens=n)))
+    return [o.text for o in outs], tokens_of(outs)
+
+
+def test_engine_streams_emoji_and_cjk_without_broken_characters(engine, tokenizer):
+    prompts = [
+        chat(tokenizer, ("user", "Repeat exactly: 你好世界 🎉🎉 こんにちは")),
+        chat(tokenizer, ("system", "You repeat the user's message verbatim."), ("user", "你好世界 🎉🎉 こんにちは")),
+    ]
+    split_tokens = 0
+    for prompt in prompts:
+        deltas, ids = _stream_deltas(engine, prompt, 32)
+        full = tokenizer.decode(ids)
+        assert "".join(deltas) == full
+        assert REPLACEMENT not in full
+        assert not any(REPLACEMENT in d for d in deltas)
+        split_tokens += sum(REPLACEMENT in tokenizer.decode([t]) for t in ids)
+    assert split_tokens > 0  # some characters really were split across tokens
+
+
+def test_engine_streams_cjk_continuation_equal_to_decode(engine, tokenizer):
+    # Plain continuation of CJK text; the model may emit byte sequences that never complete, and a
+    # LENGTH cut can fall inside a character: whatever it emits, the deltas concatenate to the decode.
+    deltas, ids = _stream_deltas(engine, "你好世界 🎉🎉 こんにちは\n" * 3, 32)
+    full = tokenizer.decode(ids)
+    assert "".join(deltas) == full
+    assert any(ord(c) > 0x2E80 and c != REPLACEMENT for c in full)

@@ -1,0 +1,473 @@
+"""Tiny random models of every supported architecture, checked against transformers.
+
+Each model is written as a Hugging Face directory (config.json, model.safetensors and the SmolLM2
+tokenizer), then loaded by our loader. We compare
+  * the model's logits over a paged KV cache (a whole prefill, a chunked prefill that attends to a
+    cached prefix, and a batched decode step) with transformers' fp32 logits, and
+  * the engine's greedy tokens with transformers' `generate(do_sample=False)`.
+A GGUF file written from the same weights (llama.cpp tensor names and Q/K layout) must load to the
+same tensors and generate the same tokens. Checkpoints that don't fit are refused.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+
+from lmgate.engine.attention import AttentionMetadata, PrefillChunk, gather_rows
+from lmgate.engine.config import EngineConfig, ModelConfig
+from lmgate.engine.engine import Engine
+from lmgate.engine.errors import UnsupportedModel
+from lmgate.engine.kv_cache import allocate_kv_cache
+from lmgate.engine.loader import load_checkpoint, read_config
+from lmgate.engine.models import build_model, load_weights
+from lmgate.engine.sampling import SamplingParams
+
+VOCAB = 49152  # the SmolLM2 tokenizer's, so a real tokenizer can ship with every model
+NEW_TOKENS = 24
+CPU = torch.device("cpu")
+ATOL = RTOL = 1e-4
+
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.2,
+)
+
+# name -> (transformers config class, overrides). Sizes, rope theta, eps and head_dim vary across them.
+ARCHS = {
+    "llama": (transformers.LlamaConfig, dict(num_hidden_layers=2, head_dim=32, rope_theta=50000.0, rms_norm_eps=1e-5)),
+    "llama_tied": (transformers.LlamaConfig, dict(num_hidden_layers=3, tie_word_embeddings=True, rope_theta=50000.0)),
+    "mistral": (transformers.MistralConfig, dict(num_hidden_layers=2, rope_theta=1e6, rms_norm_eps=1e-5)),
+    "qwen2": (transformers.Qwen2Config, dict(num_hidden_layers=2, rope_theta=1e6)),
+    "qwen3": (transformers.Qwen3Config, dict(num_hidden_layers=2, head_dim=32, rope_theta=1e6)),
+}
+ARCH_NAMES = list(ARCHS)
+
+PROMPT = "The quick brown fox jumps over the lazy dog, then naps under 3 old oak trees."
+PROMPT_B = "Paged attention keeps blocks apart."
+
+
+@dataclass
+class TinyModel:
+    name: str
+    path: str
+    hf: transformers.PreTrainedModel
+    _greedy: dict = field(default_factory=dict)
+
+    def hf_logits(self, ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return self.hf(torch.tensor([ids])).logits[0].float()
+
+    def hf_greedy(self, ids: list[int]) -> list[int]:
+        key = tuple(ids)
+        if key not in self._greedy:
+            with torch.no_grad():
+                out = self.hf.generate(
+                    torch.tensor([ids]),
+                    attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                    do_sample=False,
+                    max_new_tokens=NEW_TOKENS,
+                    eos_token_id=None,
+                    pad_token_id=0,
+                )
+            tokens = out[0, len(ids) :].tolist()
+            assert len(tokens) == NEW_TOKENS  # transformers must not stop early
+            self._greedy[key] = tokens
+        return self._greedy[key]
+
+
+# ----------------------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="session")
+def hf_tokenizer_dir(tmp_path_factory, gguf_path) -> str:
+    """transformers' tokenizer of the embedded GGUF, saved once as tokenizer.json & co."""
+    tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
+    out = tmp_path_factory.mktemp("tokenizer")
+    tok.save_pretrained(str(out))
+    return str(out)
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Weights far from init defaults: non-trivial norms and biases, peaked logits (greedy is meaningful)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.5 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            elif "embed_tokens" in name or "lm_head" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+
+
+def _make_model(name: str, root, tokenizer_dir: str) -> TinyModel:
+    cls, overrides = ARCHS[name]
+    cfg = cls(**_COMMON, **overrides)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+    _randomize(hf, seed=ARCH_NAMES.index(name) + 1)
+    if cfg.tie_word_embeddings:
+        assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    hf.eval()
+    path = root / name
+    hf.save_pretrained(str(path), safe_serialization=True)
+    for f in os.listdir(tokenizer_dir):
+        shutil.copy(os.path.join(tokenizer_dir, f), path / f)
+    return TinyModel(name, str(path), hf)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, hf_tokenizer_dir):
+    root = tmp_path_factory.mktemp("models")
+    cache: dict[str, TinyModel] = {}
+
+    def get(name: str) -> TinyModel:
+        if name not in cache:
+            cache[name] = _make_model(name, root, hf_tokenizer_dir)
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(params=ARCH_NAMES)
+def tiny(request, tiny_models) -> TinyModel:
+    return tiny_models(request.param)
+
+
+@pytest.fixture(scope="session")
+def prompt_ids(tokenizer) -> list[int]:
+    ids = tokenizer.encode(PROMPT)
+    assert 15 <= len(ids) <= 25
+    return ids
+
+
+@pytest.fixture(scope="session")
+def prompt_b_ids(tokenizer) -> list[int]:
+    ids = tokenizer.encode(PROMPT_B)
+    assert 5 <= len(ids) <= 12
+    return ids
+
+
+def _ours(path: str):
+    ckpt = load_checkpoint(path)
+    return ckpt, build_model(ckpt.config, ckpt.weights, torch.float32, CPU)
+
+
+def _ids(ids: list[int]) -> torch.Tensor:
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def _slots(block_table: list[int], positions, block_size: int) -> list[int]:
+    return [block_table[p // block_size] * block_size + p % block_size for p in positions]
+
+
+def _meta(kv, slots: list[int], prefills=(), decodes=None) -> AttentionMetadata:
+    """Attention metadata as the model runner builds it.
+
+    prefills: (start, end, context_len, block_table) per chunk; decodes: (block_tables, lengths), the
+    tables padded with block 0 and the mask -inf at and beyond each sequence's length.
+    """
+    kvh, num_blocks, block_size = kv[0][0].shape[:3]
+    meta = AttentionMetadata(
+        slot_mapping=_ids(slots),
+        num_decode=0,
+        decode_rows=None,
+        decode_mask=None,
+        prefills=[
+            PrefillChunk(start, end, ctx, gather_rows(torch.tensor(table[: -(-ctx // block_size)]), kvh, num_blocks))
+            for start, end, ctx, table in prefills
+        ],
+    )
+    if decodes is not None:
+        block_tables, lengths = decodes
+        width = max(len(t) for t in block_tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
+        mask = torch.zeros(len(block_tables), width * block_size)
+        mask.masked_fill_(torch.arange(width * block_size)[None, :] >= torch.tensor(lengths)[:, None], float("-inf"))
+        meta.num_decode = len(block_tables)
+        meta.decode_rows, meta.decode_mask = gather_rows(tables, kvh, num_blocks), mask
+    return meta
+
+
+# ------------------------------------------------------------------------------------------- config
+def test_config_from_hf_reads_tiny_model(tiny):
+    cfg = read_config(tiny.path)
+    hf = tiny.hf.config
+    assert cfg.architecture == hf.architectures[0]
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers) == (
+        hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers
+    )
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
+        hf.num_attention_heads, hf.num_key_value_heads, tiny.hf.model.layers[0].self_attn.head_dim
+    )
+    assert cfg.rope_theta == ARCHS[tiny.name][1]["rope_theta"]
+    assert cfg.rms_norm_eps == pytest.approx(hf.rms_norm_eps)
+    assert cfg.tie_word_embeddings == bool(hf.tie_word_embeddings)
+    assert cfg.attention_bias == (tiny.name == "qwen2")
+    assert cfg.qk_norm == (tiny.name == "qwen3")
+
+
+# ------------------------------------------------------------------------------------------- logits
+def test_model_prefill_logits_match_transformers(tiny, prompt_ids):
+    ckpt, model = _ours(tiny.path)
+    n, bs = len(prompt_ids), 16
+    blocks = -(-n // bs)
+    kv = allocate_kv_cache(ckpt.config, blocks, bs, torch.float32, CPU)
+    meta = _meta(kv, list(range(n)), prefills=[(0, n, n, list(range(blocks)))])
+    with torch.inference_mode():
+        ours = model.compute_logits(model(_ids(prompt_ids), torch.arange(n), kv, meta))
+    ref = tiny.hf_logits(prompt_ids)
+    assert ours.shape == ref.shape == (n, VOCAB)
+    torch.testing.assert_close(ours, ref, atol=ATOL, rtol=RTOL)
+    # The logits are peaked enough that greedy choices are not decided by rounding noise.
+    assert ref.std() > 3
+
+
+def test_model_chunked_prefill_matches_transformers(tiny, prompt_ids):
+    """A second prefill chunk attends to the prefix already in the cache (the masked-SDPA path)."""
+    ckpt, model = _ours(tiny.path)
+    n, split, bs = len(prompt_ids), 11, 4
+    table = [5, 2, 7, 0, 3, 1]  # non-contiguous blocks
+    assert len(table) * bs >= n
+    kv = allocate_kv_cache(ckpt.config, 8, bs, torch.float32, CPU)
+    outs = []
+    with torch.inference_mode():
+        for start, end in ((0, split), (split, n)):
+            meta = _meta(kv, _slots(table, range(start, end), bs), prefills=[(0, end - start, end, table)])
+            hidden = model(_ids(prompt_ids[start:end]), torch.arange(start, end), kv, meta)
+            outs.append(model.compute_logits(hidden))
+    torch.testing.assert_close(torch.cat(outs), tiny.hf_logits(prompt_ids), atol=ATOL, rtol=RTOL)
+
+
+def test_model_batched_decode_matches_transformers(tiny, prompt_ids, prompt_b_ids):
+    """Two prompts prefilled in one step, then one decode token each in one step (padded block tables)."""
+    ckpt, model = _ours(tiny.path)
+    bs = 8
+    a, b = list(prompt_ids), list(prompt_b_ids)
+    table_a, table_b = [0, 1, 2, 3], [6, 4]  # b's table is shorter: its decode row is padded
+    assert len(table_a) * bs > len(a) and len(table_b) * bs > len(b)
+    kv = allocate_kv_cache(ckpt.config, 8, bs, torch.float32, CPU)
+    with torch.inference_mode():
+        meta = _meta(
+            kv,
+            _slots(table_a, range(len(a)), bs) + _slots(table_b, range(len(b)), bs),
+            prefills=[(0, len(a), len(a), table_a), (len(a), len(a) + len(b), len(b), table_b)],
+        )
+        prefill = model.compute_logits(model(_ids(a + b), _ids(list(range(len(a))) + list(range(len(b)))), kv, meta))
+        next_a, next_b = int(prefill[len(a) - 1].argmax()), int(prefill[-1].argmax())
+        meta = _meta(
+            kv,
+            _slots(table_a, [len(a)], bs) + _slots(table_b, [len(b)], bs),
+            decodes=([table_a, table_b], [len(a) + 1, len(b) + 1]),
+        )
+        decode = model.compute_logits(model(_ids([next_a, next_b]), _ids([len(a), len(b)]), kv, meta))
+    ref_a, ref_b = tiny.hf_logits(a + [next_a]), tiny.hf_logits(b + [next_b])
+    torch.testing.assert_close(prefill[: len(a)], ref_a[:-1], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(prefill[len(a) :], ref_b[:-1], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(decode[0], ref_a[-1], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(decode[1], ref_b[-1], atol=ATOL, rtol=RTOL)
+
+
+# ------------------------------------------------------------------------------------------- engine
+def test_engine_greedy_tokens_match_transformers(tiny, prompt_ids):
+    expected = tiny.hf_greedy(prompt_ids)
+    assert len(set(expected)) >= 4, f"degenerate reference {expected}"
+    with Engine(EngineConfig(model=tiny.path, kv_cache_tokens=4096)) as engine:
+        out = engine.generate(prompt_ids, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    assert out.error is None
+    assert out.token_ids == expected
+
+
+# --------------------------------------------------------------------------------------------- GGUF
+_GGUF_ARCH = {"llama": "llama", "llama_tied": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_GGUF_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: rotary halves interleaved per head."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_gguf(tiny: TinyModel, path: str, tokenizer_gguf: str) -> None:
+    cfg = tiny.hf.config
+    arch = _GGUF_ARCH[tiny.name]
+    head_dim = tiny.hf.model.layers[0].self_attn.head_dim
+    w = gguf.GGUFWriter(path, arch)
+    w.add_uint32(f"{arch}.vocab_size", cfg.vocab_size)
+    w.add_uint32(f"{arch}.context_length", cfg.max_position_embeddings)
+    w.add_uint32(f"{arch}.embedding_length", cfg.hidden_size)
+    w.add_uint32(f"{arch}.block_count", cfg.num_hidden_layers)
+    w.add_uint32(f"{arch}.feed_forward_length", cfg.intermediate_size)
+    w.add_uint32(f"{arch}.attention.head_count", cfg.num_attention_heads)
+    w.add_uint32(f"{arch}.attention.head_count_kv", cfg.num_key_value_heads)
+    w.add_uint32(f"{arch}.attention.key_length", head_dim)
+    w.add_uint32(f"{arch}.attention.value_length", head_dim)
+    w.add_uint32(f"{arch}.rope.dimension_count", head_dim)
+    w.add_float32(f"{arch}.rope.freq_base", ARCHS[tiny.name][1]["rope_theta"])
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    reader = gguf.GGUFReader(tokenizer_gguf)
+    for key, f in reader.fields.items():
+        if key.startswith("tokenizer."):
+            vtype = f.types[0]
+            w.add_key_value(key, f.contents(), vtype, f.types[1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    for name, t in tiny.hf.state_dict().items():
+        data = t.detach().float().numpy().copy()
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        elif name == "lm_head.weight":
+            if cfg.tie_word_embeddings:
+                continue
+            gname = "output.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            gname = f"blk.{layer}.{_GGUF_LAYER[rest]}"
+            if arch == "llama" and rest == "self_attn.q_proj.weight":
+                data = _llama_cpp_permute(data, cfg.num_attention_heads)
+            elif arch == "llama" and rest == "self_attn.k_proj.weight":
+                data = _llama_cpp_permute(data, cfg.num_key_value_heads)
+        w.add_tensor(gname, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_tied", "qwen2", "qwen3"])
+def test_gguf_roundtrip_matches_hf_directory(name, tiny_models, tmp_path, gguf_path, prompt_ids):
+    tiny = tiny_models(name)
+    path = str(tmp_path / f"{name}.gguf")
+    _write_gguf(tiny, path, gguf_path)
+
+    from_gguf, from_hf = load_checkpoint(path), load_checkpoint(tiny.path)
+    # GGUF stores eps as float32: equal up to that rounding, everything else exactly.
+    assert from_gguf.config.rms_norm_eps == pytest.approx(from_hf.config.rms_norm_eps, rel=1e-6)
+    assert dataclasses.replace(from_gguf.config, rms_norm_eps=from_hf.config.rms_norm_eps) == from_hf.config
+    tied = from_hf.config.tie_word_embeddings
+    hf_weights = {k: v for k, v in from_hf.weights.items() if not (tied and k == "lm_head.weight")}
+    assert from_gguf.weights.keys() == hf_weights.keys()
+    for k, v in hf_weights.items():
+        assert torch.equal(from_gguf.weights[k], v), k  # F32 round-trip, Q/K un-permuted exactly
+    assert from_gguf.tokenizer.encode(PROMPT) == prompt_ids
+
+    with Engine(EngineConfig(model=path, kv_cache_tokens=4096)) as engine:
+        out = engine.generate(prompt_ids, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    assert out.token_ids == tiny.hf_greedy(prompt_ids)
+
+
+def test_gguf_unsupported_architecture_refused(tmp_path):
+    path = str(tmp_path / "gpt2.gguf")
+    w = gguf.GGUFWriter(path, "gpt2")
+    w.add_uint32("gpt2.block_count", 1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedModel, match="gpt2"):
+        load_checkpoint(path)
+
+
+# -------------------------------------------------------------------------------------------- refusal
+def _break(weights: dict[str, torch.Tensor], how: str) -> dict[str, torch.Tensor]:
+    weights = dict(weights)
+    if how == "q_proj_rows":
+        k = "model.layers.0.self_attn.q_proj.weight"
+        weights[k] = torch.cat([weights[k], weights[k][:1]])
+    elif how == "down_proj_transposed":
+        k = "model.layers.1.mlp.down_proj.weight"
+        weights[k] = weights[k].t().contiguous()
+    elif how == "embed_vocab":
+        k = "model.embed_tokens.weight"
+        weights[k] = weights[k][:-1]
+    elif how == "norm_width":
+        k = "model.norm.weight"
+        weights[k] = torch.ones(weights[k].shape[0] * 2)
+    elif how == "missing_layer":
+        weights = {k: v for k, v in weights.items() if ".layers.1." not in k}
+    elif how == "unexpected_tensor":
+        weights["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    return weights
+
+
+@pytest.mark.parametrize(
+    "how", ["q_proj_rows", "down_proj_transposed", "embed_vocab", "norm_width", "missing_layer", "unexpected_tensor"]
+)
+def test_load_weights_refuses_misfit_and_keeps_parameters(how, tiny):
+    ckpt, model = _ours(tiny.path)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids_before = {k: id(p) for k, p in model.named_parameters()}
+    # Every tensor shifted, so that a partial load before the refusal would show.
+    bad = _break({k: v + 1 for k, v in ckpt.weights.items()}, how)
+    with pytest.raises(UnsupportedModel):
+        load_weights(model, bad)
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    for k, v in before.items():
+        assert torch.equal(after[k], v), k
+    assert {k: id(p) for k, p in model.named_parameters()} == ids_before
+
+
+def test_load_weights_refuses_other_architecture_weights(tiny_models):
+    """Qwen2 weights (with q/k/v biases) don't fit a Llama model, and vice versa."""
+    _, llama = _ours(tiny_models("mistral").path)
+    qwen2 = load_checkpoint(tiny_models("qwen2").path).weights
+    with pytest.raises(UnsupportedModel, match="unexpected"):
+        load_weights(llama, qwen2)
+    _, qwen = _ours(tiny_models("qwen2").path)
+    with pytest.raises(UnsupportedModel, match="missing"):
+        load_weights(qwen, load_checkpoint(tiny_models("mistral").path).weights)
+
+
+@pytest.mark.parametrize("arch", ["GPT2LMHeadModel", "MixtralForCausalLM", "Gemma2ForCausalLM"])
+def test_config_unsupported_architecture_refused(arch, tmp_path, tiny_models):
+    src = tiny_models("llama").path
+    shutil.copytree(src, tmp_path / "m")
+    cfg_file = tmp_path / "m" / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["architectures"] = [arch]
+    cfg_file.write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModel, match=arch):
+        ModelConfig.from_hf(cfg)
+    with pytest.raises(UnsupportedModel, match=arch):
+        read_config(str(tmp_path / "m"))
+    with pytest.raises(UnsupportedModel, match=arch):
+        load_checkpoint(str(tmp_path / "m"))
+
+
+def test_config_rope_scaling_refused(tiny_models):
+    cfg = json.loads(open(os.path.join(tiny_models("llama").path, "config.json")).read())
+    cfg["rope_scaling"] = {"rope_type": "linear", "factor": 2.0}
+    with pytest.raises(UnsupportedModel, match="rope_scaling"):
+        ModelConfig.from_hf(cfg)

@@ -1,0 +1,204 @@
+"""The Inference service over real gRPC on loopback: streams, sessions, cancellation, errors."""
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from lmgate.engine.sampling import SamplingParams
+from lmgate.v1 import lmgate_pb2 as pb
+
+GREEDY = pb.SamplingParams(max_new_tokens=24, ignore_eos=True)
+LONG = pb.SamplingParams(max_new_tokens=2000, ignore_eos=True)
+
+
+def collect(stream) -> tuple[list[int], str, pb.GenerateResponse]:
+    ids, text, last = [], "", None
+    for msg in stream:
+        ids += msg.token_ids
+        text += msg.text
+        last = msg
+    return ids, text, last
+
+
+def chat(text: str) -> pb.ChatMessages:
+    return pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=text)])
+
+
+def wait_first_token(stream) -> pb.GenerateResponse:
+    for msg in stream:
+        if msg.token_ids:
+            return msg
+    raise AssertionError("stream ended before its first token")
+
+
+def test_generate_stateless_matches_engine(server):
+    ids, text, last = collect(server.stub().Generate(pb.GenerateRequest(messages=chat("Tell me about owls."), sampling=GREEDY)))
+    prompt = server.engine.tokenizer.encode(server.engine.tokenizer.apply_chat_template([{"role": "user", "content": "Tell me about owls."}]), add_special_tokens=False)
+    ref = server.engine.generate(prompt, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    assert ids == ref.token_ids
+    assert text == server.engine.tokenizer.decode(ids)
+    assert last.finish_reason == pb.FINISH_REASON_LENGTH
+    assert last.usage.completion_tokens == 24 and last.usage.prompt_tokens == len(prompt)
+
+
+def test_generate_echoes_request_id_and_accepts_token_ids(server):
+    msgs = list(server.stub().Generate(pb.GenerateRequest(request_id="r-1", tokens=pb.TokenIds(ids=[504, 3575, 282]), sampling=GREEDY)))
+    assert {m.request_id for m in msgs} == {"r-1"}
+    assert sum(len(m.token_ids) for m in msgs) == 24
+
+
+def test_session_two_turns_reuse_history(server):
+    stub = server.stub()
+    sid = stub.Start(pb.StartRequest()).session_id
+    turn1 = [504, 3575, 282, 4649, 314]
+    turn2 = [1060, 314, 253]
+    out1, _, _ = collect(stub.Generate(pb.GenerateRequest(session_id=sid, tokens=pb.TokenIds(ids=turn1), sampling=GREEDY)))
+    out2, _, last2 = collect(stub.Generate(pb.GenerateRequest(session_id=sid, tokens=pb.TokenIds(ids=turn2), sampling=GREEDY)))
+    ref, _, _ = collect(stub.Generate(pb.GenerateRequest(tokens=pb.TokenIds(ids=turn1 + out1 + turn2), sampling=GREEDY)))
+    assert out2 == ref
+    assert last2.usage.cached_tokens >= len(turn1) + len(out1) - 1
+    assert last2.usage.prompt_tokens == len(turn1) + len(out1) + len(turn2)
+    stub.End(pb.EndRequest(session_id=sid))
+
+
+def test_cancel_mid_stream_keeps_history(server):
+    stub = server.stub()
+    sid = stub.Start(pb.StartRequest()).session_id
+    stream = stub.Generate(pb.GenerateRequest(session_id=sid, request_id="to-cancel", prompt="Count to one thousand:", sampling=LONG))
+    first = wait_first_token(stream)
+    assert stub.Cancel(pb.CancelRequest(request_id="to-cancel")).cancelled
+    ids, _, last = collect(stream)
+    assert last.finish_reason == pb.FINISH_REASON_CANCELLED
+    generated = len(first.token_ids) + len(ids)
+    _, _, nxt = collect(stub.Generate(pb.GenerateRequest(session_id=sid, prompt=" And then?", sampling=GREEDY)))
+    assert nxt.finish_reason == pb.FINISH_REASON_LENGTH
+    assert nxt.usage.cached_tokens >= generated  # the cancelled turn's tokens stayed in the history
+    stub.End(pb.EndRequest(session_id=sid))
+
+
+def test_cancel_by_session(server):
+    stub = server.stub()
+    sid = stub.Start(pb.StartRequest()).session_id
+    stream = stub.Generate(pb.GenerateRequest(session_id=sid, prompt="Once upon a time", sampling=LONG))
+    wait_first_token(stream)
+    assert stub.Cancel(pb.CancelRequest(session_id=sid)).cancelled
+    assert collect(stream)[2].finish_reason == pb.FINISH_REASON_CANCELLED
+    assert not stub.Cancel(pb.CancelRequest(session_id=sid)).cancelled
+    stub.End(pb.EndRequest(session_id=sid))
+
+
+def test_end_during_stream_cancels_and_forgets(server):
+    stub = server.stub()
+    sid = stub.Start(pb.StartRequest()).session_id
+    stream = stub.Generate(pb.GenerateRequest(session_id=sid, prompt="Once upon a time", sampling=LONG))
+    wait_first_token(stream)
+    stub.End(pb.EndRequest(session_id=sid))
+    assert collect(stream)[2].finish_reason == pb.FINISH_REASON_CANCELLED
+    with pytest.raises(grpc.RpcError) as err:
+        collect(stub.Generate(pb.GenerateRequest(session_id=sid, prompt="hello", sampling=GREEDY)))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    stub.End(pb.EndRequest(session_id=sid))  # idempotent
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Cancel(pb.CancelRequest(session_id=sid))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_concurrent_generate_on_one_session_refused(server):
+    stub = server.stub()
+    sid = stub.Start(pb.StartRequest()).session_id
+    first = stub.Generate(pb.GenerateRequest(session_id=sid, prompt="Once upon a time", sampling=pb.SamplingParams(max_new_tokens=64, ignore_eos=True)))
+    wait_first_token(first)
+    with pytest.raises(grpc.RpcError) as err:
+        collect(stub.Generate(pb.GenerateRequest(session_id=sid, prompt="again", sampling=GREEDY)))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert collect(first)[2].finish_reason == pb.FINISH_REASON_LENGTH
+    stub.End(pb.EndRequest(session_id=sid))
+
+
+def test_start_existing_session_already_exists(server):
+    stub = server.stub()
+    stub.Start(pb.StartRequest(session_id=4242))
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Start(pb.StartRequest(session_id=4242))
+    assert err.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    stub.End(pb.EndRequest(session_id=4242))
+
+
+def test_deadline_cancels_and_frees_kv(server):
+    stub = server.stub()
+    with pytest.raises(grpc.RpcError) as err:
+        collect(stub.Generate(pb.GenerateRequest(prompt="Once upon a time", sampling=LONG), timeout=1.0))
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert_idle(server)
+
+
+BAD_REQUESTS = [
+    (pb.GenerateRequest(prompt=""), grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.GenerateRequest(tokens=pb.TokenIds(ids=[])), grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.GenerateRequest(tokens=pb.TokenIds(ids=[10, 999999])), grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="wizard", content="hi")])), grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.GenerateRequest(messages=pb.ChatMessages()), grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(temperature=-1)), grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(top_p=float("nan"))), grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(top_k=-2)), grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(repetition_penalty=float("inf"))), grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_new_tokens=4, min_new_tokens=8)), grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(logprobs=500)), grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(stop_token_ids=[10**6])), grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(stop=[""])), grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_new_tokens=10**6)), grpc.StatusCode.OUT_OF_RANGE),
+    (pb.GenerateRequest(tokens=pb.TokenIds(ids=[10] * 9000)), grpc.StatusCode.OUT_OF_RANGE),
+    (pb.GenerateRequest(session_id=987654321, prompt="hi"), grpc.StatusCode.NOT_FOUND),
+]
+
+
+@pytest.mark.parametrize("request_, code", BAD_REQUESTS)
+def test_bad_generate_gets_status_and_changes_nothing(server, request_, code):
+    before = server.info()
+    with pytest.raises(grpc.RpcError) as err:
+        collect(server.stub().Generate(request_))
+    assert err.value.code() == code
+    assert err.value.details()
+    assert_idle(server, before)
+
+
+def test_cancel_without_target_invalid(server):
+    with pytest.raises(grpc.RpcError) as err:
+        server.stub().Cancel(pb.CancelRequest())
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert not server.stub().Cancel(pb.CancelRequest(request_id="nobody")).cancelled
+
+
+def test_tokenize_matches_engine(server):
+    ids = server.stub().Tokenize(pb.TokenizeRequest(text="Hello, world! 123")).token_ids
+    assert list(ids) == server.engine.tokenizer.encode("Hello, world! 123", add_special_tokens=False)
+
+
+def test_reflection_lists_both_services_and_health_serving(server):
+    with server.channel() as ch:
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        reply = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        names = {s.name for s in reply.list_services_response.service}
+        assert {"lmgate.v1.Inference", "lmgate.v1.Admin", "grpc.health.v1.Health"} <= names
+        health = health_pb2_grpc.HealthStub(ch)
+        for service in ("", "lmgate.v1.Inference"):
+            status = health.Check(health_pb2.HealthCheckRequest(service=service)).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+def assert_idle(server, before: pb.InfoResponse | None = None) -> None:
+    """All KV blocks free and nothing running once in-flight cancellations have landed."""
+    for _ in range(200):
+        info = server.info()
+        if info.kv_blocks_free == info.kv_blocks_total and not info.running_requests and not info.waiting_requests:
+            break
+        threading.Event().wait(0.05)
+    assert info.kv_blocks_free == info.kv_blocks_total
+    assert info.running_requests == 0 and info.waiting_requests == 0
+    if before is not None:
+        assert info.active_sessions == before.active_sessions
