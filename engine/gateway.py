@@ -116,11 +116,17 @@ class Gateway:
         return live
 
     def notify(self, signals: list[Signal]) -> None:
-        """Hand outputs to the signal thread; one hand-off per engine step, never blocking on a client."""
-        if signals:
-            with self._signal_cond:
+        """Hand outputs to the signal thread; one hand-off per engine step, never blocking on a client.
+        Once that thread has stopped, the caller delivers them itself, so no callback is ever lost."""
+        if not signals:
+            return
+        with self._signal_cond:
+            if not self._stopping:
                 self._signals.append(signals)
                 self._signal_cond.notify()
+                return
+        for request, output in signals:
+            self._deliver(request, output)
 
     def shutdown(self) -> None:
         """Refuse new work, cancel what is still queued, and stop the signal thread once it has delivered all."""

@@ -1,6 +1,8 @@
 """Building the gRPC server: services, health, reflection; and its graceful shutdown."""
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -12,6 +14,7 @@ from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 from .metrics import Metrics
 from .servicer import InferenceServicer
 
+SHUTDOWN_FLUSH_SECONDS = 1.0  # for the last messages of cancelled streams to reach their clients
 SERVICES = (pb.DESCRIPTOR.services_by_name["Inference"].full_name, pb.DESCRIPTOR.services_by_name["Admin"].full_name)
 
 
@@ -22,7 +25,8 @@ class Server:
         self.engine = engine
         self.metrics = Metrics(engine)
         self.grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        pb_grpc.add_InferenceServicer_to_server(InferenceServicer(engine, self.metrics), self.grpc)
+        self.inference = InferenceServicer(engine, self.metrics)
+        pb_grpc.add_InferenceServicer_to_server(self.inference, self.grpc)
         pb_grpc.add_AdminServicer_to_server(pb_grpc.AdminServicer(), self.grpc)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
@@ -36,11 +40,13 @@ class Server:
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
 
     async def stop(self, grace: float) -> None:
-        """NOT_SERVING and no new requests at once; running streams get `grace` seconds, then are cancelled."""
+        """NOT_SERVING and UNAVAILABLE for new work at once; running streams get `grace` seconds to finish,
+        then the engine cancels them, so each still ends with its last message (FINISH_REASON_CANCELLED)."""
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.engine.gateway.close_admission("the server is shutting down")
-        await self.grpc.stop(grace)
-        self.engine.shutdown()
+        await self.inference.wait_idle(grace)
+        await asyncio.to_thread(self.engine.shutdown)
+        await self.grpc.stop(SHUTDOWN_FLUSH_SECONDS)
 
     async def _set_health(self, status: int) -> None:
         for name in ("",) + SERVICES:

@@ -29,6 +29,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.metrics = metrics
         self._requests: dict[str, Request] = {}
 
+    async def wait_idle(self, timeout: float) -> None:
+        """Until no Generate stream is open, or `timeout` seconds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._requests and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+
     async def Start(self, request: pb.StartRequest, context: grpc.aio.ServicerContext) -> pb.StartResponse:
         try:
             session_id = self.engine.start_session(request.session_id)
