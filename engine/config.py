@@ -33,11 +33,11 @@ class ModelConfig:
         arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
         if arch not in ARCHITECTURES:
             raise UnsupportedModel(f"architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
-        scaling = cfg.get("rope_scaling")
-        if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-            raise UnsupportedModel(f"rope_scaling {scaling!r} is not supported")
         heads = cfg["num_attention_heads"]
-        rope = cfg.get("rope_parameters") or {}
+        rope = cfg.get("rope_parameters") or {}  # transformers >= 5 writes rope_theta and scaling here
+        for key, scaling in (("rope_scaling", cfg.get("rope_scaling")), ("rope_parameters", rope)):
+            if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+                raise UnsupportedModel(f"{key} {scaling!r} is not supported")
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],

@@ -12,16 +12,24 @@ import torch
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .engine_loop import EngineLoop
-from .errors import ContextOverflow, InvalidRequest
+from .config import ModelConfig
+from .errors import ContextOverflow, InvalidRequest, Unavailable, UnsupportedModel
 from .gateway import Gateway
 from .kv_cache import allocate_kv_cache, kv_bytes_per_token
-from .loader import Checkpoint, load_checkpoint
+from .loader import Checkpoint, load_checkpoint, read_config
+from .memory import release_host_memory
 from .model_runner import ModelRunner
 from .models import build_model
+from .models.llama import LlamaForCausalLM
 from .request import Request, RequestKind, RequestOutput
 from .sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+
+SLEEP_TAGS = ("weights", "kv_cache")
+SLEEP_GATE = "sleep"
+SHAPE_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                "num_kv_heads", "head_dim", "attention_bias", "qk_norm")
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -37,6 +45,9 @@ class EngineInfo:
     kv_blocks_total: int
     kv_blocks_free: int
     kv_block_size: int
+    kv_cache_bytes: int
+    weights_bytes: int
+    sleeping_tags: list[str]
     active_sessions: int
     running_sequences: int
     waiting_sequences: int
@@ -78,7 +89,10 @@ class Engine:
         self.device = torch.device(config.device)
         ckpt = checkpoint or load_checkpoint(config.model)
         self.model_path, self.model_config, self.tokenizer = ckpt.path, ckpt.config, ckpt.tokenizer
-        self.model = build_model(ckpt.config, ckpt.weights, self.dtype, self.device)
+        self.weights_path = ckpt.path  # where level-2 sleep reloads weights from; follows UpdateWeights
+        self.model: LlamaForCausalLM | None = build_model(ckpt.config, ckpt.weights, self.dtype, self.device)
+        self.sleeping: set[str] = set()  # of SLEEP_TAGS; written only under _admin_lock
+        self._admin_lock = threading.Lock()  # serializes sleep / wakeup / update_weights; loops never take it
         num_blocks = max(1, config.kv_cache_tokens // config.block_size)
         self.max_context_length = min(
             config.max_context_length or ckpt.config.max_position_embeddings,
@@ -96,8 +110,12 @@ class Engine:
 
     def _make_loop(self, rank: int, num_blocks: int) -> EngineLoop:
         c = self.config
-        kv = allocate_kv_cache(self.model_config, num_blocks, c.block_size, self.dtype, self.device)
-        runner = ModelRunner(self.model, kv, c.block_size, self.device)
+        runner = ModelRunner(
+            self.model,
+            lambda: allocate_kv_cache(self.model_config, num_blocks, c.block_size, self.dtype, self.device),
+            c.block_size,
+            self.device,
+        )
         return EngineLoop(
             rank, self.gateway, runner, BlockManager(num_blocks, c.block_size), self.tokenizer,
             c.max_batch_size, c.max_batched_tokens, self.max_context_length, c.default_max_new_tokens,
@@ -201,11 +219,88 @@ class Engine:
             kv_blocks_total=sum(l.blocks.num_blocks for l in self.loops),
             kv_blocks_free=sum(l.blocks.num_free for l in self.loops),
             kv_block_size=self.config.block_size,
+            kv_cache_bytes=sum(l.runner.kv_cache_bytes for l in self.loops),
+            weights_bytes=self.weights_bytes,
+            sleeping_tags=sorted(self.sleeping),
             active_sessions=len(self.gateway.binding),
             running_sequences=sum(len(l.scheduler.running) for l in self.loops),
             waiting_sequences=sum(len(l.scheduler.waiting) for l in self.loops),
             preemptions=sum(l.scheduler.num_preemptions for l in self.loops),
         )
+
+    # sleep and wake-up -------------------------------------------------------------------------------------
+
+    def sleep(self, level: int) -> None:
+        """Close admission, end every stream (CANCELLED) and session, then free memory: level 1 the KV cache
+        (weights kept in host memory), level 2 the weights too. Returns once the memory is released."""
+        if level not in (1, 2):
+            raise InvalidRequest(f"sleep level must be 1 or 2, got {level}")
+        with self._admin_lock:
+            self.gateway.close_admission(SLEEP_GATE, "the engine is asleep: call Admin.Wakeup first")
+            if "kv_cache" not in self.sleeping:
+                self.gateway.control(RequestKind.SLEEP)  # each loop: cancel, end sessions, free its KV
+                self.gateway.binding.clear()
+                self.sleeping.add("kv_cache")
+            if "weights" not in self.sleeping:
+                self._offload_weights()
+                self.sleeping.add("weights")
+            if level == 2 and self.model is not None:
+                self._install_model(None)
+                release_host_memory()
+            log.info("asleep at level %d", 2 if self.model is None else 1)
+
+    def wakeup(self, tags: list[str] | tuple[str, ...] = ()) -> None:
+        """Restore the given tags (none: all); admission reopens only once nothing sleeps."""
+        unknown = set(tags) - set(SLEEP_TAGS)
+        if unknown:
+            raise InvalidRequest(f"unknown wake-up tags {sorted(unknown)}; known: {list(SLEEP_TAGS)}")
+        with self._admin_lock:
+            wanted = set(tags or SLEEP_TAGS) & self.sleeping
+            if "weights" in wanted:
+                self._restore_weights()
+                self.sleeping.discard("weights")
+            if "kv_cache" in wanted:
+                self.gateway.control(RequestKind.WAKE_KV)
+                self.sleeping.discard("kv_cache")
+            if not self.sleeping:
+                self.gateway.open_admission(SLEEP_GATE)
+            log.info("woke %s; still asleep: %s", sorted(wanted), sorted(self.sleeping))
+
+    def update_weights(self, path: str) -> None:
+        """Replace the weights with a checkpoint of the same shape; a mismatch is refused, the old ones stay.
+        Loops pick the new model up at their next step; a step in flight finishes on the old one."""
+        with self._admin_lock:
+            if "weights" in self.sleeping:
+                raise Unavailable("the weights are asleep: call Admin.Wakeup with tag 'weights' first")
+            _check_same_shape(read_config(path), self.model_config)
+            ckpt = load_checkpoint(path)
+            self._install_model(build_model(ckpt.config, ckpt.weights, self.dtype, self.device))
+            self.weights_path = ckpt.path
+
+    def _offload_weights(self) -> None:
+        """Level 1 keeps weights in host memory: moved off an accelerator, untouched on the CPU."""
+        if self.device.type != "cpu":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    def _restore_weights(self) -> None:
+        if self.model is None:
+            ckpt = load_checkpoint(self.weights_path)
+            self._install_model(build_model(ckpt.config, ckpt.weights, self.dtype, self.device))
+        elif self.device.type != "cpu":
+            self.model.to(self.device)
+
+    def _install_model(self, model: LlamaForCausalLM | None) -> None:
+        self.model = model
+        for loop in self.loops:
+            loop.runner.model = model
+
+    @property
+    def weights_bytes(self) -> int:
+        """Bytes of weights on the engine's device (tied tensors counted once)."""
+        if self.model is None or (self.device.type != "cpu" and "weights" in self.sleeping):
+            return 0
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def shutdown(self) -> None:
         """Refuse new work, cancel what runs, join the loops; every stream gets its last output."""
@@ -219,3 +314,9 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def _check_same_shape(new: ModelConfig, served: ModelConfig) -> None:
+    diff = [f"{f}: {getattr(new, f)} != {getattr(served, f)}" for f in SHAPE_FIELDS if getattr(new, f) != getattr(served, f)]
+    if diff:
+        raise UnsupportedModel(f"checkpoint does not match the served model ({'; '.join(diff)})")

@@ -89,8 +89,11 @@ class EngineLoop:
     # kAdd --------------------------------------------------------------------------------------------------
 
     def _add(self, request: Request) -> None:
-        if request.kind is RequestKind.KILL:
-            self._kill(request)
+        if request.kind is not RequestKind.GENERATE:
+            self._control(request)
+            return
+        if self._ended_while_queued(request):
+            self._emit(request, cancelled_output(request))
             return
         session = Session(0) if request.stateless else self.sessions.setdefault(request.session_id, Session(request.session_id))
         if session.active is not None:
@@ -109,6 +112,23 @@ class EngineLoop:
         session.block_table = []
         session.active = seq
         self.scheduler.add(seq)
+
+    def _ended_while_queued(self, request: Request) -> bool:
+        """Work queued before a sleep or shutdown closed admission, or whose session ended meanwhile."""
+        if self.gateway.admission_closed() is not None:
+            return True
+        return not request.stateless and self.gateway.binding.find(request.session_id) != self.rank
+
+    def _control(self, request: Request) -> None:
+        if request.kind is RequestKind.KILL:
+            self._kill(request)
+            return
+        if request.kind is RequestKind.SLEEP:
+            self._cancel_all()
+            self.runner.release_kv_cache()
+        elif request.kind is RequestKind.WAKE_KV:
+            self.runner.allocate_kv_cache()
+        self._emit(request, RequestOutput("", 0, finish_reason=FinishReason.STOP))
 
     def _max_new_tokens(self, request: Request, prompt_len: int) -> int:
         room = self.max_context_length - prompt_len

@@ -31,8 +31,8 @@ class Gateway:
         self.binding = SequenceBinding()
         self._next_rank = itertools.count()  # next() on a count is atomic in CPython
         self._next_id = itertools.count(1)
-        self._admission_lock = threading.Lock()  # guards _closed_reason
-        self._closed_reason: str | None = None
+        self._admission_lock = threading.Lock()  # guards _closed_gates
+        self._closed_gates: dict[str, str] = {}
         self._signals: deque[list[Signal]] = deque()
         self._signal_cond = threading.Condition()  # guards _signals and _stopping
         self._stopping = False
@@ -41,19 +41,24 @@ class Gateway:
 
     # admission ---------------------------------------------------------------------------------------------
 
-    def close_admission(self, reason: str) -> None:
+    def close_admission(self, gate: str, message: str) -> None:
+        """Refuse Start and Generate while any gate is closed (sleep, shutdown), with that gate's message."""
         with self._admission_lock:
-            self._closed_reason = reason
+            self._closed_gates[gate] = message
 
-    def open_admission(self) -> None:
+    def open_admission(self, gate: str) -> None:
         with self._admission_lock:
-            self._closed_reason = None
+            self._closed_gates.pop(gate, None)
+
+    def admission_closed(self) -> str | None:
+        """The message of a closed gate, or None while admission is open."""
+        with self._admission_lock:
+            return next(iter(self._closed_gates.values()), None)
 
     def check_admission(self) -> None:
-        with self._admission_lock:
-            reason = self._closed_reason
-        if reason is not None:
-            raise Unavailable(reason)
+        message = self.admission_closed()
+        if message is not None:
+            raise Unavailable(message)
 
     # caller side -------------------------------------------------------------------------------------------
 
@@ -83,6 +88,16 @@ class Gateway:
             if not request.stateless:
                 self.binding.release(request.session_id, request)
             raise Unavailable("the engine is shutting down")
+
+    def control(self, kind: RequestKind) -> None:
+        """Send a control request to every engine loop and wait until each has handled it at a step boundary.
+        A loop that has shut down counts as done."""
+        pending = threading.Semaphore(0)
+        for queue in self.queues:
+            if not queue.push(Request(kind, 0, lambda _: pending.release())):
+                pending.release()
+        for _ in self.queues:
+            pending.acquire()
 
     def kill(self, session_id: int, on_done: Callable[[RequestOutput], None]) -> None:
         """End a session: later requests on it are NOT_FOUND at once; `on_done` runs after its engine loop has
@@ -130,7 +145,7 @@ class Gateway:
 
     def shutdown(self) -> None:
         """Refuse new work, cancel what is still queued, and stop the signal thread once it has delivered all."""
-        self.close_admission("the engine is shutting down")
+        self.close_admission("shutdown", "the engine is shutting down")
         for queue in self.queues:
             for request in queue.close():
                 if request.kind is RequestKind.KILL:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -28,14 +29,28 @@ class ModelRunner:
     def __init__(
         self,
         model: LlamaForCausalLM,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        make_kv_cache: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]],
         block_size: int,
         device: torch.device,
     ) -> None:
-        self.model = model
-        self.kv_caches = kv_caches
+        self.model = model  # replaced whole by the engine (weight updates), read once per step
+        self.make_kv_cache = make_kv_cache
+        self.kv_caches = make_kv_cache()
         self.block_size = block_size
         self.device = device
+
+    def release_kv_cache(self) -> None:
+        self.kv_caches = []
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def allocate_kv_cache(self) -> None:
+        if not self.kv_caches:
+            self.kv_caches = self.make_kv_cache()
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for kv in self.kv_caches for t in kv)
 
     def setup(self, batch: list[Sequence]) -> StepInputs:
         """kSetup: host-side sequence state to device tensors."""
@@ -88,8 +103,9 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """kForward: the model over the batch; logits only for the rows that sample."""
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        return self.model.compute_logits(hidden[inputs.logit_rows])
+        model = self.model
+        hidden = model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        return model.compute_logits(hidden[inputs.logit_rows])
 
     def sample(self, logits: torch.Tensor, inputs: StepInputs) -> SampleResult:
         """kFetch: sampling on the host, device results back as Python ints."""

@@ -78,6 +78,8 @@ class CancelFlag:
 class RequestKind(enum.Enum):
     GENERATE = "generate"
     KILL = "kill"  # end a session: cancel its active generation, free its KV
+    SLEEP = "sleep"  # control: cancel everything, end all sessions, free the KV cache
+    WAKE_KV = "wake_kv"  # control: allocate the KV cache again
 
 
 @dataclass(eq=False)

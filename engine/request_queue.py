@@ -28,21 +28,23 @@ class RequestQueue:
             return True
 
     def pop(self, max_infer: int, blocking: bool, timeout: float | None = None) -> list[Request] | None:
-        """Up to `max_infer` generate requests and every kill request before them, in order; None once closed
-        and empty. Stops at the first generate that does not fit, so a later kill never overtakes it."""
+        """Every kill and control request, and up to `max_infer` generate requests, in arrival order; None
+        once closed and empty. Generates that do not fit stay queued; kills and controls never wait behind
+        them (the engine loop handles a generate whose session ended meanwhile)."""
         with self._cond:
             if blocking:
                 self._cond.wait_for(lambda: self._items or self._closed, timeout)
             if self._closed and not self._items:
                 return None
             taken: list[Request] = []
-            infer = 0
-            while self._items:
-                if self._items[0].kind is RequestKind.GENERATE:
-                    if infer == max_infer:
-                        break
-                    infer += 1
-                taken.append(self._items.popleft())
+            left: deque[Request] = deque()
+            for r in self._items:
+                if r.kind is RequestKind.GENERATE and max_infer == 0:
+                    left.append(r)
+                    continue
+                max_infer -= r.kind is RequestKind.GENERATE
+                taken.append(r)
+            self._items = left
             return taken
 
     def has_items(self) -> bool:

@@ -41,6 +41,11 @@ class SequenceBinding:
             b = self._bindings.pop(session_id, None)
             return None if b is None else b.rank
 
+    def clear(self) -> None:
+        """Forget every session (sleep ends them all)."""
+        with self._lock:
+            self._bindings.clear()
+
     def claim(self, session_id: int, request: Request) -> int:
         """Mark `request` as the session's one active generation and return the session's rank."""
         with self._lock:

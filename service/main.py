@@ -39,6 +39,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-context-length", type=int, default=_env("MAX_CONTEXT_LENGTH", 0), help="cap on prompt + output tokens; 0: the model's [LMGATE_MAX_CONTEXT_LENGTH]")
     ap.add_argument("--dtype", default=_env("DTYPE", "float32"), choices=["float32", "bfloat16", "float16"], help="weights and KV dtype [LMGATE_DTYPE]")
     ap.add_argument("--device", default=_env("DEVICE", "cpu"), help="cpu, cuda or cuda:N [LMGATE_DEVICE]")
+    ap.add_argument("--admin-token", default=_env("ADMIN_TOKEN", None), help="require 'authorization: Bearer <token>' on Admin calls; unset: Admin from loopback only [LMGATE_ADMIN_TOKEN]")
     ap.add_argument("--metrics-port", type=int, default=_env("METRICS_PORT", 0), help="serve Prometheus /metrics on this port; 0: off [LMGATE_METRICS_PORT]")
     ap.add_argument("--grace", type=float, default=_env("GRACE", 10.0), help="seconds running streams get at shutdown [LMGATE_GRACE]")
     return ap.parse_args(argv)
@@ -51,7 +52,7 @@ async def serve(args: argparse.Namespace) -> None:
         max_batch_size=args.max_batch_size, max_batched_tokens=args.max_batched_tokens,
         max_context_length=args.max_context_length or None, engine_loops=args.engine_loops,
     ))
-    server = Server(engine, f"{args.host}:{args.port}")
+    server = Server(engine, f"{args.host}:{args.port}", admin_token=args.admin_token)
     await server.start()
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.host, registry=server.metrics.registry)

@@ -5,7 +5,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from lmgate.engine.engine import Engine
+from lmgate.engine.engine import SLEEP_TAGS, Engine
 from lmgate.engine.errors import EngineError
 from lmgate.engine.request import FinishReason
 
@@ -16,6 +16,7 @@ class Metrics:
     """Counters are updated on the gRPC event loop; gauges of engine state are read at scrape time."""
 
     def __init__(self, engine: Engine) -> None:
+        self._engine = engine
         self.registry = r = CollectorRegistry()
         self.requests = Counter("lmgate_requests", "Finished Generate streams by finish reason", ["reason"], registry=r)
         self.refusals = Counter("lmgate_refused_requests", "Generate calls refused before queueing, by status", ["code"], registry=r)
@@ -27,6 +28,13 @@ class Metrics:
         )
         self.sessions_started = Counter("lmgate_sessions_started", "Sessions opened by Start", registry=r)
         self.sessions_ended = Counter("lmgate_sessions_ended", "End calls completed", registry=r)
+        self.sleep_transitions = Counter("lmgate_sleep_transitions", "Completed Sleep and Wakeup calls", ["transition"], registry=r)
+        self.weight_updates = Counter("lmgate_weight_updates", "Completed UpdateWeights calls", registry=r)
+        sleeping = Gauge("lmgate_sleeping", "1 while the tag sleeps", ["tag"], registry=r)
+        for tag in SLEEP_TAGS:
+            sleeping.labels(tag).set_function(lambda tag=tag: float(tag in self._engine.sleeping))
+        self._engine_gauge("lmgate_weights_bytes", "Bytes of weights on the engine's device", lambda i: i.weights_bytes)
+        self._engine_gauge("lmgate_kv_cache_bytes", "Bytes held for the KV cache", lambda i: i.kv_cache_bytes)
         self.active_streams = Gauge("lmgate_active_streams", "Generate streams open now", registry=r)
         self._engine_gauge("lmgate_kv_blocks_total", "KV cache blocks over all engine loops", lambda i: i.kv_blocks_total)
         self._engine_gauge("lmgate_kv_blocks_free", "KV cache blocks not in use", lambda i: i.kv_blocks_free)
@@ -34,7 +42,6 @@ class Metrics:
         self._engine_gauge("lmgate_running_requests", "Sequences in the running batches", lambda i: i.running_sequences)
         self._engine_gauge("lmgate_waiting_requests", "Sequences waiting for room in a batch", lambda i: i.waiting_sequences)
         self._engine_gauge("lmgate_preemptions", "Sequences preempted for lack of KV blocks", lambda i: i.preemptions)
-        self._engine = engine
 
     def _engine_gauge(self, name: str, doc: str, read) -> None:
         Gauge(name, doc, registry=self.registry).set_function(lambda: read(self._engine.info()))

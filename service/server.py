@@ -11,6 +11,7 @@ from lmgate.engine.engine import Engine
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 
+from .admin import AdminServicer
 from .metrics import Metrics
 from .servicer import InferenceServicer
 
@@ -21,13 +22,13 @@ SERVICES = (pb.DESCRIPTOR.services_by_name["Inference"].full_name, pb.DESCRIPTOR
 class Server:
     """A running `grpc.aio` server in front of one engine. Create and stop it on the same event loop."""
 
-    def __init__(self, engine: Engine, address: str = "127.0.0.1:0") -> None:
+    def __init__(self, engine: Engine, address: str = "127.0.0.1:0", admin_token: str | None = None) -> None:
         self.engine = engine
         self.metrics = Metrics(engine)
         self.grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         self.inference = InferenceServicer(engine, self.metrics)
         pb_grpc.add_InferenceServicer_to_server(self.inference, self.grpc)
-        pb_grpc.add_AdminServicer_to_server(pb_grpc.AdminServicer(), self.grpc)
+        pb_grpc.add_AdminServicer_to_server(AdminServicer(engine, self.metrics, admin_token), self.grpc)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection(SERVICES + (health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
@@ -43,7 +44,7 @@ class Server:
         """NOT_SERVING and UNAVAILABLE for new work at once; running streams get `grace` seconds to finish,
         then the engine cancels them, so each still ends with its last message (FINISH_REASON_CANCELLED)."""
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.engine.gateway.close_admission("the server is shutting down")
+        self.engine.gateway.close_admission("shutdown", "the server is shutting down")
         await self.inference.wait_idle(grace)
         await asyncio.to_thread(self.engine.shutdown)
         await self.grpc.stop(SHUTDOWN_FLUSH_SECONDS)

@@ -126,6 +126,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             running_requests=i.running_sequences,
             waiting_requests=i.waiting_sequences,
             preemptions=i.preemptions,
+            sleeping=bool(i.sleeping_tags),
+            sleeping_tags=i.sleeping_tags,
+            weights_bytes=i.weights_bytes,
+            kv_cache_bytes=i.kv_cache_bytes,
             dtype=str(self.engine.dtype).removeprefix("torch."),
             device=str(self.engine.device),
         )

@@ -13,7 +13,7 @@ _CODES: dict[type[errors.EngineError], grpc.StatusCode] = {
     errors.SessionBusy: grpc.StatusCode.FAILED_PRECONDITION,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    errors.UnsupportedModel: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.UnsupportedModel: grpc.StatusCode.INVALID_ARGUMENT,
     errors.InternalError: grpc.StatusCode.INTERNAL,
 }
 

@@ -140,9 +140,9 @@ def pack_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str
             parts = [packed.pop(f"{attn}.{p}_proj.{kind}", None) for p in "qkv"]
             if all(t is not None for t in parts):
                 packed[f"{attn}.qkv_proj.{kind}"] = torch.cat(parts)
-        packed[f"{mlp}.gate_up_proj.weight"] = torch.cat(
-            [packed.pop(f"{mlp}.gate_proj.weight"), packed.pop(f"{mlp}.up_proj.weight")]
-        )
-    if cfg.tie_word_embeddings or "lm_head.weight" not in packed:
+        gate, up = packed.pop(f"{mlp}.gate_proj.weight", None), packed.pop(f"{mlp}.up_proj.weight", None)
+        if gate is not None and up is not None:  # else left missing, for load_weights to refuse
+            packed[f"{mlp}.gate_up_proj.weight"] = torch.cat([gate, up])
+    if (cfg.tie_word_embeddings or "lm_head.weight" not in packed) and "model.embed_tokens.weight" in packed:
         packed["lm_head.weight"] = packed["model.embed_tokens.weight"]
     return packed
