@@ -1,0 +1,291 @@
+"""Sleep, wake-up and weight updates over real gRPC: safe under load, memory really released, Admin protected."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import shutil
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+from prometheus_client import start_http_server
+from safetensors.torch import save_file
+
+from lmgate.engine.config import EngineConfig
+from lmgate.service.auth import is_loopback_peer
+from lmgate.v1 import lmgate_pb2 as pb
+from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
+from tests.serving import ServerThread
+from tests.test_service import assert_idle
+from tests.test_shutdown import start_server
+
+PROMPT = pb.TokenIds(ids=[504, 3575, 282, 4649, 314])
+GREEDY = pb.SamplingParams(max_new_tokens=16, ignore_eos=True)
+LONG = pb.SamplingParams(max_new_tokens=4000, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def sleepy(checkpoint):
+    """A server of its own: these tests put it to sleep."""
+    s = ServerThread(EngineConfig(kv_cache_tokens=8192, engine_loops=2), checkpoint)
+    yield s
+    s.stop()
+
+
+def admin(server, token: str | None = None) -> pb_grpc.AdminStub:
+    return pb_grpc.AdminStub(server.channel())
+
+
+def greedy(stub) -> list[int]:
+    return [t for m in stub.Generate(pb.GenerateRequest(tokens=PROMPT, sampling=GREEDY)) for t in m.token_ids]
+
+
+def code_of(call) -> grpc.StatusCode | None:
+    try:
+        call()
+    except grpc.RpcError as err:
+        return err.code()
+    return None
+
+
+def test_sleep_under_load_cancels_streams_and_refuses_new_work(sleepy):
+    stub, adm = sleepy.stub(), admin(sleepy)
+    sid = stub.Start(pb.StartRequest()).session_id
+    streams = [stub.Generate(pb.GenerateRequest(tokens=PROMPT, sampling=LONG)) for _ in range(15)]
+    streams.append(stub.Generate(pb.GenerateRequest(session_id=sid, tokens=PROMPT, sampling=LONG)))
+    for s in streams:
+        assert next(m for m in s if m.token_ids)
+    adm.Sleep(pb.SleepRequest(level=1))
+    for s in streams:
+        assert [m.finish_reason for m in s][-1] == pb.FINISH_REASON_CANCELLED
+    assert code_of(lambda: stub.Start(pb.StartRequest())) == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(grpc.RpcError) as err:
+        greedy(stub)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "asleep" in err.value.details()
+    assert not stub.Cancel(pb.CancelRequest(request_id="nothing")).cancelled
+    stub.End(pb.EndRequest(session_id=sid))
+    info = stub.Info(pb.InfoRequest())
+    assert info.sleeping and set(info.sleeping_tags) == {"weights", "kv_cache"}
+    assert info.kv_cache_bytes == 0 and info.active_sessions == 0
+    assert stub.Tokenize(pb.TokenizeRequest(text="still here")).token_ids
+    adm.Wakeup(pb.WakeupRequest())
+    assert not stub.Info(pb.InfoRequest()).sleeping
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_wakeup_weights_only_keeps_admission_closed_then_output_unchanged(sleepy, level):
+    stub, adm = sleepy.stub(), admin(sleepy)
+    before = greedy(stub)
+    adm.Sleep(pb.SleepRequest(level=level))
+    adm.Sleep(pb.SleepRequest(level=level))  # sleeping again is harmless
+    if level == 2:
+        assert stub.Info(pb.InfoRequest()).weights_bytes == 0
+    adm.Wakeup(pb.WakeupRequest(tags=["weights"]))
+    info = stub.Info(pb.InfoRequest())
+    assert list(info.sleeping_tags) == ["kv_cache"] and info.weights_bytes > 0
+    assert code_of(lambda: greedy(stub)) == grpc.StatusCode.UNAVAILABLE
+    adm.Wakeup(pb.WakeupRequest(tags=["weights"]))  # awake already: no-op
+    adm.Wakeup(pb.WakeupRequest(tags=["kv_cache"]))
+    assert greedy(stub) == before
+    assert_idle(sleepy)
+
+
+def test_sleep_and_wakeup_reject_bad_arguments(sleepy):
+    adm = admin(sleepy)
+    for level in (0, 3):
+        assert code_of(lambda: adm.Sleep(pb.SleepRequest(level=level))) == grpc.StatusCode.INVALID_ARGUMENT
+    assert code_of(lambda: adm.Wakeup(pb.WakeupRequest(tags=["gpu"]))) == grpc.StatusCode.INVALID_ARGUMENT
+    assert not sleepy.info().sleeping
+
+
+def test_fifty_sleep_cycles_under_load(sleepy):
+    stub, adm = sleepy.stub(), admin(sleepy)
+    reference = greedy(stub)
+    stop = threading.Event()
+    rng = random.Random(7)
+
+    def client(seed: int) -> int:
+        """Generates until told to stop; every stream must end with tokens, CANCELLED, or UNAVAILABLE."""
+        local, done = random.Random(seed), 0
+        while not stop.is_set():
+            try:
+                msgs = list(stub.Generate(pb.GenerateRequest(tokens=PROMPT, sampling=pb.SamplingParams(max_new_tokens=local.randint(1, 16), ignore_eos=True))))
+                ids = [t for m in msgs for t in m.token_ids]
+                assert ids == reference[: len(ids)]
+                assert msgs[-1].finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_CANCELLED)
+                done += 1
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+                time.sleep(0.01)
+        return done
+
+    with ThreadPoolExecutor(8) as pool:
+        clients = [pool.submit(client, i) for i in range(8)]
+        for _ in range(50):
+            time.sleep(rng.uniform(0, 0.3))
+            adm.Sleep(pb.SleepRequest(level=2 if rng.random() < 0.1 else 1))  # level 2 reloads the weights
+            if rng.random() < 0.5:
+                adm.Wakeup(pb.WakeupRequest(tags=["weights"]))
+            adm.Wakeup(pb.WakeupRequest())
+        stop.set()
+        assert sum(f.result(timeout=300) for f in clients) > 0
+    assert_idle(sleepy)
+    info = sleepy.info()
+    assert not info.sleeping and info.active_sessions == 0
+    assert greedy(stub) == reference
+
+
+def save_hf_dir(path, config, weights: dict[str, torch.Tensor], tokenizer_dir: str) -> str:
+    """A Hugging Face model directory: config.json, model.safetensors and the tokenizer files."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({
+        "architectures": [config.architecture], "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
+        "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
+        "max_position_embeddings": config.max_position_embeddings, "tie_word_embeddings": config.tie_word_embeddings,
+    }))
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"))
+    for name in os.listdir(tokenizer_dir):
+        shutil.copy(os.path.join(tokenizer_dir, name), path / name)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, gguf_path, checkpoint):
+    """The embedded model as a HF directory with some weights changed, and a model of another shape."""
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("ckpt")
+    tokenizer_dir = root / "tokenizer"
+    AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path)).save_pretrained(tokenizer_dir)
+    changed = dict(checkpoint.weights)
+    for i in range(4):
+        name = f"model.layers.{i}.mlp.down_proj.weight"
+        changed[name] = -changed[name]
+    small_config = dataclasses.replace(checkpoint.config, hidden_size=64, intermediate_size=128, num_layers=2, head_dim=16)
+    generator = torch.Generator().manual_seed(0)
+    small = {k: torch.randn(_small_shape(k, v.shape, small_config), generator=generator)
+             for k, v in checkpoint.weights.items() if not k.startswith("model.layers.") or k.startswith(("model.layers.0.", "model.layers.1."))}
+    return {
+        "changed": save_hf_dir(root / "changed", checkpoint.config, changed, str(tokenizer_dir)),
+        "other_shape": save_hf_dir(root / "other_shape", small_config, small, str(tokenizer_dir)),
+        "original": gguf_path,
+    }
+
+
+def _small_shape(name: str, shape: torch.Size, cfg) -> tuple[int, ...]:
+    """The shape `name` has in a model of config `cfg`, scaled down from the embedded model's."""
+    big = {576: cfg.hidden_size, 1536: cfg.intermediate_size, 192: cfg.num_kv_heads * cfg.head_dim}
+    return tuple(big.get(d, d) for d in shape)
+
+
+def test_update_weights_changes_output_and_back(sleepy, checkpoints):
+    stub, adm = sleepy.stub(), admin(sleepy)
+    original = greedy(stub)
+    adm.UpdateWeights(pb.UpdateWeightsRequest(path=checkpoints["changed"]))
+    changed = greedy(stub)
+    assert changed != original
+    adm.UpdateWeights(pb.UpdateWeightsRequest(path=checkpoints["original"]))
+    assert greedy(stub) == original
+
+
+def test_update_weights_refuses_mismatch_and_keeps_serving(sleepy, checkpoints):
+    stub, adm = sleepy.stub(), admin(sleepy)
+    original = greedy(stub)
+    for path in (checkpoints["other_shape"], "/nonexistent/model"):
+        with pytest.raises(grpc.RpcError) as err:
+            adm.UpdateWeights(pb.UpdateWeightsRequest(path=path))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details()
+    assert greedy(stub) == original
+
+
+def test_rl_loop_sleep_wake_weights_update_wake_kv(sleepy, checkpoints):
+    """The trainer's loop: sleep, wake the weights, load new ones, wake the KV cache."""
+    stub, adm = sleepy.stub(), admin(sleepy)
+    original = greedy(stub)
+    adm.Sleep(pb.SleepRequest(level=2))
+    assert code_of(lambda: adm.UpdateWeights(pb.UpdateWeightsRequest(path=checkpoints["changed"]))) == grpc.StatusCode.UNAVAILABLE
+    adm.Wakeup(pb.WakeupRequest(tags=["weights"]))
+    adm.UpdateWeights(pb.UpdateWeightsRequest(path=checkpoints["changed"]))
+    adm.Wakeup(pb.WakeupRequest(tags=["kv_cache"]))
+    assert greedy(stub) != original
+    adm.UpdateWeights(pb.UpdateWeightsRequest(path=checkpoints["original"]))
+    assert greedy(stub) == original
+
+
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc to read a process's RSS")
+def test_level2_sleep_releases_weights_memory():
+    proc, address = start_server("--kv-cache-tokens", "1024")
+    try:
+        channel = grpc.insecure_channel(address)
+        stub, adm = pb_grpc.InferenceStub(channel), pb_grpc.AdminStub(channel)
+        weights = stub.Info(pb.InfoRequest()).weights_bytes
+        before = _rss_bytes(proc.pid)
+        adm.Sleep(pb.SleepRequest(level=2))
+        after = _rss_bytes(proc.pid)
+        assert before - after >= 0.8 * weights, (before, after, weights)
+        adm.Wakeup(pb.WakeupRequest())
+        assert len(greedy(stub)) == 16
+    finally:
+        proc.kill()
+
+
+def test_admin_auth_with_token(checkpoint):
+    server = ServerThread(EngineConfig(kv_cache_tokens=1024), checkpoint, admin_token="s3cret")
+    try:
+        adm = pb_grpc.AdminStub(server.channel())
+        wake = pb.WakeupRequest(tags=["kv_cache"])
+        assert code_of(lambda: adm.Wakeup(wake)) == grpc.StatusCode.UNAUTHENTICATED
+        assert code_of(lambda: adm.Wakeup(wake, metadata=[("authorization", "Bearer nope")])) == grpc.StatusCode.PERMISSION_DENIED
+        assert code_of(lambda: adm.Wakeup(wake, metadata=[("authorization", "Bearer s3cret")])) is None
+        assert server.info().vocab_size  # Inference needs no token
+    finally:
+        server.stop()
+
+
+def test_admin_without_token_accepts_loopback(sleepy):
+    assert code_of(lambda: admin(sleepy).Wakeup(pb.WakeupRequest(tags=["kv_cache"]))) is None
+
+
+@pytest.mark.parametrize("peer, local", [
+    ("ipv4:127.0.0.1:50051", True),
+    ("ipv4:127.8.9.1:1", True),
+    ("ipv6:[::1]:50051", True),
+    ("unix:/tmp/lmgate.sock", True),
+    ("ipv4:10.1.2.3:50051", False),
+    ("ipv4:192.168.1.20:4000", False),
+    ("ipv6:[2001:db8::1]:443", False),
+    ("ipv6:[::ffff:10.0.0.1]:80", False),
+    ("garbage", False),
+])
+def test_loopback_rule_on_peer_strings(peer, local):
+    assert is_loopback_peer(peer) is local
+
+
+def test_metrics_endpoint_exports_sleep_state(sleepy):
+    httpd, thread = start_http_server(0, addr="127.0.0.1", registry=sleepy.server.metrics.registry)
+    try:
+        greedy(sleepy.stub())
+        admin(sleepy).Sleep(pb.SleepRequest(level=1))
+        url = f"http://127.0.0.1:{httpd.server_port}/metrics"
+        text = urllib.request.urlopen(url).read().decode()
+        assert 'lmgate_sleeping{tag="kv_cache"} 1.0' in text
+        assert 'lmgate_sleep_transitions_total{transition="sleep_level_1"}' in text
+        assert "lmgate_output_tokens_total" in text and "lmgate_time_to_first_token_seconds_count" in text
+        admin(sleepy).Wakeup(pb.WakeupRequest())
+        text = urllib.request.urlopen(url).read().decode()
+        assert 'lmgate_sleeping{tag="kv_cache"} 0.0' in text
+    finally:
+        httpd.shutdown()
