@@ -17,6 +17,7 @@ import time
 
 import pytest
 import torch
+import transformers
 
 from lmgate.engine.config import EngineConfig
 from lmgate.engine.engine import Engine
@@ -40,7 +41,6 @@ def engine(checkpoint):
 
 @pytest.fixture(scope="module")
 def hf_model(gguf_path):
-    transformers = pytest.importorskip("transformers")
     model = transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=torch.float32
     )
@@ -89,7 +89,6 @@ def reference_prompts(tokenizer) -> list[list[int]]:
         "def fibonacci(n):\n    ",
         chat(tokenizer, ("user", "What is 2+2?")),
         chat(tokenizer, ("system", "You are a helpful assistant."), ("user", "Write a haiku about the sea.")),
-        chat(tokenizer, ("user", "List three colors, then explain why the sky is blue.")),
     ]
     return [tokenizer.encode(t) for t in texts]
 
@@ -113,9 +112,9 @@ def test_engine_greedy_matches_transformers_alone_and_concurrent(engine, hf_mode
 # ----------------------------------------------------------------------------- 2. batch invariance
 def test_engine_tokens_do_not_depend_on_batch(engine, tokenizer):
     probe = tokenizer.encode("The three most important inventions in history are")
-    greedy = SamplingParams(max_new_tokens=24)
-    seeded = SamplingParams(max_new_tokens=24, temperature=0.8, top_p=0.9, top_k=50, seed=1234)
-    other_seed = SamplingParams(max_new_tokens=24, temperature=0.8, top_p=0.9, top_k=50, seed=4321)
+    greedy = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    seeded = SamplingParams(max_new_tokens=24, temperature=0.8, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    other_seed = SamplingParams(max_new_tokens=24, temperature=0.8, top_p=0.9, top_k=50, seed=4321, ignore_eos=True)
     greedy_alone = engine.generate(probe, greedy).token_ids
     seeded_alone = engine.generate(probe, seeded).token_ids
     other_alone = engine.generate(probe, other_seed).token_ids
@@ -128,9 +127,9 @@ def test_engine_tokens_do_not_depend_on_batch(engine, tokenizer):
     def crowd_request(i: int):
         prompt = tokenizer.encode(f"Story {i}: " + " ".join(words[: 1 + (i * 5) % len(words)] * (1 + i % 4)))
         if i % 3 == 0:  # some sampled rows (unseeded) in the batch too
-            params = SamplingParams(max_new_tokens=16 + 2 * i, temperature=1.0, top_k=20)
+            params = SamplingParams(max_new_tokens=12 + i, temperature=1.0, top_k=20)
         else:
-            params = SamplingParams(max_new_tokens=16 + 2 * i, ignore_eos=True)
+            params = SamplingParams(max_new_tokens=12 + i, ignore_eos=True)
         return prompt, params
 
     early = [engine.submit(*crowd_request(i)) for i in range(8)]
@@ -152,6 +151,7 @@ def test_engine_tokens_do_not_depend_on_batch(engine, tokenizer):
         probe_outputs.append(out)
     seeded_crowd = tokens_of(collect(probes[1]))
     t.join()
+    assert len(late) == 8
     crowd = [collect(s) for s in early + late]
     assert max_running > 2  # the probe really shared its batch
     assert tokens_of(probe_outputs) == greedy_alone
@@ -166,18 +166,20 @@ def test_engine_kv_blocks_all_free_after_preemption_cancel_and_sessions(engine, 
     try:
         info = small.info()
         assert info.kv_blocks_total == 32 and info.kv_blocks_free == 32
-        topics = ["the ocean", "mountains", "a city at night", "old books", "coffee", "trains", "the moon", "gardens",
-                  "winter", "robots"]
+        topics = ["the ocean", "mountains", "a city at night", "old books", "coffee", "trains", "the moon", "gardens"]
         prompts = [
-            tokenizer.encode(f"Write a long, detailed essay about {t}. " + f"Describe {t} in depth. " * (10 + i))
+            tokenizer.encode(f"Write a long, detailed essay about {t}. " + f"Describe {t} in depth. " * (14 + i))
             for i, t in enumerate(topics)
         ]
-        params = [SamplingParams(max_new_tokens=20, ignore_eos=True) for _ in prompts]
-        params[3] = SamplingParams(max_new_tokens=20, temperature=0.9, top_k=40, seed=77)
+        params = [SamplingParams(max_new_tokens=16, ignore_eos=True) for _ in prompts]
+        params[3] = SamplingParams(max_new_tokens=16, temperature=0.9, top_k=40, seed=77, ignore_eos=True)
         # Each request alone fits; together they need far more than the 32 blocks (each ~8).
-        assert all(len(p) + 20 <= 512 for p in prompts)
-        assert sum(-(-(len(p) + 20) // 16) for p in prompts) > 2 * info.kv_blocks_total
-        expected = [engine.generate(p, sp).token_ids for p, sp in zip(prompts, params)]
+        assert all(len(p) + 16 <= 512 for p in prompts)
+        assert sum(-(-(len(p) + 16) // 16) for p in prompts) > 2 * info.kv_blocks_total
+        # References from the roomy module engine, where nothing is preempted (batch invariance is
+        # checked above, so running them together there is as good as one by one).
+        expected = [tokens_of(collect(s)) for s in [engine.submit(p, sp) for p, sp in zip(prompts, params)]]
+        assert engine.info().preemptions == 0
 
         sid = small.start_session()
         turn1 = tokenizer.encode(chat(tokenizer, ("user", "Name a fruit.")))
@@ -185,7 +187,7 @@ def test_engine_kv_blocks_all_free_after_preemption_cancel_and_sessions(engine, 
         assert small.info().kv_blocks_free < small.info().kv_blocks_total  # the idle session keeps its KV
 
         streams = [small.submit(p, sp) for p, sp in zip(prompts, params)]
-        queued = small.submit(prompts[0], SamplingParams(max_new_tokens=20))
+        queued = small.submit(prompts[0], SamplingParams(max_new_tokens=16))
         assert queued.cancel()  # before it starts (or, racing the loop, right after)
         midway = small.submit(prompts[1], SamplingParams(max_new_tokens=200, ignore_eos=True))
         it = iter(midway)
@@ -199,7 +201,7 @@ def test_engine_kv_blocks_all_free_after_preemption_cancel_and_sessions(engine, 
             assert tokens_of(outs) == exp, f"request {i} changed under preemption"
             assert outs[-1].finish_reason is FinishReason.LENGTH
         q = collect(queued)
-        assert q[-1].finish_reason is FinishReason.CANCELLED and len(tokens_of(q)) < 20
+        assert q[-1].finish_reason is FinishReason.CANCELLED and len(tokens_of(q)) < 16
         assert rest[-1].finish_reason is FinishReason.CANCELLED
         assert 2 <= len(tokens_of(rest)) < 200
 
@@ -228,16 +230,19 @@ def long_prompt(tokenizer) -> list[int]:
     return ids[:600]
 
 
-@pytest.mark.parametrize("budget", [128, 100])
-def test_engine_chunked_prefill_matches_transformers(checkpoint, hf_model, long_prompt, tokenizer, budget):
-    expected = hf_greedy(hf_model, long_prompt, 16)
+@pytest.fixture(scope="module")
+def chunked_references(hf_model, long_prompt, tokenizer):
     short = tokenizer.encode("The best way to learn a language is")
-    short_alone = hf_greedy(hf_model, short, 16)
+    return short, hf_greedy(hf_model, long_prompt, 12), hf_greedy(hf_model, short, 12)
+
+
+@pytest.mark.parametrize("budget", [128, 100])  # 100: chunks that end inside a KV block
+def test_engine_chunked_prefill_matches_transformers(checkpoint, long_prompt, chunked_references, budget):
+    short, expected, short_alone = chunked_references
     eng = Engine(EngineConfig(kv_cache_tokens=2048, max_batched_tokens=budget), checkpoint=checkpoint)
     try:
-        params = SamplingParams(max_new_tokens=16, ignore_eos=True)
-        assert eng.generate(long_prompt, params).token_ids == expected
-        # Again, with a decoding stream sharing every step of the chunked prefill.
+        params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+        # The 600-token prompt prefills in chunks while a decoding stream shares every step.
         short_stream = iter(eng.submit(short, params))
         short_out = [next(short_stream)]
         long_out = collect(eng.submit(long_prompt, params))

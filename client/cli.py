@@ -1,0 +1,219 @@
+"""The `lmgate` command: serve, generate, chat, info, tokenize, admin controls and a load generator.
+
+Every client subcommand takes --target (LMGATE_TARGET) and --admin-token (LMGATE_ADMIN_TOKEN). Exit status:
+0 on success, 1 when the server refuses (printed as `error: <CODE>: <details>`), 130 on Ctrl-C.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import sys
+from typing import Any, Callable, Iterable
+
+import grpc
+
+from . import bench
+from .client import DEFAULT_TARGET, AsyncClient, Client
+from .wire import Delta
+
+# Flags of `generate` and `chat` whose dest is a SamplingParams field; unset ones keep the server's defaults.
+SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+
+
+def _number(kind: Callable[[str], Any], minimum: float, *, above: bool = False) -> Callable[[str], Any]:
+    """An argparse type for flags whose range the client relies on (the server checks sampling values itself)."""
+
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if not (value > minimum if above else value >= minimum):  # NaN fails both
+            raise argparse.ArgumentTypeError(f"must be {'above' if above else 'at least'} {minimum}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its error messages
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--target", default=os.environ.get("LMGATE_TARGET", DEFAULT_TARGET),
+                        help=f"server address host:port (default {DEFAULT_TARGET}) [LMGATE_TARGET]")
+    common.add_argument("--admin-token", default=os.environ.get("LMGATE_ADMIN_TOKEN"),
+                        help="bearer token sent on Admin calls [LMGATE_ADMIN_TOKEN]")
+
+    turn = argparse.ArgumentParser(add_help=False)  # generate and chat: SAMPLING_FLAGS and a system message
+    turn.add_argument("--max-new-tokens", type=_number(int, 0), help="most tokens per reply; 0: the server's default (256)")
+    turn.add_argument("--temperature", type=float, help="0: greedy (the default)")
+    turn.add_argument("--top-p", type=float)
+    turn.add_argument("--top-k", type=int)
+    turn.add_argument("--seed", type=_number(int, 0), help="the same seed gives the same tokens")
+    turn.add_argument("--stop", nargs="+", action="extend", metavar="S", help="strings that end the reply")
+    turn.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    turn.add_argument("--system", help="a system message before the first user message")
+
+    parser = argparse.ArgumentParser(prog="lmgate", description="Serve and talk to an lmgate server.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser("serve", add_help=False, help="run the server (its flags: lmgate serve --help)")
+
+    p = sub.add_parser("generate", parents=[common, turn], help="stream one completion to stdout")
+    p.add_argument("prompt")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
+    p.set_defaults(run=_generate)
+
+    p = sub.add_parser("chat", parents=[common, turn], help="multi-turn chat over one session, from stdin")
+    p.set_defaults(run=_chat)
+
+    p = sub.add_parser("info", parents=[common], help="the served model and the engine's load, as JSON")
+    p.set_defaults(run=_info)
+
+    p = sub.add_parser("tokenize", parents=[common], help="token ids of a text, as JSON")
+    p.add_argument("text")
+    p.add_argument("--add-special-tokens", action="store_true", help="add BOS etc. as the model's tokenizer would")
+    p.set_defaults(run=_tokenize)
+
+    p = sub.add_parser("sleep", parents=[common], help="Admin: end all streams and sessions, free memory")
+    p.add_argument("--level", type=int, choices=(1, 2), default=1, help="1: free the KV cache; 2: the weights too")
+    p.set_defaults(run=lambda args: _with_client(args, lambda c: c.sleep(args.level)))
+
+    p = sub.add_parser("wakeup", parents=[common], help="Admin: restore what sleeps")
+    p.add_argument("--tags", nargs="*", choices=("weights", "kv_cache"), default=[], help="what to restore (default: all)")
+    p.set_defaults(run=lambda args: _with_client(args, lambda c: c.wakeup(args.tags)))
+
+    p = sub.add_parser("update-weights", parents=[common], help="Admin: load new weights of the same architecture")
+    p.add_argument("path", help="HF model directory or GGUF file, as the server sees it")
+    p.set_defaults(run=lambda args: _with_client(args, lambda c: c.update_weights(args.path)))
+
+    p = sub.add_parser("bench", parents=[common], help="load generator: throughput, TTFT, TPOT, ITL",
+                       description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--concurrency", type=_number(int, 1), default=8, help="most requests in flight (default 8)")
+    p.add_argument("--num-prompts", type=_number(int, 1), default=64, help="requests to send (default 64)")
+    p.add_argument("--input-len", type=_number(int, 1), default=128, help="prompt tokens per request (default 128)")
+    p.add_argument("--output-len", type=_number(int, 1), default=128, help="max_new_tokens per request (default 128)")
+    p.add_argument("--ignore-eos", action="store_true", help="generate exactly --output-len tokens")
+    p.add_argument("--request-rate", type=_number(float, 0, above=True), default=math.inf,
+                   help="requests per second, Poisson arrivals; inf (default): all at once")
+    p.add_argument("--temperature", type=_number(float, 0), default=0.0, help="0: greedy (default)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and arrival gaps")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.set_defaults(run=lambda args: asyncio.run(_bench(args)))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The `lmgate` console script. `serve`'s flags belong to the server, so they pass through unparsed."""
+    parser = build_parser()
+    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if args.command == "serve":
+        from lmgate.service.main import main as serve  # the server's dependencies (torch, ...) only when serving
+
+        return serve(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        return args.run(args)
+    except grpc.RpcError as exc:
+        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+
+
+def _client(args: argparse.Namespace) -> Client:
+    return Client(args.target, admin_token=args.admin_token)
+
+
+def _with_client(args: argparse.Namespace, call: Callable[[Client], object]) -> int:
+    with _client(args) as client:
+        call(client)
+    return 0
+
+
+def _sampling(args: argparse.Namespace) -> dict[str, Any]:
+    return {name: getattr(args, name) for name in SAMPLING_FLAGS}
+
+
+def _messages(system: str | None, user: str) -> list[dict[str, str]]:
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+
+
+def _stream_to_stdout(deltas: Iterable[Delta]) -> Delta | None:
+    """Prints each delta's text as it arrives; returns the last delta (the one with finish_reason and usage)."""
+    last = None
+    for last in deltas:
+        sys.stdout.write(last.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return last
+
+
+def _generate(args: argparse.Namespace) -> int:
+    chat = args.chat or args.system is not None
+    prompt_input = {"messages": _messages(args.system, args.prompt)} if chat else {"prompt": args.prompt}
+    with _client(args) as client:
+        last = _stream_to_stdout(client.generate(**prompt_input, **_sampling(args)))
+    if last is None or last.finish_reason is None:
+        print("error: the stream ended without a finish reason", file=sys.stderr)
+        return 1
+    usage = " ".join(f"{k}={v}" for k, v in (last.usage or {}).items())
+    print(f"finish_reason={last.finish_reason} {usage}", file=sys.stderr)
+    return 1 if last.finish_reason == "cancelled" else 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    """Each line is a user turn on one session, which keeps the history; EOF or Ctrl-C ends the session."""
+    prompt = "> " if sys.stdin.isatty() else ""
+    system = args.system
+    with _client(args) as client, client.start() as session:
+        while True:
+            try:
+                line = input(prompt)
+            except EOFError:
+                if prompt:
+                    print()
+                return 0
+            if line.strip():
+                _stream_to_stdout(session.generate(messages=_messages(system, line), **_sampling(args)))
+                system = None  # the session's history has it from now on
+
+
+def _info(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        info = client.info()
+    fields = {f.name: list(getattr(info, f.name)) if f.is_repeated else getattr(info, f.name) for f in info.DESCRIPTOR.fields}
+    print(json.dumps(fields, indent=2))
+    return 0
+
+
+def _tokenize(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        print(json.dumps(client.tokenize(args.text, add_special_tokens=args.add_special_tokens)))
+    return 0
+
+
+async def _bench(args: argparse.Namespace) -> int:
+    async with AsyncClient(args.target, admin_token=args.admin_token) as client:
+        info = await client.info()
+        if args.input_len + args.output_len > info.max_context_length:
+            print(f"error: --input-len + --output-len is {args.input_len + args.output_len}, beyond the server's "
+                  f"context of {info.max_context_length} tokens", file=sys.stderr)
+            return 1
+        rng = random.Random(args.seed)
+        prompts = bench.random_prompts(rng, args.num_prompts, args.input_len, info.vocab_size)
+        results, duration = await bench.run(
+            client, prompts, concurrency=args.concurrency, request_rate=args.request_rate, rng=rng,
+            max_new_tokens=args.output_len, ignore_eos=args.ignore_eos, temperature=args.temperature,
+        )
+    summary = bench.summarize(results, duration)
+    print(bench.report(summary))
+    for error in summary["errors"]:
+        print(f"error: {error}", file=sys.stderr)
+    if args.json:
+        config = {k: v for k, v in vars(args).items() if k not in ("run", "admin_token", "json", "command")}
+        config["request_rate"] = str(args.request_rate)  # JSON has no inf
+        with open(args.json, "w") as f:
+            json.dump({"model": info.model, "config": config, **summary}, f, indent=2)
+    return 1 if summary["failed"] else 0

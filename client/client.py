@@ -1,0 +1,231 @@
+"""The Python client of lmgate: `Client` (blocking) and `AsyncClient` (asyncio), over the generated stubs.
+
+Both have the same methods; AsyncClient's are coroutines, and its `generate` is an async iterator.
+Errors are not wrapped: a failed call raises `grpc.RpcError` (`grpc.aio.AioRpcError` on AsyncClient), whose
+`code()` is the status the proto documents (NOT_FOUND for an ended session, UNAVAILABLE while asleep, ...).
+Passing no input, several inputs, or an unknown sampling keyword raises TypeError before anything is sent.
+"""
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Generic, Iterable, Iterator, Mapping, Sequence, TypeVar
+
+import grpc
+
+from lmgate.v1 import lmgate_pb2 as pb
+from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
+
+from .wire import Delta, admin_metadata, generate_request, to_delta
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+StreamT = TypeVar("StreamT", Iterator[Delta], AsyncIterator[Delta])
+
+
+class _ClientBase(Generic[StreamT]):
+    """What the two clients share: stubs, call options and building a Generate call."""
+
+    def __init__(self, channel: grpc.Channel | grpc.aio.Channel, admin_token: str | None, timeout: float | None) -> None:
+        self._channel = channel
+        self._inference = pb_grpc.InferenceStub(channel)
+        self._admin = pb_grpc.AdminStub(channel)
+        self._admin_metadata = admin_metadata(admin_token)
+        self._timeout = timeout
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[Mapping[str, str]] | None = None,
+        token_ids: Sequence[int] | None = None,
+        session_id: int = 0,
+        request_id: str = "",
+        **sampling: Any,
+    ) -> StreamT:
+        """Streams one turn as `Delta`s; the last carries finish_reason and usage.
+
+        Give exactly one of `prompt`, `messages` ([{"role": ..., "content": ...}], rendered by the server's
+        chat template) or `token_ids`. `session_id` 0 is a stateless request; `request_id` "" lets the server
+        pick one (every delta carries it). `sampling` are SamplingParams' fields (max_new_tokens, temperature,
+        top_p, top_k, min_p, seed, stop, ...). The request is built and checked here; it is sent now, and
+        leaving the iterator early cancels it on the server.
+        """
+        request = generate_request(
+            prompt, messages=messages, token_ids=token_ids, session_id=session_id, request_id=request_id, **sampling
+        )
+        return self._stream(self._inference.Generate(request, timeout=self._timeout))
+
+    def _stream(self, call: Any) -> StreamT:
+        raise NotImplementedError
+
+
+class Client(_ClientBase[Iterator[Delta]]):
+    """A blocking client over one channel. `timeout` is each call's deadline in seconds (streams included);
+    `admin_token` is sent as 'authorization: Bearer <token>' on Admin calls only."""
+
+    def __init__(self, target: str = DEFAULT_TARGET, *, admin_token: str | None = None, timeout: float | None = None) -> None:
+        super().__init__(grpc.insecure_channel(target), admin_token, timeout)
+
+    def _stream(self, call: Any) -> Iterator[Delta]:
+        try:
+            for response in call:
+                yield to_delta(response)
+        finally:
+            call.cancel()  # a no-op once the stream has ended; otherwise frees the server's work
+
+    def start(self, session_id: int = 0) -> Session:
+        """Opens a session (0: the server picks its id); use it as a context manager to end it."""
+        response = self._inference.Start(pb.StartRequest(session_id=session_id), timeout=self._timeout)
+        return Session(self, response.session_id)
+
+    def cancel(self, request_id: str | None = None, session_id: int = 0) -> bool:
+        """Cancels a request by id, or a session's active turn; True if something was running or queued."""
+        request = pb.CancelRequest(request_id=request_id or "", session_id=session_id)
+        return self._inference.Cancel(request, timeout=self._timeout).cancelled
+
+    def end(self, session_id: int) -> None:
+        """Ends a session: cancels its turn and frees its KV cache. Idempotent."""
+        self._inference.End(pb.EndRequest(session_id=session_id), timeout=self._timeout)
+
+    def info(self) -> pb.InfoResponse:
+        return self._inference.Info(pb.InfoRequest(), timeout=self._timeout)
+
+    def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        request = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
+        return list(self._inference.Tokenize(request, timeout=self._timeout).token_ids)
+
+    def sleep(self, level: int = 1) -> None:
+        """Admin: ends every stream and session, then frees the KV cache (level 1) and the weights (level 2)."""
+        self._admin.Sleep(pb.SleepRequest(level=level), timeout=self._timeout, metadata=self._admin_metadata)
+
+    def wakeup(self, tags: Iterable[str] = ()) -> None:
+        """Admin: restores "weights" and / or "kv_cache" (none: both)."""
+        self._admin.Wakeup(pb.WakeupRequest(tags=tags), timeout=self._timeout, metadata=self._admin_metadata)
+
+    def update_weights(self, path: str) -> None:
+        """Admin: loads new weights of the same architecture from a HF directory or GGUF file on the server."""
+        request = pb.UpdateWeightsRequest(path=path)
+        self._admin.UpdateWeights(request, timeout=self._timeout, metadata=self._admin_metadata)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient(_ClientBase[AsyncIterator[Delta]]):
+    """`Client` for asyncio: the same methods as coroutines, `generate` as an async iterator.
+    Create it inside the event loop that uses it (`async with AsyncClient(...) as client:`)."""
+
+    def __init__(self, target: str = DEFAULT_TARGET, *, admin_token: str | None = None, timeout: float | None = None) -> None:
+        super().__init__(grpc.aio.insecure_channel(target), admin_token, timeout)
+
+    async def _stream(self, call: Any) -> AsyncIterator[Delta]:
+        try:
+            async for response in call:
+                yield to_delta(response)
+        finally:
+            call.cancel()
+
+    async def start(self, session_id: int = 0) -> AsyncSession:
+        response = await self._inference.Start(pb.StartRequest(session_id=session_id), timeout=self._timeout)
+        return AsyncSession(self, response.session_id)
+
+    async def cancel(self, request_id: str | None = None, session_id: int = 0) -> bool:
+        request = pb.CancelRequest(request_id=request_id or "", session_id=session_id)
+        return (await self._inference.Cancel(request, timeout=self._timeout)).cancelled
+
+    async def end(self, session_id: int) -> None:
+        await self._inference.End(pb.EndRequest(session_id=session_id), timeout=self._timeout)
+
+    async def info(self) -> pb.InfoResponse:
+        return await self._inference.Info(pb.InfoRequest(), timeout=self._timeout)
+
+    async def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        request = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
+        return list((await self._inference.Tokenize(request, timeout=self._timeout)).token_ids)
+
+    async def sleep(self, level: int = 1) -> None:
+        await self._admin.Sleep(pb.SleepRequest(level=level), timeout=self._timeout, metadata=self._admin_metadata)
+
+    async def wakeup(self, tags: Iterable[str] = ()) -> None:
+        await self._admin.Wakeup(pb.WakeupRequest(tags=tags), timeout=self._timeout, metadata=self._admin_metadata)
+
+    async def update_weights(self, path: str) -> None:
+        request = pb.UpdateWeightsRequest(path=path)
+        await self._admin.UpdateWeights(request, timeout=self._timeout, metadata=self._admin_metadata)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class _SessionBase(Generic[StreamT]):
+    """A conversation on the server: each turn continues its history and reuses its KV cache."""
+
+    def __init__(self, client: _ClientBase[StreamT], session_id: int) -> None:
+        self.client = client
+        self.id = session_id
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[Mapping[str, str]] | None = None,
+        token_ids: Sequence[int] | None = None,
+        request_id: str = "",
+        **sampling: Any,
+    ) -> StreamT:
+        """One turn: the new input is appended to the history (a prompt gets no BOS; messages are rendered
+        on their own, so send only the new ones). One turn at a time: a second is FAILED_PRECONDITION."""
+        return self.client.generate(
+            prompt, messages=messages, token_ids=token_ids, session_id=self.id, request_id=request_id, **sampling
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(id={self.id})"
+
+
+class Session(_SessionBase[Iterator[Delta]]):
+    """A session of a `Client`; `with client.start() as session:` ends it on exit."""
+
+    client: Client
+
+    def cancel(self) -> bool:
+        """Stops the active turn (its stream ends "cancelled"); the history keeps what was generated."""
+        return self.client.cancel(session_id=self.id)
+
+    def end(self) -> None:
+        self.client.end(self.id)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.end()
+
+
+class AsyncSession(_SessionBase[AsyncIterator[Delta]]):
+    """A session of an `AsyncClient`; `async with await client.start() as session:` ends it on exit."""
+
+    client: AsyncClient
+
+    async def cancel(self) -> bool:
+        return await self.client.cancel(session_id=self.id)
+
+    async def end(self) -> None:
+        await self.client.end(self.id)
+
+    async def __aenter__(self) -> AsyncSession:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.end()

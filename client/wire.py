@@ -1,0 +1,106 @@
+"""Python values to lmgate messages and back: pure functions shared by `Client` and `AsyncClient`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from lmgate.v1 import lmgate_pb2 as pb
+
+# The sampling keyword arguments: exactly SamplingParams' fields, so a new proto field needs no client change.
+SAMPLING_FIELDS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)
+
+_USAGE_FIELDS = tuple(f.name for f in pb.Usage.DESCRIPTOR.fields)
+_FINISH_REASONS = {
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_CANCELLED: "cancelled",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """One message of a Generate stream, in plain Python types.
+
+    `logprobs` has one entry per token of `token_ids` when sampling asked for them:
+    `{"token_id": int, "logprob": float, "top": [(token_id, logprob), ...]}`.
+    `finish_reason` ("stop", "length", "cancelled") and `usage` (prompt_tokens, completion_tokens,
+    cached_tokens) are set on the last message of the stream only.
+    """
+
+    request_id: str
+    session_id: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[str, Any]]
+    finish_reason: str | None
+    usage: dict[str, int] | None
+
+
+def sampling_params(**sampling: Any) -> pb.SamplingParams:
+    """SamplingParams from keyword arguments named as its fields; None leaves a field unset (its default).
+
+    A single string for a repeated field (`stop="\\n"`) counts as a list of one. Unknown names raise
+    TypeError, as an unknown keyword argument of a Python function would.
+    """
+    unknown = sorted(set(sampling) - SAMPLING_FIELDS)
+    if unknown:
+        raise TypeError(f"unknown sampling parameter(s): {', '.join(unknown)}; expected some of {sorted(SAMPLING_FIELDS)}")
+    fields = pb.SamplingParams.DESCRIPTOR.fields_by_name
+    values = {}
+    for name, value in sampling.items():
+        if value is None:
+            continue
+        if isinstance(value, str) and fields[name].is_repeated:
+            value = [value]
+        values[name] = value
+    return pb.SamplingParams(**values)
+
+
+def generate_request(
+    prompt: str | None = None,
+    *,
+    messages: Sequence[Mapping[str, str]] | None = None,
+    token_ids: Sequence[int] | None = None,
+    session_id: int = 0,
+    request_id: str = "",
+    **sampling: Any,
+) -> pb.GenerateRequest:
+    """The GenerateRequest for exactly one input: a text prompt, chat messages ({"role", "content"} dicts,
+    rendered by the server's chat template) or token ids. Raises TypeError for none or several inputs."""
+    given = [name for name, value in (("prompt", prompt), ("messages", messages), ("token_ids", token_ids)) if value is not None]
+    if len(given) != 1:
+        raise TypeError(f"generate() takes exactly one of prompt, messages, token_ids; got {given or 'none'}")
+    request = pb.GenerateRequest(session_id=session_id, request_id=request_id, sampling=sampling_params(**sampling))
+    if prompt is not None:
+        request.prompt = prompt
+    elif messages is not None:
+        request.messages.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages)
+        request.messages.SetInParent()  # an empty list is still the chosen input (the server refuses it)
+    else:
+        request.tokens.ids.extend(token_ids)
+        request.tokens.SetInParent()
+    return request
+
+
+def to_delta(response: pb.GenerateResponse) -> Delta:
+    return Delta(
+        request_id=response.request_id,
+        session_id=response.session_id,
+        token_ids=list(response.token_ids),
+        text=response.text,
+        logprobs=[
+            {"token_id": lp.token_id, "logprob": lp.logprob, "top": [(t.token_id, t.logprob) for t in lp.top]}
+            for lp in response.logprobs
+        ],
+        finish_reason=_FINISH_REASONS.get(response.finish_reason),
+        usage=(
+            {f: getattr(response.usage, f) for f in _USAGE_FIELDS}
+            if response.HasField("usage")
+            else None
+        ),
+    )
+
+
+def admin_metadata(admin_token: str | None) -> tuple[tuple[str, str], ...]:
+    """Call metadata for Admin RPCs; Inference RPCs send none, so the token never travels where it isn't needed."""
+    return () if admin_token is None else (("authorization", f"Bearer {admin_token}"),)

@@ -1,0 +1,188 @@
+"""Host-side collectives among data-parallel engine loops, after TurboMind's HostComm / ThreadCommImpl.
+
+Every engine loop owns one communicator and calls the same collectives, in the same order, as its
+peers: a communicator has no tags, so a rank that skips or reorders a call deadlocks the group (or, once
+someone calls `abort`, makes every rank raise `CommAborted`). The loops use an `all_reduce` each step so
+that they agree on what `Gateway.pop` returned before they run a step.
+
+Only `ThreadComm` (ranks are threads of one process) is provided. A `torch.distributed` (gloo) backend
+for ranks in separate processes is left out: `new_group` orders ranks by their global rank, so honouring
+`split`'s key order would need a rank permutation on top, and nothing runs ranks in separate processes yet.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import threading
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+class CommAborted(RuntimeError):
+    """A collective cannot complete: some rank called `abort` on this communicator or on its parent."""
+
+
+class RedOp(enum.Enum):
+    SUM = "sum"
+    MIN = "min"
+    MAX = "max"
+
+
+_REDUCE = {RedOp.SUM: sum, RedOp.MIN: min, RedOp.MAX: max}
+
+
+class HostComm(abc.ABC):
+    """Collectives among `size` ranks; each call blocks until every rank of the group has made it."""
+
+    @property
+    @abc.abstractmethod
+    def rank(self) -> int:
+        """This rank's index in the group, 0 <= rank < size."""
+
+    @property
+    @abc.abstractmethod
+    def size(self) -> int:
+        """Number of ranks in the group."""
+
+    @abc.abstractmethod
+    def broadcast(self, value: T, root: int = 0) -> T:
+        """`root`'s value on every rank; the value the other ranks pass is ignored."""
+
+    @abc.abstractmethod
+    def all_gather(self, value: T) -> list[T]:
+        """Every rank's value, indexed by rank."""
+
+    @abc.abstractmethod
+    def all_reduce(self, value: int | list[int], op: RedOp) -> int | list[int]:
+        """`op` over every rank's value; lists (of equal length on all ranks) are reduced elementwise."""
+
+    @abc.abstractmethod
+    def sync(self) -> None:
+        """Barrier: returns once every rank has called it."""
+
+    @abc.abstractmethod
+    def split(self, color: int, key: int) -> HostComm:
+        """Collective: ranks passing the same color form a new communicator, ranked by (key, old rank)."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Make pending and future collectives on every rank raise `CommAborted`; never blocks."""
+
+
+class _Group:
+    """State shared by the `ThreadComm`s of one group: one slot per rank and the barrier ordering them.
+
+    Slot r is written only by rank r's thread and read by all of them between the two barrier phases of a
+    collective. `_lock` guards only `_children` and `_aborted`; it is a leaf, never held while waiting.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.slots: list[object] = [None] * size
+        self.barrier = threading.Barrier(size)
+        self._lock = threading.Lock()
+        self._children: list[_Group] = []  # groups split from this one, aborted along with it
+        self._aborted = False
+
+    def adopt(self, child: _Group) -> None:
+        with self._lock:
+            self._children.append(child)
+            aborted = self._aborted
+        if aborted:
+            child.abort()
+
+    def abort(self) -> None:
+        with self._lock:
+            self._aborted = True
+            children, self._children = self._children, []
+        self.barrier.abort()
+        for child in children:
+            child.abort()
+
+
+class ThreadComm(HostComm):
+    """A communicator whose ranks are threads of one process; build a group with `create_group`.
+
+    Each `ThreadComm` object is owned by one thread (its rank's engine loop), which alone calls its
+    collectives. The group's `threading.Barrier` is the only synchronisation between ranks, and it is never
+    waited on while the caller holds another lock. A collective writes the caller's slot, waits (phase 1:
+    every slot is written), reads the slots, and waits again (phase 2: every rank has read), so the next
+    collective cannot overwrite a slot that a slower rank has yet to read. Values are shared by reference,
+    not copied: treat what you pass and receive as immutable.
+
+    Shutdown: `abort()` breaks the barrier (`Barrier.abort`), so ranks waiting in a collective, and every
+    later collective on any rank, raise `CommAborted` instead of waiting forever for a rank that has left.
+    Aborting a communicator also aborts those split from it. There is no timeout: an engine loop may
+    legitimately wait a long time for an idle peer.
+    """
+
+    def __init__(self, group: _Group, rank: int) -> None:
+        """Internal; use `create_group` or `split`."""
+        self._group = group
+        self._rank = rank
+
+    @classmethod
+    def create_group(cls, size: int) -> list[ThreadComm]:
+        """One communicator per rank, to be handed to that rank's thread. A size-1 group needs no threads."""
+        if size < 1:
+            raise ValueError(f"group size must be at least 1, got {size}")
+        group = _Group(size)
+        return [cls(group, rank) for rank in range(size)]
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return len(self._group.slots)
+
+    def broadcast(self, value: T, root: int = 0) -> T:
+        if not 0 <= root < self.size:
+            raise ValueError(f"root {root} out of range for a group of {self.size}")
+        return self._exchange(value)[root]
+
+    def all_gather(self, value: T) -> list[T]:
+        return self._exchange(value)
+
+    def all_reduce(self, value: int | list[int], op: RedOp) -> int | list[int]:
+        reduce = _REDUCE[op]
+        values = self._exchange(value)
+        if isinstance(value, list):
+            return [reduce(column) for column in zip(*values, strict=True)]
+        return reduce(values)
+
+    def sync(self) -> None:
+        self._wait()
+
+    def split(self, color: int, key: int) -> ThreadComm:
+        entries = self.all_gather((color, key))
+        members = sorted((r for r, (c, _) in enumerate(entries) if c == color), key=lambda r: (entries[r][1], r))
+        # The lowest old rank of each color creates the new group and publishes it to the others.
+        leader = min(members)
+        created = None
+        if self._rank == leader:
+            created = _Group(len(members))
+            self._group.adopt(created)
+        groups = self.all_gather(created)
+        return ThreadComm(groups[leader], members.index(self._rank))
+
+    def abort(self) -> None:
+        self._group.abort()
+
+    def _wait(self) -> None:
+        try:
+            self._group.barrier.wait()
+        except threading.BrokenBarrierError:
+            raise CommAborted("host communicator aborted") from None
+
+    def _exchange(self, value: T) -> list[T]:
+        """Every rank's value, indexed by rank: the two-phase step all collectives but `sync` are built on."""
+        slots = self._group.slots
+        slots[self._rank] = value
+        self._wait()
+        seen = list(slots)
+        self._wait()
+        slots[self._rank] = None  # everyone has read it; do not keep the value alive until the next call
+        return seen
