@@ -7,6 +7,7 @@ Passing no input, several inputs, or an unknown sampling keyword raises TypeErro
 """
 from __future__ import annotations
 
+import abc
 from typing import Any, AsyncIterator, Generic, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 import grpc
@@ -21,7 +22,7 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 StreamT = TypeVar("StreamT", Iterator[Delta], AsyncIterator[Delta])
 
 
-class _ClientBase(Generic[StreamT]):
+class _ClientBase(abc.ABC, Generic[StreamT]):
     """What the two clients share: stubs, call options and building a Generate call."""
 
     def __init__(self, channel: grpc.Channel | grpc.aio.Channel, admin_token: str | None, timeout: float | None) -> None:
@@ -54,8 +55,9 @@ class _ClientBase(Generic[StreamT]):
         )
         return self._stream(self._inference.Generate(request, timeout=self._timeout))
 
+    @abc.abstractmethod
     def _stream(self, call: Any) -> StreamT:
-        raise NotImplementedError
+        """The call's responses as Deltas, cancelling the call if the caller stops early."""
 
 
 class Client(_ClientBase[Iterator[Delta]]):

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import UnsupportedModel
+from .errors import InvalidRequest, UnsupportedModel
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -77,3 +77,12 @@ class EngineConfig:
     max_context_length: int | None = None
     engine_loops: int = 1
     default_max_new_tokens: int = 256
+    max_queued_requests: int = 1024  # per engine loop; a generate beyond it is RESOURCE_EXHAUSTED
+
+    def __post_init__(self) -> None:
+        for name in ("kv_cache_tokens", "block_size", "max_batch_size", "max_batched_tokens", "engine_loops",
+                     "default_max_new_tokens", "max_queued_requests"):
+            if getattr(self, name) < 1:
+                raise InvalidRequest(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.kv_cache_tokens < self.block_size:
+            raise InvalidRequest(f"kv_cache_tokens ({self.kv_cache_tokens}) must hold one block of {self.block_size}")

@@ -15,6 +15,7 @@ from .engine_loop import EngineLoop
 from .config import ModelConfig
 from .errors import ContextOverflow, InvalidRequest, Unavailable, UnsupportedModel
 from .gateway import Gateway
+from .host_comm import ThreadComm
 from .kv_cache import allocate_kv_cache, kv_bytes_per_token
 from .loader import Checkpoint, load_checkpoint, read_config
 from .memory import release_host_memory
@@ -51,6 +52,7 @@ class EngineInfo:
     active_sessions: int
     running_sequences: int
     waiting_sequences: int
+    queued_requests: int
     preemptions: int
 
 
@@ -93,22 +95,23 @@ class Engine:
         self.model: LlamaForCausalLM | None = build_model(ckpt.config, ckpt.weights, self.dtype, self.device)
         self.sleeping: set[str] = set()  # of SLEEP_TAGS; written only under _admin_lock
         self._admin_lock = threading.Lock()  # serializes sleep / wakeup / update_weights; loops never take it
-        num_blocks = max(1, config.kv_cache_tokens // config.block_size)
+        num_blocks = config.kv_cache_tokens // config.block_size
         self.max_context_length = min(
             config.max_context_length or ckpt.config.max_position_embeddings,
             ckpt.config.max_position_embeddings,
             num_blocks * config.block_size,
         )
         self.kv_bytes_per_token = kv_bytes_per_token(ckpt.config, self.dtype)
-        self.gateway = Gateway(config.engine_loops)
-        self.loops = [self._make_loop(rank, num_blocks) for rank in range(config.engine_loops)]
+        self.gateway = Gateway(config.engine_loops, config.max_queued_requests)
+        comms = ThreadComm.create_group(config.engine_loops)
+        self.loops = [self._make_loop(comm, num_blocks) for comm in comms]
         self._threads = [
             threading.Thread(target=loop.run, name=f"lmgate-engine-{loop.rank}", daemon=True) for loop in self.loops
         ]
         for t in self._threads:
             t.start()
 
-    def _make_loop(self, rank: int, num_blocks: int) -> EngineLoop:
+    def _make_loop(self, comm: ThreadComm, num_blocks: int) -> EngineLoop:
         c = self.config
         runner = ModelRunner(
             self.model,
@@ -117,7 +120,7 @@ class Engine:
             self.device,
         )
         return EngineLoop(
-            rank, self.gateway, runner, BlockManager(num_blocks, c.block_size), self.tokenizer,
+            comm.rank, self.gateway, comm, runner, BlockManager(num_blocks, c.block_size), self.tokenizer,
             c.max_batch_size, c.max_batched_tokens, self.max_context_length, c.default_max_new_tokens,
         )
 
@@ -225,6 +228,7 @@ class Engine:
             active_sessions=len(self.gateway.binding),
             running_sequences=sum(len(l.scheduler.running) for l in self.loops),
             waiting_sequences=sum(len(l.scheduler.waiting) for l in self.loops),
+            queued_requests=sum(q.num_generates for q in self.gateway.queues),
             preemptions=sum(l.scheduler.num_preemptions for l in self.loops),
         )
 

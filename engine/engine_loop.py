@@ -8,6 +8,7 @@ from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
 from .errors import ContextOverflow, EngineError, InternalError, SessionBusy
 from .gateway import Gateway, Signal, cancelled_output
+from .host_comm import CommAborted, HostComm
 from .model_runner import ModelRunner
 from .request import CancelFlag, FinishReason, Request, RequestKind, RequestOutput, TokenLogprob, Usage
 from .scheduler import Scheduler
@@ -29,6 +30,7 @@ class EngineLoop:
         self,
         rank: int,
         gateway: Gateway,
+        comm: HostComm,
         runner: ModelRunner,
         blocks: BlockManager,
         tokenizer: Tokenizer,
@@ -39,6 +41,7 @@ class EngineLoop:
     ) -> None:
         self.rank = rank
         self.gateway = gateway
+        self.comm = comm
         self.runner = runner
         self.blocks = blocks
         self.tokenizer = tokenizer
@@ -53,19 +56,29 @@ class EngineLoop:
     # the loop ----------------------------------------------------------------------------------------------
 
     def run(self) -> None:
+        try:
+            self._run()
+        except CommAborted:
+            pass  # a peer loop failed and has shut the Gateway down
+        except Exception:
+            log.exception("engine loop %d failed; stopping the engine", self.rank)
+            self.comm.abort()  # release the peers from their collectives
+            self.gateway.shutdown()
+        self._cancel_all()
+        self._flush()
+
+    def _run(self) -> None:
         while True:
             free = self.max_batch_size - len(self.scheduler.running) - len(self.scheduler.waiting)
-            requests = self.gateway.pop(self.rank, max(free, 0), blocking=not self.scheduler.has_work)
+            requests = self.gateway.pop(self.rank, max(free, 0), self.scheduler.has_work, self.comm)
             if requests is None:
-                break
+                return
             try:
                 self.step(requests)
             except Exception as exc:  # a failed step must end its streams, not hang them
                 log.exception("engine loop %d: step failed", self.rank)
                 self._fail_all(InternalError(f"engine step failed: {exc}"))
             self._flush()
-        self._cancel_all()
-        self._flush()
 
     def step(self, requests: list[Request]) -> None:
         """One engine step: kAdd, cancellations, then the batch ops kSetup .. kDel."""

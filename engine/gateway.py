@@ -1,8 +1,10 @@
 """The Gateway, after TurboMind's: routes requests to engine loops and delivers their outputs.
 
 Lock order (each a leaf; no thread waits on one while holding another):
-  SequenceBinding._lock, RequestQueue._cond, CancelFlag._lock, Gateway._admission_lock, Gateway._signal_cond.
-Callbacks run on the signal thread with no lock held.
+  SequenceBinding._lock, RequestQueue._lock, CancelFlag._lock, Gateway._admission_lock, Gateway._arrivals,
+  Gateway._signal_cond.
+Callbacks run on the signal thread with no lock held. Engine loops wait on `_arrivals` (idle) and in the host
+communicator's collectives (every step), never while holding a lock.
 """
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import threading
 from collections import deque
 from typing import Callable
 
-from .errors import SessionExists, Unavailable
+from .errors import EngineError, ResourceExhausted, SessionExists, Unavailable
+from .host_comm import HostComm, RedOp
 from .request import CancelFlag, FinishReason, Request, RequestKind, RequestOutput, Usage
 from .request_queue import RequestQueue
 from .sequence_binding import SequenceBinding
@@ -26,13 +29,15 @@ Signal = tuple[Request, RequestOutput]
 class Gateway:
     """Shared by the caller threads (push, cancel, kill), the engine loops (pop, notify) and the signal thread."""
 
-    def __init__(self, num_queues: int) -> None:
-        self.queues = [RequestQueue() for _ in range(num_queues)]
+    def __init__(self, num_queues: int, max_queued: int = 1024) -> None:
+        self.queues = [RequestQueue(max_queued) for _ in range(num_queues)]
         self.binding = SequenceBinding()
         self._next_rank = itertools.count()  # next() on a count is atomic in CPython
         self._next_id = itertools.count(1)
         self._admission_lock = threading.Lock()  # guards _closed_gates
         self._closed_gates: dict[str, str] = {}
+        self._arrivals = threading.Condition()  # guards _num_arrivals; idle engine loops wait on it
+        self._num_arrivals = 0
         self._signals: deque[list[Signal]] = deque()
         self._signal_cond = threading.Condition()  # guards _signals and _stopping
         self._stopping = False
@@ -84,17 +89,22 @@ class Gateway:
             rank = next(self._next_rank) % len(self.queues)
         else:
             rank = self.binding.claim(request.session_id, request)
-        if not self.queues[rank].push(request):
-            if not request.stateless:
-                self.binding.release(request.session_id, request)
-            raise Unavailable("the engine is shutting down")
+        try:
+            if self._enqueue(rank, request):
+                return
+            error: EngineError = Unavailable("the engine is shutting down")
+        except ResourceExhausted as exc:
+            error = exc
+        if not request.stateless:
+            self.binding.release(request.session_id, request)
+        raise error
 
     def control(self, kind: RequestKind) -> None:
         """Send a control request to every engine loop and wait until each has handled it at a step boundary.
         A loop that has shut down counts as done."""
         pending = threading.Semaphore(0)
-        for queue in self.queues:
-            if not queue.push(Request(kind, 0, lambda _: pending.release())):
+        for rank in range(len(self.queues)):
+            if not self._enqueue(rank, Request(kind, 0, lambda _: pending.release())):
                 pending.release()
         for _ in self.queues:
             pending.acquire()
@@ -105,7 +115,7 @@ class Gateway:
         rank = self.binding.unbind(session_id)
         done = RequestOutput("", session_id, finish_reason=FinishReason.STOP)
         request = Request(RequestKind.KILL, session_id, on_done)
-        if rank is None or not self.queues[rank].push(request):
+        if rank is None or not self._enqueue(rank, request):
             self.notify([(request, done)])
 
     def cancel(self, request: Request) -> bool:
@@ -115,15 +125,45 @@ class Gateway:
             self.notify([(request, cancelled_output(request))])
         return old != CancelFlag.CANCELLED
 
+    def _enqueue(self, rank: int, request: Request) -> bool:
+        if not self.queues[rank].push(request):
+            return False
+        self._wake_loops()
+        return True
+
+    def _wake_loops(self) -> None:
+        with self._arrivals:
+            self._num_arrivals += 1
+            self._arrivals.notify_all()
+
     # engine side -------------------------------------------------------------------------------------------
 
-    def pop(self, rank: int, max_infer: int, blocking: bool, timeout: float | None = None) -> list[Request] | None:
-        """New work for engine loop `rank`, with unique ids; requests cancelled while queued are skipped."""
-        taken = self.queues[rank].pop(max_infer, blocking, timeout)
-        if taken is None:
-            return None
+    def pop(self, rank: int, max_infer: int, has_work: bool, comm: HostComm) -> list[Request] | None:
+        """New work for engine loop `rank`, or None once the loops stop.
+
+        Every loop calls this once per step, and the loops agree through an AllReduce of [ready, closed]:
+        they all run a step as soon as one of them has work (TurboMind's dp_thr, here 1, so no stream waits
+        for a peer to fill up), wait together while none has, and stop together once a queue is closed, so
+        no loop is ever left waiting in a collective for a peer that has gone. Requests cancelled while
+        queued are skipped; the others get unique ids.
+        """
+        queue = self.queues[rank]
+        while True:
+            with self._arrivals:
+                seen = self._num_arrivals
+            queued, closed = queue.state()
+            num_ready, num_closed = comm.all_reduce([int(has_work or queued), int(closed)], RedOp.SUM)
+            if num_closed:
+                return None  # close() handed back whatever was queued
+            if num_ready:
+                break
+            # Idle everywhere: wait for a request queued anywhere. The loops read the arrival count at
+            # different moments, so they agree on the oldest reading: all then leave the wait together.
+            oldest = comm.all_reduce(seen, RedOp.MIN)
+            with self._arrivals:
+                self._arrivals.wait_for(lambda: self._num_arrivals != oldest)
         live = []
-        for r in taken:
+        for r in queue.pop(max_infer) or []:  # closed since the agreement: seen and agreed next step
             if r.kind is RequestKind.GENERATE and not r.cancel_flag.compare_exchange(CancelFlag.QUEUED, CancelFlag.ACTIVE):
                 continue
             r.unique_id = next(self._next_id)
@@ -152,6 +192,7 @@ class Gateway:
                     self.notify([(request, RequestOutput("", request.session_id, finish_reason=FinishReason.STOP))])
                 else:
                     self.cancel(request)
+        self._wake_loops()
 
     def stop_signals(self) -> None:
         with self._signal_cond:

@@ -4,36 +4,41 @@ from __future__ import annotations
 import threading
 from collections import deque
 
+from .errors import ResourceExhausted
 from .request import Request, RequestKind
 
 
 class RequestQueue:
-    """Filled by any thread through the Gateway, emptied by one engine loop.
+    """Filled by any thread through the Gateway, emptied by one engine loop; the Gateway wakes idle loops.
 
-    `_cond` guards `_items` and `_closed`; it is a leaf lock: nothing is called out while it is held.
+    `_lock` guards `_items` and `_closed`; it is a leaf lock: nothing is called out while it is held.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_generates: int) -> None:
+        self.max_generates = max_generates
+        self._num_generates = 0
         self._items: deque[Request] = deque()
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._closed = False
 
     def push(self, request: Request) -> bool:
-        """False once the queue is closed; the caller then refuses the request itself."""
-        with self._cond:
+        """False once the queue is closed; the caller then refuses the request itself. A generate beyond
+        `max_generates` waiting is refused; kills and controls always get in."""
+        with self._lock:
             if self._closed:
                 return False
+            if request.kind is RequestKind.GENERATE:
+                if self._num_generates >= self.max_generates:
+                    raise ResourceExhausted(f"{self._num_generates} requests already wait for this engine loop; retry later")
+                self._num_generates += 1
             self._items.append(request)
-            self._cond.notify()
             return True
 
-    def pop(self, max_infer: int, blocking: bool, timeout: float | None = None) -> list[Request] | None:
+    def pop(self, max_infer: int) -> list[Request] | None:
         """Every kill and control request, and up to `max_infer` generate requests, in arrival order; None
-        once closed and empty. Generates that do not fit stay queued; kills and controls never wait behind
-        them (the engine loop handles a generate whose session ended meanwhile)."""
-        with self._cond:
-            if blocking:
-                self._cond.wait_for(lambda: self._items or self._closed, timeout)
+        once closed and empty. Never waits. Generates that do not fit stay queued; kills and controls never
+        wait behind them (the engine loop handles a generate whose session ended meanwhile)."""
+        with self._lock:
             if self._closed and not self._items:
                 return None
             taken: list[Request] = []
@@ -45,17 +50,24 @@ class RequestQueue:
                 max_infer -= r.kind is RequestKind.GENERATE
                 taken.append(r)
             self._items = left
+            self._num_generates -= sum(r.kind is RequestKind.GENERATE for r in taken)
             return taken
 
-    def has_items(self) -> bool:
-        with self._cond:
-            return bool(self._items)
+    @property
+    def num_generates(self) -> int:
+        """Generate requests waiting; a single int read, possibly stale."""
+        return self._num_generates
+
+    def state(self) -> tuple[bool, bool]:
+        """(has queued requests, is closed)."""
+        with self._lock:
+            return bool(self._items), self._closed
 
     def close(self) -> list[Request]:
         """Refuse new requests and hand back those still waiting."""
-        with self._cond:
+        with self._lock:
             self._closed = True
             left = list(self._items)
             self._items.clear()
-            self._cond.notify_all()
+            self._num_generates = 0
             return left

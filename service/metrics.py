@@ -41,6 +41,7 @@ class Metrics:
         self._engine_gauge("lmgate_sessions_open", "Open sessions", lambda i: i.active_sessions)
         self._engine_gauge("lmgate_running_requests", "Sequences in the running batches", lambda i: i.running_sequences)
         self._engine_gauge("lmgate_waiting_requests", "Sequences waiting for room in a batch", lambda i: i.waiting_sequences)
+        self._engine_gauge("lmgate_queued_requests", "Generate requests queued for the engine loops", lambda i: i.queued_requests)
         self._engine_gauge("lmgate_preemptions", "Sequences preempted for lack of KV blocks", lambda i: i.preemptions)
 
     def _engine_gauge(self, name: str, doc: str, read) -> None:

@@ -125,6 +125,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             active_sessions=i.active_sessions,
             running_requests=i.running_sequences,
             waiting_requests=i.waiting_sequences,
+            queued_requests=i.queued_requests,
             preemptions=i.preemptions,
             sleeping=bool(i.sleeping_tags),
             sleeping_tags=i.sleeping_tags,

@@ -1,9 +1,5 @@
-"""The Python client and the `lmgate` command, without a model.
-
-Request building and argument parsing are pure. What goes over the wire is checked against a scripted server:
-real gRPC on loopback that records each call and answers with canned replies (end-to-end tests against the
-real server live beside the other serving tests).
-"""
+"""The Python client and the `lmgate` command: request building and argument parsing (pure), then every
+call against a real server with the embedded model on loopback."""
 from __future__ import annotations
 
 import asyncio
@@ -11,7 +7,6 @@ import io
 import json
 import math
 import sys
-from concurrent import futures
 
 import grpc
 import pytest
@@ -20,8 +15,10 @@ from lmgate.client import AsyncClient, Client, Delta, Session
 from lmgate.client import bench
 from lmgate.client.cli import SAMPLING_FLAGS, build_parser, main
 from lmgate.client.wire import SAMPLING_FIELDS, admin_metadata, generate_request, sampling_params, to_delta
+from lmgate.engine.config import EngineConfig
+from lmgate.engine.sampling import SamplingParams
 from lmgate.v1 import lmgate_pb2 as pb
-from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
+from tests.serving import ServerThread
 
 # --------------------------------------------------------------------------- request building
 
@@ -167,219 +164,155 @@ def test_serve_forwards_its_flags_to_the_server(capsys):
     assert "lmgate serve" in out and "--engine-loops" in out
 
 
-# --------------------------------------------------------------------------- over the wire (scripted server)
+# --------------------------------------------------------------------------- against the real server
 
-REPLY = [("Hel", [11]), ("lo", [12, 13])]
-
-
-class ScriptedServer(pb_grpc.InferenceServicer, pb_grpc.AdminServicer):
-    """Records (method, request, metadata) per call; Generate streams REPLY, session 404 is NOT_FOUND."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, object, dict[str, str]]] = []
-
-    def _record(self, name, request, context):
-        self.calls.append((name, request, dict(context.invocation_metadata())))
-
-    def Start(self, request, context):
-        self._record("Start", request, context)
-        return pb.StartResponse(session_id=request.session_id or 42)
-
-    def Generate(self, request, context):
-        self._record("Generate", request, context)
-        if request.session_id == 404:
-            context.abort(grpc.StatusCode.NOT_FOUND, "unknown session 404")
-        rid = request.request_id or "srv-1"
-        for text, ids in REPLY:
-            yield pb.GenerateResponse(request_id=rid, session_id=request.session_id, token_ids=ids, text=text)
-        yield pb.GenerateResponse(
-            request_id=rid, session_id=request.session_id, finish_reason=pb.FINISH_REASON_STOP,
-            usage=pb.Usage(prompt_tokens=len(request.tokens.ids) or 1, completion_tokens=3),
-        )
-
-    def Cancel(self, request, context):
-        self._record("Cancel", request, context)
-        return pb.CancelResponse(cancelled=True)
-
-    def End(self, request, context):
-        self._record("End", request, context)
-        return pb.EndResponse()
-
-    def Tokenize(self, request, context):
-        self._record("Tokenize", request, context)
-        return pb.TokenizeResponse(token_ids=[ord(c) for c in request.text])
-
-    def Info(self, request, context):
-        self._record("Info", request, context)
-        return pb.InfoResponse(model="scripted", vocab_size=1000, max_context_length=256)
-
-    def Sleep(self, request, context):
-        self._record("Sleep", request, context)
-        return pb.SleepResponse()
-
-    def Wakeup(self, request, context):
-        self._record("Wakeup", request, context)
-        return pb.WakeupResponse()
-
-    def UpdateWeights(self, request, context):
-        self._record("UpdateWeights", request, context)
-        return pb.UpdateWeightsResponse()
+PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def scripted():
-    servicer = ScriptedServer()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    pb_grpc.add_InferenceServicer_to_server(servicer, server)
-    pb_grpc.add_AdminServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield servicer, f"127.0.0.1:{port}"
-    server.stop(None)
+def guarded(checkpoint):
+    """A server of its own with an admin token: these tests put it to sleep."""
+    s = ServerThread(EngineConfig(kv_cache_tokens=4096), checkpoint, admin_token="s3cret")
+    yield s
+    s.stop()
 
 
-@pytest.fixture
-def calls(scripted):
-    servicer, _ = scripted
-    servicer.calls.clear()
-    return servicer.calls
+def engine_text(server, prompt: str, n: int) -> tuple[list[int], str]:
+    out = server.engine.generate(prompt, SamplingParams(max_new_tokens=n, ignore_eos=True))
+    return out.token_ids, server.engine.tokenizer.decode(out.token_ids)
 
 
-@pytest.fixture
-def target(scripted):
-    return scripted[1]
+def assert_idle(server) -> None:
+    info = server.info()
+    assert info.kv_blocks_free == info.kv_blocks_total and info.active_sessions == 0
 
 
-def test_token_only_on_admin_calls(target, calls):
-    with Client(target, admin_token="s3cret") as client:
-        client.info()
-        client.tokenize("ab")
-        list(client.generate("hi"))
-        client.cancel("r1")
-        client.end(5)
-        client.start().end()
-        client.sleep(2)
-        client.wakeup(["weights"])
-        client.update_weights("/models/new")
-    admin = {"Sleep", "Wakeup", "UpdateWeights"}
-    assert {name for name, _, _ in calls} >= admin | {"Info", "Generate", "Start"}
-    for name, _, metadata in calls:
-        assert metadata.get("authorization") == ("Bearer s3cret" if name in admin else None), name
-    requests = {name: request for name, request, _ in calls}
-    assert requests["Sleep"].level == 2 and list(requests["Wakeup"].tags) == ["weights"]
-    assert requests["UpdateWeights"].path == "/models/new"
-
-
-def test_client_calls(target, calls):
-    with Client(target) as client:
-        deltas = list(client.generate("hi", request_id="mine", max_new_tokens=4))
-        assert "".join(d.text for d in deltas) == "Hello"
-        assert [d.request_id for d in deltas] == ["mine"] * 3
-        assert deltas[-1].finish_reason == "stop" and deltas[-1].usage["completion_tokens"] == 3
+def test_client_generate_tokenize_info(server):
+    ids, text = engine_text(server, PROMPT, 12)
+    with Client(server.address) as client:
+        deltas = list(client.generate(PROMPT, request_id="mine", max_new_tokens=12, ignore_eos=True))
+        assert [t for d in deltas for t in d.token_ids] == ids
+        assert "".join(d.text for d in deltas) == text
+        assert {d.request_id for d in deltas} == {"mine"}
         assert all(d.finish_reason is None and d.usage is None for d in deltas[:-1])
-        assert client.tokenize("ab") == [97, 98]
-        assert client.info().model == "scripted"
-        assert client.cancel(session_id=9) is True
+        last = deltas[-1]
+        assert last.finish_reason == "length"
+        assert last.usage == {"prompt_tokens": len(client.tokenize(PROMPT)), "completion_tokens": 12, "cached_tokens": 0}
+        assert client.tokenize(PROMPT) == server.engine.tokenizer.encode(PROMPT)
+        assert client.info().vocab_size == server.engine.model_config.vocab_size
         with pytest.raises(grpc.RpcError) as exc:
-            list(client.generate("hi", session_id=404))
+            list(client.generate(PROMPT, session_id=404))
         assert exc.value.code() == grpc.StatusCode.NOT_FOUND
-    assert [name for name, _, _ in calls] == ["Generate", "Tokenize", "Info", "Cancel", "Generate"]
-    assert calls[0][1].sampling.max_new_tokens == 4
-    assert (calls[3][1].session_id, calls[3][1].request_id) == (9, "")
+    assert_idle(server)
 
 
-def test_session_turns_and_end_on_exit(target, calls):
-    with Client(target) as client:
+def test_session_two_turns_cancel_and_end_on_exit(server):
+    with Client(server.address) as client:
         with client.start() as session:
-            assert isinstance(session, Session) and session.id == 42
-            list(session.generate(messages=[{"role": "user", "content": "Hi"}], temperature=0.5))
-            list(session.generate("more"))
+            assert isinstance(session, Session) and session.id > 0
+            first = list(session.generate(messages=[{"role": "user", "content": "Hi"}], max_new_tokens=6))
+            second = list(session.generate("Tell me more.", max_new_tokens=6))
+            assert second[-1].usage["cached_tokens"] >= first[-1].usage["prompt_tokens"]
+            long = session.generate("Count to a thousand.", max_new_tokens=500, ignore_eos=True)
+            next(long)
             assert session.cancel()
-        with client.start(7) as session:
-            assert session.id == 7
-    assert [name for name, _, _ in calls] == ["Start", "Generate", "Generate", "Cancel", "End", "Start", "End"]
-    assert [r.session_id for _, r, _ in calls] == [0, 42, 42, 42, 42, 7, 7]
+            assert list(long)[-1].finish_reason == "cancelled"
+            sid = session.id
+        with pytest.raises(grpc.RpcError) as exc:  # the context manager ended it
+            list(client.generate("Hi", session_id=sid))
+        assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+    assert_idle(server)
 
 
-def test_async_client(target, calls):
-    async def scenario():
-        async with AsyncClient(target, admin_token="t") as client:
-            texts = await asyncio.gather(*[_collect(client.generate(f"p{i}")) for i in range(3)])
-            async with await client.start() as session:
-                assert await session.cancel()
-                text = await _collect(session.generate(token_ids=[1, 2]))
-            await client.sleep()
-            return texts, text, await client.tokenize("a"), (await client.info()).vocab_size
+def test_async_client_concurrent_streams_and_session(server):
+    _, text = engine_text(server, PROMPT, 8)
 
-    async def _collect(deltas):
+    async def collect(deltas) -> str:
         return "".join([d.text async for d in deltas])
 
-    assert asyncio.run(scenario()) == (["Hello"] * 3, "Hello", [97], 1000)
-    assert [name for name, _, _ in calls][3:] == ["Start", "Cancel", "Generate", "End", "Sleep", "Tokenize", "Info"]
-    assert [md.get("authorization") for _, _, md in calls] == [None] * 7 + ["Bearer t"] + [None] * 2
+    async def scenario():
+        async with AsyncClient(server.address) as client:
+            texts = await asyncio.gather(*[collect(client.generate(PROMPT, max_new_tokens=8, ignore_eos=True)) for _ in range(4)])
+            async with await client.start() as session:
+                turn = await collect(session.generate(token_ids=await client.tokenize(PROMPT), max_new_tokens=8, ignore_eos=True))
+            return texts, turn, await client.tokenize("a")
+
+    texts, turn, ids = asyncio.run(scenario())
+    assert texts == [text] * 4 and turn == text and ids == server.engine.tokenizer.encode("a")
+    assert_idle(server)
 
 
-def test_cli_generate_streams_and_reports_usage(target, calls, capsys):
-    assert main(["generate", "Hi there", "--target", target, "--max-new-tokens", "5", "--stop", "\n"]) == 0
+def test_admin_token_sleep_and_wakeup(guarded):
+    with Client(guarded.address) as anonymous, Client(guarded.address, admin_token="wrong") as wrong:
+        with pytest.raises(grpc.RpcError) as exc:
+            anonymous.sleep(1)
+        assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as exc:
+            wrong.sleep(1)
+        assert exc.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    _, text = engine_text(guarded, PROMPT, 6)
+    with Client(guarded.address, admin_token="s3cret") as client:
+        client.sleep(1)
+        assert client.info().sleeping
+        with pytest.raises(grpc.RpcError) as exc:
+            list(client.generate(PROMPT))
+        assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+        client.wakeup(["weights"])
+        assert list(client.info().sleeping_tags) == ["kv_cache"]
+        client.wakeup()
+        assert "".join(d.text for d in client.generate(PROMPT, max_new_tokens=6, ignore_eos=True)) == text
+
+
+def test_cli_generate_info_tokenize(server, capsys):
+    _, text = engine_text(server, PROMPT, 5)
+    assert main(["generate", PROMPT, "--target", server.address, "--max-new-tokens", "5", "--ignore-eos"]) == 0
     out, err = capsys.readouterr()
-    assert out == "Hello\n"
-    assert "finish_reason=stop" in err and "completion_tokens=3" in err
-    request = calls[0][1]
-    assert (request.prompt, request.sampling.max_new_tokens, list(request.sampling.stop)) == ("Hi there", 5, ["\n"])
-
-    assert main(["generate", "Hi", "--chat", "--system", "Be brief.", "--target", target]) == 0
-    assert [(m.role, m.content) for m in calls[1][1].messages.messages] == [("system", "Be brief."), ("user", "Hi")]
-
-
-def test_cli_chat_one_session_system_first_then_end(target, calls, capsys, monkeypatch):
-    monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\n\nAgain\n"))
-    assert main(["chat", "--target", target, "--system", "Be brief.", "--max-new-tokens", "8"]) == 0
-    assert capsys.readouterr().out == "Hello\nHello\n"
-    assert [name for name, _, _ in calls] == ["Start", "Generate", "Generate", "End"]
-    first, second = calls[1][1], calls[2][1]
-    assert [m.role for m in first.messages.messages] == ["system", "user"]
-    assert [(m.role, m.content) for m in second.messages.messages] == [("user", "Again")]
-    assert first.session_id == second.session_id == calls[3][1].session_id == 42
-
-
-def test_cli_info_tokenize_admin(target, calls, capsys):
-    assert main(["info", "--target", target]) == 0
+    assert out == text + "\n"
+    assert "finish_reason=length" in err and "completion_tokens=5" in err
+    assert main(["info", "--target", server.address]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["model"] == "scripted" and info["sleeping_tags"] == [] and info["vocab_size"] == 1000
-    assert main(["tokenize", "hi", "--target", target]) == 0
-    assert json.loads(capsys.readouterr().out) == [104, 105]
-    assert main(["sleep", "--level", "2", "--target", target, "--admin-token", "x"]) == 0
-    assert main(["wakeup", "--tags", "weights", "kv_cache", "--target", target]) == 0
-    assert main(["update-weights", "/m", "--target", target]) == 0
-    assert [(name, md.get("authorization")) for name, _, md in calls[-3:]] == [
-        ("Sleep", "Bearer x"), ("Wakeup", None), ("UpdateWeights", None)]
-    assert list(calls[-2][1].tags) == ["weights", "kv_cache"]
+    assert info["sleeping_tags"] == [] and info["vocab_size"] == server.engine.model_config.vocab_size
+    assert main(["tokenize", "hi", "--target", server.address]) == 0
+    assert json.loads(capsys.readouterr().out) == server.engine.tokenizer.encode("hi")
 
 
-def test_cli_rpc_error_exit_one(target, capsys):
+def test_cli_chat_keeps_one_session(server, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\n\nWhat is 2+2?\n"))
+    assert main(["chat", "--target", server.address, "--system", "Be brief.", "--max-new-tokens", "8"]) == 0
+    replies = capsys.readouterr().out.splitlines()
+    assert len([r for r in replies if r.strip()]) >= 1
+    assert_idle(server)  # the session ended with the chat
+
+
+def test_cli_admin_commands(guarded, capsys):
+    base = ["--target", guarded.address, "--admin-token", "s3cret"]
+    assert main(["sleep", "--level", "1", *base]) == 0
+    assert main(["wakeup", "--tags", "weights", "kv_cache", *base]) == 0
+    assert main(["sleep", "--target", guarded.address]) == 1
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
+    assert main(["info", "--target", guarded.address]) == 0
+    assert json.loads(capsys.readouterr().out)["sleeping"] is False
+
+
+def test_cli_rpc_error_exit_one(capsys):
     assert main(["info", "--target", "127.0.0.1:1"]) == 1
     assert capsys.readouterr().err.startswith("error: UNAVAILABLE: ")
 
 
-def test_cli_bench(target, calls, capsys, tmp_path):
+def test_cli_bench(server, capsys, tmp_path):
     path = tmp_path / "bench.json"
-    argv = ["bench", "--target", target, "--num-prompts", "6", "--concurrency", "2", "--input-len", "10",
+    argv = ["bench", "--target", server.address, "--num-prompts", "6", "--concurrency", "3", "--input-len", "10",
             "--output-len", "4", "--ignore-eos", "--request-rate", "1000", "--json", str(path)]
     assert main(argv) == 0
     report = capsys.readouterr().out
     assert "Successful requests:" in report and "P99 ITL (ms):" in report
-    generates = [r for name, r, _ in calls if name == "Generate"]
-    assert len(generates) == 6
-    for r in generates:
-        assert len(r.tokens.ids) == 10 and all(100 <= t < 1000 for t in r.tokens.ids)
-        assert (r.sampling.max_new_tokens, r.sampling.ignore_eos, r.session_id) == (4, True, 0)
     results = json.loads(path.read_text())
-    assert (results["completed"], results["failed"], results["total_input_tokens"], results["total_output_tokens"]) == (6, 0, 60, 18)
-    assert results["config"]["request_rate"] == "1000.0" and results["model"] == "scripted"
-    assert results["tpot_ms"]["mean"] > 0
-
-    assert main(["bench", "--target", target, "--input-len", "250", "--output-len", "10"]) == 1
-    assert "beyond the server's context of 256" in capsys.readouterr().err
+    assert (results["completed"], results["failed"], results["total_input_tokens"], results["total_output_tokens"]) == (6, 0, 60, 24)
+    assert results["config"]["request_rate"] == "1000.0" and results["tpot_ms"]["mean"] > 0
+    big = server.engine.max_context_length
+    assert main(["bench", "--target", server.address, "--input-len", str(big), "--output-len", "10"]) == 1
+    assert f"beyond the server's context of {big}" in capsys.readouterr().err
+    assert_idle(server)
 
 
 def test_bench_metrics():

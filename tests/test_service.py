@@ -202,3 +202,33 @@ def assert_idle(server, before: pb.InfoResponse | None = None) -> None:
     assert info.running_requests == 0 and info.waiting_requests == 0
     if before is not None:
         assert info.active_sessions == before.active_sessions
+
+
+def test_full_queue_resource_exhausted_and_changes_nothing(checkpoint):
+    """One batch slot and room for two waiting requests: the fourth stream is refused at once."""
+    from lmgate.engine.config import EngineConfig
+    from tests.serving import ServerThread
+
+    small = ServerThread(EngineConfig(kv_cache_tokens=2048, max_batch_size=1, max_queued_requests=2), checkpoint)
+    try:
+        stub = small.stub()
+        sid = stub.Start(pb.StartRequest()).session_id
+        running = stub.Generate(pb.GenerateRequest(prompt="Once upon a time", sampling=LONG))
+        wait_first_token(running)
+        queued = [stub.Generate(pb.GenerateRequest(prompt=f"Story {i}:", sampling=GREEDY)) for i in range(2)]
+        while small.info().queued_requests < 2:  # the batch is full, so both stay queued
+            threading.Event().wait(0.01)
+        before = small.info()
+        with pytest.raises(grpc.RpcError) as err:
+            collect(stub.Generate(pb.GenerateRequest(session_id=sid, prompt="one more", sampling=GREEDY)))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry" in err.value.details()
+        after = small.info()  # (the running stream's KV grows meanwhile: it is checked once everything ends)
+        assert (after.queued_requests, after.active_sessions) == (before.queued_requests, before.active_sessions)
+        # The refused turn left the session free: once there is room, it runs.
+        running.cancel()
+        assert [collect(q)[2].finish_reason for q in queued] == [pb.FINISH_REASON_LENGTH] * 2
+        assert collect(stub.Generate(pb.GenerateRequest(session_id=sid, prompt="one more", sampling=GREEDY)))[2].finish_reason == pb.FINISH_REASON_LENGTH
+        stub.End(pb.EndRequest(session_id=sid))
+        assert_idle(small)
+    finally:
+        small.stop()

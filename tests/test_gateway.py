@@ -1,0 +1,144 @@
+"""The Gateway's data-parallel pop: engine loops agree through an AllReduce on a real ThreadComm.
+
+The ranks here are plain threads playing engine loops, calling `Gateway.pop` as `EngineLoop.run` does.
+"""
+from __future__ import annotations
+
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
+
+import pytest
+
+from lmgate.engine.errors import Unavailable
+from lmgate.engine.gateway import Gateway
+from lmgate.engine.host_comm import CommAborted, ThreadComm
+from lmgate.engine.request import CancelFlag, Request, RequestKind
+from lmgate.engine.sampling import SamplingParams
+
+LOOPS = 3
+
+
+def generate_request(session_id: int = 0) -> Request:
+    return Request(RequestKind.GENERATE, session_id, lambda _: None, input_ids=[1, 2, 3], params=SamplingParams())
+
+
+@pytest.fixture
+def gateway():
+    gw = Gateway(LOOPS)
+    yield gw
+    gw.shutdown()
+    gw.stop_signals()
+
+
+def pop_round(gateway: Gateway, comms: list[ThreadComm], has_work: list[bool]) -> list:
+    """One step of every loop at once; each loop's result, by rank."""
+    with ThreadPoolExecutor(len(comms)) as pool:
+        futures = [pool.submit(gateway.pop, c.rank, 8, has_work[c.rank], c) for c in comms]
+        return [f.result(timeout=60) for f in futures]
+
+
+def test_idle_loops_wait_together_and_all_step_when_one_gets_work(gateway):
+    comms = ThreadComm.create_group(LOOPS)
+    with ThreadPoolExecutor(LOOPS) as pool:
+        futures = [pool.submit(gateway.pop, c.rank, 8, False, c) for c in comms]
+        assert not wait(futures, timeout=0.2).done  # no work anywhere: every loop waits
+        request = generate_request()
+        gateway.push(request)
+        results = [f.result(timeout=60) for f in futures]
+    assert sorted(len(r) for r in results) == [0, 0, 1]  # one loop got it, the others step with nothing
+    got = next(r for r in results if r)[0]
+    assert got is request and got.unique_id > 0 and request.cancel_flag.value == CancelFlag.ACTIVE
+
+
+def test_a_busy_loop_keeps_every_loop_stepping(gateway):
+    comms = ThreadComm.create_group(LOOPS)
+    for _ in range(20):
+        assert pop_round(gateway, comms, [False, True, False]) == [[], [], []]
+
+
+def test_requests_cancelled_while_queued_are_skipped(gateway):
+    comms = ThreadComm.create_group(LOOPS)
+    requests = [generate_request() for _ in range(LOOPS * 2)]
+    for r in requests:
+        gateway.push(r)
+    for r in requests[::2]:
+        assert gateway.cancel(r)
+    popped = [r for rank in pop_round(gateway, comms, [False] * LOOPS) for r in rank]
+    assert sorted(id(r) for r in popped) == sorted(id(r) for r in requests[1::2])
+    assert len({r.unique_id for r in popped}) == len(popped)
+
+
+def run_until_stopped(gateway: Gateway, comm: ThreadComm, has_work: bool) -> int:
+    """An engine loop's pop cycle with an empty batch (max_infer 0); the number of steps it ran."""
+    steps = 0
+    while gateway.pop(comm.rank, 0, has_work, comm) is not None:
+        steps += 1
+    return steps
+
+
+def test_shutdown_stops_every_loop_together_and_cancels_the_queue(gateway):
+    comms = ThreadComm.create_group(LOOPS)
+    ended = []
+    queued = Request(RequestKind.GENERATE, 0, ended.append, input_ids=[1], params=SamplingParams())
+    with ThreadPoolExecutor(LOOPS) as pool:
+        # Two loops idle, one busy stepping: all must stop at the same round.
+        loops = [pool.submit(run_until_stopped, gateway, c, c.rank == 2) for c in comms]
+        gateway.push(queued)  # max_infer 0: it stays queued until shutdown hands it back
+        gateway.shutdown()
+        steps = [f.result(timeout=60) for f in loops]
+    assert len(set(steps)) == 1 and steps[0] > 0
+    with pytest.raises(Unavailable):
+        gateway.push(generate_request())
+    gateway.stop_signals()
+    assert [o.finish_reason.name for o in ended] == ["CANCELLED"]
+
+
+def test_an_aborted_peer_releases_the_others(gateway):
+    comms = ThreadComm.create_group(LOOPS)
+    with ThreadPoolExecutor(LOOPS) as pool:
+        loops = [pool.submit(run_until_stopped, gateway, c, True) for c in comms[:2]]
+        comms[2].abort()  # what a failing engine loop does before it leaves
+        for f in loops:
+            with pytest.raises(CommAborted):
+                f.result(timeout=60)
+
+
+def test_idle_loops_never_miss_an_arrival(gateway):
+    """Requests arrive in pairs while every loop idles: each is taken exactly once and no loop is left waiting
+    in a collective (a loop that read the arrival count just after a push must not wait for the next)."""
+    comms = ThreadComm.create_group(LOOPS)
+    taken: list[list[Request]] = [[] for _ in comms]
+
+    def loop(comm: ThreadComm) -> None:
+        while (got := gateway.pop(comm.rank, 8, False, comm)) is not None:
+            taken[comm.rank] += got
+
+    requests = [generate_request() for _ in range(600)]
+    with ThreadPoolExecutor(LOOPS) as pool:
+        loops = [pool.submit(loop, c) for c in comms]
+        try:
+            push_in_pairs(gateway, requests, taken)
+        except AssertionError:
+            comms[0].abort()  # release the stuck loops so that the failure is reported, not hung
+            raise
+        finally:
+            gateway.shutdown()
+        for f in loops:
+            f.result(timeout=60)
+    assert sorted(id(r) for t in taken for r in t) == sorted(id(r) for r in requests)
+
+
+def push_in_pairs(gateway: Gateway, requests: list[Request], taken: list[list[Request]]) -> None:
+    rng = random.Random(7)
+    for n in range(0, len(requests), 2):
+        # Two pushes a moment apart: the second lands while the loops wake up for the first.
+        gateway.push(requests[n])
+        spin_until = time.perf_counter() + rng.random() / 5000
+        while time.perf_counter() < spin_until:
+            pass
+        gateway.push(requests[n + 1])
+        guard = time.monotonic() + 30  # a hang guard, not a performance bound
+        while sum(map(len, taken)) < n + 2:
+            assert time.monotonic() < guard, f"request {n + 1} was never taken"
+            time.sleep(0.0002)
