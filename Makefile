@@ -40,5 +40,8 @@ test-fast: install $(JS_DEPS)
 bench-engine: install
 	$(PY) tests/bench_engine.py $(ARGS)
 
+bench-serve: install
+	$(PY) tests/bench_serve.py $(ARGS)
+
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -16,9 +16,10 @@ from .config import ModelConfig
 from .errors import ContextOverflow, InvalidRequest, Unavailable, UnsupportedModel
 from .gateway import Gateway
 from .host_comm import ThreadComm
+from .threads import on_fresh_thread
 from .kv_cache import allocate_kv_cache, kv_bytes_per_token
 from .loader import Checkpoint, load_checkpoint, read_config
-from .memory import release_host_memory
+from .memory import keep_freed_memory, release_host_memory
 from .model_runner import ModelRunner
 from .models import build_model
 from .models.llama import LlamaForCausalLM
@@ -85,14 +86,15 @@ class Engine:
 
     def __init__(self, config: EngineConfig | None = None, checkpoint: Checkpoint | None = None) -> None:
         self.config = config = config or EngineConfig()
+        keep_freed_memory()
         if config.dtype not in DTYPES:
             raise InvalidRequest(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
         self.dtype = DTYPES[config.dtype]
         self.device = torch.device(config.device)
-        ckpt = checkpoint or load_checkpoint(config.model)
+        ckpt = checkpoint or on_fresh_thread(lambda: load_checkpoint(config.model))
         self.model_path, self.model_config, self.tokenizer = ckpt.path, ckpt.config, ckpt.tokenizer
         self.weights_path = ckpt.path  # where level-2 sleep reloads weights from; follows UpdateWeights
-        self.model: LlamaForCausalLM | None = build_model(ckpt.config, ckpt.weights, self.dtype, self.device)
+        self.model: LlamaForCausalLM | None = self._build(ckpt)
         self.sleeping: set[str] = set()  # of SLEEP_TAGS; written only under _admin_lock
         self._admin_lock = threading.Lock()  # serializes sleep / wakeup / update_weights; loops never take it
         num_blocks = config.kv_cache_tokens // config.block_size
@@ -104,7 +106,7 @@ class Engine:
         self.kv_bytes_per_token = kv_bytes_per_token(ckpt.config, self.dtype)
         self.gateway = Gateway(config.engine_loops, config.max_queued_requests)
         comms = ThreadComm.create_group(config.engine_loops)
-        self.loops = [self._make_loop(comm, num_blocks) for comm in comms]
+        self.loops = on_fresh_thread(lambda: [self._make_loop(comm, num_blocks) for comm in comms])
         self._threads = [
             threading.Thread(target=loop.run, name=f"lmgate-engine-{loop.rank}", daemon=True) for loop in self.loops
         ]
@@ -250,7 +252,7 @@ class Engine:
                 self.sleeping.add("weights")
             if level == 2 and self.model is not None:
                 self._install_model(None)
-                release_host_memory()
+            release_host_memory()
             log.info("asleep at level %d", 2 if self.model is None else 1)
 
     def wakeup(self, tags: list[str] | tuple[str, ...] = ()) -> None:
@@ -277,8 +279,8 @@ class Engine:
             if "weights" in self.sleeping:
                 raise Unavailable("the weights are asleep: call Admin.Wakeup with tag 'weights' first")
             _check_same_shape(read_config(path), self.model_config)
-            ckpt = load_checkpoint(path)
-            self._install_model(build_model(ckpt.config, ckpt.weights, self.dtype, self.device))
+            ckpt = on_fresh_thread(lambda: load_checkpoint(path))
+            self._install_model(self._build(ckpt))
             self.weights_path = ckpt.path
 
     def _offload_weights(self) -> None:
@@ -289,10 +291,12 @@ class Engine:
 
     def _restore_weights(self) -> None:
         if self.model is None:
-            ckpt = load_checkpoint(self.weights_path)
-            self._install_model(build_model(ckpt.config, ckpt.weights, self.dtype, self.device))
+            self._install_model(self._build(on_fresh_thread(lambda: load_checkpoint(self.weights_path))))
         elif self.device.type != "cpu":
             self.model.to(self.device)
+
+    def _build(self, ckpt: Checkpoint) -> LlamaForCausalLM:
+        return on_fresh_thread(lambda: build_model(ckpt.config, ckpt.weights, self.dtype, self.device))
 
     def _install_model(self, model: LlamaForCausalLM | None) -> None:
         self.model = model

@@ -1,18 +1,41 @@
-"""Giving freed host memory back to the operating system."""
+"""The process heap: keeping freed step buffers for reuse, and giving memory back to the system on sleep."""
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import gc
+
+M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD = 32 << 20  # glibc's largest: buffers below it come from the heap
+TRIM_THRESHOLD = 1 << 30
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    return libc if libc is not None and hasattr(libc, "mallopt") else None  # glibc only
+
+
+def keep_freed_memory() -> None:
+    """Let step-sized buffers (a decode step gathers megabytes of KV per layer) be reused from the heap.
+
+    By default glibc serves them with fresh mmaps and unmaps them on free, so every step page-faults and
+    zero-fills its buffers again: on a 2-core machine that made the KV gather 4x slower and a batch-64 decode
+    step a third slower. Memory freed this way stays with the process until `release_host_memory`.
+    """
+    libc = _libc()
+    if libc is not None:
+        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+        libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
 
 
 def release_host_memory() -> None:
     """Collect garbage, then ask glibc to return free heap pages; freed tensors otherwise stay in the
     process's resident set, and a sleeping engine would hold the memory it was asked to give back."""
     gc.collect()
-    libc_name = ctypes.util.find_library("c")
-    if libc_name is None:
-        return
-    libc = ctypes.CDLL(libc_name)
-    if hasattr(libc, "malloc_trim"):
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)

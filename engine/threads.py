@@ -1,0 +1,33 @@
+"""Where torch work runs: one-off heavy work on a thread that ends with it."""
+from __future__ import annotations
+
+import threading
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
+
+
+def on_fresh_thread(fn: Callable[[], T], name: str = "lmgate-setup") -> T:
+    """`fn()` on a new thread, joined; its result, or its exception raised here.
+
+    Every thread that runs parallel torch work keeps an OpenMP thread pool for life. Once the idle pools of
+    long-lived threads (the server's main thread, executor threads) bring the process's OpenMP threads above
+    the core count, libgomp throttles every pool's spin-wait, and the engine loops' decode steps, thousands
+    of small parallel regions each, slowed down by 40% or more on a 2-core machine. Loading, building and
+    allocating therefore run here, and their pool goes away with the thread.
+    """
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            result.append(fn())
+        except BaseException as exc:  # handed to the caller, who re-raises it
+            error.append(exc)
+
+    t = threading.Thread(target=target, name=name)
+    t.start()
+    t.join()
+    if error:
+        raise error[0]
+    return result[0]
