@@ -15,6 +15,7 @@ import torch
 from lmgate.engine.config import EngineConfig
 from lmgate.engine.engine import Engine
 from lmgate.engine.sampling import SamplingParams
+from lmgate.engine.threads import on_fresh_thread
 
 
 def matmul_flops(dtype: torch.dtype) -> float:
@@ -84,7 +85,7 @@ def main() -> None:
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, max_batched_tokens=args.max_batched_tokens,
                                  max_batch_size=max(64, args.requests)))
     prompts = make_prompts(args.requests, args.input_len, engine.tokenizer.vocab_size)
-    flops = matmul_flops(engine.dtype)
+    flops = on_fresh_thread(lambda: matmul_flops(engine.dtype))  # see engine/threads.py: keep the main thread clear
     params = engine.model_config.num_params
     run_engine(engine, prompts[:2], 4)  # warm-up
     eng_tps = run_engine(engine, prompts, args.output_len)
