@@ -311,11 +311,16 @@ class Engine:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def shutdown(self) -> None:
-        """Refuse new work, cancel what runs, join the loops; every stream gets its last output."""
+        """Refuse new work, cancel what runs, join the loops; every stream gets its last output. Then free
+        the KV caches and the weights at once, rather than whenever the garbage collector breaks the
+        engine's reference cycles."""
         self.gateway.shutdown()
         for t in self._threads:
             t.join()
         self.gateway.stop_signals()
+        for loop in self.loops:
+            loop.runner.release_kv_cache()
+        self._install_model(None)
 
     def __enter__(self) -> "Engine":
         return self
