@@ -105,6 +105,9 @@ class Engine:
         )
         self.kv_bytes_per_token = kv_bytes_per_token(ckpt.config, self.dtype)
         self.gateway = Gateway(config.engine_loops, config.max_queued_requests)
+        # Loops step in parallel: sharing the caller's torch threads beats each loop's pool competing for all
+        # of them. Read here: a thread's count is fixed when it first runs torch work, and loops set theirs.
+        self.threads_per_loop = max(1, torch.get_num_threads() // config.engine_loops)
         comms = ThreadComm.create_group(config.engine_loops)
         self.loops = on_fresh_thread(lambda: [self._make_loop(comm, num_blocks) for comm in comms])
         self._threads = [
@@ -124,6 +127,7 @@ class Engine:
         return EngineLoop(
             comm.rank, self.gateway, comm, runner, BlockManager(num_blocks, c.block_size), self.tokenizer,
             c.max_batch_size, c.max_batched_tokens, self.max_context_length, c.default_max_new_tokens,
+            self.threads_per_loop,
         )
 
     # requests ----------------------------------------------------------------------------------------------

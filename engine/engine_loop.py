@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from .batch import BatchData
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
@@ -38,6 +40,7 @@ class EngineLoop:
         max_batched_tokens: int,
         max_context_length: int,
         default_max_new_tokens: int,
+        num_threads: int,
     ) -> None:
         self.rank = rank
         self.gateway = gateway
@@ -50,12 +53,14 @@ class EngineLoop:
         self.max_batch_size = max_batch_size
         self.max_context_length = max_context_length
         self.default_max_new_tokens = default_max_new_tokens
+        self.num_threads = num_threads  # torch threads for this loop's steps
         self.num_steps = 0
         self._signals: list[Signal] = []
 
     # the loop ----------------------------------------------------------------------------------------------
 
     def run(self) -> None:
+        torch.set_num_threads(self.num_threads)  # also what threads started later take as their default
         try:
             self._run()
         except CommAborted:

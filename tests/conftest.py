@@ -22,8 +22,9 @@ def tokenizer(gguf_path: str) -> Tokenizer:
 def checkpoint():
     """The embedded model read once; every engine in the session builds its own model from it."""
     from lmgate.engine.loader import load_checkpoint
+    from lmgate.engine.threads import on_fresh_thread
 
-    return load_checkpoint()
+    return on_fresh_thread(load_checkpoint)  # off the main thread, as Engine does (engine/threads.py)
 
 
 @pytest.fixture(scope="session")

@@ -277,11 +277,19 @@ def test_cli_generate_info_tokenize(server, capsys):
 
 
 def test_cli_chat_keeps_one_session(server, capsys, monkeypatch):
+    registry = server.server.metrics.registry
+
+    def counts() -> tuple[float, ...]:
+        turns = sum(registry.get_sample_value("lmgate_requests_total", {"reason": r}) or 0 for r in ("stop", "length"))
+        return turns, *(registry.get_sample_value(f"lmgate_sessions_{e}_total") or 0 for e in ("started", "ended"))
+
+    before = counts()
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\n\nWhat is 2+2?\n"))
     assert main(["chat", "--target", server.address, "--system", "Be brief.", "--max-new-tokens", "8"]) == 0
-    replies = capsys.readouterr().out.splitlines()
-    assert len([r for r in replies if r.strip()]) >= 1
-    assert_idle(server)  # the session ended with the chat
+    assert capsys.readouterr().out.strip()
+    # Two turns (the blank line is skipped) on one session, which the chat ended.
+    assert tuple(a - b for a, b in zip(counts(), before)) == (2, 1, 1)
+    assert_idle(server)
 
 
 def test_cli_admin_commands(guarded, capsys):
