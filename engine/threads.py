@@ -10,11 +10,12 @@ T = TypeVar("T")
 def on_fresh_thread(fn: Callable[[], T], name: str = "lmgate-setup") -> T:
     """`fn()` on a new thread, joined; its result, or its exception raised here.
 
-    Every thread that runs parallel torch work keeps an OpenMP thread pool for life. Once the idle pools of
-    long-lived threads (the server's main thread, executor threads) bring the process's OpenMP threads above
-    the core count, libgomp throttles every pool's spin-wait, and the engine loops' decode steps, thousands
-    of small parallel regions each, slowed down by 40% or more on a 2-core machine. Loading, building and
-    allocating therefore run here, and their pool goes away with the thread.
+    Every thread that runs parallel torch work keeps an OpenMP thread pool for life. Once a long-lived
+    thread (the server's main thread, an executor thread) had run such work, the engine loops' decode
+    steps, thousands of small parallel regions each, ran 40% or more slower on a 2-core machine; likely
+    because its idle pool brings the process's OpenMP threads above the core count and libgomp then
+    shortens every pool's spin-wait. A thread that has ended leaves no such pool behind, so loading,
+    building and allocating run here.
     """
     result: list[T] = []
     error: list[BaseException] = []
