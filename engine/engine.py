@@ -295,11 +295,13 @@ class Engine:
 
     def _restore_weights(self) -> None:
         if self.model is None:
-            self._install_model(self._build(on_fresh_thread(lambda: load_checkpoint(self.weights_path))))
+            ckpt = on_fresh_thread(lambda: load_checkpoint(self.weights_path))
+            self._install_model(self._build(ckpt))
         elif self.device.type != "cpu":
             self.model.to(self.device)
 
     def _build(self, ckpt: Checkpoint) -> LlamaForCausalLM:
+        """Off the calling thread, as loading is: engine/threads.py says why."""
         return on_fresh_thread(lambda: build_model(ckpt.config, ckpt.weights, self.dtype, self.device))
 
     def _install_model(self, model: LlamaForCausalLM | None) -> None:

@@ -15,7 +15,7 @@ import threading
 from collections import deque
 from typing import Callable
 
-from .errors import EngineError, ResourceExhausted, SessionExists, Unavailable
+from .errors import ResourceExhausted, SessionExists, Unavailable
 from .host_comm import HostComm, RedOp
 from .request import CancelFlag, FinishReason, Request, RequestKind, RequestOutput, Usage
 from .request_queue import RequestQueue
@@ -90,14 +90,12 @@ class Gateway:
         else:
             rank = self.binding.claim(request.session_id, request)
         try:
-            if self._enqueue(rank, request):
-                return
-            error: EngineError = Unavailable("the engine is shutting down")
-        except ResourceExhausted as exc:
-            error = exc
-        if not request.stateless:
-            self.binding.release(request.session_id, request)
-        raise error
+            if not self._enqueue(rank, request):
+                raise Unavailable("the engine is shutting down")
+        except (Unavailable, ResourceExhausted):  # refused: the session is free for its next turn
+            if not request.stateless:
+                self.binding.release(request.session_id, request)
+            raise
 
     def control(self, kind: RequestKind) -> None:
         """Send a control request to every engine loop and wait until each has handled it at a step boundary.

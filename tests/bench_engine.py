@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from lmgate.client.bench import random_prompts
 from lmgate.engine.config import EngineConfig
 from lmgate.engine.engine import Engine
 from lmgate.engine.sampling import SamplingParams
@@ -29,27 +30,24 @@ def matmul_flops(dtype: torch.dtype) -> float:
     return 2 * 256 * 576 * 1536 * n / (time.perf_counter() - start)
 
 
-def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
-
-
-def run_engine(engine: Engine, prompts: list[list[int]], output_len: int) -> float:
-    """All prompts submitted at once; output tokens per second until the last finishes."""
-    done, lock, left = threading.Event(), threading.Lock(), [len(prompts)]
+def run_engine(engine: Engine, prompts: list[list[int]], output_len: int, concurrency: int = 0) -> float:
+    """Output tokens per second until the last request finishes: every prompt submitted at once, or at most
+    `concurrency` in flight (as `lmgate bench` sends them)."""
+    slots = threading.Semaphore(concurrency or len(prompts))
+    done = threading.Semaphore(0)
 
     def on_output(out) -> None:
         if out.finished:
-            with lock:
-                left[0] -= 1
-                if left[0] == 0:
-                    done.set()
+            slots.release()
+            done.release()
 
     params = SamplingParams(max_new_tokens=output_len, ignore_eos=True)
     start = time.perf_counter()
     for p in prompts:
+        slots.acquire()
         engine.submit(p, params, on_output=on_output)
-    done.wait()
+    for _ in prompts:
+        done.acquire()
     return len(prompts) * output_len / (time.perf_counter() - start)
 
 
@@ -84,7 +82,7 @@ def main() -> None:
 
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, max_batched_tokens=args.max_batched_tokens,
                                  max_batch_size=max(64, args.requests)))
-    prompts = make_prompts(args.requests, args.input_len, engine.tokenizer.vocab_size)
+    prompts = random_prompts(random.Random(0), args.requests, args.input_len, engine.tokenizer.vocab_size)
     flops = on_fresh_thread(lambda: matmul_flops(engine.dtype))  # see engine/threads.py: keep the main thread clear
     params = engine.model_config.num_params
     run_engine(engine, prompts[:2], 4)  # warm-up

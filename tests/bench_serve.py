@@ -19,7 +19,6 @@ import random
 import statistics
 import subprocess
 import sys
-import threading
 import time
 
 import grpc
@@ -31,31 +30,18 @@ from lmgate.engine.config import EngineConfig
 from lmgate.engine.engine import Engine
 from lmgate.engine.sampling import SamplingParams
 
+from bench_engine import run_engine  # beside this file: both run as scripts
+
 SERVE_BATCHED_TOKENS = 512  # `lmgate serve`'s default --max-batched-tokens
 
 
 def engine_alone(prompts: list[list[int]], output_len: int, concurrency: int) -> float:
-    """Output tokens per second with at most `concurrency` requests in flight, as the gRPC bench sends them."""
+    """The engine with `lmgate serve`'s settings, on the prompts `lmgate bench` sends."""
     engine = Engine(EngineConfig(max_batched_tokens=SERVE_BATCHED_TOKENS))
-    params = SamplingParams(max_new_tokens=output_len, ignore_eos=True)
     list(engine.submit(prompts[0][:8], SamplingParams(max_new_tokens=2)))  # warm-up
-    slots = threading.Semaphore(concurrency)
-    done = threading.Semaphore(0)
-
-    def on_output(out) -> None:
-        if out.finished:
-            slots.release()
-            done.release()
-
-    start = time.perf_counter()
-    for p in prompts:
-        slots.acquire()
-        engine.submit(p, params, on_output=on_output)
-    for _ in prompts:
-        done.acquire()
-    elapsed = time.perf_counter() - start
+    tps = run_engine(engine, prompts, output_len, concurrency)
     engine.shutdown()
-    return len(prompts) * output_len / elapsed
+    return tps
 
 
 def start_server() -> tuple[subprocess.Popen, str, float]:
