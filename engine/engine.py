@@ -21,7 +21,7 @@ from .kv_cache import allocate_kv_cache, kv_bytes_per_token
 from .loader import Checkpoint, load_checkpoint, read_config
 from .memory import keep_freed_memory, release_host_memory
 from .model_runner import ModelRunner
-from .models import build_model
+from .models import build_model, count_weight_bytes
 from .models.llama import LlamaForCausalLM
 from .request import Request, RequestKind, RequestOutput
 from .sampling import SamplingParams
@@ -302,7 +302,8 @@ class Engine:
 
     def _build(self, ckpt: Checkpoint) -> LlamaForCausalLM:
         """Off the calling thread, as loading is: engine/threads.py says why."""
-        return on_fresh_thread(lambda: build_model(ckpt.config, ckpt.weights, self.dtype, self.device))
+        hint = self.config.max_batched_tokens
+        return on_fresh_thread(lambda: build_model(ckpt.config, ckpt.weights, self.dtype, self.device, hint))
 
     def _install_model(self, model: LlamaForCausalLM | None) -> None:
         self.model = model
@@ -311,10 +312,10 @@ class Engine:
 
     @property
     def weights_bytes(self) -> int:
-        """Bytes of weights on the engine's device (tied tensors counted once)."""
+        """Bytes of weights on the engine's device (tied tensors once, packed copies included)."""
         if self.model is None or (self.device.type != "cpu" and "weights" in self.sleeping):
             return 0
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return count_weight_bytes(self.model)
 
     def shutdown(self) -> None:
         """Refuse new work, cancel what runs, join the loops; every stream gets its last output. Then free

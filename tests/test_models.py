@@ -29,6 +29,8 @@ from lmgate.engine.errors import UnsupportedModel
 from lmgate.engine.kv_cache import allocate_kv_cache
 from lmgate.engine.loader import load_checkpoint, read_config
 from lmgate.engine.models import build_model, load_weights
+from lmgate.engine.models.llama import LlamaForCausalLM
+from lmgate.engine.models.packed_linear import PackedLinear
 from lmgate.engine.sampling import SamplingParams
 
 VOCAB = 49152  # the SmolLM2 tokenizer's, so a real tokenizer can ship with every model
@@ -172,6 +174,15 @@ def prompt_b_ids(tokenizer) -> list[int]:
 def _ours(path: str):
     ckpt = load_checkpoint(path)
     return ckpt, build_model(ckpt.config, ckpt.weights, torch.float32, CPU)
+
+
+def _unpacked(path: str):
+    """A model as `build_model` has it before packing its linear layers: the parameters `load_weights` replaces."""
+    ckpt = load_checkpoint(path)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(ckpt.config)
+    load_weights(model, ckpt.weights)
+    return ckpt, model
 
 
 def _ids(ids: list[int]) -> torch.Tensor:
@@ -451,7 +462,7 @@ _MISFITS = {
 
 @pytest.mark.parametrize("how", list(_MISFITS))
 def test_load_weights_refuses_misfit_and_keeps_parameters(how, tiny):
-    ckpt, model = _ours(tiny.path)
+    ckpt, model = _unpacked(tiny.path)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ids_before = {k: id(p) for k, p in model.named_parameters()}
     # Every tensor shifted, so that a partial load before the refusal would show.
@@ -463,15 +474,17 @@ def test_load_weights_refuses_misfit_and_keeps_parameters(how, tiny):
     for k, v in before.items():
         assert torch.equal(after[k], v), k
     assert {k: id(p) for k, p in model.named_parameters()} == ids_before
+    with pytest.raises(UnsupportedModel, match=_MISFITS[how]):
+        build_model(ckpt.config, bad, torch.float32, CPU)
 
 
 def test_load_weights_refuses_other_architecture_weights(tiny_models):
     """Qwen2 weights (with q/k/v biases) don't fit a Llama model, and vice versa."""
-    _, llama = _ours(tiny_models("mistral").path)
+    _, llama = _unpacked(tiny_models("mistral").path)
     qwen2 = load_checkpoint(tiny_models("qwen2").path).weights
     with pytest.raises(UnsupportedModel, match=_UNEXPECTED):
         load_weights(llama, qwen2)
-    _, qwen = _ours(tiny_models("qwen2").path)
+    _, qwen = _unpacked(tiny_models("qwen2").path)
     with pytest.raises(UnsupportedModel, match=_MISSING):
         load_weights(qwen, load_checkpoint(tiny_models("mistral").path).weights)
 
@@ -518,3 +531,10 @@ def test_config_default_rope_accepted(key, tiny_models):
     cfg.pop("rope_parameters", None)
     cfg[key] = {"rope_type": "default", "rope_theta": 1234.0}
     assert ModelConfig.from_hf(cfg).rope_theta == (1234.0 if key == "rope_parameters" else 10000.0)
+
+
+def test_build_model_packs_linear_layers_on_cpu(tiny):
+    _, model = _ours(tiny.path)
+    if torch.backends.mkldnn.is_available():
+        assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+        assert sum(isinstance(m, PackedLinear) for m in model.modules()) == 4 * model.config.num_layers + 1

@@ -6,6 +6,7 @@ import torch
 from ..config import ModelConfig
 from ..errors import UnsupportedModel
 from .llama import LlamaForCausalLM, RotaryEmbedding, pack_weights
+from .packed_linear import pack_linears, packed_bytes
 
 MODEL_CLASSES = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -16,14 +17,23 @@ MODEL_CLASSES = {
 
 
 def build_model(
-    cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+    cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, batch_hint: int = 256
 ) -> LlamaForCausalLM:
-    """Instantiate without random init (on the meta device), then take the checkpoint's tensors as parameters."""
+    """Instantiate without random init (on the meta device), then take the checkpoint's tensors as parameters;
+    on the CPU the linear layers' weights are then packed for oneDNN (`packed_linear.py`)."""
     with torch.device("meta"):
         model = MODEL_CLASSES[cfg.architecture](cfg)
     load_weights(model, weights)
     model.model.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
-    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    if device.type == "cpu":
+        pack_linears(model, batch_hint)
+    return model
+
+
+def count_weight_bytes(model: LlamaForCausalLM) -> int:
+    """Bytes the weights take: parameters (tied ones once) and packed copies."""
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + packed_bytes(model)
 
 
 def load_weights(model: LlamaForCausalLM, weights: dict[str, torch.Tensor]) -> None:

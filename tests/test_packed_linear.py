@@ -1,0 +1,39 @@
+"""Prepacked oneDNN linear layers: same results as `F.linear`, every linear of a CPU model packed."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmgate.engine.models.packed_linear import PackedLinear, pack_linears, packed_bytes
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("tokens", [1, 7, 64, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear(dtype, tol, tokens, bias):
+    torch.manual_seed(tokens)
+    linear = nn.Linear(96, 160, bias=bias).to(dtype)
+    x = torch.randn(tokens, 96, dtype=dtype)
+    with torch.inference_mode():
+        want = F.linear(x, linear.weight, linear.bias)
+        got = PackedLinear(linear, batch_hint=64)(x)
+    assert got.shape == want.shape and got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_pack_linears_swaps_every_linear_and_keeps_tied_embedding():
+    embed = nn.Embedding(50, 32)
+    model = nn.ModuleDict({"embed": embed, "proj": nn.Linear(32, 64), "head": nn.Linear(32, 50, bias=False)})
+    model["head"].weight = embed.weight  # tied, as SmolLM2's head is
+    pack_linears(model, batch_hint=16)
+    assert isinstance(model["proj"], PackedLinear) and isinstance(model["head"], PackedLinear)
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    assert model["embed"].weight is embed.weight  # lookups still read the plain weight
+    assert packed_bytes(model) == (32 * 64 + 32 * 50) * 4
+    ids = torch.tensor([3, 7])
+    with torch.inference_mode():
+        torch.testing.assert_close(model["head"](embed(ids)), embed(ids) @ embed.weight.T)
