@@ -24,7 +24,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [tokens], index into the flattened [blocks * block_size] cache
     num_decode: int  # the first num_decode tokens are one-token decodes
     decode_rows: torch.Tensor | None  # [KVH * num_decode * max_blocks] rows of the [KVH * blocks] cache view
-    decode_mask: torch.Tensor | None  # [num_decode, max_blocks * block_size], 0 or -inf
+    decode_mask: torch.Tensor | None  # [KVH * num_decode, 1, max_blocks * block_size], 0 or -inf, head-major
     prefills: list[PrefillChunk]
 
 
@@ -53,16 +53,16 @@ def paged_attention(
 
 
 def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """One query per sequence against its gathered cache, as grouped batched matmuls (no head expansion)."""
+    """One query per sequence against its gathered cache, as grouped batched matmuls (no head expansion);
+    the scale and the padding mask ride along in the score matmul."""
     n, h, d = q.shape
     kvh = k_cache.shape[0]
-    keys = _gather(k_cache, meta.decode_rows).view(kvh, n, -1, d)  # [KVH, n, L, D]
-    values = _gather(v_cache, meta.decode_rows).view(kvh, n, -1, d)
-    q = q.view(n, kvh, h // kvh, d).transpose(0, 1)  # [KVH, n, G, D]
-    scores = torch.matmul(q, keys.transpose(2, 3)) * scale  # [KVH, n, G, L]
-    scores = scores + meta.decode_mask[None, :, None, :]
-    probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
-    return torch.matmul(probs, values).transpose(0, 1).reshape(n, h, d)
+    keys = _gather(k_cache, meta.decode_rows).view(kvh * n, -1, d)  # [KVH * n, L, D]
+    values = _gather(v_cache, meta.decode_rows).view(kvh * n, -1, d)
+    q = q.view(n, kvh, h // kvh, d).transpose(0, 1).reshape(kvh * n, h // kvh, d)  # [KVH * n, G, D]
+    scores = torch.baddbmm(meta.decode_mask, q, keys.transpose(1, 2), alpha=scale)  # [KVH * n, G, L]
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+    return torch.bmm(probs, values).view(kvh, n, h // kvh, d).transpose(0, 1).reshape(n, h, d)
 
 
 def _prefill(q, k_cache, v_cache, chunk: PrefillChunk, scale: float) -> torch.Tensor:
@@ -94,3 +94,10 @@ def gather_rows(block_tables: torch.Tensor, kv_heads: int, num_blocks: int) -> t
     """Row indices, head-major, of each table's blocks in the [KVH * blocks] view of a cache."""
     heads = torch.arange(kv_heads, device=block_tables.device).view(-1, *([1] * block_tables.dim())) * num_blocks
     return (heads + block_tables).flatten()
+
+
+def decode_mask(lengths: torch.Tensor, width: int, cache: torch.Tensor) -> torch.Tensor:
+    """[KVH * n, 1, width] additive mask in the cache's dtype: -inf at and beyond each sequence's length."""
+    mask = torch.zeros(len(lengths), width, dtype=cache.dtype)
+    mask.masked_fill_(torch.arange(width)[None, :] >= lengths[:, None], float("-inf"))
+    return mask.repeat(cache.shape[0], 1).unsqueeze(1)

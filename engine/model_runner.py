@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from .attention import AttentionMetadata, PrefillChunk, gather_rows
+from .attention import AttentionMetadata, PrefillChunk, decode_mask, gather_rows
 from .models.llama import LlamaForCausalLM
 from .sampling import SampleResult, SampleRow, sample
 from .sequence import Sequence
@@ -88,10 +88,7 @@ class ModelRunner:
         width = max(len(s.block_table) for s in decodes)
         tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in decodes], dtype=torch.long)
         lengths = torch.tensor([s.num_computed + 1 for s in decodes])
-        dtype = self.kv_caches[0][0].dtype
-        mask = torch.zeros(len(decodes), width * self.block_size, dtype=dtype)
-        mask.masked_fill_(torch.arange(width * self.block_size)[None, :] >= lengths[:, None], float("-inf"))
-        return self._rows(tables), mask.to(self.device)
+        return self._rows(tables), decode_mask(lengths, width * self.block_size, self.kv_caches[0][0]).to(self.device)
 
     def _rows(self, tables: torch.Tensor) -> torch.Tensor:
         kvh, num_blocks = self.kv_caches[0][0].shape[:2]

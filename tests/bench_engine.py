@@ -1,6 +1,9 @@
 """Engine throughput against transformers on the same model, in one run (a benchmark: it prints, never asserts).
 
-    make bench-engine ARGS="--requests 64 --input-len 128 --output-len 128"
+    make bench-engine ARGS="--requests 64 --input-len 128 --output-len 128 --dtypes float32,bfloat16"
+
+Each dtype runs lmgate and transformers on the same prompts; the ratios are printed against transformers in
+the same dtype and, for other dtypes, against transformers' float32 (its default on a CPU).
 """
 from __future__ import annotations
 
@@ -9,24 +12,28 @@ import os
 import random
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
 from lmgate.client.bench import random_prompts
 from lmgate.engine.config import EngineConfig
 from lmgate.engine.engine import Engine
+from lmgate.engine.models.packed_linear import pack_linears
 from lmgate.engine.sampling import SamplingParams
 from lmgate.engine.threads import on_fresh_thread
 
 
 def matmul_flops(dtype: torch.dtype) -> float:
-    """FLOP/s torch reaches on the model's own shapes (M=256, K=576, N=1536) on this machine."""
-    a, w = torch.randn(256, 576, dtype=dtype), torch.randn(1536, 576, dtype=dtype)
+    """FLOP/s of the model's own shapes (M=256, K=576, N=1536) through the linear layer the engine uses."""
+    holder = torch.nn.Sequential(torch.nn.Linear(576, 1536, bias=False, dtype=dtype))
+    pack_linears(holder, batch_hint=256)
+    a = torch.randn(256, 576, dtype=dtype)
     for _ in range(5):
-        torch.nn.functional.linear(a, w)
+        holder(a)
     n, start = 50, time.perf_counter()
     for _ in range(n):
-        torch.nn.functional.linear(a, w)
+        holder(a)
     return 2 * 256 * 576 * 1536 * n / (time.perf_counter() - start)
 
 
@@ -68,50 +75,88 @@ def hf_generate(model, batch: torch.Tensor, output_len: int, mask: torch.Tensor 
     return time.perf_counter() - start
 
 
+@dataclass
+class Figures:
+    """Tokens per second of one dtype: lmgate and transformers on the same prompts."""
+
+    engine: float
+    engine_single: float
+    hf_serial: float
+    hf_single: float
+    hf_batch: float
+    matmul_flops: float
+
+
+def measure_engine(args, dtype: str, prompts_for) -> tuple[Engine, float, float, float]:
+    engine = Engine(EngineConfig(model=args.model, dtype=dtype, max_batched_tokens=args.max_batched_tokens,
+                                 max_batch_size=max(64, args.requests)))
+    prompts = prompts_for(engine)
+    flops = on_fresh_thread(lambda: matmul_flops(engine.dtype))  # see engine/threads.py: keep the main thread clear
+    run_engine(engine, prompts[:2], 4)  # warm-up
+    tps = run_engine(engine, prompts, args.output_len)
+    single = engine_single_stream(engine, prompts[0], args.output_len)
+    engine.shutdown()
+    return engine, tps, single, flops
+
+
+def measure_transformers(args, path: str, dtype: torch.dtype, prompts: list[list[int]]) -> tuple[float, float, float]:
+    """One request at a time (a sample), single-stream decode, and one padded batch."""
+    from transformers import AutoModelForCausalLM
+
+    kw = {"gguf_file": os.path.basename(path)} if os.path.isfile(path) else {}
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path) if kw else path, dtype=dtype, **kw).eval()
+    hf_generate(hf, torch.tensor(prompts[:1]), 4)  # warm-up
+    one_at_a_time = sum(hf_generate(hf, torch.tensor([p]), args.output_len) for p in prompts[: args.hf_sample])
+    serial = args.hf_sample * args.output_len / one_at_a_time
+    t1 = hf_generate(hf, torch.tensor(prompts[:1]), 1)
+    single = (args.output_len - 1) / (hf_generate(hf, torch.tensor(prompts[:1]), args.output_len) - t1)
+    n = args.hf_batch or args.requests
+    batch = n * args.output_len / hf_generate(hf, torch.tensor(prompts[:n]), args.output_len,
+                                              torch.ones(n, args.input_len, dtype=torch.long))
+    return serial, single, batch
+
+
+def report(args, params: int, figures: dict[str, Figures]) -> None:
+    base = figures.get("float32") or next(iter(figures.values()))
+    print(f"workload: {args.requests} requests x {args.input_len} prompt + {args.output_len} new tokens, ignore_eos, "
+          f"greedy; threads {torch.get_num_threads()}; {params / 1e6:.1f}M params")
+    for dtype, f in figures.items():
+        print(f"\n== lmgate {dtype} (packed linear M=256,K=576,N=1536: {f.matmul_flops / 1e9:.1f} GFLOP/s)")
+        print(f"lmgate engine, all {args.requests} at once:  {f.engine:8.1f} tok/s   "
+              f"model-FLOP utilisation {2 * params * f.engine / f.matmul_flops:.1%}")
+        print(f"lmgate single-stream decode:       {f.engine_single:8.1f} tok/s")
+        for label, ref in [(f"transformers {dtype}", f)] + ([("transformers float32", base)] if f is not base else []):
+            print(f"  vs {label}: one at a time ({args.hf_sample} sampled) {ref.hf_serial:6.1f} tok/s -> "
+                      f"{f.engine / ref.hf_serial:5.1f}x;  padded batch {ref.hf_batch:6.1f} -> "
+                      f"{f.engine / ref.hf_batch:4.1f}x;  single stream {ref.hf_single:5.1f} -> "
+                      f"{f.engine_single / ref.hf_single:4.1f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default=None, help="HF directory or .gguf (default: the embedded SmolLM2)")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated; each runs lmgate and transformers")
     ap.add_argument("--max-batched-tokens", type=int, default=512)
     ap.add_argument("--hf-sample", type=int, default=4, help="requests that measure transformers one at a time")
     ap.add_argument("--hf-batch", type=int, default=0, help="padded batch size for transformers (0: all requests)")
     args = ap.parse_args()
 
-    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, max_batched_tokens=args.max_batched_tokens,
-                                 max_batch_size=max(64, args.requests)))
-    prompts = random_prompts(random.Random(0), args.requests, args.input_len, engine.tokenizer.vocab_size)
-    flops = on_fresh_thread(lambda: matmul_flops(engine.dtype))  # see engine/threads.py: keep the main thread clear
-    params = engine.model_config.num_params
-    run_engine(engine, prompts[:2], 4)  # warm-up
-    eng_tps = run_engine(engine, prompts, args.output_len)
-    eng_single = engine_single_stream(engine, prompts[0], args.output_len)
-    engine.shutdown()
+    def prompts_for(engine: Engine) -> list[list[int]]:
+        return random_prompts(random.Random(0), args.requests, args.input_len, engine.tokenizer.vocab_size)
 
-    from transformers import AutoModelForCausalLM
-
-    path = engine.model_path
-    kw = {"gguf_file": os.path.basename(path)} if os.path.isfile(path) else {}
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path) if kw else path, dtype=engine.dtype, **kw).eval()
-    hf_generate(hf, torch.tensor(prompts[:1]), 4)  # warm-up
-    one_at_a_time = sum(hf_generate(hf, torch.tensor([p]), args.output_len) for p in prompts[: args.hf_sample])
-    hf_serial_tps = args.hf_sample * args.output_len / one_at_a_time
-    t1 = hf_generate(hf, torch.tensor(prompts[:1]), 1)
-    hf_single = (args.output_len - 1) / (hf_generate(hf, torch.tensor(prompts[:1]), args.output_len) - t1)
-    n_batch = args.hf_batch or args.requests
-    hf_batch_tps = n_batch * args.output_len / hf_generate(hf, torch.tensor(prompts[:n_batch]), args.output_len,
-                                                          torch.ones(n_batch, args.input_len, dtype=torch.long))
-
-    print(f"model {os.path.basename(path)}  {params / 1e6:.1f}M params  dtype {args.dtype}  threads {torch.get_num_threads()}")
-    print(f"workload: {args.requests} requests x {args.input_len} prompt + {args.output_len} new tokens, ignore_eos, greedy")
-    print(f"torch matmul (M=256,K=576,N=1536): {flops / 1e9:.1f} GFLOP/s")
-    print(f"lmgate engine, all {args.requests} at once:      {eng_tps:8.1f} tok/s")
-    print(f"transformers one at a time ({args.hf_sample} sampled):  {hf_serial_tps:8.1f} tok/s   ratio {eng_tps / hf_serial_tps:5.1f}x")
-    print(f"transformers padded batch of {n_batch}:       {hf_batch_tps:8.1f} tok/s   ratio {eng_tps / hf_batch_tps:5.1f}x")
-    print(f"single-stream decode: lmgate {eng_single:.1f} tok/s, transformers {hf_single:.1f} tok/s   ratio {eng_single / hf_single:4.1f}x")
-    print(f"lmgate model-FLOP utilisation: {2 * params * eng_tps / flops:.1%} of measured matmul FLOP/s")
+    figures: dict[str, Figures] = {}
+    for dtype in args.dtypes.split(","):
+        engine, tps, single, flops = measure_engine(args, dtype, prompts_for)
+        # Off the main thread, like all torch work here: an OpenMP pool left on a live thread slows the next engine.
+        serial, hf_single, batch = on_fresh_thread(
+            lambda: measure_transformers(args, engine.model_path, engine.dtype, prompts_for(engine)))
+        figures[dtype] = Figures(tps, single, serial, hf_single, batch, flops)
+        print(f"{dtype}: lmgate {tps:.1f} tok/s, transformers one at a time {serial:.1f}, padded {batch:.1f}", flush=True)
+    print(f"\nmodel {os.path.basename(engine.model_path)}")
+    report(args, engine.model_config.num_params, figures)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import pytest
 import torch
 import transformers
 
-from lmgate.engine.attention import AttentionMetadata, PrefillChunk, gather_rows
+from lmgate.engine.attention import AttentionMetadata, PrefillChunk, decode_mask, gather_rows
 from lmgate.engine.config import EngineConfig, ModelConfig
 from lmgate.engine.engine import Engine
 from lmgate.engine.errors import UnsupportedModel
@@ -214,8 +214,7 @@ def _meta(kv, slots: list[int], prefills=(), decodes=None) -> AttentionMetadata:
         block_tables, lengths = decodes
         width = max(len(t) for t in block_tables)
         tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
-        mask = torch.zeros(len(block_tables), width * block_size)
-        mask.masked_fill_(torch.arange(width * block_size)[None, :] >= torch.tensor(lengths)[:, None], float("-inf"))
+        mask = decode_mask(torch.tensor(lengths), width * block_size, kv[0][0])
         meta.num_decode = len(block_tables)
         meta.decode_rows, meta.decode_mask = gather_rows(tables, kvh, num_blocks), mask
     return meta
