@@ -37,3 +37,11 @@ def test_pack_linears_swaps_every_linear_and_keeps_tied_embedding():
     ids = torch.tensor([3, 7])
     with torch.inference_mode():
         torch.testing.assert_close(model["head"](embed(ids)), embed(ids) @ embed.weight.T)
+
+
+def test_pack_linears_leaves_layers_onednn_refuses_unpacked():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)).double()  # oneDNN takes no float64 weights
+    pack_linears(model, batch_hint=4)
+    assert all(isinstance(m, nn.Linear) for m in model) and packed_bytes(model) == 0
+    x = torch.randn(2, 8, dtype=torch.float64)
+    assert model(x).shape == (2, 4)
