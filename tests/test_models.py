@@ -28,8 +28,7 @@ from lmgate.engine.engine import Engine
 from lmgate.engine.errors import UnsupportedModel
 from lmgate.engine.kv_cache import allocate_kv_cache
 from lmgate.engine.loader import load_checkpoint, read_config
-from lmgate.engine.models import build_model, load_weights
-from lmgate.engine.models.llama import LlamaForCausalLM
+from lmgate.engine.models import build_model, instantiate, load_weights
 from lmgate.engine.models.packed_linear import PackedLinear
 from lmgate.engine.sampling import SamplingParams
 
@@ -179,10 +178,7 @@ def _ours(path: str):
 def _unpacked(path: str):
     """A model as `build_model` has it before packing its linear layers: the parameters `load_weights` replaces."""
     ckpt = load_checkpoint(path)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(ckpt.config)
-    load_weights(model, ckpt.weights)
-    return ckpt, model
+    return ckpt, instantiate(ckpt.config, ckpt.weights)
 
 
 def _ids(ids: list[int]) -> torch.Tensor:

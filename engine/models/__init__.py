@@ -19,15 +19,21 @@ MODEL_CLASSES = {
 def build_model(
     cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, batch_hint: int = 256
 ) -> LlamaForCausalLM:
-    """Instantiate without random init (on the meta device), then take the checkpoint's tensors as parameters;
-    on the CPU the linear layers' weights are then packed for oneDNN (`packed_linear.py`)."""
-    with torch.device("meta"):
-        model = MODEL_CLASSES[cfg.architecture](cfg)
-    load_weights(model, weights)
+    """`instantiate`, then on the device in the dtype; on the CPU the linear layers' weights are then packed for
+    oneDNN (`packed_linear.py`)."""
+    model = instantiate(cfg, weights)
     model.model.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     if device.type == "cpu":
         pack_linears(model, batch_hint)
+    return model
+
+
+def instantiate(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> LlamaForCausalLM:
+    """The model without random init (on the meta device), the checkpoint's tensors as its parameters."""
+    with torch.device("meta"):
+        model = MODEL_CLASSES[cfg.architecture](cfg)
+    load_weights(model, weights)
     return model
 
 
