@@ -78,6 +78,7 @@ class EngineConfig:
     engine_loops: int = 1
     default_max_new_tokens: int = 256
     max_queued_requests: int = 1024  # per engine loop; a generate beyond it is RESOURCE_EXHAUSTED
+    attention_kernel: bool = True  # CPU decode attention in C++ (built on first use), else torch ops
 
     def __post_init__(self) -> None:
         for name in ("kv_cache_tokens", "block_size", "max_batch_size", "max_batched_tokens", "engine_loops",

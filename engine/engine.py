@@ -17,6 +17,7 @@ from .errors import ContextOverflow, InvalidRequest, Unavailable, UnsupportedMod
 from .gateway import Gateway
 from .host_comm import ThreadComm
 from .threads import on_fresh_thread
+from .kernels import load_paged_attention
 from .kv_cache import allocate_kv_cache, kv_bytes_per_token
 from .loader import Checkpoint, load_checkpoint, read_config
 from .memory import keep_freed_memory, release_host_memory
@@ -123,6 +124,7 @@ class Engine:
             lambda: allocate_kv_cache(self.model_config, num_blocks, c.block_size, self.dtype, self.device),
             c.block_size,
             self.device,
+            c.attention_kernel and self.device.type == "cpu" and load_paged_attention(),
         )
         return EngineLoop(
             comm.rank, self.gateway, comm, runner, BlockManager(num_blocks, c.block_size), self.tokenizer,

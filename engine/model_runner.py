@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from .attention import AttentionMetadata, PrefillChunk, decode_mask, gather_rows
+from .attention import AttentionMetadata, DecodeTables, GatheredDecode, PrefillChunk, decode_mask, gather_rows
 from .models.llama import LlamaForCausalLM
 from .sampling import SampleResult, SampleRow, sample
 from .sequence import Sequence
@@ -32,12 +32,14 @@ class ModelRunner:
         make_kv_cache: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]],
         block_size: int,
         device: torch.device,
+        decode_kernel: bool,
     ) -> None:
         self.model = model  # replaced whole by the engine (weight updates), read once per step
         self.make_kv_cache = make_kv_cache
         self.kv_caches = make_kv_cache()
         self.block_size = block_size
         self.device = device
+        self.decode_kernel = decode_kernel  # torch.ops.lmgate.paged_decode_attention is loaded
 
     def release_kv_cache(self) -> None:
         self.kv_caches = []
@@ -73,22 +75,16 @@ class ModelRunner:
             if seq.samples_this_step:
                 logit_rows.append(len(ids) - 1)
                 rows.append(SampleRow(seq.params, seq.generator, seq.token_ids[: seq.num_prompt_tokens], seq.output_ids, seq.banned_ids))
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots),
-            num_decode=len(decodes),
-            decode_rows=None,
-            decode_mask=None,
-            prefills=prefills,
-        )
-        if decodes:
-            meta.decode_rows, meta.decode_mask = self._decode_tables(decodes)
+        meta = AttentionMetadata(self._tensor(slots), len(decodes), self._decode_tables(decodes) if decodes else None, prefills)
         return StepInputs(self._tensor(ids), self._tensor(positions), meta, self._tensor(logit_rows), rows)
 
-    def _decode_tables(self, decodes: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_tables(self, decodes: list[Sequence]) -> DecodeTables | GatheredDecode:
         width = max(len(s.block_table) for s in decodes)
         tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in decodes], dtype=torch.long)
         lengths = torch.tensor([s.num_computed + 1 for s in decodes])
-        return self._rows(tables), decode_mask(lengths, width * self.block_size, self.kv_caches[0][0]).to(self.device)
+        if self.decode_kernel:
+            return DecodeTables(tables, lengths)
+        return GatheredDecode(self._rows(tables), decode_mask(lengths, width * self.block_size, self.kv_caches[0][0]).to(self.device))
 
     def _rows(self, tables: torch.Tensor) -> torch.Tensor:
         kvh, num_blocks = self.kv_caches[0][0].shape[:2]

@@ -39,6 +39,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-context-length", type=int, default=_env("MAX_CONTEXT_LENGTH", 0), help="cap on prompt + output tokens; 0: the model's [LMGATE_MAX_CONTEXT_LENGTH]")
     ap.add_argument("--max-queued-requests", type=int, default=_env("MAX_QUEUED_REQUESTS", 1024), help="requests waiting per engine loop before new ones get RESOURCE_EXHAUSTED [LMGATE_MAX_QUEUED_REQUESTS]")
     ap.add_argument("--dtype", default=_env("DTYPE", "float32"), choices=["float32", "bfloat16", "float16"], help="weights and KV dtype [LMGATE_DTYPE]")
+    ap.add_argument("--attention-kernel", default=_env("ATTENTION_KERNEL", "on"), choices=["on", "off"], help="on: CPU decode attention in C++, compiled once on first use (torch ops if that fails); off: torch ops [LMGATE_ATTENTION_KERNEL]")
     ap.add_argument("--device", default=_env("DEVICE", "cpu"), help="cpu, cuda or cuda:N [LMGATE_DEVICE]")
     ap.add_argument("--admin-token", default=_env("ADMIN_TOKEN", None), help="require 'authorization: Bearer <token>' on Admin calls; unset: Admin from loopback only [LMGATE_ADMIN_TOKEN]")
     ap.add_argument("--metrics-port", type=int, default=_env("METRICS_PORT", 0), help="serve Prometheus /metrics on this port; 0: off [LMGATE_METRICS_PORT]")
@@ -52,7 +53,7 @@ async def serve(args: argparse.Namespace) -> None:
         model=args.model, dtype=args.dtype, device=args.device, kv_cache_tokens=args.kv_cache_tokens,
         max_batch_size=args.max_batch_size, max_batched_tokens=args.max_batched_tokens,
         max_context_length=args.max_context_length or None, engine_loops=args.engine_loops,
-        max_queued_requests=args.max_queued_requests,
+        max_queued_requests=args.max_queued_requests, attention_kernel=args.attention_kernel == "on",
     ))
     server = Server(engine, f"{args.host}:{args.port}", admin_token=args.admin_token)
     await server.start()

@@ -22,10 +22,11 @@ import pytest
 import torch
 import transformers
 
-from lmgate.engine.attention import AttentionMetadata, PrefillChunk, decode_mask, gather_rows
+from lmgate.engine.attention import AttentionMetadata, DecodeTables, GatheredDecode, PrefillChunk, decode_mask, gather_rows
 from lmgate.engine.config import EngineConfig, ModelConfig
 from lmgate.engine.engine import Engine
 from lmgate.engine.errors import UnsupportedModel
+from lmgate.engine.kernels import load_paged_attention
 from lmgate.engine.kv_cache import allocate_kv_cache
 from lmgate.engine.loader import load_checkpoint, read_config
 from lmgate.engine.models import build_model, instantiate, load_weights
@@ -189,18 +190,17 @@ def _slots(block_table: list[int], positions, block_size: int) -> list[int]:
     return [block_table[p // block_size] * block_size + p % block_size for p in positions]
 
 
-def _meta(kv, slots: list[int], prefills=(), decodes=None) -> AttentionMetadata:
+def _meta(kv, slots: list[int], prefills=(), decodes=None, kernel: bool = False) -> AttentionMetadata:
     """Attention metadata as the model runner builds it.
 
     prefills: (start, end, context_len, block_table) per chunk; decodes: (block_tables, lengths), the
-    tables padded with block 0 and the mask -inf at and beyond each sequence's length.
+    tables padded with block 0, read in place by the C++ kernel or gathered by the torch path.
     """
     kvh, num_blocks, block_size = kv[0][0].shape[:3]
     meta = AttentionMetadata(
         slot_mapping=_ids(slots),
         num_decode=0,
-        decode_rows=None,
-        decode_mask=None,
+        decode=None,
         prefills=[
             PrefillChunk(start, end, ctx, gather_rows(torch.tensor(table[: -(-ctx // block_size)]), kvh, num_blocks))
             for start, end, ctx, table in prefills
@@ -210,10 +210,21 @@ def _meta(kv, slots: list[int], prefills=(), decodes=None) -> AttentionMetadata:
         block_tables, lengths = decodes
         width = max(len(t) for t in block_tables)
         tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
-        mask = decode_mask(torch.tensor(lengths), width * block_size, kv[0][0])
         meta.num_decode = len(block_tables)
-        meta.decode_rows, meta.decode_mask = gather_rows(tables, kvh, num_blocks), mask
+        if kernel:
+            meta.decode = DecodeTables(tables, torch.tensor(lengths))
+        else:
+            mask = decode_mask(torch.tensor(lengths), width * block_size, kv[0][0])
+            meta.decode = GatheredDecode(gather_rows(tables, kvh, num_blocks), mask)
     return meta
+
+
+def _decode_paths() -> list:
+    """The torch path always; the C++ kernel where it could be built (tests/test_attention_kernel.py says
+    why it could not)."""
+    kernel = pytest.param(True, id="kernel", marks=pytest.mark.skipif(
+        shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler"))
+    return [pytest.param(False, id="torch"), kernel]
 
 
 # ------------------------------------------------------------------------------------------- config
@@ -266,8 +277,10 @@ def test_model_chunked_prefill_matches_transformers(tiny, prompt_ids):
     torch.testing.assert_close(torch.cat(outs), tiny.hf_logits(prompt_ids), atol=ATOL, rtol=RTOL)
 
 
-def test_model_batched_decode_matches_transformers(tiny, prompt_ids, prompt_b_ids):
+@pytest.mark.parametrize("kernel", _decode_paths())
+def test_model_batched_decode_matches_transformers(tiny, prompt_ids, prompt_b_ids, kernel):
     """Two prompts prefilled in one step, then one decode token each in one step (padded block tables)."""
+    assert not kernel or load_paged_attention()
     ckpt, model = tiny.ours()
     bs = 8
     a, b = list(prompt_ids), list(prompt_b_ids)
@@ -286,6 +299,7 @@ def test_model_batched_decode_matches_transformers(tiny, prompt_ids, prompt_b_id
             kv,
             _slots(table_a, [len(a)], bs) + _slots(table_b, [len(b)], bs),
             decodes=([table_a, table_b], [len(a) + 1, len(b) + 1]),
+            kernel=kernel,
         )
         decode = model.compute_logits(model(_ids([next_a, next_b]), _ids([len(a), len(b)]), kv, meta))
     ref_a, ref_b = tiny.hf_logits(a + [next_a]), tiny.hf_logits(b + [next_b])
@@ -296,10 +310,12 @@ def test_model_batched_decode_matches_transformers(tiny, prompt_ids, prompt_b_id
 
 
 # ------------------------------------------------------------------------------------------- engine
-def test_engine_greedy_tokens_match_transformers(tiny, prompt_ids):
+@pytest.mark.parametrize("kernel", _decode_paths())
+def test_engine_greedy_tokens_match_transformers(tiny, prompt_ids, kernel):
     expected = tiny.hf_greedy(prompt_ids)
     assert len(set(expected)) >= NEW_TOKENS // 2, f"degenerate reference {expected}"
-    with Engine(EngineConfig(model=tiny.path, kv_cache_tokens=4096)) as engine:
+    with Engine(EngineConfig(model=tiny.path, kv_cache_tokens=4096, attention_kernel=kernel)) as engine:
+        assert engine.loops[0].runner.decode_kernel == kernel
         out = engine.generate(prompt_ids, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
     assert out.error is None
     assert out.token_ids == expected

@@ -1,0 +1,69 @@
+"""C++ CPU kernels, compiled on first use with torch's extension builder and cached across runs
+(in `~/.cache/torch_extensions`, or `$TORCH_EXTENSIONS_DIR`).
+
+Where no compiler is found, or the build fails, `load_paged_attention` says so once in the log and returns
+False; the engine then runs the same attention with torch ops.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = os.path.join(os.path.dirname(__file__), "paged_attention.cpp")
+
+# The flags torch builds its own kernels of each capability with, so that ATen's Vectorized takes the same
+# instructions; "DEFAULT" (and other architectures) get its portable version.
+CAPABILITY_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
+               "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
+}
+
+_lock = threading.Lock()
+_loaded: bool | None = None
+
+
+def load_paged_attention() -> bool:
+    """Whether `torch.ops.lmgate.paged_decode_attention` is available, building it the first time."""
+    global _loaded
+    with _lock:
+        if _loaded is None:
+            _loaded = _build()
+        return _loaded
+
+
+def _build() -> bool:
+    from torch.utils.cpp_extension import load
+
+    _put_ninja_on_path()
+    capability = torch.backends.cpu.get_cpu_capability()
+    name = f"lmgate_kernels_{capability.lower()}"  # a cache shared by different CPUs keeps one build each
+    start = time.perf_counter()
+    try:
+        # -fopenmp: at::parallel_for is inline OpenMP; it runs on the pool torch's own ops use.
+        load(name=name, sources=[SOURCE], is_python_module=False,
+             extra_cflags=["-O3", "-fopenmp", *CAPABILITY_FLAGS.get(capability, [])])
+    except Exception as exc:  # no compiler, no ninja, or a failed build: the torch path still works
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        log.warning("paged-attention CPU kernel unavailable (%s); decode attention runs on torch ops", first_line)
+        return False
+    log.info("paged-attention CPU kernel %s ready in %.1fs", name, time.perf_counter() - start)
+    return True
+
+
+def _put_ninja_on_path() -> None:
+    """torch's builder runs `ninja` from PATH; the `ninja` package puts it beside a venv's python, which
+    is not on PATH when the venv is not activated."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")

@@ -1,0 +1,122 @@
+"""The C++ paged decode-attention kernel (engine/kernels) against a plain reference and the torch path."""
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from lmgate.engine.attention import DecodeTables, GatheredDecode, _decode, decode_mask, gather_rows
+from lmgate.engine.kernels import load_paged_attention
+
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """The kernel is built wherever a C++ compiler is found; without one the engine uses the torch path."""
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler: the engine runs decode attention on torch ops")
+    assert load_paged_attention()
+    return torch.ops.lmgate.paged_decode_attention
+
+
+def _case(heads: int, kv_heads: int, dim: int, block_size: int, lengths: list[int], dtype: torch.dtype, seed: int = 0):
+    """Random queries and caches; each sequence's blocks scattered over the cache, tables padded with 0."""
+    g = torch.Generator().manual_seed(seed)
+    widths = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(widths) + 3
+    k_cache = torch.randn(kv_heads, num_blocks, block_size, dim, generator=g).to(dtype)
+    v_cache = torch.randn(kv_heads, num_blocks, block_size, dim, generator=g).to(dtype)
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    tables, used = [], 0
+    for w in widths:
+        tables.append(order[used : used + w] + [0] * (max(widths) - w))
+        used += w
+    q = torch.randn(len(lengths), heads, dim, generator=g).to(dtype)
+    return q, k_cache, v_cache, torch.tensor(tables, dtype=torch.long), torch.tensor(lengths, dtype=torch.long)
+
+
+def _reference(q, k_cache, v_cache, tables, lengths, scale) -> torch.Tensor:
+    """Each sequence on its own, in float64: its blocks in table order, cut to its length."""
+    kv_heads, _, _, dim = k_cache.shape
+    out = []
+    for i, n in enumerate(lengths.tolist()):
+        keys = k_cache[:, tables[i]].flatten(1, 2)[:, :n].double()  # [KVH, n, D]
+        values = v_cache[:, tables[i]].flatten(1, 2)[:, :n].double()
+        qi = q[i].double().view(kv_heads, -1, dim)  # [KVH, G, D]
+        probs = torch.softmax(qi @ keys.transpose(1, 2) * scale, dim=-1)
+        out.append((probs @ values).reshape(-1, dim))
+    return torch.stack(out)
+
+
+SHAPES = [  # heads, kv_heads, head_dim, block_size
+    (9, 3, 64, 16),  # SmolLM2-135M
+    (4, 4, 40, 5),  # no grouping; a head_dim that leaves a remainder after whole vector registers
+    (8, 1, 128, 16),  # one KV head for all
+]
+LENGTHS = [1, 15, 16, 17, 64, 300]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}-kv{}-d{}-bs{}".format(*s))
+def test_kernel_matches_reference(kernel, shape, dtype):
+    heads, kv_heads, dim, block_size = shape
+    q, k_cache, v_cache, tables, lengths = _case(heads, kv_heads, dim, block_size, LENGTHS, dtype)
+    scale = dim**-0.5
+    out = kernel(q, k_cache, v_cache, tables, lengths, scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    ref = _reference(q, k_cache, v_cache, tables, lengths, scale)
+    torch.testing.assert_close(out.double(), ref, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}-kv{}-d{}-bs{}".format(*s))
+def test_kernel_and_torch_path_agree(kernel, shape):
+    """What the engine computes does not depend on whether the kernel could be built."""
+    heads, kv_heads, dim, block_size = shape
+    q, k_cache, v_cache, tables, lengths = _case(heads, kv_heads, dim, block_size, LENGTHS, torch.float32, seed=1)
+    gathered = GatheredDecode(gather_rows(tables, kv_heads, k_cache.shape[1]),
+                              decode_mask(lengths, tables.shape[1] * block_size, k_cache))
+    by_kernel = _decode(q, k_cache, v_cache, DecodeTables(tables, lengths), dim**-0.5)
+    by_torch = _decode(q, k_cache, v_cache, gathered, dim**-0.5)
+    torch.testing.assert_close(by_kernel, by_torch, atol=2e-5, rtol=2e-5)
+
+
+def test_kernel_handles_an_empty_batch(kernel):
+    q, k_cache, v_cache, _, _ = _case(9, 3, 64, 16, [5], torch.float32)
+    out = kernel(q[:0], k_cache, v_cache, torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.long), 0.125)
+    assert out.shape == (0, 9, 64)
+
+
+def _corrupt(case, what: str):
+    q, k_cache, v_cache, tables, lengths = case
+    if what == "zero length":
+        lengths = lengths.clone(); lengths[0] = 0
+    elif what == "length past its table":
+        lengths = lengths.clone(); lengths[0] = tables.shape[1] * k_cache.shape[2] + 1
+    elif what == "block outside the cache":
+        tables = tables.clone(); tables[0, 0] = k_cache.shape[1]
+    elif what == "negative block":
+        tables = tables.clone(); tables[1, 0] = -1
+    elif what == "int32 tables":
+        tables = tables.int()
+    elif what == "dtype mismatch":
+        q = q.double()
+    elif what == "non-contiguous q":
+        q = q.transpose(0, 1).contiguous().transpose(0, 1)
+    elif what == "heads not a multiple of kv heads":
+        q = q[:, :8].contiguous()
+    elif what == "one length too few":
+        lengths = lengths[:-1]
+    return q, k_cache, v_cache, tables, lengths
+
+
+@pytest.mark.parametrize("what", ["zero length", "length past its table", "block outside the cache", "negative block",
+                                  "int32 tables", "dtype mismatch", "non-contiguous q",
+                                  "heads not a multiple of kv heads", "one length too few"])
+def test_kernel_refuses_bad_input(kernel, what):
+    """A bad table or length is an error, never a read outside the cache."""
+    case = _case(9, 3, 64, 16, [20, 33], torch.float32)
+    with pytest.raises(RuntimeError):
+        kernel(*_corrupt(case, what), 0.125)
