@@ -130,7 +130,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         const float* values = as_float(v_head + table[b] * block_elems, buffer.data(), rows * dim);
         for (int64_t g = 0; g < group; ++g) {
           float* p = probs.data() + g * block_size;
-          const float block_max = *std::max_element(p, p + rows);
+          const float block_max =
+              at::vec::reduce_all<float>([](Vec x, Vec y) { return at::vec::maximum(x, y); }, p, rows);
           const float new_max = std::max(running_max[g], block_max);
           const float rescale = std::exp(running_max[g] - new_max);  // 0 before the first block
           at::vec::map([new_max](Vec x) { return (x - Vec(new_max)).exp(); }, p, p, rows);
