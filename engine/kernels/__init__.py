@@ -40,17 +40,17 @@ def load_paged_attention() -> bool:
 
 
 def _build() -> bool:
-    from torch.utils.cpp_extension import load
-
     _put_ninja_on_path()
     capability = torch.backends.cpu.get_cpu_capability()
     name = f"lmgate_kernels_{capability.lower()}"  # a cache shared by different CPUs keeps one build each
     start = time.perf_counter()
     try:
+        from torch.utils.cpp_extension import load  # imports setuptools, which a venv may lack
+
         # -fopenmp: at::parallel_for is inline OpenMP; it runs on the pool torch's own ops use.
         load(name=name, sources=[SOURCE], is_python_module=False,
              extra_cflags=["-O3", "-fopenmp", *CAPABILITY_FLAGS.get(capability, [])])
-    except Exception as exc:  # no compiler, no ninja, or a failed build: the torch path still works
+    except Exception as exc:  # no compiler, ninja or setuptools, or a failed build: the torch path still works
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         log.warning("paged-attention CPU kernel unavailable (%s); decode attention runs on torch ops", first_line)
         return False
