@@ -90,15 +90,15 @@ def test_kernel_handles_an_empty_batch(kernel):
 
 
 def _corrupt(case, what: str):
-    q, k_cache, v_cache, tables, lengths = case
+    q, k_cache, v_cache, tables, lengths = (t.clone() for t in case)
     if what == "zero length":
-        lengths = lengths.clone(); lengths[0] = 0
+        lengths[0] = 0
     elif what == "length past its table":
-        lengths = lengths.clone(); lengths[0] = tables.shape[1] * k_cache.shape[2] + 1
+        lengths[0] = tables.shape[1] * k_cache.shape[2] + 1
     elif what == "block outside the cache":
-        tables = tables.clone(); tables[0, 0] = k_cache.shape[1]
+        tables[0, 0] = k_cache.shape[1]
     elif what == "negative block":
-        tables = tables.clone(); tables[1, 0] = -1
+        tables[1, 0] = -1
     elif what == "int32 tables":
         tables = tables.int()
     elif what == "dtype mismatch":
