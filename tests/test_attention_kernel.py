@@ -1,14 +1,11 @@
 """The C++ paged decode-attention kernel (engine/kernels) against a plain reference and the torch path."""
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
 import torch
 
 from lmgate.engine.attention import DecodeTables, GatheredDecode, _decode, decode_mask, gather_rows
-from lmgate.engine.kernels import load_paged_attention
+from lmgate.engine.kernels import compiler_found, load_paged_attention
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
@@ -16,7 +13,7 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 @pytest.fixture(scope="module")
 def kernel():
     """The kernel is built wherever a C++ compiler is found; without one the engine uses the torch path."""
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
+    if not compiler_found():
         pytest.skip("no C++ compiler: the engine runs decode attention on torch ops")
     assert load_paged_attention()
     return torch.ops.lmgate.paged_decode_attention

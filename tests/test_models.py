@@ -26,7 +26,7 @@ from lmgate.engine.attention import AttentionMetadata, DecodeTables, GatheredDec
 from lmgate.engine.config import EngineConfig, ModelConfig
 from lmgate.engine.engine import Engine
 from lmgate.engine.errors import UnsupportedModel
-from lmgate.engine.kernels import load_paged_attention
+from lmgate.engine.kernels import compiler_found, load_paged_attention
 from lmgate.engine.kv_cache import allocate_kv_cache
 from lmgate.engine.loader import load_checkpoint, read_config
 from lmgate.engine.models import build_model, instantiate, load_weights
@@ -223,7 +223,7 @@ def _decode_paths() -> list:
     """The torch path always; the C++ kernel where it could be built (tests/test_attention_kernel.py says
     why it could not)."""
     kernel = pytest.param(True, id="kernel", marks=pytest.mark.skipif(
-        shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler"))
+        not compiler_found(), reason="no C++ compiler"))
     return [pytest.param(False, id="torch"), kernel]
 
 

@@ -39,6 +39,11 @@ def load_paged_attention() -> bool:
         return _loaded
 
 
+def compiler_found() -> bool:
+    """Whether the C++ compiler torch's builder would run (`$CXX`, else `c++`) is on PATH."""
+    return shutil.which(os.environ.get("CXX", "c++")) is not None
+
+
 def _build() -> bool:
     _put_ninja_on_path()
     capability = torch.backends.cpu.get_cpu_capability()
