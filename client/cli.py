@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import json
 import math
 import os
@@ -21,7 +22,8 @@ from .client import DEFAULT_TARGET, AsyncClient, Client
 from .wire import Delta
 
 # Flags of `generate` and `chat` whose dest is a SamplingParams field; unset ones keep the server's defaults.
-SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
+                  "ignore_eos")
 
 
 def _number(kind: Callable[[str], Any], minimum: float, *, above: bool = False) -> Callable[[str], Any]:
@@ -37,6 +39,13 @@ def _number(kind: Callable[[str], Any], minimum: float, *, above: bool = False) 
     return parse
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("lmgate")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--target", default=os.environ.get("LMGATE_TARGET", DEFAULT_TARGET),
@@ -49,12 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
     turn.add_argument("--temperature", type=float, help="0: greedy (the default)")
     turn.add_argument("--top-p", type=float)
     turn.add_argument("--top-k", type=int)
+    turn.add_argument("--min-p", type=float, help="drop tokens below this share of the likeliest one's probability")
+    turn.add_argument("--repetition-penalty", type=float, help="above 1 discourages tokens already in the context")
     turn.add_argument("--seed", type=_number(int, 0), help="the same seed gives the same tokens")
     turn.add_argument("--stop", nargs="+", action="extend", metavar="S", help="strings that end the reply")
     turn.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     turn.add_argument("--system", help="a system message before the first user message")
 
     parser = argparse.ArgumentParser(prog="lmgate", description="Serve and talk to an lmgate server.")
+    parser.add_argument("--version", action="version", version=f"lmgate {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("serve", add_help=False, help="run the server (its flags: lmgate serve --help)")
 
@@ -76,15 +88,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("sleep", parents=[common], help="Admin: end all streams and sessions, free memory")
     p.add_argument("--level", type=int, choices=(1, 2), default=1, help="1: free the KV cache; 2: the weights too")
-    p.set_defaults(run=lambda args: _with_client(args, lambda c: c.sleep(args.level)))
+    p.set_defaults(run=lambda args: _with_client(args, lambda c: c.sleep(args.level),
+                                                 f"asleep at level {args.level}: streams ended, "
+                                                 f"{'KV cache and weights' if args.level == 2 else 'KV cache'} freed"))
 
     p = sub.add_parser("wakeup", parents=[common], help="Admin: restore what sleeps")
     p.add_argument("--tags", nargs="*", choices=("weights", "kv_cache"), default=[], help="what to restore (default: all)")
-    p.set_defaults(run=lambda args: _with_client(args, lambda c: c.wakeup(args.tags)))
+    p.set_defaults(run=lambda args: _with_client(args, lambda c: c.wakeup(args.tags),
+                                                 f"woke {' and '.join(args.tags) or 'weights and kv_cache'}"))
 
     p = sub.add_parser("update-weights", parents=[common], help="Admin: load new weights of the same architecture")
     p.add_argument("path", help="HF model directory or GGUF file, as the server sees it")
-    p.set_defaults(run=lambda args: _with_client(args, lambda c: c.update_weights(args.path)))
+    p.set_defaults(run=lambda args: _with_client(args, lambda c: c.update_weights(args.path),
+                                                 f"serving the weights of {args.path}"))
 
     p = sub.add_parser("bench", parents=[common], help="load generator: throughput, TTFT, TPOT, ITL",
                        description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -126,9 +142,11 @@ def _client(args: argparse.Namespace) -> Client:
     return Client(args.target, admin_token=args.admin_token)
 
 
-def _with_client(args: argparse.Namespace, call: Callable[[Client], object]) -> int:
+def _with_client(args: argparse.Namespace, call: Callable[[Client], object], done: str) -> int:
+    """An Admin call; prints what happened (`done`), or the server's error."""
     with _client(args) as client:
         call(client)
+    print(done)
     return 0
 
 

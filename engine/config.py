@@ -68,7 +68,7 @@ class EngineConfig:
     """What an operator chooses: the model, where it runs, and how much memory it may use."""
 
     model: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"  # hardware.choose_dtype: bfloat16 where the device computes it natively, else float32
     device: str = "cpu"
     kv_cache_tokens: int = 32768
     block_size: int = 16

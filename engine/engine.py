@@ -9,12 +9,14 @@ from typing import Callable, Iterator
 
 import torch
 
+from . import chat
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .engine_loop import EngineLoop
 from .config import ModelConfig
 from .errors import ContextOverflow, InvalidRequest, Unavailable, UnsupportedModel
 from .gateway import Gateway
+from .hardware import choose_dtype, cpu_features, matmul_gflops
 from .host_comm import ThreadComm
 from .threads import on_fresh_thread
 from .kernels import load_paged_attention
@@ -29,13 +31,13 @@ from .sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
+Prompt = str | list[int] | list[chat.Message]  # text, token ids, or chat messages
+
 SLEEP_TAGS = ("weights", "kv_cache")
 SLEEP_GATE = "sleep"
 SHAPE_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                 "num_kv_heads", "head_dim", "attention_bias", "qk_norm")
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
 
 
 @dataclass(slots=True)
@@ -88,10 +90,12 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, checkpoint: Checkpoint | None = None) -> None:
         self.config = config = config or EngineConfig()
         keep_freed_memory()
-        if config.dtype not in DTYPES:
-            raise InvalidRequest(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
-        self.dtype = DTYPES[config.dtype]
         self.device = torch.device(config.device)
+        try:
+            self.dtype, self.dtype_reason = choose_dtype(config.dtype, self.device)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        self._warn_emulated_bf16()
         ckpt = checkpoint or on_fresh_thread(lambda: load_checkpoint(config.model))
         self.model_path, self.model_config, self.tokenizer = ckpt.path, ckpt.config, ckpt.tokenizer
         self.weights_path = ckpt.path  # where level-2 sleep reloads weights from; follows UpdateWeights
@@ -117,6 +121,16 @@ class Engine:
         for t in self._threads:
             t.start()
 
+    def _warn_emulated_bf16(self) -> None:
+        """An explicit bf16 on a CPU that only emulates it: say once what it costs here, measured."""
+        if self.device.type != "cpu" or self.dtype != torch.bfloat16 or cpu_features().native_bf16:
+            return
+        fp32, bf16 = on_fresh_thread(lambda: (matmul_gflops(torch.float32), matmul_gflops(torch.bfloat16)))
+        log.warning("bfloat16 on %s, which has no bf16 arithmetic in hardware: matmuls measured %.0f GFLOP/s "
+                    "against %.0f in float32 (%.1fx slower); --dtype auto would choose float32",
+                    cpu_features().name, bf16, fp32, fp32 / max(bf16, 1e-9))
+        self.dtype_reason += f", emulated on this CPU ({fp32 / max(bf16, 1e-9):.1f}x slower matmuls than float32)"
+
     def _make_loop(self, comm: ThreadComm, num_blocks: int) -> EngineLoop:
         c = self.config
         runner = ModelRunner(
@@ -134,9 +148,15 @@ class Engine:
 
     # requests ----------------------------------------------------------------------------------------------
 
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of a text or id prompt, checked against the vocabulary and the context window."""
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        """Token ids of a text, id or chat-messages prompt (messages rendered alone), checked against the
+        vocabulary."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif chat.is_chat(prompt):
+            ids = chat.render_ids(self.tokenizer, prompt)
+        else:
+            ids = list(prompt)
         if not ids:
             raise InvalidRequest("the prompt is empty")
         vocab = self.tokenizer.vocab_size
@@ -147,7 +167,7 @@ class Engine:
 
     def submit(
         self,
-        prompt: str | list[int],
+        prompt: Prompt,
         params: SamplingParams | None = None,
         *,
         session_id: int = 0,
@@ -155,7 +175,10 @@ class Engine:
         on_output: Callable[[RequestOutput], None] | None = None,
     ) -> Stream | Request:
         """Queue a generation. With `on_output`, it runs on the signal thread and the `Request` is returned;
-        without, a `Stream` to iterate is returned. Bad input raises here and leaves nothing behind."""
+        without, a `Stream` to iterate is returned. Bad input raises here and leaves nothing behind.
+
+        Chat messages in a session are the turn's new messages: the session keeps its conversation and each
+        turn renders the whole of it (engine/chat.py)."""
         params = params or SamplingParams()
         ids = self.encode_prompt(prompt)
         self._check_request(ids, params)
@@ -163,6 +186,8 @@ class Engine:
         request = Request(
             RequestKind.GENERATE, session_id, on_output or stream.put, request_id, ids, params, stateless=not session_id
         )
+        if session_id and chat.is_chat(prompt):
+            request.messages = [dict(m) for m in prompt]
         self.gateway.push(request)
         if stream is None:
             return request
@@ -182,7 +207,7 @@ class Engine:
         if len(ids) >= self.max_context_length:
             raise ContextOverflow(f"{len(ids)} prompt tokens leave no room in the context window of {self.max_context_length} tokens")
 
-    def generate(self, prompt: str | list[int], params: SamplingParams | None = None, **kw) -> RequestOutput:
+    def generate(self, prompt: Prompt, params: SamplingParams | None = None, **kw) -> RequestOutput:
         """Run one request to the end; the merged output (all tokens and text, last finish reason and usage)."""
         merged = None
         for out in self.submit(prompt, params, **kw):
@@ -281,6 +306,8 @@ class Engine:
     def update_weights(self, path: str) -> None:
         """Replace the weights with a checkpoint of the same shape; a mismatch is refused, the old ones stay.
         Loops pick the new model up at their next step; a step in flight finishes on the old one."""
+        if not path:
+            raise InvalidRequest("path is required: a Hugging Face model directory or a .gguf file")
         with self._admin_lock:
             if "weights" in self.sleeping:
                 raise Unavailable("the weights are asleep: call Admin.Wakeup with tag 'weights' first")

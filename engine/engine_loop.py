@@ -5,10 +5,11 @@ import logging
 
 import torch
 
+from . import chat
 from .batch import BatchData
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
-from .errors import ContextOverflow, EngineError, InternalError, SessionBusy
+from .errors import ContextOverflow, EngineError, InternalError, InvalidRequest, SessionBusy
 from .gateway import Gateway, Signal, cancelled_output
 from .host_comm import CommAborted, HostComm
 from .model_runner import ModelRunner
@@ -118,18 +119,45 @@ class EngineLoop:
             self._emit(request, RequestOutput(request.request_id, request.session_id, error=SessionBusy(f"session {request.session_id} is already generating")))
             return
         try:
-            max_new = self._max_new_tokens(request, len(session.token_ids) + len(request.input_ids))
+            keep, conversation = len(session.token_ids), None
+            if request.messages is not None:
+                keep, conversation = self._chat_turn(session, request)
+            max_new = self._max_new_tokens(request, keep + len(request.input_ids))
         except EngineError as exc:
             self._emit(request, RequestOutput(request.request_id, request.session_id, error=exc))
             return
+        self._truncate_history(session, keep)
         history = session.token_ids + request.input_ids
         detok = IncrementalDetokenizer(
             self.tokenizer, history[-DETOKENIZER_CONTEXT:], request.params.skip_special_tokens, request.params.stop
         )
         seq = Sequence(request, session, detok, max_new, self.tokenizer.eos_token_ids)
+        seq.conversation = conversation
         session.block_table = []
         session.active = seq
         self.scheduler.add(seq)
+
+    def _chat_turn(self, session: Session, request: Request) -> tuple[int, list[dict]]:
+        """Render the whole conversation; the turn's input is what follows the longest prefix the session
+        holds (at least one token). Returns that prefix's length and the conversation."""
+        if session.messages is None:
+            raise InvalidRequest(f"session {session.session_id} holds prompt or token turns; messages continue "
+                                 "only a session whose every turn is messages")
+        conversation = session.messages + request.messages
+        ids = chat.render_ids(self.tokenizer, conversation)
+        keep = min(chat.common_prefix(session.token_ids, ids), len(ids) - 1)
+        request.input_ids = ids[keep:]
+        return keep, conversation
+
+    def _truncate_history(self, session: Session, num_tokens: int) -> None:
+        """Forget the session's tokens past `num_tokens`, and the KV blocks that held only those."""
+        if num_tokens >= len(session.token_ids):
+            return
+        session.token_ids = session.token_ids[:num_tokens]
+        session.num_computed = min(session.num_computed, num_tokens)
+        kept = self.blocks.blocks_for(session.num_computed)
+        self.blocks.release(session.block_table[kept:])
+        session.block_table = session.block_table[:kept]
 
     def _ended_while_queued(self, request: Request) -> bool:
         """Work queued before a sleep or shutdown closed admission, or whose session ended meanwhile."""
@@ -220,6 +248,9 @@ class EngineLoop:
             self.blocks.release(seq.block_table)
             return
         session.token_ids, session.block_table, session.num_computed = seq.token_ids, seq.block_table, seq.num_computed
+        session.messages = None if seq.conversation is None else [
+            *seq.conversation, chat.assistant_reply(self.tokenizer, seq.output_ids)
+        ]
         session.last_used = self.num_steps
 
     # failure and shutdown ----------------------------------------------------------------------------------

@@ -1,18 +1,20 @@
 """Finding and loading a checkpoint: a Hugging Face directory or a GGUF file, by path."""
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import logging
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from gguf import GGUFReader
 
 from .config import ModelConfig
-from .errors import UnsupportedModel
+from .errors import EngineError, UnsupportedModel
 from .gguf_loader import read_gguf_config, read_gguf_weights
 from .hf_loader import read_hf_config, read_hf_weights
 from .tokenizer import Tokenizer
@@ -48,30 +50,50 @@ def embedded_model_path() -> str:
 
 def read_config(path: str) -> ModelConfig:
     """The config alone, cheap enough to check a checkpoint before loading it."""
-    p = Path(path)
-    return read_gguf_config(GGUFReader(p)) if p.is_file() else read_hf_config(p)
+    p = _existing(path)
+    with _unreadable_refused(path):
+        return read_gguf_config(GGUFReader(p)) if p.is_file() else read_hf_config(p)
 
 
 def load_checkpoint(path: str | None = None) -> Checkpoint:
     path = path or embedded_model_path()
-    p = Path(path)
-    if not p.exists():
-        raise UnsupportedModel(f"model path {path} does not exist")
+    p = _existing(path)
     start = time.perf_counter()
     _progress(f"loading {p.name}")
-    if p.is_file():
-        reader = GGUFReader(p)
-        config = read_gguf_config(reader)
-        weights = read_gguf_weights(reader, config)
-        tokenizer = Tokenizer.from_gguf(reader)
-    else:
-        config = read_hf_config(p)
-        weights = read_hf_weights(p)
-        tokenizer = Tokenizer.from_hf_dir(str(p))
+    with _unreadable_refused(path):
+        if p.is_file():
+            reader = GGUFReader(p)
+            config = read_gguf_config(reader)
+            weights = read_gguf_weights(reader, config)
+            tokenizer = Tokenizer.from_gguf(reader)
+        else:
+            config = read_hf_config(p)
+            weights = read_hf_weights(p)
+            tokenizer = Tokenizer.from_hf_dir(str(p))
     elapsed = time.perf_counter() - start
     _progress(f"loaded {p.name}: {config.architecture}, {len(weights)} tensors in {elapsed:.1f}s", done=True)
     log.info("loaded %s (%s) in %.2fs", path, config.architecture, elapsed)
     return Checkpoint(str(p), config, weights, tokenizer)
+
+
+def _existing(path: str) -> Path:
+    p = Path(path)
+    if not p.exists():
+        raise UnsupportedModel(f"model path {path} does not exist")
+    return p
+
+
+@contextlib.contextmanager
+def _unreadable_refused(path: str) -> Iterator[None]:
+    """A file or directory that is not a checkpoint we read (bad magic, missing or malformed files) is the
+    caller's error, said in one line: UnsupportedModel, never a parser's exception."""
+    try:
+        yield
+    except EngineError:
+        raise
+    except (ValueError, KeyError, TypeError, IndexError, OSError) as exc:
+        kind = "GGUF file" if Path(path).is_file() else "Hugging Face model directory"
+        raise UnsupportedModel(f"{path} is not a readable {kind}: {exc or type(exc).__name__}") from None
 
 
 def _progress(message: str, done: bool = False) -> None:

@@ -96,5 +96,6 @@ class Request:
     input_ids: list[int] = field(default_factory=list)
     params: SamplingParams = field(default_factory=SamplingParams)
     stateless: bool = True
+    messages: list[dict] | None = None  # a session turn given as chat messages (chat.py); input_ids set by its loop
     unique_id: int = -1  # assigned by Gateway.pop, monotonically increasing
     cancel_flag: CancelFlag = field(default_factory=CancelFlag)

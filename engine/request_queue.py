@@ -29,7 +29,7 @@ class RequestQueue:
                 return False
             if request.kind is RequestKind.GENERATE:
                 if self._num_generates >= self.max_generates:
-                    raise ResourceExhausted(f"{self._num_generates} requests already wait for this engine loop; retry later")
+                    raise ResourceExhausted(f"this engine loop's queue is full ({self._num_generates} waiting); retry later")
                 self._num_generates += 1
             self._items.append(request)
             return True

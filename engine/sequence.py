@@ -25,6 +25,7 @@ class Session:
         self.block_table: list[int] = []
         self.num_computed = 0  # leading history tokens whose KV is in block_table
         self.active: "Sequence | None" = None
+        self.messages: list[dict] | None = []  # the conversation while every turn is messages, else None
         self.last_used = 0  # engine step, for choosing whose KV to drop under memory pressure
 
 
@@ -55,6 +56,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_scheduled = 0  # tokens this step will compute; set by the scheduler
         self.finish_reason = None
+        self.conversation: list[dict] | None = None  # a chat turn's messages, this turn's included
 
     @property
     def output_ids(self) -> list[int]:

@@ -36,9 +36,10 @@ def sampling_params(s: pb.SamplingParams) -> SamplingParams:
     )
 
 
-def prompt_ids(request: pb.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
-    """The turn's input as token ids. A stateless text prompt gets the model's special tokens (a BOS where the
-    model uses one); a session turn does not, since it continues a context that already has them."""
+def prompt(request: pb.GenerateRequest, tokenizer: Tokenizer) -> list[int] | list[dict[str, str]]:
+    """The turn's input: token ids, or chat messages for the engine to render (a session renders its whole
+    conversation). A stateless text prompt gets the model's special tokens (a BOS where the model uses one);
+    a session turn does not, since it continues a context that already has them."""
     kind = request.WhichOneof("input")
     if kind == "prompt":
         return tokenizer.encode(request.prompt, add_special_tokens=request.session_id == 0)
@@ -47,12 +48,7 @@ def prompt_ids(request: pb.GenerateRequest, tokenizer: Tokenizer) -> list[int]:
     if kind == "messages":
         if not request.messages.messages:
             raise InvalidRequest("messages is empty")
-        messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
-        try:
-            text = tokenizer.apply_chat_template(messages)
-        except ValueError as exc:
-            raise InvalidRequest(str(exc)) from None
-        return tokenizer.encode(text, add_special_tokens=False)
+        return [{"role": m.role, "content": m.content} for m in request.messages.messages]
     raise InvalidRequest("no input: set one of prompt, tokens or messages")
 
 

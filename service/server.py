@@ -16,7 +16,8 @@ from .metrics import Metrics
 from .servicer import InferenceServicer
 
 SHUTDOWN_FLUSH_SECONDS = 1.0  # for the last messages of cancelled streams to reach their clients
-SERVICES = (pb.DESCRIPTOR.services_by_name["Inference"].full_name, pb.DESCRIPTOR.services_by_name["Admin"].full_name)
+INFERENCE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+SERVICES = (INFERENCE, pb.DESCRIPTOR.services_by_name["Admin"].full_name)
 
 
 class Server:
@@ -28,8 +29,10 @@ class Server:
         self.grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         self.inference = InferenceServicer(engine, self.metrics)
         pb_grpc.add_InferenceServicer_to_server(self.inference, self.grpc)
-        pb_grpc.add_AdminServicer_to_server(AdminServicer(engine, self.metrics, admin_token), self.grpc)
+        admin = AdminServicer(engine, self.metrics, admin_token, self.refresh_health)
+        pb_grpc.add_AdminServicer_to_server(admin, self.grpc)
         self.health = health.aio.HealthServicer()
+        self._stopping = False
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection(SERVICES + (health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
         self.port = self.grpc.add_insecure_port(address)
@@ -39,10 +42,23 @@ class Server:
     async def start(self) -> None:
         await self.grpc.start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        await self.refresh_health()
+
+    async def refresh_health(self, closing: bool = False) -> None:
+        """While any part of the engine sleeps (or is about to), Generate is refused: Inference and the server
+        as a whole ("") report NOT_SERVING, so load balancers send traffic elsewhere; Admin stays SERVING, to be
+        woken. After `stop` began, nothing changes any more."""
+        if self._stopping:
+            return
+        asleep = closing or bool(self.engine.sleeping)
+        serving = health_pb2.HealthCheckResponse.NOT_SERVING if asleep else health_pb2.HealthCheckResponse.SERVING
+        for name in ("", INFERENCE):
+            await self.health.set(name, serving)
 
     async def stop(self, grace: float) -> None:
         """NOT_SERVING and UNAVAILABLE for new work at once; running streams get `grace` seconds to finish,
         then the engine cancels them, so each still ends with its last message (FINISH_REASON_CANCELLED)."""
+        self._stopping = True
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.engine.gateway.close_admission("shutdown", "the server is shutting down")
         await self.inference.wait_idle(grace)

@@ -53,17 +53,17 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         try:
             if request_id in self._requests:
                 raise InvalidRequest(f"request_id {request_id!r} is already in use by an active request")
-            ids = convert.prompt_ids(request, self.engine.tokenizer)
+            prompt = convert.prompt(request, self.engine.tokenizer)
             params = convert.sampling_params(request.sampling)
             engine_request = self.engine.submit(
-                ids, params, session_id=request.session_id, request_id=request_id,
+                prompt, params, session_id=request.session_id, request_id=request_id,
                 on_output=lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out),
             )
         except EngineError as exc:
             self.metrics.refused(exc)
             await abort(context, exc)
         self._requests[request_id] = engine_request
-        tracker = self.metrics.track(len(ids))
+        tracker = self.metrics.track(len(engine_request.input_ids))
         finished = False
         try:
             while not finished:
@@ -132,6 +132,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             weights_bytes=i.weights_bytes,
             kv_cache_bytes=i.kv_cache_bytes,
             dtype=str(self.engine.dtype).removeprefix("torch."),
+            dtype_reason=self.engine.dtype_reason,
             device=str(self.engine.device),
         )
 

@@ -19,6 +19,7 @@ import torch
 from lmgate.client.bench import random_prompts
 from lmgate.engine.config import EngineConfig
 from lmgate.engine.engine import Engine
+from lmgate.engine.hardware import choose_dtype, cpu_features
 from lmgate.engine.models.packed_linear import pack_linears
 from lmgate.engine.sampling import SamplingParams
 from lmgate.engine.threads import on_fresh_thread
@@ -116,14 +117,27 @@ def measure_transformers(args, path: str, dtype: torch.dtype, prompts: list[list
     return serial, single, batch
 
 
+def gemm_bound(args, params: int, flops: float) -> float:
+    """Output tokens/s no engine can pass at `flops`: every prompt and output token costs 2 x params FLOP."""
+    return flops / (2 * params) * args.output_len / (args.input_len + args.output_len)
+
+
 def report(args, params: int, figures: dict[str, Figures]) -> None:
     base = figures.get("float32") or next(iter(figures.values()))
+    cpu = cpu_features()
+    auto, why = choose_dtype("auto", torch.device("cpu"))
+    print(f"cpu: {cpu.name}; {cpu.arch}; vector ISA {cpu.vector_isa}; native bf16: {cpu.native_bf16}; "
+          f"oneDNN bf16: {cpu.onednn_bf16}")
+    print(f"cpu flags: {' '.join(sorted(f for f in cpu.flags if f.startswith(('avx', 'amx', 'fma', 'f16c'))))}")
+    print(f"--dtype auto chooses {str(auto).removeprefix('torch.')} ({why})")
     print(f"workload: {args.requests} requests x {args.input_len} prompt + {args.output_len} new tokens, ignore_eos, "
           f"greedy; threads {torch.get_num_threads()}; {params / 1e6:.1f}M params")
     for dtype, f in figures.items():
-        print(f"\n== lmgate {dtype} (packed linear M=256,K=576,N=1536: {f.matmul_flops / 1e9:.1f} GFLOP/s)")
+        limit = gemm_bound(args, params, f.matmul_flops)
+        print(f"\n== lmgate {dtype} (packed linear M=256,K=576,N=1536: {f.matmul_flops / 1e9:.1f} GFLOP/s, "
+              f"so at most {limit:.1f} output tok/s on this workload)")
         print(f"lmgate engine, all {args.requests} at once:  {f.engine:8.1f} tok/s   "
-              f"model-FLOP utilisation {2 * params * f.engine / f.matmul_flops:.1%}")
+              f"{f.engine / limit:.1%} of the GEMM-bound limit")
         print(f"lmgate single-stream decode:       {f.engine_single:8.1f} tok/s")
         for label, ref in [(f"transformers {dtype}", f)] + ([("transformers float32", base)] if f is not base else []):
             print(f"  vs {label}: one at a time ({args.hf_sample} sampled) {ref.hf_serial:6.1f} tok/s -> "
@@ -138,7 +152,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated; each runs lmgate and transformers")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated; each runs lmgate and transformers "
+                    "(bfloat16 on a CPU without native bf16 runs emulated, several times slower)")
     ap.add_argument("--max-batched-tokens", type=int, default=512)
     ap.add_argument("--hf-sample", type=int, default=4, help="requests that measure transformers one at a time")
     ap.add_argument("--hf-batch", type=int, default=0, help="padded batch size for transformers (0: all requests)")

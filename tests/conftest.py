@@ -33,7 +33,7 @@ def server(checkpoint):
     from lmgate.engine.config import EngineConfig
     from tests.serving import ServerThread
 
-    s = ServerThread(EngineConfig(kv_cache_tokens=16384), checkpoint)
+    s = ServerThread(EngineConfig(dtype="float32", kv_cache_tokens=16384), checkpoint)
     yield s
     s.stop()
 
@@ -44,6 +44,6 @@ def server2(checkpoint):
     from lmgate.engine.config import EngineConfig
     from tests.serving import ServerThread
 
-    s = ServerThread(EngineConfig(kv_cache_tokens=8192, engine_loops=2), checkpoint)
+    s = ServerThread(EngineConfig(dtype="float32", kv_cache_tokens=8192, engine_loops=2), checkpoint)
     yield s
     s.stop()

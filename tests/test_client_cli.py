@@ -156,6 +156,12 @@ def test_bench_defaults():
     assert build_parser().parse_args(["bench", "--request-rate", "inf"]).request_rate == math.inf
 
 
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.startswith("lmgate ")
+
+
 def test_serve_forwards_its_flags_to_the_server(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["serve", "--help"])
@@ -172,7 +178,7 @@ PROMPT = "The capital of France is"
 @pytest.fixture(scope="module")
 def guarded(checkpoint):
     """A server of its own with an admin token: these tests put it to sleep."""
-    s = ServerThread(EngineConfig(kv_cache_tokens=4096), checkpoint, admin_token="s3cret")
+    s = ServerThread(EngineConfig(dtype="float32", kv_cache_tokens=4096), checkpoint, admin_token="s3cret")
     yield s
     s.stop()
 
@@ -295,7 +301,9 @@ def test_cli_chat_keeps_one_session(server, capsys, monkeypatch):
 def test_cli_admin_commands(guarded, capsys):
     base = ["--target", guarded.address, "--admin-token", "s3cret"]
     assert main(["sleep", "--level", "1", *base]) == 0
+    assert "asleep at level 1" in capsys.readouterr().out
     assert main(["wakeup", "--tags", "weights", "kv_cache", *base]) == 0
+    assert "woke weights and kv_cache" in capsys.readouterr().out
     assert main(["sleep", "--target", guarded.address]) == 1
     assert "UNAUTHENTICATED" in capsys.readouterr().err
     assert main(["info", "--target", guarded.address]) == 0

@@ -34,7 +34,7 @@ GREEDY = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
 # ------------------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def engine(checkpoint):
-    eng = Engine(EngineConfig(), checkpoint=checkpoint)
+    eng = Engine(EngineConfig(dtype="float32"), checkpoint=checkpoint)
     yield eng
     eng.shutdown()
 
@@ -162,7 +162,7 @@ def test_engine_tokens_do_not_depend_on_batch(engine, tokenizer):
 
 # ------------------------------------------------------------------------------- 3. KV accounting
 def test_engine_kv_blocks_all_free_after_preemption_cancel_and_sessions(engine, checkpoint, tokenizer):
-    small = Engine(EngineConfig(kv_cache_tokens=512, block_size=16, max_batch_size=16), checkpoint=checkpoint)
+    small = Engine(EngineConfig(dtype="float32", kv_cache_tokens=512, block_size=16, max_batch_size=16), checkpoint=checkpoint)
     try:
         info = small.info()
         assert info.kv_blocks_total == 32 and info.kv_blocks_free == 32
@@ -239,7 +239,7 @@ def chunked_references(hf_model, long_prompt, tokenizer):
 @pytest.mark.parametrize("budget", [128, 100])  # 100: chunks that end inside a KV block
 def test_engine_chunked_prefill_matches_transformers(checkpoint, long_prompt, chunked_references, budget):
     short, expected, short_alone = chunked_references
-    eng = Engine(EngineConfig(kv_cache_tokens=2048, max_batched_tokens=budget), checkpoint=checkpoint)
+    eng = Engine(EngineConfig(dtype="float32", kv_cache_tokens=2048, max_batched_tokens=budget), checkpoint=checkpoint)
     try:
         params = SamplingParams(max_new_tokens=12, ignore_eos=True)
         # The 600-token prompt prefills in chunks while a decoding stream shares every step.
@@ -349,7 +349,7 @@ def test_engine_bad_input_raises_and_leaves_no_state(engine, tokenizer):
 
 
 def test_engine_context_window_limits(checkpoint, tokenizer):
-    with Engine(EngineConfig(max_context_length=256, kv_cache_tokens=1024), checkpoint=checkpoint) as eng:
+    with Engine(EngineConfig(dtype="float32", max_context_length=256, kv_cache_tokens=1024), checkpoint=checkpoint) as eng:
         assert eng.max_context_length == 256
         before = eng.info()
         filler = tokenizer.encode("word " * 400)

@@ -314,7 +314,7 @@ def test_model_batched_decode_matches_transformers(tiny, prompt_ids, prompt_b_id
 def test_engine_greedy_tokens_match_transformers(tiny, prompt_ids, kernel):
     expected = tiny.hf_greedy(prompt_ids)
     assert len(set(expected)) >= NEW_TOKENS // 2, f"degenerate reference {expected}"
-    with Engine(EngineConfig(model=tiny.path, kv_cache_tokens=4096, attention_kernel=kernel)) as engine:
+    with Engine(EngineConfig(dtype="float32", model=tiny.path, kv_cache_tokens=4096, attention_kernel=kernel)) as engine:
         assert engine.loops[0].runner.decode_kernel == kernel
         out = engine.generate(prompt_ids, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
     assert out.error is None
@@ -419,7 +419,7 @@ def test_gguf_roundtrip_matches_hf_directory(name, tiny_models, tmp_path, tokeni
     assert from_gguf.tokenizer.encode(PROMPT) == prompt_ids
 
     # The checkpoint already read (reading a GGUF again costs seconds): the engine over the GGUF's weights.
-    with Engine(EngineConfig(model=path, kv_cache_tokens=4096), checkpoint=from_gguf) as engine:
+    with Engine(EngineConfig(dtype="float32", model=path, kv_cache_tokens=4096), checkpoint=from_gguf) as engine:
         out = engine.generate(prompt_ids, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
     assert out.token_ids == tiny.hf_greedy(prompt_ids)
 

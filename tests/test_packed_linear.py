@@ -6,23 +6,53 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmgate.engine.hardware import FLAGS_ENV, cpu_features
 from lmgate.engine.models.packed_linear import PackedLinear, pack_linears, packed_bytes
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+AVX2_ONLY = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx fma f16c avx2"
+
+
+@pytest.fixture
+def avx2_only(monkeypatch):
+    """The CPU features of an AVX2 machine without AVX-512, on whatever CPU runs the test."""
+    monkeypatch.setenv(FLAGS_ENV, AVX2_ONLY)
+    cpu_features.cache_clear()
+    yield
+    monkeypatch.undo()
+    cpu_features.cache_clear()
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("tokens", [1, 7, 64, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_f_linear(dtype, tol, tokens, bias):
+    """Where oneDNN packs no bf16 (AVX2-only CPUs), the bf16 cases check the fallback instead: the layer stays
+    an `nn.Linear` and computes the same."""
     torch.manual_seed(tokens)
     linear = nn.Linear(96, 160, bias=bias).to(dtype)
     x = torch.randn(tokens, 96, dtype=dtype)
+    model = nn.Sequential(linear)
     with torch.inference_mode():
         want = F.linear(x, linear.weight, linear.bias)
-        got = PackedLinear(linear, batch_hint=64)(x)
+        pack_linears(model, batch_hint=64)
+        got = model(x)
+    packs = dtype == torch.float32 or cpu_features().onednn_bf16
+    assert isinstance(model[0], PackedLinear if packs else nn.Linear)
     assert got.shape == want.shape and got.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_pack_linears_keeps_bf16_unpacked_where_onednn_cannot(avx2_only):
+    model = nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 16)).to(torch.bfloat16)
+    x = torch.randn(5, 32, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        want = model(x)
+        pack_linears(model, batch_hint=8)
+        got = model(x)
+    assert all(isinstance(m, nn.Linear) for m in model) and packed_bytes(model) == 0
+    torch.testing.assert_close(got, want)
 
 
 def test_pack_linears_swaps_every_linear_and_keeps_tied_embedding():

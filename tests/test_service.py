@@ -65,6 +65,27 @@ def test_session_two_turns_reuse_history(server):
     stub.End(pb.EndRequest(session_id=sid))
 
 
+def test_chat_session_turns_equal_stateless_conversation(server):
+    """The README's two-turn chat: each turn sends its new messages, the session renders the conversation."""
+    stub = server.stub()
+    sid = stub.Start(pb.StartRequest()).session_id
+    chat_params = pb.SamplingParams(max_new_tokens=24)
+    conversation = pb.ChatMessages()
+    for question in ("Name a large city in Italy.", "And one in Spain?"):
+        got, text, last = collect(stub.Generate(pb.GenerateRequest(session_id=sid, messages=chat(question), sampling=chat_params)))
+        conversation.messages.add(role="user", content=question)
+        want, _, want_last = collect(stub.Generate(pb.GenerateRequest(messages=conversation, sampling=chat_params)))
+        assert got == want and last.usage.prompt_tokens == want_last.usage.prompt_tokens
+        conversation.messages.add(role="assistant", content=text)
+    assert last.usage.cached_tokens > 0
+    stub.End(pb.EndRequest(session_id=sid))
+
+
+def test_info_says_dtype_and_why(server):
+    info = server.info()
+    assert info.dtype == "float32" and info.dtype_reason == "asked for float32"
+
+
 def test_cancel_mid_stream_keeps_history(server):
     stub = server.stub()
     sid = stub.Start(pb.StartRequest()).session_id
@@ -209,7 +230,7 @@ def test_full_queue_resource_exhausted_and_changes_nothing(checkpoint):
     from lmgate.engine.config import EngineConfig
     from tests.serving import ServerThread
 
-    small = ServerThread(EngineConfig(kv_cache_tokens=2048, max_batch_size=1, max_queued_requests=2), checkpoint)
+    small = ServerThread(EngineConfig(dtype="float32", kv_cache_tokens=2048, max_batch_size=1, max_queued_requests=2), checkpoint)
     try:
         stub = small.stub()
         sid = stub.Start(pb.StartRequest()).session_id

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 import torch
 from prometheus_client import start_http_server
 from safetensors.torch import save_file
@@ -33,7 +34,7 @@ LONG = pb.SamplingParams(max_new_tokens=4000, ignore_eos=True)
 @pytest.fixture(scope="module")
 def sleepy(checkpoint):
     """A server of its own: these tests put it to sleep."""
-    s = ServerThread(EngineConfig(kv_cache_tokens=8192, engine_loops=2), checkpoint)
+    s = ServerThread(EngineConfig(dtype="float32", kv_cache_tokens=8192, engine_loops=2), checkpoint)
     yield s
     s.stop()
 
@@ -196,14 +197,58 @@ def test_update_weights_changes_output_and_back(sleepy, checkpoints):
     assert greedy(stub) == original
 
 
-def test_update_weights_refuses_mismatch_and_keeps_serving(sleepy, checkpoints):
+@pytest.fixture(scope="module")
+def not_checkpoints(tmp_path_factory) -> dict[str, str]:
+    """Paths an operator could pass by mistake, each with words its refusal must say."""
+    root = tmp_path_factory.mktemp("not_ckpt")
+    (root / "notes.gguf").write_text("not a model")
+    (root / "empty").mkdir()
+    (root / "bad_json").mkdir()
+    (root / "bad_json" / "config.json").write_text("{not json")
+    (root / "no_fields").mkdir()
+    (root / "no_fields" / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+    return {
+        "/nonexistent/model": "does not exist",
+        readme: "not a readable GGUF file",
+        str(root / "notes.gguf"): "not a readable GGUF file",
+        str(root / "empty"): "has no config.json",
+        str(root / "bad_json"): "not a readable Hugging Face model directory",
+        str(root / "no_fields"): "not a readable Hugging Face model directory",
+        "": "path is required",
+    }
+
+
+def test_update_weights_refuses_mismatch_and_keeps_serving(sleepy, checkpoints, not_checkpoints):
     stub, adm = sleepy.stub(), admin(sleepy)
     original = greedy(stub)
-    for path in (checkpoints["other_shape"], "/nonexistent/model"):
+    refusals = {checkpoints["other_shape"]: "does not match the served model", **not_checkpoints}
+    for path, words in refusals.items():
         with pytest.raises(grpc.RpcError) as err:
             adm.UpdateWeights(pb.UpdateWeightsRequest(path=path))
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in err.value.details(), path
     assert greedy(stub) == original
+    assert_idle(sleepy)
+
+
+def health_of(server, service: str) -> int:
+    with server.channel() as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service)).status
+
+
+def test_health_not_serving_while_asleep_serving_after_full_wakeup(sleepy):
+    adm = admin(sleepy)
+    inference, admin_service = "lmgate.v1.Inference", "lmgate.v1.Admin"
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    assert [health_of(sleepy, s) for s in ("", inference, admin_service)] == [serving] * 3
+    adm.Sleep(pb.SleepRequest(level=1))
+    assert [health_of(sleepy, s) for s in ("", inference, admin_service)] == [not_serving, not_serving, serving]
+    adm.Wakeup(pb.WakeupRequest(tags=["weights"]))  # partly awake: Generate is still refused
+    assert health_of(sleepy, inference) == not_serving
+    adm.Wakeup(pb.WakeupRequest(tags=["kv_cache"]))
+    assert [health_of(sleepy, s) for s in ("", inference, admin_service)] == [serving] * 3
+    assert code_of(lambda: adm.Sleep(pb.SleepRequest(level=3))) == grpc.StatusCode.INVALID_ARGUMENT
+    assert health_of(sleepy, inference) == serving  # a refused Sleep changes nothing
 
 
 def test_rl_loop_sleep_wake_weights_update_wake_kv(sleepy, checkpoints):
@@ -243,7 +288,7 @@ def test_level2_sleep_releases_weights_memory():
 
 
 def test_admin_auth_with_token(checkpoint):
-    server = ServerThread(EngineConfig(kv_cache_tokens=1024), checkpoint, admin_token="s3cret")
+    server = ServerThread(EngineConfig(dtype="float32", kv_cache_tokens=1024), checkpoint, admin_token="s3cret")
     try:
         adm = pb_grpc.AdminStub(server.channel())
         wake = pb.WakeupRequest(tags=["kv_cache"])

@@ -189,7 +189,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "max_context_length", "vocab_size", "engine_loops", "kv_blocks_total", "kv_blocks_free", "active_sessions", "sleeping", "sleeping_tags", "architecture", "kv_block_size", "running_requests", "waiting_requests", "preemptions", "weights_bytes", "kv_cache_bytes", "dtype", "device", "queued_requests")
+    __slots__ = ("model", "max_context_length", "vocab_size", "engine_loops", "kv_blocks_total", "kv_blocks_free", "active_sessions", "sleeping", "sleeping_tags", "architecture", "kv_block_size", "running_requests", "waiting_requests", "preemptions", "weights_bytes", "kv_cache_bytes", "dtype", "device", "queued_requests", "dtype_reason")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +209,7 @@ class InfoResponse(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_REASON_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_context_length: int
     vocab_size: int
@@ -228,7 +229,8 @@ class InfoResponse(_message.Message):
     dtype: str
     device: str
     queued_requests: int
-    def __init__(self, model: _Optional[str] = ..., max_context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., engine_loops: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., active_sessions: _Optional[int] = ..., sleeping: _Optional[bool] = ..., sleeping_tags: _Optional[_Iterable[str]] = ..., architecture: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., preemptions: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., queued_requests: _Optional[int] = ...) -> None: ...
+    dtype_reason: str
+    def __init__(self, model: _Optional[str] = ..., max_context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., engine_loops: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., active_sessions: _Optional[int] = ..., sleeping: _Optional[bool] = ..., sleeping_tags: _Optional[_Iterable[str]] = ..., architecture: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., preemptions: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., queued_requests: _Optional[int] = ..., dtype_reason: _Optional[str] = ...) -> None: ...
 
 class SleepRequest(_message.Message):
     __slots__ = ("level",)

@@ -1,0 +1,117 @@
+"""Chat sessions: each turn renders the whole conversation, so a session turn given as messages equals a
+stateless request on the conversation so far (no default system prompt inserted again), and only the tokens
+past what the session holds are prefilled. On the embedded SmolLM2 and on tiny models whose templates add a
+default system prompt, or render earlier turns differently once more follow."""
+from __future__ import annotations
+
+import pytest
+
+from lmgate.engine.chat import common_prefix, render_ids
+from lmgate.engine.config import EngineConfig
+from lmgate.engine.engine import Engine
+from lmgate.engine.errors import InvalidRequest
+from lmgate.engine.sampling import SamplingParams
+from tests.test_models import hf_tokenizer_dir, tiny_models  # noqa: F401  (fixtures)
+
+QUESTIONS = ["What is the capital of Italy?", "And of Spain?", "Which of the two is bigger?"]
+PARAMS = SamplingParams(max_new_tokens=12)  # stops at <|im_end|>, as a chat turn does
+DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM"
+
+# Marks the newest message, so a turn's rendering of earlier turns differs from what the session holds.
+MARK_LATEST = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}{% if loop.last %} (latest){% endif %}\n"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    with Engine(EngineConfig(dtype="float32", kv_cache_tokens=4096), checkpoint=checkpoint) as eng:
+        yield eng
+
+
+def user(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+def run_chat(engine: Engine, params: SamplingParams = PARAMS) -> list[tuple]:
+    """Three message turns on one session, each beside a stateless request on the whole conversation.
+    Returns (session output, stateless output, conversation) per turn; the session is ended."""
+    sid = engine.start_session()
+    conversation, turns = [], []
+    for question in QUESTIONS:
+        got = engine.generate(user(question), params, session_id=sid)
+        conversation += user(question)
+        want = engine.generate(conversation, params)
+        turns.append((got, want, list(conversation)))
+        conversation.append({"role": "assistant", "content": engine.tokenizer.decode(got.token_ids)})
+    engine.end_session(sid)
+    return turns
+
+
+def assert_turns_equal_stateless(engine: Engine, turns: list[tuple]) -> None:
+    for got, want, conversation in turns:
+        assert got.token_ids == want.token_ids
+        assert got.usage.prompt_tokens == want.usage.prompt_tokens == len(render_ids(engine.tokenizer, conversation))
+    info = engine.info()
+    assert info.kv_blocks_free == info.kv_blocks_total and info.active_sessions == 0
+
+
+def test_chat_session_turns_equal_stateless_and_reuse_kv(engine):
+    turns = run_chat(engine)
+    assert_turns_equal_stateless(engine, turns)
+    rendered = engine.tokenizer.decode(render_ids(engine.tokenizer, turns[-1][2]), skip_special_tokens=False)
+    assert rendered.count(DEFAULT_SYSTEM) == 1
+    for (prev, _, _), (got, _, _) in zip(turns, turns[1:]):
+        assert got.usage.cached_tokens >= prev.usage.prompt_tokens  # the earlier turns were not prefilled again
+
+
+def test_chat_session_sampled_with_seed_equals_stateless(engine):
+    turns = run_chat(engine, SamplingParams(max_new_tokens=10, temperature=0.8, top_p=0.9, seed=7))
+    assert_turns_equal_stateless(engine, turns)
+
+
+@pytest.mark.parametrize("template", ["default system prompt", "marks the latest message"])
+def test_chat_session_on_tiny_model_equals_stateless(template, tiny_models):
+    with Engine(EngineConfig(dtype="float32", model=tiny_models("llama").path, kv_cache_tokens=2048)) as eng:
+        if template == "marks the latest message":
+            eng.tokenizer.chat_template = MARK_LATEST
+        turns = run_chat(eng, SamplingParams(max_new_tokens=8, ignore_eos=True))
+        assert_turns_equal_stateless(eng, turns)
+        first, second = turns[0][0], turns[1][0]
+        held = render_ids(eng.tokenizer, turns[0][2]) + first.token_ids
+        shared = common_prefix(held, render_ids(eng.tokenizer, turns[1][2]))
+        assert second.usage.cached_tokens == min(shared, len(held) - 1)
+        if template == "marks the latest message":
+            assert shared < first.usage.prompt_tokens  # the first question renders differently: recomputed
+
+
+def test_chat_messages_refused_on_a_session_of_token_turns(engine):
+    sid = engine.start_session()
+    engine.generate(engine.tokenizer.encode("Hello there"), SamplingParams(max_new_tokens=3), session_id=sid)
+    with pytest.raises(InvalidRequest, match="every turn is messages"):
+        engine.generate(user("Hi"), PARAMS, session_id=sid)
+    after = engine.generate(engine.tokenizer.encode(" again"), SamplingParams(max_new_tokens=3), session_id=sid)
+    assert after.usage.cached_tokens > 0  # the refused turn changed nothing
+    engine.end_session(sid)
+
+
+def test_chat_token_turn_may_follow_message_turns(engine):
+    sid = engine.start_session()
+    first = engine.generate(user("Name a colour."), PARAMS, session_id=sid)
+    more = engine.tokenizer.encode("<|im_start|>user\nAnother?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    second = engine.generate(more, PARAMS, session_id=sid)
+    assert second.usage.prompt_tokens == first.usage.prompt_tokens + len(first.token_ids) + len(more)
+    with pytest.raises(InvalidRequest):
+        engine.generate(user("And a third?"), PARAMS, session_id=sid)
+    engine.end_session(sid)
+
+
+@pytest.mark.parametrize("messages", [[{"role": "wizard", "content": "hi"}], [{"content": "no role"}]])
+def test_chat_bad_messages_refused_and_leave_session_unchanged(engine, messages):
+    sid = engine.start_session()
+    with pytest.raises(InvalidRequest):
+        engine.submit(messages, PARAMS, session_id=sid)
+    turns = engine.generate(user("Hi"), PARAMS, session_id=sid)
+    assert turns.usage.prompt_tokens == len(render_ids(engine.tokenizer, user("Hi")))
+    engine.end_session(sid)

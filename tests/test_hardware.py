@@ -1,0 +1,91 @@
+"""CPU features read in one place, and the dtype `--dtype auto` chooses from them (tested for every kind of
+CPU without needing each: the choice is a function of the flags)."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from lmgate.engine.config import EngineConfig
+from lmgate.engine.engine import Engine
+from lmgate.engine.errors import InvalidRequest
+from lmgate.engine.sampling import SamplingParams
+from lmgate.engine.hardware import FLAGS_ENV, CpuFeatures, choose_dtype, cpu_features
+from tests.test_models import hf_tokenizer_dir, tiny_models  # noqa: F401  (fixtures)
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+AVX2 = "sse4_2 avx fma f16c avx2"
+AVX512 = AVX2 + " avx512f avx512bw avx512vl avx512dq"
+
+
+def x86(flags: str) -> CpuFeatures:
+    return CpuFeatures("test cpu", "x86_64", frozenset(flags.split()))
+
+
+@pytest.fixture
+def cpu_flags(monkeypatch):
+    """Sets `LMGATE_CPU_FLAGS` for the test; the cached features are read again before and after."""
+    def set_flags(flags: str) -> None:
+        monkeypatch.setenv(FLAGS_ENV, flags)
+        cpu_features.cache_clear()
+
+    yield set_flags
+    monkeypatch.undo()
+    cpu_features.cache_clear()
+
+
+@pytest.mark.parametrize("arch,flags,want", [
+    ("x86_64", AVX2, torch.float32),  # AMD Zen 3, Intel Haswell .. Alder Lake
+    ("x86_64", AVX512, torch.float32),  # Skylake-X: AVX-512 but no bf16 arithmetic
+    ("x86_64", AVX512 + " avx512_bf16", torch.bfloat16),  # Cooper Lake, Zen 4 / 5
+    ("x86_64", AVX512 + " amx_bf16 amx_tile", torch.bfloat16),  # Sapphire Rapids
+    ("aarch64", "fp asimd sve", torch.float32),
+    ("aarch64", "fp asimd sve bf16", torch.bfloat16),  # Graviton 3, Neoverse V1
+])
+def test_auto_dtype_follows_cpu_flags(arch, flags, want):
+    dtype, why = choose_dtype("auto", CPU, CpuFeatures("test cpu", arch, frozenset(flags.split())))
+    assert dtype == want and why.startswith("auto:")
+
+
+def test_auto_dtype_is_bfloat16_on_cuda_and_explicit_dtypes_are_kept():
+    assert choose_dtype("auto", CUDA, x86(AVX2))[0] == torch.bfloat16
+    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float16)):
+        assert choose_dtype(name, CPU, x86(AVX2)) == (dtype, f"asked for {name}")
+    with pytest.raises(ValueError, match="auto"):
+        choose_dtype("float64", CPU, x86(AVX2))
+
+
+def test_onednn_bf16_needs_avx512_bw_vl_dq_or_avx_ne_convert():
+    assert not x86(AVX2).onednn_bf16
+    assert not x86(AVX2 + " avx512f").onednn_bf16
+    assert x86(AVX512).onednn_bf16
+    assert x86(AVX2 + " avx_ne_convert").onednn_bf16  # Arrow Lake, Sierra Forest
+
+
+def test_cpu_flags_override_is_the_one_value_code_reads(cpu_flags):
+    real = cpu_features()
+    assert real.name and real.arch
+    cpu_flags("avx2, fma")
+    assert cpu_features().flags == {"avx2", "fma"} and cpu_features().name == real.name
+    assert choose_dtype("auto", CPU)[0] == torch.float32
+    cpu_flags("avx512f avx512bw avx512vl avx512dq avx512_bf16")
+    assert choose_dtype("auto", CPU)[0] == torch.bfloat16
+
+
+def test_engine_auto_dtype_and_bf16_warning_on_emulating_cpu(cpu_flags, tiny_models, caplog):
+    path = tiny_models("llama").path
+    cpu_flags(AVX2)
+    with Engine(EngineConfig(model=path, kv_cache_tokens=256)) as eng:
+        assert eng.dtype == torch.float32 and "no bf16 arithmetic" in eng.dtype_reason
+    with caplog.at_level(logging.WARNING, logger="lmgate.engine.engine"):
+        with Engine(EngineConfig(model=path, dtype="bfloat16", kv_cache_tokens=256)) as eng:
+            assert eng.dtype == torch.bfloat16 and "emulated on this CPU" in eng.dtype_reason
+            assert eng.generate("Hello", SamplingParams(max_new_tokens=4)).token_ids  # slower, but it works
+    warnings = [r for r in caplog.records if "no bf16 arithmetic in hardware" in r.getMessage()]
+    assert len(warnings) == 1 and "GFLOP/s" in warnings[0].getMessage()
+
+
+def test_engine_refuses_unknown_dtype(tiny_models):
+    with pytest.raises(InvalidRequest, match="dtype"):
+        Engine(EngineConfig(model=tiny_models("llama").path, dtype="int3"))

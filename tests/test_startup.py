@@ -1,0 +1,63 @@
+"""`lmgate serve` with settings that cannot work: one clear line on stderr, exit status 2, no traceback, and
+the cheap checks (ports, flags, paths, device) made before the model loads."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def serve(*flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "lmgate.service.main", *flags], capture_output=True, text=True, timeout=300,
+        env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.fixture(scope="module")
+def taken_port():
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        yield str(sock.getsockname()[1])
+
+
+def bad_settings(taken_port: str) -> list[tuple[list[str], dict[str, str], str]]:
+    return [
+        (["--port", taken_port], {}, f"--port {taken_port}: cannot listen"),
+        (["--port", "0", "--metrics-port", taken_port], {}, f"--metrics-port {taken_port}: cannot listen"),
+        (["--port", "99999"], {}, "--port: must be 0..65535"),
+        (["--max-batch-size", "0"], {}, "--max-batch-size: must be at least 1"),
+        (["--grace", "nan"], {}, "--grace"),
+        ([], {"LMGATE_PORT": "abc"}, "--port: invalid int value: 'abc'"),
+        ([], {"LMGATE_LOG_LEVEL": "chatty"}, "LMGATE_LOG_LEVEL=CHATTY"),
+        (["--port", "0", "--model", os.path.join(ROOT, "README.md")], {}, "is not a readable GGUF file"),
+        (["--port", "0", "--model", "/nonexistent/model"], {}, "does not exist"),
+        (["--port", "0", "--device", "tpu"], {}, "--device"),
+        (["--port", "0", "--kv-cache-tokens", "8", "--dtype", "float32"], {}, "kv_cache_tokens (8) must hold one block"),
+    ]
+
+
+def test_bad_settings_exit_two_with_one_line_before_loading(taken_port):
+    for flags, env, words in bad_settings(taken_port):
+        result = serve(*flags, env=env)
+        assert result.returncode == 2, (flags, env, result.stderr)
+        assert words in result.stderr, (flags, env, result.stderr)
+        assert "Traceback" not in result.stderr and "loaded" not in result.stderr, result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_cuda_exits_two():
+    result = serve("--port", "0", "--device", "cuda")
+    assert result.returncode == 2 and "sees no CUDA device" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_serve_help_shows_defaults():
+    result = serve("--help")
+    text = " ".join(result.stdout.split())  # argparse wraps lines anywhere
+    assert result.returncode == 0
+    assert "(default: 50051)" in text and "(default: auto)" in text
