@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # had, pip's own choice of torch (set PIP_EXTRA_INDEX_URL for another build).
 TORCH ?= torch==2.13.0
 
-.PHONY: install proto serve test test-fast bench-engine bench-serve clean
+.PHONY: install proto serve test test-fast bench-engine bench-serve bench-prefix clean
 
 install: $(STAMP)
 
@@ -42,6 +42,9 @@ bench-engine: install
 
 bench-serve: install
 	$(PY) tests/bench_serve.py $(ARGS)
+
+bench-prefix: install
+	$(PY) tests/bench_prefix.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable
 import grpc
 
 from . import bench
-from .client import DEFAULT_TARGET, AsyncClient, Client
+from .client import DEFAULT_TARGET, AsyncClient, Client, Tls
 from .wire import Delta
 
 # Flags of `generate` and `chat` whose dest is a SamplingParams field; unset ones keep the server's defaults.
@@ -52,6 +52,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"server address host:port (default {DEFAULT_TARGET}) [LMGATE_TARGET]")
     common.add_argument("--admin-token", default=os.environ.get("LMGATE_ADMIN_TOKEN"),
                         help="bearer token sent on Admin calls [LMGATE_ADMIN_TOKEN]")
+    common.add_argument("--api-key", default=os.environ.get("LMGATE_API_KEY"),
+                        help="bearer token sent on Inference calls [LMGATE_API_KEY]")
+    common.add_argument("--tls", action="store_true", default=bool(os.environ.get("LMGATE_TLS")),
+                        help="TLS, trusting the system's CAs (implied by --tls-ca) [LMGATE_TLS]")
+    common.add_argument("--tls-ca", default=os.environ.get("LMGATE_TLS_CA"),
+                        help="PEM bundle the server's certificate chains to [LMGATE_TLS_CA]")
+    common.add_argument("--tls-cert", default=os.environ.get("LMGATE_TLS_CERT"),
+                        help="this client's PEM certificate, for mutual TLS [LMGATE_TLS_CERT]")
+    common.add_argument("--tls-key", default=os.environ.get("LMGATE_TLS_KEY"),
+                        help="this client's PEM key, for mutual TLS [LMGATE_TLS_KEY]")
 
     turn = argparse.ArgumentParser(add_help=False)  # generate and chat: SAMPLING_FLAGS and a system message
     turn.add_argument("--max-new-tokens", type=_number(int, 0), help="most tokens per reply; 0: the server's default (256)")
@@ -138,8 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _client(args: argparse.Namespace) -> Client:
-    return Client(args.target, admin_token=args.admin_token)
+def _client(args: argparse.Namespace, kind: type[Client] | type[AsyncClient] = Client) -> Client | AsyncClient:
+    tls = Tls(args.tls_ca, args.tls_cert, args.tls_key) if args.tls or args.tls_ca or args.tls_cert else None
+    return kind(args.target, admin_token=args.admin_token, api_key=args.api_key, tls=tls)
 
 
 def _with_client(args: argparse.Namespace, call: Callable[[Client], object], done: str) -> int:
@@ -213,7 +224,7 @@ def _tokenize(args: argparse.Namespace) -> int:
 
 
 async def _bench(args: argparse.Namespace) -> int:
-    async with AsyncClient(args.target, admin_token=args.admin_token) as client:
+    async with _client(args, AsyncClient) as client:
         info = await client.info()
         if args.input_len + args.output_len > info.max_context_length:
             print(f"error: --input-len + --output-len is {args.input_len + args.output_len}, beyond the server's "

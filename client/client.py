@@ -8,6 +8,8 @@ Passing no input, several inputs, or an unknown sampling keyword raises TypeErro
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, AsyncIterator, Generic, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 import grpc
@@ -15,7 +17,7 @@ import grpc
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 
-from .wire import Delta, admin_metadata, generate_request, to_delta
+from .wire import Delta, bearer_metadata, generate_request, to_delta
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 
@@ -25,11 +27,14 @@ StreamT = TypeVar("StreamT", Iterator[Delta], AsyncIterator[Delta])
 class _ClientBase(abc.ABC, Generic[StreamT]):
     """What the two clients share: stubs, call options and building a Generate call."""
 
-    def __init__(self, channel: grpc.Channel | grpc.aio.Channel, admin_token: str | None, timeout: float | None) -> None:
+    def __init__(
+        self, channel: grpc.Channel | grpc.aio.Channel, admin_token: str | None, api_key: str | None, timeout: float | None
+    ) -> None:
         self._channel = channel
         self._inference = pb_grpc.InferenceStub(channel)
         self._admin = pb_grpc.AdminStub(channel)
-        self._admin_metadata = admin_metadata(admin_token)
+        self._admin_metadata = bearer_metadata(admin_token)
+        self._inference_metadata = bearer_metadata(api_key)
         self._timeout = timeout
 
     def generate(
@@ -53,19 +58,38 @@ class _ClientBase(abc.ABC, Generic[StreamT]):
         request = generate_request(
             prompt, messages=messages, token_ids=token_ids, session_id=session_id, request_id=request_id, **sampling
         )
-        return self._stream(self._inference.Generate(request, timeout=self._timeout))
+        return self._stream(self._inference.Generate(request, timeout=self._timeout, metadata=self._inference_metadata))
 
     @abc.abstractmethod
     def _stream(self, call: Any) -> StreamT:
         """The call's responses as Deltas, cancelling the call if the caller stops early."""
 
 
+@dataclass(frozen=True, slots=True)
+class Tls:
+    """TLS to the server: `ca`, the PEM bundle its certificate chains to (None: the system's roots); `cert`
+    and `key`, this client's certificate and key where the server asks for one (mutual TLS)."""
+
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
+        return grpc.ssl_channel_credentials(read(self.ca), read(self.key), read(self.cert))
+
+
 class Client(_ClientBase[Iterator[Delta]]):
     """A blocking client over one channel. `timeout` is each call's deadline in seconds (streams included);
-    `admin_token` is sent as 'authorization: Bearer <token>' on Admin calls only."""
+    `admin_token` is sent as 'authorization: Bearer <token>' on Admin calls only, `api_key` the same way on
+    Inference calls only; `tls` makes the channel TLS."""
 
-    def __init__(self, target: str = DEFAULT_TARGET, *, admin_token: str | None = None, timeout: float | None = None) -> None:
-        super().__init__(grpc.insecure_channel(target), admin_token, timeout)
+    def __init__(
+        self, target: str = DEFAULT_TARGET, *, admin_token: str | None = None, api_key: str | None = None,
+        tls: Tls | None = None, timeout: float | None = None,
+    ) -> None:
+        channel = grpc.secure_channel(target, tls.credentials()) if tls else grpc.insecure_channel(target)
+        super().__init__(channel, admin_token, api_key, timeout)
 
     def _stream(self, call: Any) -> Iterator[Delta]:
         try:
@@ -76,24 +100,24 @@ class Client(_ClientBase[Iterator[Delta]]):
 
     def start(self, session_id: int = 0) -> Session:
         """Opens a session (0: the server picks its id); use it as a context manager to end it."""
-        response = self._inference.Start(pb.StartRequest(session_id=session_id), timeout=self._timeout)
+        response = self._inference.Start(pb.StartRequest(session_id=session_id), timeout=self._timeout, metadata=self._inference_metadata)
         return Session(self, response.session_id)
 
     def cancel(self, request_id: str | None = None, session_id: int = 0) -> bool:
         """Cancels a request by id, or a session's active turn; True if something was running or queued."""
         request = pb.CancelRequest(request_id=request_id or "", session_id=session_id)
-        return self._inference.Cancel(request, timeout=self._timeout).cancelled
+        return self._inference.Cancel(request, timeout=self._timeout, metadata=self._inference_metadata).cancelled
 
     def end(self, session_id: int) -> None:
         """Ends a session: cancels its turn and frees its KV cache. Idempotent."""
-        self._inference.End(pb.EndRequest(session_id=session_id), timeout=self._timeout)
+        self._inference.End(pb.EndRequest(session_id=session_id), timeout=self._timeout, metadata=self._inference_metadata)
 
     def info(self) -> pb.InfoResponse:
-        return self._inference.Info(pb.InfoRequest(), timeout=self._timeout)
+        return self._inference.Info(pb.InfoRequest(), timeout=self._timeout, metadata=self._inference_metadata)
 
     def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
         request = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
-        return list(self._inference.Tokenize(request, timeout=self._timeout).token_ids)
+        return list(self._inference.Tokenize(request, timeout=self._timeout, metadata=self._inference_metadata).token_ids)
 
     def sleep(self, level: int = 1) -> None:
         """Admin: ends every stream and session, then frees the KV cache (level 1) and the weights (level 2)."""
@@ -122,8 +146,12 @@ class AsyncClient(_ClientBase[AsyncIterator[Delta]]):
     """`Client` for asyncio: the same methods as coroutines, `generate` as an async iterator.
     Create it inside the event loop that uses it (`async with AsyncClient(...) as client:`)."""
 
-    def __init__(self, target: str = DEFAULT_TARGET, *, admin_token: str | None = None, timeout: float | None = None) -> None:
-        super().__init__(grpc.aio.insecure_channel(target), admin_token, timeout)
+    def __init__(
+        self, target: str = DEFAULT_TARGET, *, admin_token: str | None = None, api_key: str | None = None,
+        tls: Tls | None = None, timeout: float | None = None,
+    ) -> None:
+        channel = grpc.aio.secure_channel(target, tls.credentials()) if tls else grpc.aio.insecure_channel(target)
+        super().__init__(channel, admin_token, api_key, timeout)
 
     async def _stream(self, call: Any) -> AsyncIterator[Delta]:
         try:
@@ -133,22 +161,22 @@ class AsyncClient(_ClientBase[AsyncIterator[Delta]]):
             call.cancel()
 
     async def start(self, session_id: int = 0) -> AsyncSession:
-        response = await self._inference.Start(pb.StartRequest(session_id=session_id), timeout=self._timeout)
+        response = await self._inference.Start(pb.StartRequest(session_id=session_id), timeout=self._timeout, metadata=self._inference_metadata)
         return AsyncSession(self, response.session_id)
 
     async def cancel(self, request_id: str | None = None, session_id: int = 0) -> bool:
         request = pb.CancelRequest(request_id=request_id or "", session_id=session_id)
-        return (await self._inference.Cancel(request, timeout=self._timeout)).cancelled
+        return (await self._inference.Cancel(request, timeout=self._timeout, metadata=self._inference_metadata)).cancelled
 
     async def end(self, session_id: int) -> None:
-        await self._inference.End(pb.EndRequest(session_id=session_id), timeout=self._timeout)
+        await self._inference.End(pb.EndRequest(session_id=session_id), timeout=self._timeout, metadata=self._inference_metadata)
 
     async def info(self) -> pb.InfoResponse:
-        return await self._inference.Info(pb.InfoRequest(), timeout=self._timeout)
+        return await self._inference.Info(pb.InfoRequest(), timeout=self._timeout, metadata=self._inference_metadata)
 
     async def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
         request = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
-        return list((await self._inference.Tokenize(request, timeout=self._timeout)).token_ids)
+        return list((await self._inference.Tokenize(request, timeout=self._timeout, metadata=self._inference_metadata)).token_ids)
 
     async def sleep(self, level: int = 1) -> None:
         await self._admin.Sleep(pb.SleepRequest(level=level), timeout=self._timeout, metadata=self._admin_metadata)

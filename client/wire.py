@@ -101,6 +101,7 @@ def to_delta(response: pb.GenerateResponse) -> Delta:
     )
 
 
-def admin_metadata(admin_token: str | None) -> tuple[tuple[str, str], ...]:
-    """Call metadata for Admin RPCs; Inference RPCs send none, so the token never travels where it isn't needed."""
-    return () if admin_token is None else (("authorization", f"Bearer {admin_token}"),)
+def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """Call metadata carrying a bearer token: the admin token on Admin calls, the API key on Inference calls,
+    so neither travels where it isn't needed."""
+    return () if token is None else (("authorization", f"Bearer {token}"),)

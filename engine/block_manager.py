@@ -1,46 +1,126 @@
-"""KV block ids, reference counts and the free list. Owned by one engine loop's thread."""
+"""KV block ids, reference counts, the free list and the prefix cache. Owned by one engine loop's thread."""
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+
+from .sequence import Sequence
+
+# A full block's identity: the hash of the block before it (0 for the first) and its own tokens. The tokens
+# are compared exactly, so two prefixes share a block only if their whole chains of hashes and this block's
+# tokens agree.
+BlockKey = tuple[int, tuple[int, ...]]
 
 
 class BlockManager:
     """Hands out fixed-size KV blocks; the scheduler sees only counts and lists of ids.
 
-    A block may be shared (a running sequence and an idle session, later the prefix cache): it returns to
-    the free list when its last holder releases it.
+    A block may be shared (a running sequence, an idle session, the prefix cache): it returns to the free
+    list when its last holder releases it. With prefix caching, a full block keeps its key while free, so a
+    later prompt that starts with the same tokens takes it back instead of computing it again; free blocks
+    are handed out least recently released first, and a cached one handed out forgets its key (eviction).
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.prefix_caching = prefix_caching
         self.ref_counts = [0] * num_blocks
-        self.free_ids: deque[int] = deque(range(num_blocks))
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest release first
+        self.keys: list[BlockKey | None] = [None] * num_blocks  # a cached full block's key
+        self.cached: dict[BlockKey, int] = {}  # key -> block id
+        self.queried_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.hit_tokens = 0  # of those, found
 
     @property
     def num_free(self) -> int:
-        return len(self.free_ids)
+        return len(self.free)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self.free_ids)
+        return num_blocks <= len(self.free)
 
     def allocate(self, num_blocks: int) -> list[int]:
-        if num_blocks > len(self.free_ids):
-            raise RuntimeError(f"asked for {num_blocks} blocks with {len(self.free_ids)} free")
-        ids = [self.free_ids.popleft() for _ in range(num_blocks)]
-        for i in ids:
-            self.ref_counts[i] = 1
+        if num_blocks > len(self.free):
+            raise RuntimeError(f"asked for {num_blocks} blocks with {len(self.free)} free")
+        ids = []
+        for _ in range(num_blocks):
+            block, _ = self.free.popitem(last=False)
+            self._forget(block)
+            self.ref_counts[block] = 1
+            ids.append(block)
         return ids
 
     def retain(self, ids: list[int]) -> None:
         for i in ids:
+            if self.ref_counts[i] == 0:
+                del self.free[i]
             self.ref_counts[i] += 1
 
     def release(self, ids: list[int]) -> None:
-        for i in ids:
+        """Drop one reference to each block; the tail goes first, so a prefix outlives its continuations."""
+        for i in reversed(ids):
             self.ref_counts[i] -= 1
             if self.ref_counts[i] == 0:
-                self.free_ids.append(i)
+                self.free[i] = None
+
+    # prefix cache ------------------------------------------------------------------------------------------
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Extend a sequence whose KV ends at a block boundary with cached blocks of its next tokens (never
+        its last token, which must be computed for its logits). Returns the tokens taken from the cache."""
+        bs = self.block_size
+        if not self.prefix_caching or seq.num_computed != len(seq.block_table) * bs:
+            return 0
+        start = len(seq.block_table)
+        stop = (len(seq.token_ids) - 1) // bs
+        self.queried_tokens += max(0, (stop - start) * bs)
+        found: list[int] = []
+        for j in range(start, stop):
+            key = self._key(seq, j)
+            block = self.cached.get(key)
+            if block is None:
+                break
+            found.append(block)
+            seq.block_hashes.append(hash(key))
+        self.retain(found)
+        seq.block_table.extend(found)
+        seq.num_computed += len(found) * bs
+        self.hit_tokens += len(found) * bs
+        return len(found) * bs
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Give the sequence's newly full, computed blocks their keys, so later prompts can share them."""
+        if not self.prefix_caching:
+            return
+        for j in range(len(seq.block_hashes), seq.num_computed // self.block_size):
+            key = self._key(seq, j)
+            block = seq.block_table[j]
+            if key not in self.cached and self.keys[block] is None:
+                self.cached[key] = block
+                self.keys[block] = key
+            seq.block_hashes.append(hash(key))
+
+    def make_private(self, block: int) -> bool:
+        """Whether a block may be written over: one holder only. It leaves the prefix cache, as its tokens are
+        about to change."""
+        if self.ref_counts[block] != 1:
+            return False
+        self._forget(block)
+        return True
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every key (new weights make cached KV wrong; sleep frees it). Blocks in use stay in use."""
+        self.cached.clear()
+        self.keys = [None] * self.num_blocks
+
+    def _key(self, seq: Sequence, j: int) -> BlockKey:
+        parent = seq.block_hashes[j - 1] if j else 0
+        return parent, tuple(seq.token_ids[j * self.block_size : (j + 1) * self.block_size])
+
+    def _forget(self, block: int) -> None:
+        key = self.keys[block]
+        if key is not None:
+            del self.cached[key]
+            self.keys[block] = None

@@ -79,11 +79,15 @@ class EngineConfig:
     default_max_new_tokens: int = 256
     max_queued_requests: int = 1024  # per engine loop; a generate beyond it is RESOURCE_EXHAUSTED
     attention_kernel: bool = True  # CPU decode attention in C++ (built on first use), else torch ops
+    prefix_caching: bool = True  # full KV blocks shared by prompts that start with the same tokens
+    threads: int = 0  # torch threads over all engine loops; 0: the CPUs this process may use (threads.py)
 
     def __post_init__(self) -> None:
         for name in ("kv_cache_tokens", "block_size", "max_batch_size", "max_batched_tokens", "engine_loops",
                      "default_max_new_tokens", "max_queued_requests"):
             if getattr(self, name) < 1:
                 raise InvalidRequest(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.threads < 0:
+            raise InvalidRequest(f"threads must be 0 (all available CPUs) or more, got {self.threads}")
         if self.kv_cache_tokens < self.block_size:
             raise InvalidRequest(f"kv_cache_tokens ({self.kv_cache_tokens}) must hold one block of {self.block_size}")

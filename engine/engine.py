@@ -18,7 +18,7 @@ from .errors import ContextOverflow, InvalidRequest, Unavailable, UnsupportedMod
 from .gateway import Gateway
 from .hardware import choose_dtype, cpu_features, matmul_gflops
 from .host_comm import ThreadComm
-from .threads import on_fresh_thread
+from .threads import available_cpus, on_fresh_thread
 from .kernels import load_paged_attention
 from .kv_cache import allocate_kv_cache, kv_bytes_per_token
 from .loader import Checkpoint, load_checkpoint, read_config
@@ -58,6 +58,8 @@ class EngineInfo:
     waiting_sequences: int
     queued_requests: int
     preemptions: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
 
 
 class Stream:
@@ -110,9 +112,9 @@ class Engine:
         )
         self.kv_bytes_per_token = kv_bytes_per_token(ckpt.config, self.dtype)
         self.gateway = Gateway(config.engine_loops, config.max_queued_requests)
-        # Loops step in parallel: sharing the caller's torch threads beats each loop's pool competing for all
-        # of them. Read here: a thread's count is fixed when it first runs torch work, and loops set theirs.
-        self.threads_per_loop = max(1, torch.get_num_threads() // config.engine_loops)
+        # Loops step in parallel: sharing the CPUs beats each loop's pool competing for all of them.
+        self.num_threads = config.threads or available_cpus()
+        self.threads_per_loop = max(1, self.num_threads // config.engine_loops)
         comms = ThreadComm.create_group(config.engine_loops)
         self.loops = on_fresh_thread(lambda: [self._make_loop(comm, num_blocks) for comm in comms])
         self._threads = [
@@ -141,7 +143,7 @@ class Engine:
             c.attention_kernel and self.device.type == "cpu" and load_paged_attention(),
         )
         return EngineLoop(
-            comm.rank, self.gateway, comm, runner, BlockManager(num_blocks, c.block_size), self.tokenizer,
+            comm.rank, self.gateway, comm, runner, BlockManager(num_blocks, c.block_size, c.prefix_caching), self.tokenizer,
             c.max_batch_size, c.max_batched_tokens, self.max_context_length, c.default_max_new_tokens,
             self.threads_per_loop,
         )
@@ -263,6 +265,8 @@ class Engine:
             waiting_sequences=sum(len(l.scheduler.waiting) for l in self.loops),
             queued_requests=sum(q.num_generates for q in self.gateway.queues),
             preemptions=sum(l.scheduler.num_preemptions for l in self.loops),
+            prefix_cache_queried_tokens=sum(l.blocks.queried_tokens for l in self.loops),
+            prefix_cache_hit_tokens=sum(l.blocks.hit_tokens for l in self.loops),
         )
 
     # sleep and wake-up -------------------------------------------------------------------------------------
@@ -338,6 +342,7 @@ class Engine:
         self.model = model
         for loop in self.loops:
             loop.runner.model = model
+            loop.runner.weights_version += 1
 
     @property
     def weights_bytes(self) -> int:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -56,6 +57,7 @@ class EngineLoop:
         self.default_max_new_tokens = default_max_new_tokens
         self.num_threads = num_threads  # torch threads for this loop's steps
         self.num_steps = 0
+        self.weights_version = runner.weights_version  # of the weights the prefix cache's KV was computed with
         self._signals: list[Signal] = []
 
     # the loop ----------------------------------------------------------------------------------------------
@@ -89,6 +91,9 @@ class EngineLoop:
     def step(self, requests: list[Request]) -> None:
         """One engine step: kAdd, cancellations, then the batch ops kSetup .. kDel."""
         self.num_steps += 1
+        if self.weights_version != self.runner.weights_version:  # cached KV was computed by other weights
+            self.blocks.reset_prefix_cache()
+            self.weights_version = self.runner.weights_version
         for request in requests:
             self._add(request)
         self._reap_cancelled()
@@ -101,6 +106,7 @@ class EngineLoop:
         batch.result = self.runner.sample(batch.logits, batch.inputs)  # kFetch
         for seq in batch.seqs:
             seq.num_computed += seq.num_scheduled
+            self.blocks.cache_full_blocks(seq)
         self._update(samplers, batch)
         for seq in batch.finished:
             self._del(seq)
@@ -133,7 +139,7 @@ class EngineLoop:
         )
         seq = Sequence(request, session, detok, max_new, self.tokenizer.eos_token_ids)
         seq.conversation = conversation
-        session.block_table = []
+        session.drop_kv()  # the sequence holds the blocks until kDel
         session.active = seq
         self.scheduler.add(seq)
 
@@ -153,11 +159,15 @@ class EngineLoop:
         """Forget the session's tokens past `num_tokens`, and the KV blocks that held only those."""
         if num_tokens >= len(session.token_ids):
             return
+        bs = self.blocks.block_size
         session.token_ids = session.token_ids[:num_tokens]
-        session.num_computed = min(session.num_computed, num_tokens)
-        kept = self.blocks.blocks_for(session.num_computed)
+        keep = min(session.num_computed, num_tokens)
+        kept = self.blocks.blocks_for(keep)
+        if keep % bs and not self.blocks.make_private(session.block_table[kept - 1]):
+            kept, keep = kept - 1, (kept - 1) * bs  # a shared block is never written again: recompute its part
         self.blocks.release(session.block_table[kept:])
-        session.block_table = session.block_table[:kept]
+        session.block_table, session.block_hashes = session.block_table[:kept], session.block_hashes[: keep // bs]
+        session.num_computed = keep
 
     def _ended_while_queued(self, request: Request) -> bool:
         """Work queued before a sleep or shutdown closed admission, or whose session ended meanwhile."""
@@ -171,6 +181,7 @@ class EngineLoop:
             return
         if request.kind is RequestKind.SLEEP:
             self._cancel_all()
+            self.blocks.reset_prefix_cache()
             self.runner.release_kv_cache()
         elif request.kind is RequestKind.WAKE_KV:
             self.runner.allocate_kv_cache()
@@ -191,7 +202,7 @@ class EngineLoop:
                 self._finish(session.active, FinishReason.CANCELLED)
                 self._del(session.active)
             self.blocks.release(session.block_table)
-            session.block_table = []
+            session.drop_kv()
         self._emit(request, RequestOutput("", request.session_id, finish_reason=FinishReason.STOP))
 
     def _reap_cancelled(self) -> None:
@@ -235,7 +246,8 @@ class EngineLoop:
 
     @staticmethod
     def _usage(seq: Sequence) -> Usage:
-        return Usage(seq.num_prompt_tokens, seq.num_output, seq.num_cached_tokens)
+        queued = (seq.first_scheduled or time.monotonic()) - seq.request.arrival
+        return Usage(seq.num_prompt_tokens, seq.num_output, seq.num_cached_tokens, queued)
 
     # kDel --------------------------------------------------------------------------------------------------
 
@@ -248,6 +260,7 @@ class EngineLoop:
             self.blocks.release(seq.block_table)
             return
         session.token_ids, session.block_table, session.num_computed = seq.token_ids, seq.block_table, seq.num_computed
+        session.block_hashes = seq.block_hashes
         session.messages = None if seq.conversation is None else [
             *seq.conversation, chat.assistant_reply(self.tokenizer, seq.output_ids)
         ]
@@ -260,7 +273,8 @@ class EngineLoop:
             self._emit(seq.request, RequestOutput(seq.request.request_id, seq.request.session_id, error=error))
             self.scheduler.remove(seq)
             self.blocks.release(seq.block_table)
-            seq.session.active, seq.session.block_table, seq.session.num_computed = None, [], 0
+            seq.session.active = None
+            seq.session.drop_kv()
 
     def _cancel_all(self) -> None:
         for seq in self.scheduler.running + list(self.scheduler.waiting):
@@ -268,7 +282,7 @@ class EngineLoop:
             self._del(seq)
         for session in self.sessions.values():
             self.blocks.release(session.block_table)
-            session.block_table = []
+            session.drop_kv()
         self.sessions.clear()
 
     # output ------------------------------------------------------------------------------------------------

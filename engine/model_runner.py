@@ -35,6 +35,7 @@ class ModelRunner:
         decode_kernel: bool,
     ) -> None:
         self.model = model  # replaced whole by the engine (weight updates), read once per step
+        self.weights_version = 0  # bumped by the engine with every new model, after `model` is replaced
         self.make_kv_cache = make_kv_cache
         self.kv_caches = make_kv_cache()
         self.block_size = block_size

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -20,7 +21,8 @@ class FinishReason(enum.Enum):
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens whose KV came from the session instead of a prefill
+    cached_tokens: int = 0  # prompt tokens whose KV came from the session or the prefix cache, not a prefill
+    queue_seconds: float = 0.0  # from submission until the request first ran in a batch
 
 
 @dataclass(slots=True)
@@ -99,3 +101,4 @@ class Request:
     messages: list[dict] | None = None  # a session turn given as chat messages (chat.py); input_ids set by its loop
     unique_id: int = -1  # assigned by Gateway.pop, monotonically increasing
     cancel_flag: CancelFlag = field(default_factory=CancelFlag)
+    arrival: float = field(default_factory=time.monotonic)  # when it was submitted

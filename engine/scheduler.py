@@ -7,6 +7,7 @@ preempts the newest running sequence, which recomputes later; a request is never
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from .block_manager import BlockManager
@@ -58,11 +59,20 @@ class Scheduler:
             if not self._make_room(self.blocks.blocks_for(seq.num_computed + chunk) - len(seq.block_table), seq):
                 break
             self.waiting.popleft()
+            self._take_cached_prefix(seq)
             seq.status = SequenceStatus.RUNNING
+            seq.first_scheduled = seq.first_scheduled or time.monotonic()
             self.running.append(seq)
             budget -= self._schedule_prefill(seq, budget)
         batch = [s for s in self.running if s.num_scheduled]
         return sorted(batch, key=lambda s: s.num_scheduled > 1)
+
+    def _take_cached_prefix(self, seq: Sequence) -> None:
+        """Blocks of the prompt's prefix already in the prefix cache are taken, not computed. Done once room
+        for the whole chunk is sure, so the blocks taken never make admission fail."""
+        taken = self.blocks.match_prefix(seq)
+        if taken:
+            seq.num_cached_tokens = max(seq.num_cached_tokens, min(seq.num_computed, seq.num_prompt_tokens))
 
     def _schedule_prefill(self, seq: Sequence, budget: int) -> int:
         chunk = min(seq.num_uncomputed, budget)
@@ -88,7 +98,7 @@ class Scheduler:
         idle = [s for s in self.sessions.values() if s.active is None and s.block_table and s is not seq.session]
         for session in sorted(idle, key=lambda s: s.last_used):
             self.blocks.release(session.block_table)
-            session.block_table, session.num_computed = [], 0
+            session.drop_kv()
             if self.blocks.can_allocate(needed):
                 return True
         return False
@@ -97,7 +107,8 @@ class Scheduler:
         """Free a running sequence's KV and queue it first in line; its tokens are recomputed, never lost."""
         self.running.remove(seq)
         self.blocks.release(seq.block_table)
-        seq.block_table, seq.num_computed, seq.num_scheduled = [], 0, 0
+        seq.drop_kv()
+        seq.num_scheduled = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

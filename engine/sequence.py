@@ -16,21 +16,34 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class Session:
+class HoldsKV:
+    """KV blocks caching a token history's leading tokens. The caller releases the blocks; `drop_kv` forgets
+    them."""
+
+    def __init__(self) -> None:
+        self.block_table: list[int] = []
+        self.num_computed = 0  # leading tokens whose KV is in block_table
+        self.block_hashes: list[int] = []  # prefix-cache hash of each full, computed block (block_manager.py)
+
+    def drop_kv(self) -> None:
+        self.block_table, self.num_computed, self.block_hashes = [], 0, []
+
+
+class Session(HoldsKV):
     """A conversation's token history, the truth, and the KV blocks that cache it (possibly dropped)."""
 
     def __init__(self, session_id: int) -> None:
+        super().__init__()
         self.session_id = session_id
         self.token_ids: list[int] = []
-        self.block_table: list[int] = []
-        self.num_computed = 0  # leading history tokens whose KV is in block_table
         self.active: "Sequence | None" = None
         self.messages: list[dict] | None = []  # the conversation while every turn is messages, else None
         self.last_used = 0  # engine step, for choosing whose KV to drop under memory pressure
 
 
-class Sequence:
-    """One generation: history + new input as its prompt, then sampled tokens."""
+class Sequence(HoldsKV):
+    """One generation: history + new input as its prompt, then sampled tokens. Takes over its session's
+    KV blocks at start and hands them back at the end."""
 
     def __init__(
         self,
@@ -40,14 +53,14 @@ class Sequence:
         max_new_tokens: int,
         eos_ids: frozenset[int],
     ) -> None:
+        super().__init__()
         self.request = request
         self.session = session
         self.params = request.params
         self.token_ids = session.token_ids + request.input_ids
         self.num_prompt_tokens = len(self.token_ids)
         self.num_cached_tokens = session.num_computed
-        self.block_table = session.block_table
-        self.num_computed = session.num_computed
+        self.block_table, self.num_computed, self.block_hashes = session.block_table, session.num_computed, session.block_hashes
         self.max_new_tokens = max_new_tokens
         self.stop_ids = frozenset(self.params.stop_token_ids) | (frozenset() if self.params.ignore_eos else eos_ids)
         self.detokenizer = detokenizer
@@ -57,6 +70,7 @@ class Sequence:
         self.num_scheduled = 0  # tokens this step will compute; set by the scheduler
         self.finish_reason = None
         self.conversation: list[dict] | None = None  # a chat turn's messages, this turn's included
+        self.first_scheduled: float | None = None  # monotonic time it first ran in a batch
 
     @property
     def output_ids(self) -> list[int]:

@@ -1,6 +1,9 @@
-"""Where torch work runs: one-off heavy work on a thread that ends with it."""
+"""Where torch work runs and on how many threads: one-off heavy work on a thread that ends with it, and
+the CPUs this process may really use."""
 from __future__ import annotations
 
+import math
+import os
 import threading
 from typing import Callable, TypeVar
 
@@ -32,3 +35,31 @@ def on_fresh_thread(fn: Callable[[], T], name: str = "lmgate-setup") -> T:
     if error:
         raise error[0]
     return result[0]
+
+
+def available_cpus(cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """CPUs this process may use: its affinity mask, capped by a cgroup CPU quota (a container on a big host
+    sees every host core in `os.cpu_count()`, but may run on only a few)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = cgroup_cpu_quota(cgroup_root)
+    return max(1, min(cpus, math.ceil(quota))) if quota else cpus
+
+
+def cgroup_cpu_quota(root: str) -> float | None:
+    """CPUs' worth of time per period the cgroup allows (v2 `cpu.max`, else v1's CFS files); None: no limit."""
+    v2, v1 = os.path.join(root, "cpu.max"), os.path.join(root, "cpu", "cpu.cfs_quota_us")
+    try:
+        if os.path.exists(v2):
+            quota, period = _read(v2).split()[:2]
+            return None if quota == "max" else int(quota) / int(period)
+        if os.path.exists(v1):
+            quota, period = int(_read(v1)), int(_read(os.path.join(root, "cpu", "cpu.cfs_period_us")))
+            return None if quota <= 0 else quota / period
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()

@@ -31,12 +31,13 @@ class AdminServicer(pb_grpc.AdminServicer):
 
     async def Sleep(self, request: pb.SleepRequest, context: grpc.aio.ServicerContext) -> pb.SleepResponse:
         await self._run(context, self.engine.sleep, request.level, closes_admission=request.level in (1, 2))
-        self.metrics.sleep_transitions.labels(f"sleep_level_{request.level}").inc()
+        self.metrics.sleep_transitions.labels(self.metrics.model_name, f"sleep_level_{request.level}").inc()
         return pb.SleepResponse()
 
     async def Wakeup(self, request: pb.WakeupRequest, context: grpc.aio.ServicerContext) -> pb.WakeupResponse:
         await self._run(context, self.engine.wakeup, list(request.tags))
-        self.metrics.sleep_transitions.labels("wakeup_" + ("_".join(sorted(request.tags)) or "all")).inc()
+        transition = "wakeup_" + ("_".join(sorted(request.tags)) or "all")
+        self.metrics.sleep_transitions.labels(self.metrics.model_name, transition).inc()
         return pb.WakeupResponse()
 
     async def UpdateWeights(

@@ -33,3 +33,28 @@ def admin_denial(context: grpc.aio.ServicerContext, token: str | None) -> tuple[
     if not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
         return grpc.StatusCode.PERMISSION_DENIED, "wrong admin token"
     return None
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Inference calls must carry 'authorization: Bearer <api key>' (compared in constant time); Admin has
+    its own token, and health and reflection stay open for load balancers and tools."""
+
+    def __init__(self, api_key: str, service: str) -> None:
+        self._expected = f"Bearer {api_key}".encode()
+        self._prefix = f"/{service}/"
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(self._prefix):
+            return handler
+        sent = dict(details.invocation_metadata or ()).get("authorization", "")
+        if hmac.compare_digest(sent.encode(), self._expected):
+            return handler
+        message = "missing API key: send 'authorization: Bearer <key>'" if not sent else "wrong API key"
+
+        async def refuse(request, context: grpc.aio.ServicerContext):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(refuse, handler.request_deserializer, handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(refuse, handler.request_deserializer, handler.response_serializer)

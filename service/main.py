@@ -21,7 +21,8 @@ from lmgate.engine.errors import EngineError
 from lmgate.engine.hardware import DTYPE_CHOICES
 from lmgate.engine.loader import read_config
 
-from .server import Server
+from .logs import configure as configure_logging
+from .server import Server, TlsFiles
 
 log = logging.getLogger("lmgate")
 
@@ -44,12 +45,29 @@ def _ranged(kind: Callable[[str], Any], low: float, high: float = math.inf) -> C
 
 
 PORT = _ranged(int, 0, 65535)
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 COUNT = _ranged(int, 1)
+
+
+def _one_of(*values: str, convert: Callable[[str], str] = str) -> Callable[[str], str]:
+    """An argparse type for a fixed set of words; unlike `choices`, it also checks LMGATE_* values, which
+    argparse takes as string defaults."""
+
+    def parse(text: str) -> str:
+        value = convert(text)
+        if value not in values:
+            raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from {', '.join(values)})")
+        return value
+
+    return parse
 
 
 def _env(name: str, default: Any) -> Any:
     """LMGATE_<name> if set, as a string argparse parses (and checks) with the flag's type, else `default`."""
     return os.environ.get(f"LMGATE_{name}", default)
+
+
+ON_OFF = _one_of("on", "off")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -65,23 +83,32 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--kv-cache-tokens", type=COUNT, default=_env("KV_CACHE_TOKENS", 32768), help="KV cache size per engine loop, in tokens; also caps the context [LMGATE_KV_CACHE_TOKENS]")
     ap.add_argument("--max-context-length", type=_ranged(int, 0), default=_env("MAX_CONTEXT_LENGTH", 0), help="cap on prompt + output tokens; 0: the model's [LMGATE_MAX_CONTEXT_LENGTH]")
     ap.add_argument("--max-queued-requests", type=COUNT, default=_env("MAX_QUEUED_REQUESTS", 1024), help="requests waiting per engine loop before new ones get RESOURCE_EXHAUSTED [LMGATE_MAX_QUEUED_REQUESTS]")
-    ap.add_argument("--dtype", default=_env("DTYPE", "auto"), choices=DTYPE_CHOICES, help="weights and KV dtype; auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, else float32 [LMGATE_DTYPE]")
-    ap.add_argument("--attention-kernel", default=_env("ATTENTION_KERNEL", "on"), choices=["on", "off"], help="on: CPU decode attention in C++, compiled once on first use (torch ops if that fails); off: torch ops [LMGATE_ATTENTION_KERNEL]")
+    ap.add_argument("--dtype", default=_env("DTYPE", "auto"), type=_one_of(*DTYPE_CHOICES), metavar="{" + ",".join(DTYPE_CHOICES) + "}", help="weights and KV dtype; auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, else float32 [LMGATE_DTYPE]")
+    ap.add_argument("--attention-kernel", default=_env("ATTENTION_KERNEL", "on"), type=ON_OFF, metavar="{on,off}", help="on: CPU decode attention in C++, compiled once on first use (torch ops if that fails); off: torch ops [LMGATE_ATTENTION_KERNEL]")
+    ap.add_argument("--prefix-caching", default=_env("PREFIX_CACHING", "on"), type=ON_OFF, metavar="{on,off}", help="on: prompts that start with the same tokens (a system prompt, a few-shot preamble, a retry) share their full KV blocks [LMGATE_PREFIX_CACHING]")
+    ap.add_argument("--threads", type=_ranged(int, 0), default=_env("THREADS", 0), help="torch threads, split between engine loops; 0: the CPUs this process may use (affinity and cgroup quota) [LMGATE_THREADS]")
     ap.add_argument("--device", default=_env("DEVICE", "cpu"), help="cpu, cuda or cuda:N [LMGATE_DEVICE]")
     ap.add_argument("--admin-token", default=_env("ADMIN_TOKEN", None), help="require 'authorization: Bearer <token>' on Admin calls; unset: Admin from loopback only [LMGATE_ADMIN_TOKEN]")
+    ap.add_argument("--tls-cert", default=_env("TLS_CERT", None), help="PEM certificate chain: serve TLS only (with --tls-key) [LMGATE_TLS_CERT]")
+    ap.add_argument("--tls-key", default=_env("TLS_KEY", None), help="PEM private key of --tls-cert [LMGATE_TLS_KEY]")
+    ap.add_argument("--tls-client-ca", default=_env("TLS_CLIENT_CA", None), help="PEM CA bundle: require client certificates it signed (mutual TLS) [LMGATE_TLS_CLIENT_CA]")
+    ap.add_argument("--api-key", default=_env("API_KEY", None), help="require 'authorization: Bearer <key>' on Inference calls [LMGATE_API_KEY]")
     ap.add_argument("--metrics-port", type=PORT, default=_env("METRICS_PORT", 0), help="serve Prometheus /metrics on this port; 0: off [LMGATE_METRICS_PORT]")
     ap.add_argument("--grace", type=_ranged(float, 0), default=_env("GRACE", 10.0), help="seconds running streams get at shutdown [LMGATE_GRACE]")
+    ap.add_argument("--log-level", type=_one_of(*LOG_LEVELS, convert=str.upper), default=_env("LOG_LEVEL", "INFO"), metavar="{" + ",".join(LOG_LEVELS) + "}", help="[LMGATE_LOG_LEVEL]")
+    ap.add_argument("--log-format", default=_env("LOG_FORMAT", "text"), type=_one_of("text", "json"), metavar="{text,json}", help="json: one object per line, the access log's fields as keys [LMGATE_LOG_FORMAT]")
     return ap.parse_args(argv)
 
 
 def check_settings(args: argparse.Namespace) -> EngineConfig:
     """The checks that cost nothing, before the model loads: ports free, device present, model readable,
-    engine limits consistent. Raises StartupError."""
+    engine limits consistent; `args.tls` is set to the TLS files, if any. Raises StartupError."""
     for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
         if port:
             _check_port_free(flag, args.host, port)
     if args.port and args.port == args.metrics_port:
         raise StartupError(f"--port and --metrics-port are both {args.port}")
+    args.tls = _tls_files(args)
     try:
         device = torch.device(args.device)
     except RuntimeError as exc:
@@ -98,9 +125,21 @@ def check_settings(args: argparse.Namespace) -> EngineConfig:
             max_batch_size=args.max_batch_size, max_batched_tokens=args.max_batched_tokens,
             max_context_length=args.max_context_length or None, engine_loops=args.engine_loops,
             max_queued_requests=args.max_queued_requests, attention_kernel=args.attention_kernel == "on",
+            prefix_caching=args.prefix_caching == "on", threads=args.threads,
         )
     except EngineError as exc:
         raise StartupError(str(exc)) from None
+
+
+def _tls_files(args: argparse.Namespace) -> TlsFiles | None:
+    if not (args.tls_cert or args.tls_key or args.tls_client_ca):
+        return None
+    if not (args.tls_cert and args.tls_key):
+        raise StartupError("TLS needs both --tls-cert and --tls-key")
+    for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key), ("--tls-client-ca", args.tls_client_ca)):
+        if path and not os.access(path, os.R_OK):
+            raise StartupError(f"{flag} {path}: no readable file there")
+    return TlsFiles(args.tls_cert, args.tls_key, args.tls_client_ca)
 
 
 def _check_port_free(flag: str, host: str, port: int) -> None:
@@ -122,7 +161,8 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> None:
                     engine.max_context_length, engine.model_config.max_position_embeddings, args.kv_cache_tokens,
                     f", --max-context-length {args.max_context_length}" if args.max_context_length else "")
     try:
-        server = Server(engine, f"{args.host}:{args.port}", admin_token=args.admin_token)
+        server = Server(engine, f"{args.host}:{args.port}", admin_token=args.admin_token, tls=args.tls,
+                        api_key=args.api_key)
         if args.metrics_port:
             start_http_server(args.metrics_port, addr=args.host, registry=server.metrics.registry)
     except (OSError, RuntimeError) as exc:  # a port taken while the model loaded
@@ -133,11 +173,12 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> None:
           f"(ready in {time.perf_counter() - started:.1f}s)", flush=True)
     info = engine.info()
     log.info("started: model %s (%s), dtype %s (%s), device %s, %d engine loop(s) x %d torch threads, KV cache "
-             "%d tokens (%.0f MiB), batches of %d sequences / %d tokens, context %d, gRPC port %d, metrics port %s",
+             "%d tokens (%.0f MiB), batches of %d sequences / %d tokens, context %d, gRPC port %d (%s), metrics port %s",
              os.path.basename(engine.model_path), info.architecture, str(engine.dtype).removeprefix("torch."),
              engine.dtype_reason, engine.device, info.engine_loops, engine.threads_per_loop,
              info.kv_blocks_total * info.kv_block_size, info.kv_cache_bytes / 2**20, args.max_batch_size,
-             args.max_batched_tokens, info.max_context_length, server.port, args.metrics_port or "off")
+             args.max_batched_tokens, info.max_context_length, server.port,
+             ("mutual TLS" if args.tls.client_ca else "TLS") if args.tls else "plaintext", args.metrics_port or "off")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -150,12 +191,8 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Exit status 0 after a clean shutdown, 2 when a setting cannot work (said in one line on stderr)."""
-    level = os.environ.get("LMGATE_LOG_LEVEL", "INFO").upper()
-    if level not in logging.getLevelNamesMapping():
-        print(f"lmgate serve: error: LMGATE_LOG_LEVEL={level}: use DEBUG, INFO, WARNING or ERROR", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
+    configure_logging(args.log_level, args.log_format)
     try:
         asyncio.run(serve(args, check_settings(args)))
     except StartupError as exc:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -12,6 +13,7 @@ from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 
 from .admin import AdminServicer
+from .auth import ApiKeyInterceptor
 from .metrics import Metrics
 from .servicer import InferenceServicer
 
@@ -20,13 +22,41 @@ INFERENCE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 SERVICES = (INFERENCE, pb.DESCRIPTOR.services_by_name["Admin"].full_name)
 
 
+@dataclass(frozen=True, slots=True)
+class TlsFiles:
+    """PEM files of the server's TLS: its certificate chain and key, and the CA that client certificates
+    must chain to (mutual TLS; None: no client certificate asked for)."""
+
+    cert: str
+    key: str
+    client_ca: str | None = None
+
+    def credentials(self) -> grpc.ServerCredentials:
+        ca = _read(self.client_ca) if self.client_ca else None
+        return grpc.ssl_server_credentials([(_read(self.key), _read(self.cert))], root_certificates=ca,
+                                           require_client_auth=ca is not None)
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
 class Server:
     """A running `grpc.aio` server in front of one engine. Create and stop it on the same event loop."""
 
-    def __init__(self, engine: Engine, address: str = "127.0.0.1:0", admin_token: str | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        address: str = "127.0.0.1:0",
+        admin_token: str | None = None,
+        tls: TlsFiles | None = None,
+        api_key: str | None = None,
+    ) -> None:
         self.engine = engine
         self.metrics = Metrics(engine)
-        self.grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        interceptors = [ApiKeyInterceptor(api_key, INFERENCE)] if api_key else []
+        self.grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=interceptors)
         self.inference = InferenceServicer(engine, self.metrics)
         pb_grpc.add_InferenceServicer_to_server(self.inference, self.grpc)
         admin = AdminServicer(engine, self.metrics, admin_token, self.refresh_health)
@@ -35,7 +65,10 @@ class Server:
         self._stopping = False
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection(SERVICES + (health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
-        self.port = self.grpc.add_insecure_port(address)
+        if tls is None:
+            self.port = self.grpc.add_insecure_port(address)
+        else:
+            self.port = self.grpc.add_secure_port(address, tls.credentials())
         if self.port == 0:
             raise OSError(f"cannot listen on {address}")
 

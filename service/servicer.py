@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from typing import AsyncIterator
 
@@ -14,8 +15,10 @@ from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 
 from . import convert
-from .metrics import Metrics
-from .status import abort
+from .metrics import Metrics, StreamTracker
+from .status import abort, status_code
+
+access_log = logging.getLogger("lmgate.access")
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
@@ -61,9 +64,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             )
         except EngineError as exc:
             self.metrics.refused(exc)
+            log_access(request_id, request.session_id, context.peer(), status_code(exc).name)
             await abort(context, exc)
         self._requests[request_id] = engine_request
-        tracker = self.metrics.track(len(engine_request.input_ids))
+        tracker = self.metrics.track()
         finished = False
         try:
             while not finished:
@@ -73,10 +77,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 error = next((o.error for o in batch if o.error is not None), None)
                 if error is not None:
                     finished = True
-                    tracker.failed()
+                    tracker.failed(error)
                     await abort(context, error)
                 finished = batch[-1].finished
-                tracker.tokens(sum(len(o.token_ids) for o in batch), batch[-1].finish_reason)
+                tracker.tokens(sum(len(o.token_ids) for o in batch), batch[-1].finish_reason, batch[-1].usage)
                 yield convert.merge(batch)
         finally:
             # A client that disconnects or whose deadline passes lands here with the request still running.
@@ -84,6 +88,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 self.engine.cancel(engine_request)
                 tracker.finish_cancelled()
             del self._requests[request_id]
+            log_access(request_id, request.session_id, context.peer(), tracker.outcome, tracker)
 
     async def Cancel(self, request: pb.CancelRequest, context: grpc.aio.ServicerContext) -> pb.CancelResponse:
         try:
@@ -133,8 +138,25 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             kv_cache_bytes=i.kv_cache_bytes,
             dtype=str(self.engine.dtype).removeprefix("torch."),
             dtype_reason=self.engine.dtype_reason,
+            prefix_cache_queried_tokens=i.prefix_cache_queried_tokens,
+            prefix_cache_hit_tokens=i.prefix_cache_hit_tokens,
+            prefix_cache_hit_rate=i.prefix_cache_hit_tokens / max(i.prefix_cache_queried_tokens, 1),
             device=str(self.engine.device),
         )
+
+
+def log_access(request_id: str, session_id: int, peer: str, outcome: str, t: StreamTracker | None = None) -> None:
+    """One line per Generate, finished or refused, as key=value pairs (fields of their own in JSON logs).
+    `outcome`: the finish reason, or the status it ended with."""
+    usage = t.usage if t else None
+    fields = {
+        "request_id": request_id, "session_id": session_id, "peer": peer,
+        "prompt_tokens": usage.prompt_tokens if usage else 0, "completion_tokens": t.num_tokens if t else 0,
+        "cached_tokens": usage.cached_tokens if usage else 0,
+        "ttft_s": None if t is None or t.first_token is None else round(t.first_token, 4),
+        "duration_s": round(t.duration, 4) if t else 0.0, "outcome": outcome,
+    }
+    access_log.info(" ".join(f"{k}={v}" for k, v in fields.items()), extra={"fields": fields})
 
 
 def _resolve(future: asyncio.Future) -> None:

@@ -8,11 +8,15 @@ the same dtype and, for other dtypes, against transformers' float32 (its default
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -96,8 +100,26 @@ def measure_engine(args, dtype: str, prompts_for) -> tuple[Engine, float, float,
     run_engine(engine, prompts[:2], 4)  # warm-up
     tps = run_engine(engine, prompts, args.output_len)
     single = engine_single_stream(engine, prompts[0], args.output_len)
+    if args.noisy_neighbour:
+        with busy_neighbour():
+            noisy, noisy_single = run_engine(engine, prompts, args.output_len), engine_single_stream(engine, prompts[0], args.output_len)
+        print(f"{dtype} with one busy process beside it: lmgate {noisy:.1f} tok/s (alone {tps:.1f}), single stream "
+              f"{noisy_single:.1f} (alone {single:.1f}); {engine.num_threads} threads, "
+              f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}", flush=True)
     engine.shutdown()
     return engine, tps, single, flops
+
+
+@contextlib.contextmanager
+def busy_neighbour() -> Iterator[None]:
+    """A process spinning on one core, as a noisy neighbour on a shared machine would."""
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)
+        yield
+    finally:
+        hog.kill()
+        hog.wait()
 
 
 def measure_transformers(args, path: str, dtype: torch.dtype, prompts: list[list[int]]) -> tuple[float, float, float]:
@@ -156,6 +178,7 @@ def main() -> None:
                     "(bfloat16 on a CPU without native bf16 runs emulated, several times slower)")
     ap.add_argument("--max-batched-tokens", type=int, default=512)
     ap.add_argument("--hf-sample", type=int, default=4, help="requests that measure transformers one at a time")
+    ap.add_argument("--noisy-neighbour", action="store_true", help="also run lmgate with one busy process beside it")
     ap.add_argument("--hf-batch", type=int, default=0, help="padded batch size for transformers (0: all requests)")
     args = ap.parse_args()
 

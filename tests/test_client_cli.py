@@ -14,7 +14,7 @@ import pytest
 from lmgate.client import AsyncClient, Client, Delta, Session
 from lmgate.client import bench
 from lmgate.client.cli import SAMPLING_FLAGS, build_parser, main
-from lmgate.client.wire import SAMPLING_FIELDS, admin_metadata, generate_request, sampling_params, to_delta
+from lmgate.client.wire import SAMPLING_FIELDS, bearer_metadata, generate_request, sampling_params, to_delta
 from lmgate.engine.config import EngineConfig
 from lmgate.engine.sampling import SamplingParams
 from lmgate.v1 import lmgate_pb2 as pb
@@ -97,9 +97,9 @@ def test_to_delta_mid_stream_and_last():
         assert last.usage == {"prompt_tokens": 4, "completion_tokens": 2, "cached_tokens": 0}
 
 
-def test_admin_metadata_carries_the_bearer_token():
-    assert admin_metadata(None) == ()
-    assert admin_metadata("s3cret") == (("authorization", "Bearer s3cret"),)
+def test_bearer_metadata_carries_the_token():
+    assert bearer_metadata(None) == ()
+    assert bearer_metadata("s3cret") == (("authorization", "Bearer s3cret"),)
 
 
 # --------------------------------------------------------------------------- argument parsing
@@ -283,11 +283,11 @@ def test_cli_generate_info_tokenize(server, capsys):
 
 
 def test_cli_chat_keeps_one_session(server, capsys, monkeypatch):
-    registry = server.server.metrics.registry
+    registry, model = server.server.metrics.registry, {"model_name": server.server.metrics.model_name}
 
     def counts() -> tuple[float, ...]:
-        turns = sum(registry.get_sample_value("lmgate_requests_total", {"reason": r}) or 0 for r in ("stop", "length"))
-        return turns, *(registry.get_sample_value(f"lmgate_sessions_{e}_total") or 0 for e in ("started", "ended"))
+        turns = sum(registry.get_sample_value("lmgate_requests_total", {**model, "reason": r}) or 0 for r in ("stop", "length"))
+        return turns, *(registry.get_sample_value(f"lmgate_sessions_{e}_total", model) or 0 for e in ("started", "ended"))
 
     before = counts()
     monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\n\nWhat is 2+2?\n"))

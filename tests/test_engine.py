@@ -10,6 +10,7 @@ token budget build their own engine from the shared checkpoint (cheap: the weigh
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import threading
@@ -262,7 +263,7 @@ def test_engine_session_turn_reuses_kv_and_equals_stateless(engine, tokenizer):
     turn2 = tokenizer.encode("<|im_end|>\n<|im_start|>user\nAnd of Spain?<|im_end|>\n<|im_start|>assistant\n")
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     first = engine.generate(turn1, params, session_id=sid)
-    assert first.usage.cached_tokens == 0
+    assert first.usage.cached_tokens % 16 == 0  # at most the prefix cache's full blocks of the system prompt
     held = engine.info()
     assert held.kv_blocks_free < held.kv_blocks_total and held.active_sessions == 1
     second = engine.generate(turn2, params, session_id=sid)
@@ -373,7 +374,7 @@ def test_engine_context_window_limits(checkpoint, tokenizer):
             collect(eng.submit(filler[:30], SamplingParams(max_new_tokens=4), session_id=sid))
         assert eng.info().running_sequences == 0 and eng.info().waiting_sequences == 0
         eng.end_session(sid)
-        assert eng.info() == before
+        assert dataclasses.replace(eng.info(), prefix_cache_queried_tokens=0, prefix_cache_hit_tokens=0) == before
 
 
 # ------------------------------------------------------------------------------ 7. sampling features

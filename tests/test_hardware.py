@@ -3,6 +3,8 @@ CPU without needing each: the choice is a function of the flags)."""
 from __future__ import annotations
 
 import logging
+import math
+import os
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from lmgate.engine.engine import Engine
 from lmgate.engine.errors import InvalidRequest
 from lmgate.engine.sampling import SamplingParams
 from lmgate.engine.hardware import FLAGS_ENV, CpuFeatures, choose_dtype, cpu_features
+from lmgate.engine.threads import available_cpus, cgroup_cpu_quota
 from tests.test_models import hf_tokenizer_dir, tiny_models  # noqa: F401  (fixtures)
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -89,3 +92,32 @@ def test_engine_auto_dtype_and_bf16_warning_on_emulating_cpu(cpu_flags, tiny_mod
 def test_engine_refuses_unknown_dtype(tiny_models):
     with pytest.raises(InvalidRequest, match="dtype"):
         Engine(EngineConfig(model=tiny_models("llama").path, dtype="int3"))
+
+
+@pytest.mark.parametrize("files,want", [
+    ({"cpu.max": "max 100000\n"}, None),
+    ({"cpu.max": "150000 100000\n"}, 1.5),
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ({"cpu/cpu.cfs_quota_us": "50000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 0.5),
+    ({}, None),
+])
+def test_cgroup_cpu_quota_v1_and_v2(tmp_path, files, want):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert cgroup_cpu_quota(str(tmp_path)) == want
+    cpus = available_cpus(str(tmp_path))
+    assert 1 <= cpus <= len(os.sched_getaffinity(0))
+    if want:
+        assert cpus == min(len(os.sched_getaffinity(0)), math.ceil(want))
+
+
+def test_threads_split_between_engine_loops(tiny_models):
+    path = tiny_models("llama").path
+    with Engine(EngineConfig(model=path, kv_cache_tokens=256, threads=1, dtype="float32")) as eng:
+        assert eng.num_threads == 1 and eng.threads_per_loop == 1
+    with Engine(EngineConfig(model=path, kv_cache_tokens=256, dtype="float32")) as eng:
+        assert eng.num_threads == available_cpus()
+    with pytest.raises(InvalidRequest, match="threads"):
+        EngineConfig(threads=-1)
+    assert os.environ["OMP_WAIT_POLICY"]  # set before torch loaded libgomp (engine/__init__.py)

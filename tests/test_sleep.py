@@ -326,11 +326,12 @@ def test_metrics_endpoint_exports_sleep_state(sleepy):
         admin(sleepy).Sleep(pb.SleepRequest(level=1))
         url = f"http://127.0.0.1:{httpd.server_port}/metrics"
         text = urllib.request.urlopen(url).read().decode()
-        assert 'lmgate_sleeping{tag="kv_cache"} 1.0' in text
-        assert 'lmgate_sleep_transitions_total{transition="sleep_level_1"}' in text
+        model = sleepy.server.metrics.model_name
+        assert f'lmgate_sleeping{{model_name="{model}",tag="kv_cache"}} 1.0' in text
+        assert f'lmgate_sleep_transitions_total{{model_name="{model}",transition="sleep_level_1"}}' in text
         assert "lmgate_output_tokens_total" in text and "lmgate_time_to_first_token_seconds_count" in text
         admin(sleepy).Wakeup(pb.WakeupRequest())
         text = urllib.request.urlopen(url).read().decode()
-        assert 'lmgate_sleeping{tag="kv_cache"} 0.0' in text
+        assert f'lmgate_sleeping{{model_name="{model}",tag="kv_cache"}} 0.0' in text
     finally:
         httpd.shutdown()
