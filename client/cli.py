@@ -23,7 +23,7 @@ from .wire import Delta
 
 # Flags of `generate` and `chat` whose dest is a SamplingParams field; unset ones keep the server's defaults.
 SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
-                  "ignore_eos")
+                  "ignore_eos", "logprobs")
 
 
 def _number(kind: Callable[[str], Any], minimum: float, *, above: bool = False) -> Callable[[str], Any]:
@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     turn.add_argument("--seed", type=_number(int, 0), help="the same seed gives the same tokens")
     turn.add_argument("--stop", nargs="+", action="extend", metavar="S", help="strings that end the reply")
     turn.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+    turn.add_argument("--logprobs", type=_number(int, 0), help="also print each token's log-probability and this "
+                      "many likeliest alternatives, as JSON lines on stderr")
     turn.add_argument("--system", help="a system message before the first user message")
 
     parser = argparse.ArgumentParser(prog="lmgate", description="Serve and talk to an lmgate server.")
@@ -170,11 +172,14 @@ def _messages(system: str | None, user: str) -> list[dict[str, str]]:
 
 
 def _stream_to_stdout(deltas: Iterable[Delta]) -> Delta | None:
-    """Prints each delta's text as it arrives; returns the last delta (the one with finish_reason and usage)."""
+    """Prints each delta's text as it arrives, and its logprobs (when asked for) as JSON lines on stderr;
+    returns the last delta (the one with finish_reason and usage)."""
     last = None
     for last in deltas:
         sys.stdout.write(last.text)
         sys.stdout.flush()
+        for lp in last.logprobs:
+            print(json.dumps(lp), file=sys.stderr)
     sys.stdout.write("\n")
     return last
 

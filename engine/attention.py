@@ -18,13 +18,27 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
+class PrefillTables:
+    """The prefill chunks as the Triton kernel reads them: per chunk, its rows (counted from the first
+    prefill row), its context and its block table."""
+
+    block_tables: torch.Tensor  # [chunks, width] int64, padded with block 0
+    q_starts: torch.Tensor  # [chunks]
+    q_lens: torch.Tensor  # [chunks]
+    context_lens: torch.Tensor  # [chunks], tokens of KV after the chunk is written, prefix included
+    max_q_len: int
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
-    """Where each token's K/V goes and what each query may see; built once per step by the model runner."""
+    """Where each token's K/V goes and what each query may see; built once per step by the model runner,
+    in the form its attention path reads (`ModelRunner.attention`: torch ops, the C++ kernel, Triton)."""
 
     slot_mapping: torch.Tensor  # [tokens], index into the flattened [blocks * block_size] cache
     num_decode: int  # the first num_decode tokens are one-token decodes
     decode: DecodeTables | GatheredDecode | None
-    prefills: list[PrefillChunk]
+    prefills: list[PrefillChunk] | PrefillTables  # PrefillTables on the Triton path
+    triton: bool = False  # the Triton kernels store the KV and read it (engine/kernels/triton)
 
 
 @dataclass(slots=True)
@@ -57,6 +71,8 @@ def paged_attention(
     Head-major caches make a gathered context [KVH, ..., L, D] contiguous per head, so the score and value
     matmuls read it in place instead of copying a transposed view.
     """
+    if meta.triton:
+        return _triton_attention(q, k, v, k_cache, v_cache, meta, scale)
     kvh, _, _, d = k_cache.shape
     k_cache.view(kvh, -1, d).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
     v_cache.view(kvh, -1, d).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
@@ -64,6 +80,22 @@ def paged_attention(
     if meta.num_decode:
         parts.append(_decode(q[: meta.num_decode], k_cache, v_cache, meta.decode, scale))
     parts.extend(_prefill(q[c.start : c.end], k_cache, v_cache, c, scale) for c in meta.prefills)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _triton_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The GPU path: KV stored and read in place by Triton kernels, decodes first, then the prefill chunks."""
+    from .kernels.triton import paged_attention as kernels  # Triton is needed on this path only
+
+    kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    parts = []
+    if meta.num_decode:
+        d = meta.decode
+        parts.append(kernels.decode_attention(q[: meta.num_decode], k_cache, v_cache, d.block_tables, d.lengths, scale))
+    p = meta.prefills
+    if isinstance(p, PrefillTables) and len(p.q_lens):
+        parts.append(kernels.prefill_attention(q[meta.num_decode :], k_cache, v_cache, p.block_tables, p.q_starts,
+                                               p.q_lens, p.context_lens, scale, p.max_q_len))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 

@@ -20,6 +20,7 @@ from .hardware import choose_dtype, cpu_features, matmul_gflops
 from .host_comm import ThreadComm
 from .threads import available_cpus, on_fresh_thread
 from .kernels import load_paged_attention
+from .kernels.triton import available as triton_available
 from .kv_cache import allocate_kv_cache, kv_bytes_per_token
 from .loader import Checkpoint, load_checkpoint, read_config
 from .memory import keep_freed_memory, release_host_memory
@@ -140,13 +141,20 @@ class Engine:
             lambda: allocate_kv_cache(self.model_config, num_blocks, c.block_size, self.dtype, self.device),
             c.block_size,
             self.device,
-            c.attention_kernel and self.device.type == "cpu" and load_paged_attention(),
+            self._attention_path(),
         )
         return EngineLoop(
             comm.rank, self.gateway, comm, runner, BlockManager(num_blocks, c.block_size, c.prefix_caching), self.tokenizer,
             c.max_batch_size, c.max_batched_tokens, self.max_context_length, c.default_max_new_tokens,
             self.threads_per_loop,
         )
+
+    def _attention_path(self) -> str:
+        """Triton on CUDA (torch ops without Triton); on the CPU the C++ decode kernel unless it is off or
+        could not be built."""
+        if self.device.type == "cuda":
+            return "triton" if triton_available() else "torch"
+        return "cpu" if self.config.attention_kernel and load_paged_attention() else "torch"
 
     # requests ----------------------------------------------------------------------------------------------
 

@@ -6,7 +6,8 @@ from typing import Callable
 
 import torch
 
-from .attention import AttentionMetadata, DecodeTables, GatheredDecode, PrefillChunk, decode_mask, gather_rows
+from .attention import (AttentionMetadata, DecodeTables, GatheredDecode, PrefillChunk, PrefillTables, decode_mask,
+                        gather_rows)
 from .models.llama import LlamaForCausalLM
 from .sampling import SampleResult, SampleRow, sample
 from .sequence import Sequence
@@ -23,6 +24,11 @@ class StepInputs:
     sample_rows: list[SampleRow]
 
 
+# How attention reads the paged cache: torch ops (gather, then matmuls), the C++ CPU decode kernel
+# (engine/kernels), or the Triton kernels (engine/kernels/triton, the CUDA path).
+ATTENTION_PATHS = ("torch", "cpu", "triton")
+
+
 class ModelRunner:
     """Owned by one engine loop's thread, like the KV cache tensors it writes."""
 
@@ -32,7 +38,7 @@ class ModelRunner:
         make_kv_cache: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]],
         block_size: int,
         device: torch.device,
-        decode_kernel: bool,
+        attention: str,
     ) -> None:
         self.model = model  # replaced whole by the engine (weight updates), read once per step
         self.weights_version = 0  # bumped by the engine with every new model, after `model` is replaced
@@ -40,7 +46,7 @@ class ModelRunner:
         self.kv_caches = make_kv_cache()
         self.block_size = block_size
         self.device = device
-        self.decode_kernel = decode_kernel  # torch.ops.lmgate.paged_decode_attention is loaded
+        self.attention = attention  # of ATTENTION_PATHS; chosen at build, read per step
 
     def release_kv_cache(self) -> None:
         self.kv_caches = []
@@ -64,28 +70,44 @@ class ModelRunner:
         rows: list[SampleRow] = []
         decodes = [s for s in batch if s.num_scheduled == 1 and s.num_uncomputed == 1]
         prefills: list[PrefillChunk] = []
+        chunks: list[Sequence] = []
         for seq in batch:
             start, end = seq.num_computed, seq.num_computed + seq.num_scheduled
             first_row = len(ids)
             ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(seq.block_table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end))
-            if seq not in decodes:
+            if seq not in decodes and self.attention == "triton":
+                chunks.append(seq)
+            elif seq not in decodes:
                 table = torch.tensor(seq.block_table[: -(-end // self.block_size)], dtype=torch.long)
                 prefills.append(PrefillChunk(first_row, len(ids), end, self._rows(table)))
             if seq.samples_this_step:
                 logit_rows.append(len(ids) - 1)
                 rows.append(SampleRow(seq.params, seq.generator, seq.token_ids[: seq.num_prompt_tokens], seq.output_ids, seq.banned_ids))
-        meta = AttentionMetadata(self._tensor(slots), len(decodes), self._decode_tables(decodes) if decodes else None, prefills)
+        meta = AttentionMetadata(self._tensor(slots), len(decodes), self._decode_tables(decodes) if decodes else None,
+                                 self._prefill_tables(chunks) if self.attention == "triton" else prefills,
+                                 triton=self.attention == "triton")
         return StepInputs(self._tensor(ids), self._tensor(positions), meta, self._tensor(logit_rows), rows)
 
     def _decode_tables(self, decodes: list[Sequence]) -> DecodeTables | GatheredDecode:
         width = max(len(s.block_table) for s in decodes)
         tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in decodes], dtype=torch.long)
         lengths = torch.tensor([s.num_computed + 1 for s in decodes])
-        if self.decode_kernel:
-            return DecodeTables(tables, lengths)
+        if self.attention != "torch":
+            return DecodeTables(tables.to(self.device), lengths.to(self.device))
         return GatheredDecode(self._rows(tables), decode_mask(lengths, width * self.block_size, self.kv_caches[0][0]).to(self.device))
+
+    def _prefill_tables(self, chunks: list[Sequence]) -> PrefillTables:
+        """Rows counted from the first prefill row: the chunks follow one another after the decodes."""
+        lens = [s.num_scheduled for s in chunks]
+        width = max((len(s.block_table) for s in chunks), default=1)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in chunks]
+        return PrefillTables(
+            self._tensor(tables) if chunks else torch.zeros((0, 1), dtype=torch.long, device=self.device),
+            self._tensor([sum(lens[:i]) for i in range(len(lens))]), self._tensor(lens),
+            self._tensor([s.num_computed + s.num_scheduled for s in chunks]), max(lens, default=0),
+        )
 
     def _rows(self, tables: torch.Tensor) -> torch.Tensor:
         kvh, num_blocks = self.kv_caches[0][0].shape[:2]

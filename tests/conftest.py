@@ -1,7 +1,13 @@
 """Shared fixtures: the embedded SmolLM2 GGUF and the tokenizer built from it."""
 
+import os
+
 import gguf
 import pytest
+import torch
+
+if not torch.cuda.is_available():  # the Triton kernels run in Triton's interpreter, on CPU tensors
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from lmgate.engine.loader import embedded_model_path
 from lmgate.engine.tokenizer import Tokenizer

@@ -282,6 +282,13 @@ def test_cli_generate_info_tokenize(server, capsys):
     assert json.loads(capsys.readouterr().out) == server.engine.tokenizer.encode("hi")
 
 
+def test_cli_generate_logprobs_min_p_and_repetition_penalty(server, capsys):
+    assert main(["generate", PROMPT, "--target", server.address, "--max-new-tokens", "4", "--ignore-eos",
+                 "--logprobs", "2", "--min-p", "0.05", "--repetition-penalty", "1.2"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
+    assert len(lines) == 4 and all(len(lp["top"]) == 2 and lp["logprob"] <= 0 for lp in lines)
+
+
 def test_cli_chat_keeps_one_session(server, capsys, monkeypatch):
     registry, model = server.server.metrics.registry, {"model_name": server.server.metrics.model_name}
 

@@ -188,6 +188,26 @@ def test_bad_generate_gets_status_and_changes_nothing(server, request_, code):
     assert_idle(server, before)
 
 
+def test_session_rpcs_answer_bad_values_with_documented_statuses(server):
+    stub = server.stub()
+    before = server.info()
+    sid = stub.Start(pb.StartRequest()).session_id
+    cases = [
+        (lambda: stub.End(pb.EndRequest()), grpc.StatusCode.INVALID_ARGUMENT),  # no session id
+        (lambda: stub.Cancel(pb.CancelRequest(session_id=987654321)), grpc.StatusCode.NOT_FOUND),
+        (lambda: stub.Start(pb.StartRequest(session_id=sid)), grpc.StatusCode.ALREADY_EXISTS),
+        (lambda: list(stub.Generate(pb.GenerateRequest(session_id=987654321, prompt="hi"))), grpc.StatusCode.NOT_FOUND),
+    ]
+    for call, code in cases:
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == code and err.value.details()
+    stub.End(pb.EndRequest(session_id=987654321))  # ending an unknown session is a no-op, as End is idempotent
+    stub.End(pb.EndRequest(session_id=sid))
+    assert stub.Tokenize(pb.TokenizeRequest(text="")).token_ids == []
+    assert_idle(server, before)
+
+
 def test_cancel_without_target_invalid(server):
     with pytest.raises(grpc.RpcError) as err:
         server.stub().Cancel(pb.CancelRequest())

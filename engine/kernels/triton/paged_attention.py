@@ -1,0 +1,177 @@
+"""Paged attention in Triton. Caches are [kv_heads, blocks, block_size, head_dim], as kv_cache.py allocates
+them; a block table row lists a sequence's blocks in order. Softmax runs in fp32 whatever the cache dtype.
+
+* `store_kv`: each token's key and value into its slot (`block * block_size + offset`); a negative slot
+  (a padded row) writes nothing.
+* `decode_attention`: one query token per sequence, as flash decoding: the context is cut into splits of
+  `blocks_per_split` blocks, one program per (sequence, KV head, split) handles the query heads of that
+  KV head's GQA group together, and a second kernel merges the splits by their running max and sum. The
+  launch grid depends on shapes only (batch, heads, table width), so a CUDA graph can hold it.
+* `prefill_attention`: a chunk of query tokens per sequence against its whole context (the cached prefix
+  plus the chunk itself, whose keys `store_kv` wrote first), causal within the chunk.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kv_kernel(K, V, KCache, VCache, Slots, num_blocks, stride_kt, stride_kh, stride_vt, stride_vh,
+                     BLOCK: tl.constexpr, D: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(Slots + t)
+    if slot >= 0:
+        d = tl.arange(0, D)
+        dest = ((h * num_blocks + slot // BLOCK) * BLOCK + slot % BLOCK) * D + d
+        tl.store(KCache + dest, tl.load(K + t * stride_kt + h * stride_kh + d))
+        tl.store(VCache + dest, tl.load(V + t * stride_vt + h * stride_vh + d))
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """k, v: [T, KVH, D] (last dim contiguous); slots: [T] int, -1 for rows that write nothing."""
+    kvh, num_blocks, block, d = k_cache.shape
+    _store_kv_kernel[(k.shape[0], kvh)](k, v, k_cache, v_cache, slots, num_blocks, k.stride(0), k.stride(1),
+                                        v.stride(0), v.stride(1), BLOCK=block, D=d)
+
+
+@triton.jit
+def _decode_split_kernel(Q, KCache, VCache, Tables, Lengths, Acc, Max, Sum, scale, num_blocks, table_width,
+                         num_splits, blocks_per_split, stride_qt, stride_qh,
+                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr):
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    j = tl.program_id(2)
+    length = tl.load(Lengths + i)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D)
+    heads = h * GROUP + g
+    live = g < GROUP
+    q = tl.load(Q + i * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    s_sum = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D], tl.float32)
+    offs = tl.arange(0, BLOCK)
+    for step in range(0, blocks_per_split):  # a fixed trip count; blocks past the context are masked off
+        bi = j * blocks_per_split + step
+        block = tl.load(Tables + i * table_width + bi, mask=bi < table_width, other=0)
+        pos = bi * BLOCK + offs
+        valid = pos < length
+        base = ((h * num_blocks + block) * BLOCK + offs) * D
+        k = tl.load(KCache + base[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        v = tl.load(VCache + base[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_PAD, BLOCK]
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: keep the sums at zero
+        p = tl.exp(scores - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        s_sum = s_sum * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m = m_new
+    row = (i * tl.num_programs(1) * GROUP + heads) * num_splits + j  # [n, H, splits] layout
+    tl.store(Max + row, m, mask=live)
+    tl.store(Sum + row, s_sum, mask=live)
+    tl.store(Acc + row[:, None] * D + d[None, :], acc, mask=live[:, None])
+
+
+@triton.jit
+def _decode_merge_kernel(Acc, Max, Sum, Out, num_splits, stride_ot, stride_oh, heads_per_seq,
+                         SPLITS_PAD: tl.constexpr, D: tl.constexpr):
+    i = tl.program_id(0)
+    hq = tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, D)
+    row = (i * heads_per_seq + hq) * num_splits + s
+    live = s < num_splits
+    m = tl.load(Max + row, mask=live, other=float("-inf"))
+    total_max = tl.max(m, axis=0)
+    weight = tl.where(live, tl.exp(m - total_max), 0.0)  # a split past the context has m = -inf: weight 0
+    norm = tl.sum(tl.load(Sum + row, mask=live, other=0.0) * weight, axis=0)
+    acc = tl.load(Acc + row[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
+    out = tl.sum(acc * weight[:, None], axis=0) / norm
+    tl.store(Out + i * stride_ot + hq * stride_oh + d, out.to(Out.dtype.element_ty))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     lengths: torch.Tensor, scale: float, blocks_per_split: int = 16) -> torch.Tensor:
+    """q: [n, H, D]; block_tables: [n, width] int (padding entries never read); lengths: [n], tokens of KV
+    each query sees (at least 1). Returns [n, H, D] in q's dtype."""
+    n, heads, d = q.shape
+    kvh, num_blocks, block, _ = k_cache.shape
+    group = heads // kvh
+    width = block_tables.shape[1]
+    splits = triton.cdiv(width, blocks_per_split)
+    acc = torch.empty((n, heads, splits, d), dtype=torch.float32, device=q.device)
+    part_max = torch.empty((n, heads, splits), dtype=torch.float32, device=q.device)
+    part_sum = torch.empty_like(part_max)
+    _decode_split_kernel[(n, kvh, splits)](
+        q, k_cache, v_cache, block_tables, lengths, acc, part_max, part_sum, scale, num_blocks, width, splits,
+        blocks_per_split, q.stride(0), q.stride(1),
+        GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 1), BLOCK=block, D=d)
+    out = torch.empty_like(q)
+    _decode_merge_kernel[(n, heads)](acc, part_max, part_sum, out, splits, out.stride(0), out.stride(1), heads,
+                                     SPLITS_PAD=max(triton.next_power_of_2(splits), 1), D=d)
+    return out
+
+
+@triton.jit
+def _prefill_kernel(Q, KCache, VCache, Out, Tables, QStarts, QLens, ContextLens, scale, num_blocks, table_width,
+                    stride_qt, stride_qh, stride_ot, stride_oh, GROUP: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr):
+    c = tl.program_id(0)
+    tile = tl.program_id(1)
+    hq = tl.program_id(2)
+    h = hq // GROUP
+    q_len = tl.load(QLens + c)
+    if tile * BLOCK_M < q_len:
+        q_start = tl.load(QStarts + c)
+        context = tl.load(ContextLens + c)
+        prefix = context - q_len
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        live = rows < q_len
+        d = tl.arange(0, D)
+        q = tl.load(Q + (q_start + rows)[:, None] * stride_qt + hq * stride_qh + d[None, :],
+                    mask=live[:, None], other=0.0).to(tl.float32)
+        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        s_sum = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        offs = tl.arange(0, BLOCK)
+        visible = tl.minimum(prefix + (tile + 1) * BLOCK_M, context)  # the tile's last row sees this far
+        for bi in range(0, tl.cdiv(visible, BLOCK)):
+            block = tl.load(Tables + c * table_width + bi)
+            pos = bi * BLOCK + offs
+            base = ((h * num_blocks + block) * BLOCK + offs) * D
+            seen = (pos < visible)[:, None]
+            k = tl.load(KCache + base[:, None] + d[None, :], mask=seen, other=0.0).to(tl.float32)
+            v = tl.load(VCache + base[:, None] + d[None, :], mask=seen, other=0.0).to(tl.float32)
+            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [BLOCK_M, BLOCK]
+            allowed = (pos[None, :] <= (prefix + rows)[:, None]) & (pos < context)[None, :]
+            scores = tl.where(allowed, scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows past q_len see nothing yet
+            p = tl.exp(scores - m_safe[:, None])
+            alpha = tl.exp(m - m_safe)
+            s_sum = s_sum * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            m = m_new
+        out = acc / tl.where(s_sum == 0.0, 1.0, s_sum)[:, None]
+        tl.store(Out + (q_start + rows)[:, None] * stride_ot + hq * stride_oh + d[None, :],
+                 out.to(Out.dtype.element_ty), mask=live[:, None])
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      q_starts: torch.Tensor, q_lens: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                      max_q_len: int, block_m: int = 16) -> torch.Tensor:
+    """q: [T, H, D], the chunks' rows one after another; per chunk c: rows [q_starts[c], +q_lens[c]),
+    context_lens[c] tokens of KV (its chunk's included, already stored), block_tables[c]. Returns [T, H, D]."""
+    heads, d = q.shape[1], q.shape[2]
+    kvh, num_blocks, block, _ = k_cache.shape
+    out = torch.empty_like(q)
+    grid = (len(q_lens), triton.cdiv(max_q_len, block_m), heads)
+    _prefill_kernel[grid](q, k_cache, v_cache, out, block_tables, q_starts, q_lens, context_lens, scale, num_blocks,
+                          block_tables.shape[1], q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                          GROUP=heads // kvh, BLOCK_M=block_m, BLOCK=block, D=d)
+    return out
