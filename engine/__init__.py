@@ -2,9 +2,9 @@
 
 Before anything imports torch: OpenMP threads that wait at a barrier sleep instead of spinning, unless the
 environment says otherwise. On a 2-core machine with one busy process beside the engine, spinning threads
-kept waiting for a thread the neighbour had displaced: batch throughput fell from 152 to 58 tokens/s and a
-single stream from 17 to 7; sleeping waiters gave 163 and 127 (25 and 15 for the single stream), with no
-loss on an idle machine. libgomp reads the variable once, when torch loads it.
+wait for a thread the neighbour has displaced: 64 streams fell from 198 to 86 tokens/s (ACTIVE) and from
+193 to 77 (libgomp's default), where sleeping waiters kept 144 of 181 and 162 of 207. The price, on an
+idle machine, was 1-8% in those runs. libgomp reads the variable once, when torch loads it.
 """
 import os
 
