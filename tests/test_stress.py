@@ -110,3 +110,50 @@ def test_many_streams_with_cancels_ends_and_disconnects(server2, references, rou
                 f.result(timeout=300)  # a guard against a hang, not a performance bound
     assert_idle(server2, before)
     assert server2.info().active_sessions == 0
+
+
+# --------------------------------------------------------- the same under a shared prefix, with chat turns
+SHARED = "You are a careful assistant. Answer briefly and precisely, in plain words. " * 3
+CHAT_SAMPLING = pb.SamplingParams(max_new_tokens=8)
+
+
+def _chat(stub, prompt, ref, rng):
+    """Two message turns on a session, the second equal to a stateless request on the conversation."""
+    sid = stub.Start(pb.StartRequest()).session_id
+    conversation = pb.ChatMessages()
+    for question in (prompt, "And then?"):
+        turn = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=question)])
+        got = list(stub.Generate(pb.GenerateRequest(session_id=sid, messages=turn, sampling=CHAT_SAMPLING)))
+        conversation.messages.add(role="user", content=question)
+        want = list(stub.Generate(pb.GenerateRequest(messages=conversation, sampling=CHAT_SAMPLING)))
+        assert [t for m in got for t in m.token_ids] == [t for m in want for t in m.token_ids]
+        conversation.messages.add(role="assistant", content="".join(m.text for m in got))
+    stub.End(pb.EndRequest(session_id=sid))
+
+
+@pytest.fixture(scope="module")
+def shared_references(server2) -> dict[str, list[int]]:
+    engine = server2.engine
+    return {
+        SHARED + p: engine.generate(engine.tokenizer.encode(SHARED + p), SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)).token_ids
+        for p in PROMPTS
+    }
+
+
+@pytest.mark.parametrize("round_", range(3))
+def test_streams_sharing_a_prefix_with_chats_cancels_and_ends(server2, shared_references, round_):
+    """Prefix-cache hits, shared blocks released by cancels, ends and disconnects, chat re-renders: every
+    stream's tokens as when run alone, and every block free afterwards."""
+    before = server2.info()
+    rng = random.Random(100 + round_)
+    prompts = list(shared_references)
+    plan = [(rng.choice(ACTIONS + [_chat]), rng.choice(prompts), random.Random(rng.random())) for _ in range(STREAMS)]
+    with server2.channel() as channel:
+        stub = pb_grpc.InferenceStub(channel)
+        with ThreadPoolExecutor(STREAMS) as pool:
+            futures = [pool.submit(action, stub, prompt, shared_references[prompt], r) for action, prompt, r in plan]
+            for f in futures:
+                f.result(timeout=300)  # a guard against a hang, not a performance bound
+    assert_idle(server2, before)
+    assert server2.info().active_sessions == 0
+    assert server2.info().prefix_cache_hit_tokens > before.prefix_cache_hit_tokens
