@@ -94,7 +94,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
     tokens = logits.argmax(dim=-1)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:
-        idx = torch.tensor(sampled)
+        idx = torch.tensor(sampled, device=logits.device)
         tokens[idx] = _sample_rows(logits[idx], [rows[i] for i in sampled])
     token_list = tokens.tolist()
     return SampleResult(token_list, _logprobs(raw, token_list, rows))
@@ -110,11 +110,12 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
         p = r.params
         row = logits[i]
         if p.repetition_penalty not in (0, 1):
-            seen = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), dtype=torch.long)
+            seen = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), dtype=torch.long, device=row.device)
             vals = row[seen]
             row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if (p.presence_penalty or p.frequency_penalty) and r.output_ids:
-            counts = torch.bincount(torch.tensor(r.output_ids, dtype=torch.long), minlength=vocab)[:vocab].float()
+            ids = torch.tensor(r.output_ids, dtype=torch.long, device=row.device)
+            counts = torch.bincount(ids, minlength=vocab)[:vocab].float()
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
         if r.banned_ids:
             row[r.banned_ids] = float("-inf")
@@ -122,24 +123,28 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
 
 
 def _sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """Temperature, then top-k / top-p / min-p filters, then one uniform draw per row from its own generator."""
-    temps = torch.tensor([r.params.temperature for r in rows]).unsqueeze(1)
+    """Temperature, then top-k / top-p / min-p filters, then one uniform draw per row from its own generator
+    (a host generator: the draws cross to the logits' device in one copy)."""
+    def column(values: list) -> torch.Tensor:
+        return torch.tensor(values, device=logits.device).unsqueeze(1)
+
+    temps = column([r.params.temperature for r in rows])
     probs = torch.softmax(logits / temps, dim=-1)
-    min_ps = torch.tensor([r.params.min_p for r in rows]).unsqueeze(1)
+    min_ps = column([r.params.min_p for r in rows])
     probs = probs.masked_fill(probs < min_ps * probs.amax(dim=-1, keepdim=True), 0.0)
     vocab = probs.shape[-1]
     top_ks = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
     top_ps = [r.params.top_p if 0 < r.params.top_p < 1 else 1.0 for r in rows]
     if min(top_ks) < vocab or min(top_ps) < 1:
         probs, order = probs.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab).unsqueeze(0)
-        cut = ranks >= torch.tensor(top_ks).unsqueeze(1)
-        cut |= (probs.cumsum(dim=-1) - probs) >= torch.tensor(top_ps).unsqueeze(1)
+        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+        cut = ranks >= column(top_ks)
+        cut |= (probs.cumsum(dim=-1) - probs) >= column(top_ps)
         probs = probs.masked_fill(cut, 0.0)
     else:
         order = None
     cdf = probs.cumsum(dim=-1)
-    draws = torch.cat([torch.rand(1, generator=r.generator) for r in rows]).unsqueeze(1)
+    draws = torch.cat([torch.rand(1, generator=r.generator) for r in rows]).to(logits.device).unsqueeze(1)
     choice = torch.searchsorted(cdf, draws * cdf[:, -1:], right=True).clamp_(max=vocab - 1)
     return (choice if order is None else order.gather(1, choice)).squeeze(1)
 
@@ -149,7 +154,7 @@ def _logprobs(raw: torch.Tensor, tokens: list[int], rows: list[SampleRow]):
     out: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(rows)
     if not wanted:
         return out
-    lp = torch.log_softmax(raw[torch.tensor(wanted)], dim=-1)
+    lp = torch.log_softmax(raw[torch.tensor(wanted, device=raw.device)], dim=-1)
     for j, i in enumerate(wanted):
         top = lp[j].topk(rows[i].params.logprobs)
         out[i] = (lp[j, tokens[i]].item(), list(zip(top.indices.tolist(), top.values.tolist())))
