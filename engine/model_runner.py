@@ -1,6 +1,7 @@
 """Turns a scheduled batch into tensors, runs the model over the paged cache, and samples."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -105,7 +106,7 @@ class ModelRunner:
         tables = [s.block_table + [0] * (width - len(s.block_table)) for s in chunks]
         return PrefillTables(
             self._tensor(tables) if chunks else torch.zeros((0, 1), dtype=torch.long, device=self.device),
-            self._tensor([sum(lens[:i]) for i in range(len(lens))]), self._tensor(lens),
+            self._tensor([0, *itertools.accumulate(lens)][: len(lens)]), self._tensor(lens),
             self._tensor([s.num_computed + s.num_scheduled for s in chunks]), max(lens, default=0),
         )
 

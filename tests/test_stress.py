@@ -97,19 +97,27 @@ def _disconnect(stub, prompt, ref, rng):
 ACTIONS = [_plain, _session, _cancel, _end, _disconnect]
 
 
-@pytest.mark.parametrize("round_", range(3))
-def test_many_streams_with_cancels_ends_and_disconnects(server2, references, round_):
-    before = server2.info()
-    rng = random.Random(round_)
-    plan = [(rng.choice(ACTIONS), rng.choice(PROMPTS), random.Random(rng.random())) for _ in range(STREAMS)]
-    with server2.channel() as channel:
+def run_plan(server, actions: list, references: dict[str, list[int]], seed: int) -> pb.InfoResponse:
+    """STREAMS concurrent streams, each a random action on a random prompt; every block free afterwards.
+    Returns the server's Info from before."""
+    before = server.info()
+    rng = random.Random(seed)
+    prompts = list(references)
+    plan = [(rng.choice(actions), rng.choice(prompts), random.Random(rng.random())) for _ in range(STREAMS)]
+    with server.channel() as channel:
         stub = pb_grpc.InferenceStub(channel)
         with ThreadPoolExecutor(STREAMS) as pool:
             futures = [pool.submit(action, stub, prompt, references[prompt], r) for action, prompt, r in plan]
             for f in futures:
                 f.result(timeout=300)  # a guard against a hang, not a performance bound
-    assert_idle(server2, before)
-    assert server2.info().active_sessions == 0
+    assert_idle(server, before)
+    assert server.info().active_sessions == 0
+    return before
+
+
+@pytest.mark.parametrize("round_", range(3))
+def test_many_streams_with_cancels_ends_and_disconnects(server2, references, round_):
+    run_plan(server2, ACTIONS, references, round_)
 
 
 # --------------------------------------------------------- the same under a shared prefix, with chat turns
@@ -144,16 +152,5 @@ def shared_references(server2) -> dict[str, list[int]]:
 def test_streams_sharing_a_prefix_with_chats_cancels_and_ends(server2, shared_references, round_):
     """Prefix-cache hits, shared blocks released by cancels, ends and disconnects, chat re-renders: every
     stream's tokens as when run alone, and every block free afterwards."""
-    before = server2.info()
-    rng = random.Random(100 + round_)
-    prompts = list(shared_references)
-    plan = [(rng.choice(ACTIONS + [_chat]), rng.choice(prompts), random.Random(rng.random())) for _ in range(STREAMS)]
-    with server2.channel() as channel:
-        stub = pb_grpc.InferenceStub(channel)
-        with ThreadPoolExecutor(STREAMS) as pool:
-            futures = [pool.submit(action, stub, prompt, shared_references[prompt], r) for action, prompt, r in plan]
-            for f in futures:
-                f.result(timeout=300)  # a guard against a hang, not a performance bound
-    assert_idle(server2, before)
-    assert server2.info().active_sessions == 0
+    before = run_plan(server2, ACTIONS + [_chat], shared_references, 100 + round_)
     assert server2.info().prefix_cache_hit_tokens > before.prefix_cache_hit_tokens

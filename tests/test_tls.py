@@ -24,6 +24,7 @@ from lmgate.client.cli import main
 from lmgate.engine.config import EngineConfig
 from lmgate.service.server import TlsFiles
 from tests.serving import ServerThread
+from tests.test_sleep import code_of
 
 API_KEY = "k3y-for-tests"
 JS_DIR = Path(__file__).parent / "js"
@@ -91,14 +92,6 @@ def mtls_server(checkpoint, pki):
 
 def target(server) -> str:
     return f"localhost:{server.server.port}"
-
-
-def code_of(call) -> grpc.StatusCode | None:
-    try:
-        call()
-    except grpc.RpcError as err:
-        return err.code()
-    return None
 
 
 def generate(client: Client) -> list[int]:
