@@ -53,6 +53,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         request_id = request.request_id or uuid.uuid4().hex
+        # Read now: once the client has gone, the finally below runs after gRPC has freed the call, and asking
+        # the context for its peer then crashes the process (grpcio 1.85).
+        peer = context.peer()
         try:
             if request_id in self._requests:
                 raise InvalidRequest(f"request_id {request_id!r} is already in use by an active request")
@@ -64,7 +67,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             )
         except EngineError as exc:
             self.metrics.refused(exc)
-            log_access(request_id, request.session_id, context.peer(), status_code(exc).name)
+            log_access(request_id, request.session_id, peer, status_code(exc).name)
             await abort(context, exc)
         self._requests[request_id] = engine_request
         tracker = self.metrics.track()
@@ -88,7 +91,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 self.engine.cancel(engine_request)
                 tracker.finish_cancelled()
             del self._requests[request_id]
-            log_access(request_id, request.session_id, context.peer(), tracker.outcome, tracker)
+            log_access(request_id, request.session_id, peer, tracker.outcome, tracker)
 
     async def Cancel(self, request: pb.CancelRequest, context: grpc.aio.ServicerContext) -> pb.CancelResponse:
         try:

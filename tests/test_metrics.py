@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import urllib.request
 
 import pytest
@@ -96,3 +97,25 @@ def test_access_log_line_per_request(server, caplog):
     assert refused.fields["outcome"] == "NOT_FOUND"
     line = json.loads(JsonFormatter().format(done))
     assert line["logger"] == "lmgate.access" and line["request_id"] == "logged-1" and "request_id=logged-1" in line["message"]
+
+
+def test_access_log_names_the_peer_of_streams_whose_client_left(server, caplog):
+    """The line of a stream whose client disconnected is written after gRPC has let go of the call: the peer
+    must have been read while it was alive (asking for it afterwards crashed the process)."""
+    ids = [f"left-{i}" for i in range(20)]
+    with caplog.at_level(logging.INFO, logger="lmgate.access"):
+        for request_id in ids:
+            call = server.stub().Generate(pb.GenerateRequest(request_id=request_id, prompt="Tell me a story",
+                                                             sampling=pb.SamplingParams(max_new_tokens=64, ignore_eos=True)))
+            next(call)
+            call.cancel()
+        deadline = time.monotonic() + 60  # a guard against a hang, not a performance bound
+        while time.monotonic() < deadline and len(logged := _access(caplog, ids)) < len(ids):
+            time.sleep(0.05)
+    assert sorted(logged) == sorted(ids)
+    assert all("127.0.0.1" in r.fields["peer"] and r.fields["outcome"] == "cancelled" for r in logged.values())
+
+
+def _access(caplog, ids: list[str]) -> dict:
+    return {r.fields["request_id"]: r for r in caplog.records
+            if r.name == "lmgate.access" and r.fields["request_id"] in ids}
