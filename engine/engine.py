@@ -17,7 +17,7 @@ from .config import ModelConfig
 from .errors import ContextOverflow, InvalidRequest, Unavailable, UnsupportedModel
 from .gateway import Gateway
 from .hardware import choose_dtype, cpu_features, matmul_gflops
-from .host_comm import ThreadComm
+from .distributed import ThreadComm
 from .threads import available_cpus, on_fresh_thread
 from .kernels import load_paged_attention
 from .kernels.triton import available as triton_available

@@ -12,7 +12,7 @@ from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
 from .errors import ContextOverflow, EngineError, InternalError, InvalidRequest, SessionBusy
 from .gateway import Gateway, Signal, cancelled_output
-from .host_comm import CommAborted, HostComm
+from .distributed import CommAborted, HostComm
 from .model_runner import ModelRunner
 from .request import CancelFlag, FinishReason, Request, RequestKind, RequestOutput, TokenLogprob, Usage
 from .scheduler import Scheduler

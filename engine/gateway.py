@@ -16,7 +16,7 @@ from collections import deque
 from typing import Callable
 
 from .errors import ResourceExhausted, SessionExists, Unavailable
-from .host_comm import HostComm, RedOp
+from .distributed import HostComm, RedOp
 from .request import CancelFlag, FinishReason, Request, RequestKind, RequestOutput, Usage
 from .request_queue import RequestQueue
 from .sequence_binding import SequenceBinding

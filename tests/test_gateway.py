@@ -12,7 +12,7 @@ import pytest
 
 from lmgate.engine.errors import Unavailable
 from lmgate.engine.gateway import Gateway
-from lmgate.engine.host_comm import CommAborted, ThreadComm
+from lmgate.engine.distributed import CommAborted, ThreadComm
 from lmgate.engine.request import CancelFlag, Request, RequestKind
 from lmgate.engine.sampling import SamplingParams
 

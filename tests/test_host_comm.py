@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from lmgate.engine.host_comm import CommAborted, RedOp, ThreadComm
+from lmgate.engine.distributed import CommAborted, RedOp, ThreadComm
 
 SIZES = [1, 2, 4]
 JOIN_TIMEOUT = 60.0  # guard against a hang only; a healthy run takes milliseconds
