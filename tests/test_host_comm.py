@@ -1,17 +1,26 @@
-"""ThreadComm collectives on real threads, one thread per rank."""
+"""HostComm collectives on real ranks: ThreadComm on one thread per rank, GlooComm on one spawned process per
+rank over 127.0.0.1. The same bodies run on both."""
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import queue
 import threading
 import time
+import traceback
 from collections.abc import Callable
 
 import pytest
 
-from lmgate.engine.distributed import CommAborted, RedOp, ThreadComm
+from lmgate.engine.distributed import CommAborted, HostComm, RedOp, ThreadComm
+from lmgate.engine.distributed.gloo_comm import GlooComm
 
 SIZES = [1, 2, 4]
-JOIN_TIMEOUT = 60.0  # guard against a hang only; a healthy run takes milliseconds
+BACKENDS = ["thread", "gloo"]
+# (backend, size): a group of one needs no processes, so gloo starts at two
+GROUPS = [("thread", 1), ("thread", 2), ("thread", 4), ("gloo", 2), ("gloo", 4)]
+JOIN_TIMEOUT = 60.0  # guard against a hang only; a healthy run takes milliseconds (seconds for processes)
 
 
 def run_ranks(comms: list[ThreadComm], fn: Callable[[ThreadComm], object]) -> list[object]:
@@ -41,6 +50,98 @@ def run_ranks(comms: list[ThreadComm], fn: Callable[[ThreadComm], object]) -> li
     return results
 
 
+def _rank_process(port: int, rank: int, size: int, jobs, results) -> None:
+    """A spawned rank: join the group, then run each job, fn(comm, *args), on a group split fresh from it,
+    sending back ("ok", value) or ("error", traceback). After an error it exits: that closes its connections,
+    so a peer waiting for it raises instead of waiting until the guard."""
+    comm = GlooComm.connect("127.0.0.1", port, rank, size)
+    for fn, args in iter(jobs.get, None):
+        try:
+            results.put((rank, "ok", fn(comm.split(color=0, key=rank), *args)))
+        except BaseException:  # noqa: BLE001 - reported to the test process
+            results.put((rank, "error", traceback.format_exc()))
+            results.close()
+            results.join_thread()
+            os._exit(1)
+
+
+class Exited(int):
+    """A rank's result where the rank's process ended without sending one: its exit code."""
+
+
+class RankProcesses:
+    """`size` spawned rank processes in one GlooComm group, kept for several jobs (a process costs seconds
+    to start: it imports torch). Spawn, never fork: the test process has gRPC and OpenMP threads."""
+
+    def __init__(self, size: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.store = GlooComm.create_store()
+        self.jobs = [ctx.Queue() for _ in range(size)]
+        self.results = ctx.Queue()
+        self.procs = [ctx.Process(target=_rank_process, args=(self.store.port, r, size, self.jobs[r], self.results))
+                      for r in range(size)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn: Callable, args: tuple) -> list[object]:
+        """fn(comm, *args) on every rank; results by rank, `Exited` for a rank that exited without one."""
+        for q in self.jobs:
+            q.put((fn, args))
+        got: dict[int, tuple[str, object]] = {}
+        deadline = time.monotonic() + JOIN_TIMEOUT
+        while len(got) < len(self.procs):
+            try:
+                rank, kind, value = self.results.get(timeout=0.1)
+                got[rank] = kind, value
+            except queue.Empty:
+                if not self.alive:  # a rank has gone: the others finish their job, then stop
+                    self.close()
+                    while not self.results.empty():
+                        rank, kind, value = self.results.get()
+                        got[rank] = kind, value
+                    break
+                if time.monotonic() > deadline:
+                    self.close(kill=True)
+                    pytest.fail("ranks are still blocked in a collective")
+        errors = [value for kind, value in got.values() if kind == "error"]
+        if errors:
+            self.close()
+            pytest.fail(errors[0])
+        return [got[r][1] if r in got else Exited(self.procs[r].exitcode) for r in range(len(self.procs))]
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def close(self, kill: bool = False) -> None:
+        for q in self.jobs:
+            q.put(None)
+        for p in self.procs:
+            p.join(0 if kill else JOIN_TIMEOUT)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+@pytest.fixture(scope="module")
+def on_ranks():
+    """on_ranks(backend, size, fn, *args): fn(comm, *args) on every rank of a new group; results by rank.
+    fn must be a module-level function, as spawned processes import it by name. Rank processes are kept
+    between calls while every call succeeds."""
+    kept: dict[int, RankProcesses] = {}
+
+    def run(backend: str, size: int, fn: Callable, *args: object) -> list[object]:
+        if backend == "thread":
+            return run_ranks(ThreadComm.create_group(size), lambda c: fn(c, *args))
+        if size not in kept or not kept[size].alive:
+            kept[size] = RankProcesses(size)
+        return kept[size].run(fn, args)
+
+    yield run
+    for ranks in kept.values():
+        ranks.close()
+
+
 def wait_until_waiting(comm: ThreadComm, n: int) -> None:
     """Until n ranks are blocked in the group's barrier (so abort really has someone to unblock)."""
     deadline = time.monotonic() + JOIN_TIMEOUT
@@ -49,117 +150,124 @@ def wait_until_waiting(comm: ThreadComm, n: int) -> None:
         time.sleep(0.001)
 
 
-@pytest.mark.parametrize("size", SIZES)
-def test_broadcast_from_each_root(size: int) -> None:
-    comms = ThreadComm.create_group(size)
-    results = run_ranks(comms, lambda c: [c.broadcast(f"from {c.rank}", root) for root in range(size)])
-    assert results == [[f"from {root}" for root in range(size)]] * size
+def _broadcasts(c: HostComm) -> list[str]:
+    return [c.broadcast(f"from {c.rank}", root) for root in range(c.size)]
 
 
-@pytest.mark.parametrize("size", SIZES)
-def test_broadcast_rejects_bad_root(size: int) -> None:
-    comm = ThreadComm.create_group(size)[0]
+@pytest.mark.parametrize(("backend", "size"), GROUPS)
+def test_broadcast_from_each_root(on_ranks, backend: str, size: int) -> None:
+    assert on_ranks(backend, size, _broadcasts) == [[f"from {root}" for root in range(size)]] * size
+
+
+def _bad_root(c: HostComm) -> str:
     with pytest.raises(ValueError):
-        comm.broadcast(1, root=size)
+        c.broadcast(1, root=c.size)
+    return "raised"
 
 
-@pytest.mark.parametrize("size", SIZES)
-def test_all_gather_is_in_rank_order(size: int) -> None:
-    comms = ThreadComm.create_group(size)
-    assert [c.rank for c in comms] == list(range(size))
-    assert all(c.size == size for c in comms)
-    results = run_ranks(comms, lambda c: c.all_gather((c.rank, "x" * c.rank)))
-    assert results == [[(r, "x" * r) for r in range(size)]] * size
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_broadcast_rejects_bad_root(on_ranks, backend: str) -> None:
+    assert on_ranks(backend, 2, _bad_root) == ["raised"] * 2
 
 
-@pytest.mark.parametrize("size", SIZES)
-def test_all_reduce_ints_and_lists(size: int) -> None:
-    comms = ThreadComm.create_group(size)
+def _gather_ranks(c: HostComm) -> tuple:
+    return c.rank, c.size, c.all_gather((c.rank, "x" * 1000 * c.rank))  # different lengths on the wire
 
-    def body(c: ThreadComm) -> list[object]:
-        v = c.rank + 1
-        return [
-            c.all_reduce(v, RedOp.SUM),
-            c.all_reduce(v, RedOp.MIN),
-            c.all_reduce(v, RedOp.MAX),
-            c.all_reduce([v, -v, 7], RedOp.SUM),
-            c.all_reduce([v, -v, 7], RedOp.MIN),
-            c.all_reduce([v, -v, 7], RedOp.MAX),
-        ]
 
+@pytest.mark.parametrize(("backend", "size"), GROUPS)
+def test_all_gather_is_in_rank_order(on_ranks, backend: str, size: int) -> None:
+    gathered = [(r, "x" * 1000 * r) for r in range(size)]
+    assert on_ranks(backend, size, _gather_ranks) == [(r, size, gathered) for r in range(size)]
+
+
+def _reductions(c: HostComm) -> list[object]:
+    v = c.rank + 1
+    return [
+        c.all_reduce(v, RedOp.SUM),
+        c.all_reduce(v, RedOp.MIN),
+        c.all_reduce(v, RedOp.MAX),
+        c.all_reduce([v, -v, 7], RedOp.SUM),
+        c.all_reduce([v, -v, 7], RedOp.MIN),
+        c.all_reduce([v, -v, 7], RedOp.MAX),
+        c.all_reduce([2**40 + v], RedOp.SUM),  # int64 on the wire
+    ]
+
+
+@pytest.mark.parametrize(("backend", "size"), GROUPS)
+def test_all_reduce_ints_and_lists(on_ranks, backend: str, size: int) -> None:
     total = size * (size + 1) // 2
-    expected = [total, 1, size, [total, -total, 7 * size], [1, -size, 7], [size, -1, 7]]
-    assert run_ranks(comms, body) == [expected] * size
+    expected = [total, 1, size, [total, -total, 7 * size], [1, -size, 7], [size, -1, 7], [size * 2**40 + total]]
+    assert on_ranks(backend, size, _reductions) == [expected] * size
 
 
-def test_all_reduce_lists_of_different_lengths_fail_on_every_rank() -> None:
-    comms = ThreadComm.create_group(2)
-
-    def body(c: ThreadComm) -> str:
-        with pytest.raises(ValueError):
-            c.all_reduce([1] * (c.rank + 1), RedOp.SUM)
-        return "raised"
-
-    assert run_ranks(comms, body) == ["raised", "raised"]
+def _uneven_lists(c: HostComm) -> str:
+    with pytest.raises(ValueError):
+        c.all_reduce([1] * (c.rank + 1), RedOp.SUM)
+    return "raised"
 
 
-@pytest.mark.parametrize("size", SIZES)
-def test_sync_waits_for_every_rank(size: int) -> None:
-    comms = ThreadComm.create_group(size)
-    arrived = [False] * size
-
-    def body(c: ThreadComm) -> bool:
-        if c.rank == size - 1:
-            time.sleep(0.05)  # the last rank is late; nobody may pass the barrier before it arrives
-        arrived[c.rank] = True
-        c.sync()
-        return all(arrived)
-
-    assert run_ranks(comms, body) == [True] * size
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_all_reduce_lists_of_different_lengths_fail_on_every_rank(on_ranks, backend: str) -> None:
+    assert on_ranks(backend, 2, _uneven_lists) == ["raised", "raised"]
 
 
-@pytest.mark.parametrize("size", SIZES)
-def test_back_to_back_mixed_collectives(size: int) -> None:
-    """Values change every call, so a slot overwritten before a slow rank read it shows up as a mismatch."""
-    comms = ThreadComm.create_group(size)
-    ranks = range(size)
-
-    def body(c: ThreadComm) -> int:
-        for i in range(200):
-            root = i % size
-            assert c.broadcast((i, c.rank), root) == (i, root)
-            assert c.all_gather(i * 10 + c.rank) == [i * 10 + r for r in ranks]
-            assert c.all_reduce(i + c.rank, RedOp.SUM) == sum(i + r for r in ranks)
-            assert c.all_reduce([i - c.rank, i + c.rank], RedOp.MIN) == [i - (size - 1), i]
-            assert c.all_reduce(i * c.rank, RedOp.MAX) == i * (size - 1)
-            if i % 7 == 0:
-                c.sync()
-        return i
-
-    assert run_ranks(comms, body) == [199] * size
+def _late_last_rank(c: HostComm) -> float:
+    """The time each rank leaves the barrier, which the last rank enters late."""
+    if c.rank == c.size - 1:
+        time.sleep(0.2)
+    entered = time.time()
+    c.sync()
+    return entered if c.rank == c.size - 1 else time.time()
 
 
-@pytest.mark.parametrize("size", SIZES)
-def test_split_even_odd_with_reversed_keys(size: int) -> None:
-    comms = ThreadComm.create_group(size)
+@pytest.mark.parametrize(("backend", "size"), GROUPS)
+def test_sync_waits_for_every_rank(on_ranks, backend: str, size: int) -> None:
+    times = on_ranks(backend, size, _late_last_rank)
+    assert all(left >= times[-1] for left in times[:-1])  # nobody left before the last rank arrived
 
-    def body(c: ThreadComm) -> tuple[int, int, list[int], int, int]:
-        sub = c.split(color=c.rank % 2, key=-c.rank)
-        gathered = sub.all_gather(c.rank)
-        total = sub.all_reduce(c.rank, RedOp.SUM)
-        from_root = sub.broadcast(c.rank, root=0)
-        sub.sync()
-        c.sync()  # the parent still works after the split
-        return sub.rank, sub.size, gathered, total, from_root
 
-    results = run_ranks(comms, body)
-    for rank, (sub_rank, sub_size, gathered, total, from_root) in enumerate(results):
+def _mixed(c: HostComm, rounds: int) -> int:
+    size, ranks = c.size, range(c.size)
+    for i in range(rounds):
+        root = i % size
+        assert c.broadcast((i, c.rank), root) == (i, root)
+        assert c.all_gather(i * 10 + c.rank) == [i * 10 + r for r in ranks]
+        assert c.all_reduce(i + c.rank, RedOp.SUM) == sum(i + r for r in ranks)
+        assert c.all_reduce([i - c.rank, i + c.rank], RedOp.MIN) == [i - (size - 1), i]
+        assert c.all_reduce(i * c.rank, RedOp.MAX) == i * (size - 1)
+        if i % 7 == 0:
+            c.sync()
+    return i
+
+
+@pytest.mark.parametrize(("backend", "size"), GROUPS)
+def test_back_to_back_mixed_collectives(on_ranks, backend: str, size: int) -> None:
+    """Values change every call, so a value delivered to the wrong call shows up as a mismatch."""
+    assert on_ranks(backend, size, _mixed, 200) == [199] * size
+
+
+def _split_reversed(c: HostComm) -> tuple:
+    sub = c.split(color=c.rank % 2, key=-c.rank)
+    gathered = sub.all_gather(c.rank)
+    total = sub.all_reduce(c.rank, RedOp.SUM)
+    from_root = sub.broadcast(c.rank, root=0)
+    sub.sync()
+    again = c.split(color=0, key=c.rank)  # a second split names new keys; the parent still works
+    c.sync()
+    return sub.rank, sub.size, gathered, total, from_root, again.all_gather(c.rank)
+
+
+@pytest.mark.parametrize(("backend", "size"), GROUPS)
+def test_split_even_odd_with_reversed_keys(on_ranks, backend: str, size: int) -> None:
+    results = on_ranks(backend, size, _split_reversed)
+    for rank, (sub_rank, sub_size, gathered, total, from_root, everyone) in enumerate(results):
         members = sorted((r for r in range(size) if r % 2 == rank % 2), reverse=True)
         assert sub_size == len(members)
         assert sub_rank == members.index(rank)
         assert gathered == members
         assert total == sum(members)
         assert from_root == members[0]
+        assert everyone == list(range(size))
 
 
 def test_size_one_needs_no_threads() -> None:
@@ -228,3 +336,67 @@ def test_split_of_an_aborted_parent_is_aborted() -> None:
         sub.sync()
     with pytest.raises(CommAborted):
         comm.split(color=0, key=0)
+
+
+def _abort_pending(c: HostComm, released: str) -> str:
+    """Rank 0 aborts while its own collective waits for rank 1, which holds the group, never joins the
+    collective, and leaves once rank 0 has checked (the file `released` appears)."""
+    if c.rank == 1:
+        deadline = time.monotonic() + JOIN_TIMEOUT
+        while not os.path.exists(released) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return "idle"
+    raised = []
+
+    def collective() -> None:
+        try:
+            c.all_reduce(1, RedOp.SUM)
+        except CommAborted as exc:
+            raised.append(str(exc))
+
+    waiting = threading.Thread(target=collective)
+    waiting.start()
+    time.sleep(0.2)  # most likely blocked by now; if not, it finds the communicator aborted: the same outcome
+    c.abort()
+    waiting.join(JOIN_TIMEOUT)
+    with pytest.raises(CommAborted):  # and the communicator stays aborted
+        c.sync()
+    open(released, "w").close()
+    return raised[0] if raised else "still blocked"
+
+
+def test_gloo_abort_raises_in_this_ranks_pending_and_later_collectives(on_ranks, tmp_path) -> None:
+    assert on_ranks("gloo", 2, _abort_pending, str(tmp_path / "released")) == ["host communicator aborted", "idle"]
+
+
+def _peer_exits(c: HostComm) -> str:
+    c.sync()
+    if c.rank == c.size - 1:
+        time.sleep(0.2)  # the others are most likely blocked in the collective by now
+        os._exit(3)
+    with pytest.raises(CommAborted):
+        c.all_reduce(c.rank, RedOp.SUM)
+    with pytest.raises(CommAborted):
+        c.sync()
+    return "aborted"
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_gloo_peer_that_exits_mid_collective_fails_the_others(on_ranks, size: int) -> None:
+    assert on_ranks("gloo", size, _peer_exits) == ["aborted"] * (size - 1) + [Exited(3)]
+
+
+def _split_then_abort(c: HostComm) -> str:
+    sub = c.split(color=0, key=c.rank)
+    sub.sync()
+    c.abort()
+    with pytest.raises(CommAborted):
+        sub.all_gather(c.rank)
+    with pytest.raises(CommAborted):
+        c.split(color=0, key=0)
+    return "aborted"
+
+
+def test_gloo_abort_reaches_communicators_split_from_it(on_ranks) -> None:
+    assert on_ranks("gloo", 2, _split_then_abort) == ["aborted", "aborted"]
+

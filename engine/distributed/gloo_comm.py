@@ -1,0 +1,176 @@
+"""`GlooComm`: a `HostComm` whose ranks are processes, over torch.distributed's gloo backend.
+
+After TurboMind's gloo HostComm: one `ProcessGroupGloo` per communicator, made directly over a `PrefixStore`
+of one shared `TCPStore` (no default process group, so several groups, and a server's own code, can live in
+one process). `split` builds its new group from the ranks ordered by (key, old rank): torch's `new_group`
+sorts ranks by global rank, so it cannot honour the key.
+
+Values cross as pickles: `broadcast` and `all_gather` send a length, then the bytes. `all_reduce` reduces
+int64 tensors, after a first reduce that checks every rank passed the same shape.
+"""
+from __future__ import annotations
+
+import datetime
+import pickle
+import threading
+from typing import Callable
+
+import torch
+from torch.distributed import PrefixStore, ProcessGroupGloo, ReduceOp, Store, TCPStore, Work
+from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, BroadcastOptions
+
+from .host_comm import CommAborted, HostComm, RedOp, T
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)  # one collective; idle ranks wait outside collectives
+_OPS = {RedOp.SUM: ReduceOp.SUM, RedOp.MIN: ReduceOp.MIN, RedOp.MAX: ReduceOp.MAX}
+
+
+class GlooComm(HostComm):
+    """A communicator whose ranks are processes; build one per process with `connect`, or `split` one.
+
+    Owned by one thread of its process (its rank's engine loop), which alone calls its collectives; `abort`
+    may come from any thread. `_lock` guards `_aborted` and `_children`; it is a leaf, and a collective waits
+    on its condition (`_done`) without holding anything else.
+
+    Abort: this rank's pending and later collectives, and those of communicators split from it, raise
+    `CommAborted` at once. Peers blocked in a collective with this rank raise when this process exits (gloo
+    closes its connections: "Connection closed by peer") or at `timeout`; a peer that dies mid-collective
+    makes the others raise `CommAborted` the same way.
+    """
+
+    def __init__(self, store: Store, rank: int, size: int, prefix: str = "lmgate",
+                 timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:
+        """Collective over the `size` processes: each must call it with its own rank and the same prefix."""
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} out of range for a group of {size}")
+        self._store = store
+        self._prefix = prefix
+        self._timeout = timeout
+        self._rank = rank
+        self._size = size
+        self._group = ProcessGroupGloo(PrefixStore(prefix, store), rank, size, timeout)
+        self._splits = 0  # split() calls so far: every rank counts the same, so it names the new group's keys
+        self._lock = threading.Lock()
+        self._done = threading.Condition(self._lock)
+        self._aborted = False
+        self._children: list[GlooComm] = []
+
+    @classmethod
+    def connect(cls, host: str, port: int, rank: int, size: int,
+                timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> GlooComm:
+        """Join the group whose `TCPStore` listens at host:port (made by `create_store`)."""
+        store = TCPStore(host, port, is_master=False, timeout=timeout)
+        return cls(store, rank, size, timeout=timeout)
+
+    @staticmethod
+    def create_store(host: str = "127.0.0.1", port: int = 0) -> TCPStore:
+        """The rendezvous the ranks `connect` to, served by this process (port 0: any free port, see `.port`)."""
+        return TCPStore(host, port, is_master=True, wait_for_workers=False)
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def broadcast(self, value: T, root: int = 0) -> T:
+        if not 0 <= root < self._size:
+            raise ValueError(f"root {root} out of range for a group of {self._size}")
+        data = _encode(value) if self._rank == root else torch.empty(0, dtype=torch.uint8)
+        length = torch.tensor([data.numel()])
+        self._run(lambda: self._group.broadcast([length], _broadcast_options(root)))
+        if self._rank != root:
+            data = torch.empty(int(length), dtype=torch.uint8)
+        self._run(lambda: self._group.broadcast([data], _broadcast_options(root)))
+        return value if self._rank == root else pickle.loads(data.numpy().tobytes())
+
+    def all_gather(self, value: T) -> list[T]:
+        data = _encode(value)
+        lengths = self._gather(torch.tensor([data.numel()]))
+        longest = max(int(n) for n in lengths)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: data.numel()] = data
+        return [pickle.loads(d[: int(n)].numpy().tobytes()) for d, n in zip(self._gather(padded), lengths)]
+
+    def all_reduce(self, value: int | list[int], op: RedOp) -> int | list[int]:
+        values = value if isinstance(value, list) else [value]
+        shape = -1 if isinstance(value, int) else len(values)  # -1: a scalar
+        lo, hi = self._reduce(torch.tensor([-shape, shape]), ReduceOp.MAX).tolist()
+        if -lo != hi:
+            raise ValueError("all_reduce: the ranks passed values of different lengths")
+        out = self._reduce(torch.tensor(values, dtype=torch.int64), _OPS[op]).tolist()
+        return out if isinstance(value, list) else out[0]
+
+    def sync(self) -> None:
+        self._run(self._group.barrier)
+
+    def split(self, color: int, key: int) -> GlooComm:
+        entries = self.all_gather((color, key))
+        members = sorted((r for r, (c, _) in enumerate(entries) if c == color), key=lambda r: (entries[r][1], r))
+        self._splits += 1
+        child = GlooComm(self._store, members.index(self._rank), len(members),
+                         f"{self._prefix}/{self._splits}/{color}", self._timeout)
+        with self._lock:
+            self._children.append(child)
+            aborted = self._aborted
+        if aborted:
+            child.abort()
+        return child
+
+    def abort(self) -> None:
+        with self._lock:
+            self._aborted = True
+            children, self._children = self._children, []
+            self._done.notify_all()
+        for child in children:
+            child.abort()
+
+    def _gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(tensor) for _ in range(self._size)]
+        self._run(lambda: self._group.allgather([out], [tensor], AllgatherOptions()))
+        return out
+
+    def _reduce(self, tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        options = AllreduceOptions()
+        options.reduceOp = op
+        self._run(lambda: self._group.allreduce([tensor], options))
+        return tensor
+
+    def _run(self, start: Callable[[], Work]) -> None:
+        """Start a collective, unless aborted, and wait until it completes or this communicator is aborted.
+        gloo's failures (a peer gone, the timeout) abort it, so every later call raises too."""
+        with self._lock:
+            if self._aborted:
+                raise CommAborted("host communicator aborted")
+        work = start()
+        future, done = work.get_future(), self._done
+        # The callback runs on gloo's thread and must not hold this object: dropping the last reference to a
+        # process group there would make its destructor join that very thread.
+        future.add_done_callback(lambda _: _notify(done))
+        with self._lock:
+            self._done.wait_for(lambda: future.done() or self._aborted)
+            aborted = self._aborted
+        if aborted:
+            raise CommAborted("host communicator aborted")
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            self.abort()
+            raise CommAborted(f"a collective failed: {str(exc).splitlines()[0]}") from exc
+
+
+def _notify(done: threading.Condition) -> None:
+    with done:
+        done.notify_all()
+
+
+def _broadcast_options(root: int) -> BroadcastOptions:
+    options = BroadcastOptions()
+    options.rootRank = root
+    return options
+
+
+def _encode(value: object) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
