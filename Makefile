@@ -26,15 +26,24 @@ serve: install
 	$(VENV)/bin/lmgate serve $(ARGS)
 
 JS_DEPS := tests/js/node_modules/.package-lock.json
+NGINX := $(VENV)/.nginx
+
+# nginx for the fleet tests, from Debian's packages where this user may install them (the tests that need it
+# are skipped without it); the service Debian starts on install is stopped again.
+$(NGINX): $(STAMP)
+	command -v nginx >/dev/null || test -x /usr/sbin/nginx || ( command -v apt-get >/dev/null && test "$$(id -u)" = 0 && \
+		( apt-get install -y -q nginx-light >/dev/null 2>&1 || ( apt-get update -q >/dev/null 2>&1 && apt-get install -y -q nginx-light >/dev/null 2>&1 ) ) && \
+		( service nginx stop >/dev/null 2>&1 || true ) ) || echo "nginx not installed: the fleet tests through nginx are skipped"
+	touch $@
 
 # The grpc-js client test needs Node.js; without it that one test is skipped.
 $(JS_DEPS): tests/js/package.json tests/js/package-lock.json
 	if command -v npm >/dev/null; then cd tests/js && npm ci --no-audit --no-fund --loglevel=error; fi
 
-test: install $(JS_DEPS)
+test: install $(JS_DEPS) $(NGINX)
 	$(PY) -m pytest -q $(ARGS)
 
-test-fast: install $(JS_DEPS)
+test-fast: install $(JS_DEPS) $(NGINX)
 	$(PY) -m pytest -q -m "not slow" $(ARGS)
 
 bench-engine: install

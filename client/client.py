@@ -17,7 +17,7 @@ import grpc
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 
-from .wire import Delta, bearer_metadata, generate_request, to_delta
+from .wire import Delta, bearer_metadata, generate_request, new_session_id, session_metadata, to_delta
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 
@@ -58,7 +58,11 @@ class _ClientBase(abc.ABC, Generic[StreamT]):
         request = generate_request(
             prompt, messages=messages, token_ids=token_ids, session_id=session_id, request_id=request_id, **sampling
         )
-        return self._stream(self._inference.Generate(request, timeout=self._timeout, metadata=self._inference_metadata))
+        return self._stream(self._inference.Generate(request, timeout=self._timeout, metadata=self._session_metadata(session_id)))
+
+    def _session_metadata(self, session_id: int) -> tuple[tuple[str, str], ...]:
+        """Inference metadata plus the session's routing key, so a proxy sends its calls to one replica."""
+        return self._inference_metadata + session_metadata(session_id)
 
     @abc.abstractmethod
     def _stream(self, call: Any) -> StreamT:
@@ -99,18 +103,20 @@ class Client(_ClientBase[Iterator[Delta]]):
             call.cancel()  # a no-op once the stream has ended; otherwise frees the server's work
 
     def start(self, session_id: int = 0) -> Session:
-        """Opens a session (0: the server picks its id); use it as a context manager to end it."""
-        response = self._inference.Start(pb.StartRequest(session_id=session_id), timeout=self._timeout, metadata=self._inference_metadata)
+        """Opens a session (0: a random id picked here, so its first call can carry the routing key too); use
+        it as a context manager to end it."""
+        session_id = session_id or new_session_id()
+        response = self._inference.Start(pb.StartRequest(session_id=session_id), timeout=self._timeout, metadata=self._session_metadata(session_id))
         return Session(self, response.session_id)
 
     def cancel(self, request_id: str | None = None, session_id: int = 0) -> bool:
         """Cancels a request by id, or a session's active turn; True if something was running or queued."""
         request = pb.CancelRequest(request_id=request_id or "", session_id=session_id)
-        return self._inference.Cancel(request, timeout=self._timeout, metadata=self._inference_metadata).cancelled
+        return self._inference.Cancel(request, timeout=self._timeout, metadata=self._session_metadata(session_id)).cancelled
 
     def end(self, session_id: int) -> None:
         """Ends a session: cancels its turn and frees its KV cache. Idempotent."""
-        self._inference.End(pb.EndRequest(session_id=session_id), timeout=self._timeout, metadata=self._inference_metadata)
+        self._inference.End(pb.EndRequest(session_id=session_id), timeout=self._timeout, metadata=self._session_metadata(session_id))
 
     def info(self) -> pb.InfoResponse:
         return self._inference.Info(pb.InfoRequest(), timeout=self._timeout, metadata=self._inference_metadata)
@@ -161,15 +167,16 @@ class AsyncClient(_ClientBase[AsyncIterator[Delta]]):
             call.cancel()
 
     async def start(self, session_id: int = 0) -> AsyncSession:
-        response = await self._inference.Start(pb.StartRequest(session_id=session_id), timeout=self._timeout, metadata=self._inference_metadata)
+        session_id = session_id or new_session_id()
+        response = await self._inference.Start(pb.StartRequest(session_id=session_id), timeout=self._timeout, metadata=self._session_metadata(session_id))
         return AsyncSession(self, response.session_id)
 
     async def cancel(self, request_id: str | None = None, session_id: int = 0) -> bool:
         request = pb.CancelRequest(request_id=request_id or "", session_id=session_id)
-        return (await self._inference.Cancel(request, timeout=self._timeout, metadata=self._inference_metadata)).cancelled
+        return (await self._inference.Cancel(request, timeout=self._timeout, metadata=self._session_metadata(session_id))).cancelled
 
     async def end(self, session_id: int) -> None:
-        await self._inference.End(pb.EndRequest(session_id=session_id), timeout=self._timeout, metadata=self._inference_metadata)
+        await self._inference.End(pb.EndRequest(session_id=session_id), timeout=self._timeout, metadata=self._session_metadata(session_id))
 
     async def info(self) -> pb.InfoResponse:
         return await self._inference.Info(pb.InfoRequest(), timeout=self._timeout, metadata=self._inference_metadata)

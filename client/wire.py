@@ -1,6 +1,7 @@
 """Python values to lmgate messages and back: pure functions shared by `Client` and `AsyncClient`."""
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -105,3 +106,13 @@ def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     """Call metadata carrying a bearer token: the admin token on Admin calls, the API key on Inference calls,
     so neither travels where it isn't needed."""
     return () if token is None else (("authorization", f"Bearer {token}"),)
+
+
+def session_metadata(session_id: int) -> tuple[tuple[str, str], ...]:
+    """`x-session-id`, the key a proxy hashes to send every call of a session to one replica (none for 0)."""
+    return (("x-session-id", str(session_id)),) if session_id else ()
+
+
+def new_session_id() -> int:
+    """A random id in [1, 2^63): a collision with another open session is as likely as guessing it."""
+    return secrets.randbits(63) or 1

@@ -22,6 +22,7 @@ from lmgate.engine.hardware import DTYPE_CHOICES
 from lmgate.engine.loader import read_config
 
 from .logs import configure as configure_logging
+from .replica import default_replica_id
 from .server import Server, TlsFiles
 
 log = logging.getLogger("lmgate")
@@ -93,6 +94,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tls-key", default=_env("TLS_KEY", None), help="PEM private key of --tls-cert [LMGATE_TLS_KEY]")
     ap.add_argument("--tls-client-ca", default=_env("TLS_CLIENT_CA", None), help="PEM CA bundle: require client certificates it signed (mutual TLS) [LMGATE_TLS_CLIENT_CA]")
     ap.add_argument("--api-key", default=_env("API_KEY", None), help="require 'authorization: Bearer <key>' on Inference calls [LMGATE_API_KEY]")
+    ap.add_argument("--replica-id", default=_env("REPLICA_ID", default_replica_id()), help="this server's name among replicas, in Info and the x-lmgate-replica response header [LMGATE_REPLICA_ID]")
     ap.add_argument("--metrics-port", type=PORT, default=_env("METRICS_PORT", 0), help="serve Prometheus /metrics on this port; 0: off [LMGATE_METRICS_PORT]")
     ap.add_argument("--grace", type=_ranged(float, 0), default=_env("GRACE", 10.0), help="seconds running streams get at shutdown [LMGATE_GRACE]")
     ap.add_argument("--log-level", type=_one_of(*LOG_LEVELS, convert=str.upper), default=_env("LOG_LEVEL", "INFO"), metavar="{" + ",".join(LOG_LEVELS) + "}", help="[LMGATE_LOG_LEVEL]")
@@ -162,7 +164,7 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> None:
                     f", --max-context-length {args.max_context_length}" if args.max_context_length else "")
     try:
         server = Server(engine, f"{args.host}:{args.port}", admin_token=args.admin_token, tls=args.tls,
-                        api_key=args.api_key)
+                        api_key=args.api_key, replica_id=args.replica_id)
         if args.metrics_port:
             start_http_server(args.metrics_port, addr=args.host, registry=server.metrics.registry)
     except (OSError, RuntimeError) as exc:  # a port taken while the model loaded
@@ -173,12 +175,14 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> None:
           f"(ready in {time.perf_counter() - started:.1f}s)", flush=True)
     info = engine.info()
     log.info("started: model %s (%s), dtype %s (%s), device %s, %d engine loop(s) x %d torch threads, KV cache "
-             "%d tokens (%.0f MiB), batches of %d sequences / %d tokens, context %d, gRPC port %d (%s), metrics port %s",
+             "%d tokens (%.0f MiB), batches of %d sequences / %d tokens, context %d, gRPC port %d (%s), metrics port %s, "
+             "replica %s",
              os.path.basename(engine.model_path), info.architecture, str(engine.dtype).removeprefix("torch."),
              engine.dtype_reason, engine.device, info.engine_loops, engine.threads_per_loop,
              info.kv_blocks_total * info.kv_block_size, info.kv_cache_bytes / 2**20, args.max_batch_size,
              args.max_batched_tokens, info.max_context_length, server.port,
-             ("mutual TLS" if args.tls.client_ca else "TLS") if args.tls else "plaintext", args.metrics_port or "off")
+             ("mutual TLS" if args.tls.client_ca else "TLS") if args.tls else "plaintext", args.metrics_port or "off",
+             server.replica_id)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -14,6 +14,7 @@ from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 
 from .admin import AdminServicer
 from .auth import ApiKeyInterceptor
+from .replica import ReplicaHeaderInterceptor, default_replica_id
 from .metrics import Metrics
 from .servicer import InferenceServicer
 
@@ -52,12 +53,16 @@ class Server:
         admin_token: str | None = None,
         tls: TlsFiles | None = None,
         api_key: str | None = None,
+        replica_id: str | None = None,
     ) -> None:
         self.engine = engine
         self.metrics = Metrics(engine)
-        interceptors = [ApiKeyInterceptor(api_key, INFERENCE)] if api_key else []
+        self.replica_id = replica_id or default_replica_id()
+        interceptors = [ReplicaHeaderInterceptor(self.replica_id)]
+        if api_key:
+            interceptors.append(ApiKeyInterceptor(api_key, INFERENCE))
         self.grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=interceptors)
-        self.inference = InferenceServicer(engine, self.metrics)
+        self.inference = InferenceServicer(engine, self.metrics, self.replica_id)
         pb_grpc.add_InferenceServicer_to_server(self.inference, self.grpc)
         admin = AdminServicer(engine, self.metrics, admin_token, self.refresh_health)
         pb_grpc.add_AdminServicer_to_server(admin, self.grpc)

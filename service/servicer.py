@@ -27,9 +27,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     `_requests` (request id -> engine request) is touched only on the event loop, so it needs no lock.
     """
 
-    def __init__(self, engine: Engine, metrics: Metrics) -> None:
+    def __init__(self, engine: Engine, metrics: Metrics, replica_id: str) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.replica_id = replica_id
         self._requests: dict[str, Request] = {}
 
     async def wait_idle(self, timeout: float) -> None:
@@ -144,6 +145,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             prefix_cache_queried_tokens=i.prefix_cache_queried_tokens,
             prefix_cache_hit_tokens=i.prefix_cache_hit_tokens,
             prefix_cache_hit_rate=i.prefix_cache_hit_tokens / max(i.prefix_cache_queried_tokens, 1),
+            replica_id=self.replica_id,
             device=str(self.engine.device),
         )
 
