@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # had, pip's own choice of torch (set PIP_EXTRA_INDEX_URL for another build).
 TORCH ?= torch==2.13.0
 
-.PHONY: install proto serve test test-fast bench-engine bench-serve bench-prefix clean
+.PHONY: install proto serve test test-fast bench-engine bench-serve bench-prefix bench-fleet clean
 
 install: $(STAMP)
 
@@ -54,6 +54,9 @@ bench-serve: install
 
 bench-prefix: install
 	$(PY) tests/bench_prefix.py $(ARGS)
+
+bench-fleet: install $(NGINX)
+	$(PY) tests/bench_fleet.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -17,6 +17,8 @@ import grpc
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 
+from .history import History
+from .routing import Target, channel_target
 from .wire import Delta, bearer_metadata, generate_request, new_session_id, session_metadata, to_delta
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -84,15 +86,18 @@ class Tls:
 
 
 class Client(_ClientBase[Iterator[Delta]]):
-    """A blocking client over one channel. `timeout` is each call's deadline in seconds (streams included);
+    """A blocking client over one channel. `target` is "host:port", or a list of replicas' "ip:port" routed
+    by ring hash on the session id (see `routing`). `timeout` is each call's deadline in seconds (streams included);
     `admin_token` is sent as 'authorization: Bearer <token>' on Admin calls only, `api_key` the same way on
     Inference calls only; `tls` makes the channel TLS."""
 
     def __init__(
-        self, target: str = DEFAULT_TARGET, *, admin_token: str | None = None, api_key: str | None = None,
+        self, target: Target = DEFAULT_TARGET, *, admin_token: str | None = None, api_key: str | None = None,
         tls: Tls | None = None, timeout: float | None = None,
     ) -> None:
-        channel = grpc.secure_channel(target, tls.credentials()) if tls else grpc.insecure_channel(target)
+        target, options = channel_target(target)
+        channel = (grpc.secure_channel(target, tls.credentials(), options) if tls
+                   else grpc.insecure_channel(target, options))
         super().__init__(channel, admin_token, api_key, timeout)
 
     def _stream(self, call: Any) -> Iterator[Delta]:
@@ -102,12 +107,15 @@ class Client(_ClientBase[Iterator[Delta]]):
         finally:
             call.cancel()  # a no-op once the stream has ended; otherwise frees the server's work
 
-    def start(self, session_id: int = 0) -> Session:
+    def start(self, session_id: int = 0, *, resume: bool = False) -> Session:
         """Opens a session (0: a random id picked here, so its first call can carry the routing key too); use
-        it as a context manager to end it."""
-        session_id = session_id or new_session_id()
-        response = self._inference.Start(pb.StartRequest(session_id=session_id), timeout=self._timeout, metadata=self._session_metadata(session_id))
-        return Session(self, response.session_id)
+        it as a context manager to end it. `resume`: see `Session`."""
+        return Session(self, self.open(session_id or new_session_id()), resume)
+
+    def open(self, session_id: int) -> int:
+        """The Start call itself: opens the session `session_id` where its routing key leads."""
+        request = pb.StartRequest(session_id=session_id)
+        return self._inference.Start(request, timeout=self._timeout, metadata=self._session_metadata(session_id)).session_id
 
     def cancel(self, request_id: str | None = None, session_id: int = 0) -> bool:
         """Cancels a request by id, or a session's active turn; True if something was running or queued."""
@@ -153,10 +161,12 @@ class AsyncClient(_ClientBase[AsyncIterator[Delta]]):
     Create it inside the event loop that uses it (`async with AsyncClient(...) as client:`)."""
 
     def __init__(
-        self, target: str = DEFAULT_TARGET, *, admin_token: str | None = None, api_key: str | None = None,
+        self, target: Target = DEFAULT_TARGET, *, admin_token: str | None = None, api_key: str | None = None,
         tls: Tls | None = None, timeout: float | None = None,
     ) -> None:
-        channel = grpc.aio.secure_channel(target, tls.credentials()) if tls else grpc.aio.insecure_channel(target)
+        target, options = channel_target(target)
+        channel = (grpc.aio.secure_channel(target, tls.credentials(), options) if tls
+                   else grpc.aio.insecure_channel(target, options))
         super().__init__(channel, admin_token, api_key, timeout)
 
     async def _stream(self, call: Any) -> AsyncIterator[Delta]:
@@ -166,10 +176,12 @@ class AsyncClient(_ClientBase[AsyncIterator[Delta]]):
         finally:
             call.cancel()
 
-    async def start(self, session_id: int = 0) -> AsyncSession:
-        session_id = session_id or new_session_id()
-        response = await self._inference.Start(pb.StartRequest(session_id=session_id), timeout=self._timeout, metadata=self._session_metadata(session_id))
-        return AsyncSession(self, response.session_id)
+    async def start(self, session_id: int = 0, *, resume: bool = False) -> AsyncSession:
+        return AsyncSession(self, await self.open(session_id or new_session_id()), resume)
+
+    async def open(self, session_id: int) -> int:
+        request = pb.StartRequest(session_id=session_id)
+        return (await self._inference.Start(request, timeout=self._timeout, metadata=self._session_metadata(session_id))).session_id
 
     async def cancel(self, request_id: str | None = None, session_id: int = 0) -> bool:
         request = pb.CancelRequest(request_id=request_id or "", session_id=session_id)
@@ -206,11 +218,18 @@ class AsyncClient(_ClientBase[AsyncIterator[Delta]]):
 
 
 class _SessionBase(Generic[StreamT]):
-    """A conversation on the server: each turn continues its history and reuses its KV cache."""
+    """A conversation on the server: each turn continues its history and reuses its KV cache.
 
-    def __init__(self, client: _ClientBase[StreamT], session_id: int) -> None:
+    With `resume=True` the session also keeps its conversation here: when a turn finds the session gone
+    (NOT_FOUND: its replica restarted, or a proxy now routes it to another), the session is started again
+    under the same id and the whole conversation is sent as that turn's prefix. The caller sees one slower
+    turn whose tokens are those of a stateless request over the whole conversation. Its turns must all be of
+    one kind (prompts, messages or token ids)."""
+
+    def __init__(self, client: _ClientBase[StreamT], session_id: int, resume: bool = False) -> None:
         self.client = client
         self.id = session_id
+        self.history = History() if resume else None
 
     def generate(
         self,
@@ -223,9 +242,15 @@ class _SessionBase(Generic[StreamT]):
     ) -> StreamT:
         """One turn: the new input is appended to the history (a prompt gets no BOS; messages are rendered
         on their own, so send only the new ones). One turn at a time: a second is FAILED_PRECONDITION."""
-        return self.client.generate(
-            prompt, messages=messages, token_ids=token_ids, session_id=self.id, request_id=request_id, **sampling
-        )
+        if self.history is None:
+            return self.client.generate(
+                prompt, messages=messages, token_ids=token_ids, session_id=self.id, request_id=request_id, **sampling
+            )
+        return self._resumable(self.history.turn_input(prompt, messages, token_ids), request_id, sampling)
+
+    @abc.abstractmethod
+    def _resumable(self, turn: dict[str, Any], request_id: str, sampling: dict[str, Any]) -> StreamT:
+        """The turn's deltas, recorded in the history; a session found gone is started again and replayed."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(id={self.id})"
@@ -235,6 +260,25 @@ class Session(_SessionBase[Iterator[Delta]]):
     """A session of a `Client`; `with client.start() as session:` ends it on exit."""
 
     client: Client
+
+    def _resumable(self, turn: dict[str, Any], request_id: str, sampling: dict[str, Any]) -> Iterator[Delta]:
+        deltas: list[Delta] = []
+        stream = self.client.generate(**turn, session_id=self.id, request_id=request_id, **sampling)
+        try:
+            deltas.append(next(stream))
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            self.client.open(self.id)
+            stream = self.client.generate(**self.history.replay(turn), session_id=self.id, request_id=request_id, **sampling)
+            deltas.append(next(stream))
+        try:
+            yield deltas[0]
+            for delta in stream:
+                deltas.append(delta)
+                yield delta
+        finally:
+            self.history.record(turn, deltas)
 
     def cancel(self) -> bool:
         """Stops the active turn (its stream ends "cancelled"); the history keeps what was generated."""
@@ -254,6 +298,25 @@ class AsyncSession(_SessionBase[AsyncIterator[Delta]]):
     """A session of an `AsyncClient`; `async with await client.start() as session:` ends it on exit."""
 
     client: AsyncClient
+
+    async def _resumable(self, turn: dict[str, Any], request_id: str, sampling: dict[str, Any]) -> AsyncIterator[Delta]:
+        deltas: list[Delta] = []
+        stream = self.client.generate(**turn, session_id=self.id, request_id=request_id, **sampling)
+        try:
+            deltas.append(await anext(stream))
+        except grpc.aio.AioRpcError as err:
+            if err.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+            await self.client.open(self.id)
+            stream = self.client.generate(**self.history.replay(turn), session_id=self.id, request_id=request_id, **sampling)
+            deltas.append(await anext(stream))
+        try:
+            yield deltas[0]
+            async for delta in stream:
+                deltas.append(delta)
+                yield delta
+        finally:
+            self.history.record(turn, deltas)
 
     async def cancel(self) -> bool:
         return await self.client.cancel(session_id=self.id)

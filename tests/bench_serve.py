@@ -44,11 +44,11 @@ def engine_alone(prompts: list[list[int]], output_len: int, concurrency: int) ->
     return tps
 
 
-def start_server() -> tuple[subprocess.Popen, str, float]:
+def start_server(*flags: str) -> tuple[subprocess.Popen, str, float]:
     """`lmgate serve` on a free port; the process, its address and its cold start in seconds."""
     lmgate = os.path.join(os.path.dirname(sys.executable), "lmgate")
     started = time.perf_counter()
-    proc = subprocess.Popen([lmgate, "serve", "--port", "0"], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([lmgate, "serve", "--port", "0", *flags], stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()  # "lmgate serving <model> on <host>:<port> (ready in ...)"
     address = line.split(" on ")[1].split()[0]
     with grpc.insecure_channel(address) as channel:

