@@ -14,15 +14,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import statistics
 import subprocess
-import sys
 import time
-
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lmgate.client import AsyncClient, Client
 from lmgate.client import bench
@@ -31,6 +26,7 @@ from lmgate.engine.engine import Engine
 from lmgate.engine.sampling import SamplingParams
 
 from bench_engine import run_engine  # beside this file: both run as scripts
+from serving import serve_process
 
 SERVE_BATCHED_TOKENS = 512  # `lmgate serve`'s default --max-batched-tokens
 
@@ -46,15 +42,8 @@ def engine_alone(prompts: list[list[int]], output_len: int, concurrency: int) ->
 
 def start_server(*flags: str) -> tuple[subprocess.Popen, str, float]:
     """`lmgate serve` on a free port; the process, its address and its cold start in seconds."""
-    lmgate = os.path.join(os.path.dirname(sys.executable), "lmgate")
     started = time.perf_counter()
-    proc = subprocess.Popen([lmgate, "serve", "--port", "0", *flags], stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()  # "lmgate serving <model> on <host>:<port> (ready in ...)"
-    address = line.split(" on ")[1].split()[0]
-    with grpc.insecure_channel(address) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        while health.Check(health_pb2.HealthCheckRequest()).status != health_pb2.HealthCheckResponse.SERVING:
-            time.sleep(0.01)
+    proc, address = serve_process(*flags)
     return proc, address, time.perf_counter() - started
 
 

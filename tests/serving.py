@@ -2,9 +2,15 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import threading
+import time
 
 import grpc
+
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lmgate.engine.config import EngineConfig
 from lmgate.engine.engine import Engine
@@ -48,3 +54,21 @@ class ServerThread:
     def info(self) -> pb.InfoResponse:
         with self.channel() as ch:
             return pb_grpc.InferenceStub(ch).Info(pb.InfoRequest())
+
+
+def serve_process(*flags: str) -> tuple[subprocess.Popen, str]:
+    """`lmgate serve --port 0 *flags` as a child process, once its health says SERVING; the process and its
+    address."""
+    lmgate = os.path.join(os.path.dirname(sys.executable), "lmgate")
+    proc = subprocess.Popen([lmgate, "serve", "--port", "0", *flags], stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()  # "lmgate serving <model> on <host>:<port> (ready in ...)"
+    if " on " not in line:
+        proc.kill()
+        raise RuntimeError(f"lmgate serve did not start: {line!r}")
+    address = line.split(" on ")[1].split()[0]
+    with grpc.insecure_channel(address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while health.Check(health_pb2.HealthCheckRequest()).status != health_pb2.HealthCheckResponse.SERVING:
+            time.sleep(0.01)
+    return proc, address
+

@@ -15,7 +15,7 @@ from lmgate.service.replica import HEADER
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 from tests.proxies import READY_TIMEOUT, running_proxy
-from tests.serving import ServerThread
+from tests.serving import ServerThread, serve_process
 
 REPLICAS = ("r0", "r1", "r2")
 SAMPLING = pb.SamplingParams(max_new_tokens=4, ignore_eos=True)
@@ -130,37 +130,43 @@ def test_client_side_ring_hash_without_a_proxy(replicas):
         assert {client.info().replica_id for _ in range(40)} == set(REPLICAS)
 
 
-def test_a_resumable_session_survives_its_replica(checkpoint, tmp_path):
-    """Behind nginx, the replica holding two sessions stops. The next turn of the one started with resume=True
-    succeeds elsewhere, with the tokens of a stateless request over its whole conversation; the other's is
-    NOT_FOUND."""
-    servers = [ServerThread(EngineConfig(dtype="float32", kv_cache_tokens=4096), checkpoint, replica_id=f"k{i}")
-               for i in range(3)]
-    stopped = []
+def test_a_resumable_session_survives_its_replica(tmp_path):
+    """Three `lmgate serve` processes behind nginx; the one holding two sessions is killed (SIGKILL). The next
+    turn of the session started with resume=True succeeds elsewhere, with the tokens of a stateless request
+    over its whole conversation; the other's is NOT_FOUND."""
+    processes = {f"k{i}": serve_process("--replica-id", f"k{i}", "--threads", "1", "--kv-cache-tokens", "4096")
+                 for i in range(3)}
     try:
-        named = {s.server.replica_id: s.address for s in servers}
+        named = {name: address for name, (_, address) in processes.items()}
         with running_proxy("nginx", named, tmp_path) as address, Client(address) as client:
+            stub = pb_grpc.InferenceStub(client._channel)
             resumable = client.start(resume=True)
-            home = next(s for s in servers if s.engine.gateway.binding.find(resumable.id) is not None)
+            home = _home(stub, resumable.id)
             plain = client.start()
-            while home.engine.gateway.binding.find(plain.id) is None:  # a third of the ids land there
+            while _home(stub, plain.id) != home:  # a third of the ids land there
                 plain = client.start()
             first = [d for session in (resumable, plain) for d in session.generate("Tell me about the sea.", **TURN)]
             assert first[-1].finish_reason == "length"
-            home.stop()
-            stopped.append(home)
+            processes[home][0].kill()
+            processes[home][0].wait()
             text = resumable.history.text
             resumed = [t for d in resumable.generate(" And then?", **TURN) for t in d.token_ids]
             alone = [t for d in client.generate(text + " And then?", **TURN) for t in d.token_ids]
             assert resumed == alone and len(resumed) == TURN["max_new_tokens"]
-            assert any(s.engine.gateway.binding.find(resumable.id) is not None for s in servers if s is not home)
+            assert _home(stub, resumable.id) != home
             with pytest.raises(grpc.RpcError) as err:
                 list(plain.generate(" And then?", **TURN))
             assert err.value.code() == grpc.StatusCode.NOT_FOUND
     finally:
-        for s in servers:
-            if s not in stopped:
-                s.stop()
+        for proc, _ in processes.values():
+            proc.kill()
+            proc.wait()
+
+
+def _home(stub: pb_grpc.InferenceStub, session_id: int) -> str:
+    """The replica a session's calls reach: the header of a Cancel that finds nothing to cancel."""
+    _, call = stub.Cancel.with_call(pb.CancelRequest(session_id=session_id), metadata=session_metadata(session_id))
+    return dict(call.initial_metadata())[HEADER]
 
 
 TURN = {"max_new_tokens": 6, "ignore_eos": True}
