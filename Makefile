@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # had, pip's own choice of torch (set PIP_EXTRA_INDEX_URL for another build).
 TORCH ?= torch==2.13.0
 
-.PHONY: install proto serve test test-fast bench-engine bench-serve bench-prefix bench-fleet clean
+.PHONY: install proto serve test test-fast bench-engine bench-serve bench-prefix bench-fleet bench-comm clean
 
 install: $(STAMP)
 
@@ -57,6 +57,9 @@ bench-prefix: install
 
 bench-fleet: install $(NGINX)
 	$(PY) tests/bench_fleet.py $(ARGS)
+
+bench-comm: install
+	$(PY) tests/bench_comm.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
