@@ -27,12 +27,13 @@ serve: install
 
 JS_DEPS := tests/js/node_modules/.package-lock.json
 NGINX := $(VENV)/.nginx
+APT_INSTALL := DEBIAN_FRONTEND=noninteractive apt-get install -y -q nginx-light >/dev/null 2>&1
 
 # nginx for the fleet tests, from Debian's packages where this user may install them (the tests that need it
 # are skipped without it); the service Debian starts on install is stopped again.
 $(NGINX): $(STAMP)
 	command -v nginx >/dev/null || test -x /usr/sbin/nginx || ( command -v apt-get >/dev/null && test "$$(id -u)" = 0 && \
-		( apt-get install -y -q nginx-light >/dev/null 2>&1 || ( apt-get update -q >/dev/null 2>&1 && apt-get install -y -q nginx-light >/dev/null 2>&1 ) ) && \
+		( $(APT_INSTALL) || ( apt-get update -q >/dev/null 2>&1 && $(APT_INSTALL) ) ) && \
 		( service nginx stop >/dev/null 2>&1 || true ) ) || echo "nginx not installed: the fleet tests through nginx are skipped"
 	touch $@
 

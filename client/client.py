@@ -8,6 +8,7 @@ Passing no input, several inputs, or an unknown sampling keyword raises TypeErro
 from __future__ import annotations
 
 import abc
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Generic, Iterable, Iterator, Mapping, Sequence, TypeVar
@@ -271,13 +272,19 @@ class Session(_SessionBase[Iterator[Delta]]):
                 raise
             self.client.open(self.id)
             stream = self.client.generate(**self.history.replay(turn), session_id=self.id, request_id=request_id, **sampling)
-            deltas.append(next(stream))
+            try:
+                deltas.append(next(stream))
+            except BaseException:  # the reopened session is empty: end it, so the next turn replays again
+                with contextlib.suppress(grpc.RpcError):
+                    self.client.end(self.id)
+                raise
         try:
             yield deltas[0]
             for delta in stream:
                 deltas.append(delta)
                 yield delta
         finally:
+            stream.close()  # a caller who stops early cancels the call now, not when the collector runs
             self.history.record(turn, deltas)
 
     def cancel(self) -> bool:
@@ -309,13 +316,19 @@ class AsyncSession(_SessionBase[AsyncIterator[Delta]]):
                 raise
             await self.client.open(self.id)
             stream = self.client.generate(**self.history.replay(turn), session_id=self.id, request_id=request_id, **sampling)
-            deltas.append(await anext(stream))
+            try:
+                deltas.append(await anext(stream))
+            except BaseException:
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    await self.client.end(self.id)
+                raise
         try:
             yield deltas[0]
             async for delta in stream:
                 deltas.append(delta)
                 yield delta
         finally:
+            await stream.aclose()
             self.history.record(turn, deltas)
 
     async def cancel(self) -> bool:

@@ -63,15 +63,20 @@ def running_proxy(kind: str, replicas: dict[str, str], run_dir: Path) -> Iterato
     """deploy/'s file for `kind` in front of `replicas` (replica id -> "127.0.0.1:port"); yields the proxy's
     address once calls through it have reached every replica. Skips the test where `kind` is not installed."""
     port = _free_port()
-    process = subprocess.Popen(PROXIES[kind](list(replicas.values()), run_dir, port), stdout=subprocess.DEVNULL,
-                               stderr=open(run_dir / "stderr.log", "wb"))
+    with open(run_dir / "stderr.log", "wb") as stderr:
+        process = subprocess.Popen(PROXIES[kind](list(replicas.values()), run_dir, port), stdout=subprocess.DEVNULL,
+                                   stderr=stderr)
     address = f"127.0.0.1:{port}"
     try:
         _wait_until_every_replica_answers(address, process, run_dir, set(replicas))
         yield address
     finally:
         process.terminate()
-        process.wait(READY_TIMEOUT)
+        try:
+            process.wait(READY_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def _wait_until_every_replica_answers(address: str, process: subprocess.Popen, run_dir: Path, names: set[str]) -> None:

@@ -66,9 +66,13 @@ def serve_process(*flags: str) -> tuple[subprocess.Popen, str]:
         proc.kill()
         raise RuntimeError(f"lmgate serve did not start: {line!r}")
     address = line.split(" on ")[1].split()[0]
+    deadline = time.monotonic() + 60  # a guard against a server that never serves, not a performance bound
     with grpc.insecure_channel(address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         while health.Check(health_pb2.HealthCheckRequest()).status != health_pb2.HealthCheckResponse.SERVING:
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"lmgate serve at {address} never reported SERVING")
             time.sleep(0.01)
     return proc, address
 

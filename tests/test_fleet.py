@@ -134,9 +134,10 @@ def test_a_resumable_session_survives_its_replica(tmp_path):
     """Three `lmgate serve` processes behind nginx; the one holding two sessions is killed (SIGKILL). The next
     turn of the session started with resume=True succeeds elsewhere, with the tokens of a stateless request
     over its whole conversation; the other's is NOT_FOUND."""
-    processes = {f"k{i}": serve_process("--replica-id", f"k{i}", "--threads", "1", "--kv-cache-tokens", "4096")
-                 for i in range(3)}
+    processes = {}
     try:
+        for i in range(3):
+            processes[f"k{i}"] = serve_process("--replica-id", f"k{i}", "--threads", "1", "--kv-cache-tokens", "4096")
         named = {name: address for name, (_, address) in processes.items()}
         with running_proxy("nginx", named, tmp_path) as address, Client(address) as client:
             stub = pb_grpc.InferenceStub(client._channel)

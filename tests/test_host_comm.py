@@ -78,7 +78,8 @@ class RankProcesses:
         self.store = GlooComm.create_store()
         self.jobs = [ctx.Queue() for _ in range(size)]
         self.results = ctx.Queue()
-        self.procs = [ctx.Process(target=_rank_process, args=(self.store.port, r, size, self.jobs[r], self.results))
+        self.procs = [ctx.Process(target=_rank_process, args=(self.store.port, r, size, self.jobs[r], self.results),
+                                  daemon=True)  # never outlive the test process
                       for r in range(size)]
         for p in self.procs:
             p.start()
@@ -399,4 +400,23 @@ def _split_then_abort(c: HostComm) -> str:
 
 def test_gloo_abort_reaches_communicators_split_from_it(on_ranks) -> None:
     assert on_ranks("gloo", 2, _split_then_abort) == ["aborted", "aborted"]
+
+
+def _abort_reaches_peers(c: HostComm) -> str:
+    """Rank 0 aborts the parent while the others wait for it in a collective of a group split from it."""
+    sub = c.split(color=0, key=c.rank)
+    if c.rank == 0:
+        time.sleep(0.3)  # the others are most likely waiting by now; if not, they find the abort at once
+        c.abort()
+        return "aborted"
+    with pytest.raises(CommAborted, match="by a peer"):
+        sub.all_reduce(1, RedOp.SUM)
+    with pytest.raises(CommAborted):  # and it stays aborted
+        sub.sync()
+    return "raised"
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_gloo_abort_reaches_peers_waiting_in_a_collective(on_ranks, size: int) -> None:
+    assert on_ranks("gloo", size, _abort_reaches_peers) == ["aborted"] + ["raised"] * (size - 1)
 

@@ -22,6 +22,7 @@ from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOption
 from .host_comm import CommAborted, HostComm, RedOp, T
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)  # one collective; idle ranks wait outside collectives
+ABORT_POLL = 0.1  # seconds a waiting collective goes between looks at its peers' abort keys
 _OPS = {RedOp.SUM: ReduceOp.SUM, RedOp.MIN: ReduceOp.MIN, RedOp.MAX: ReduceOp.MAX}
 
 
@@ -33,14 +34,16 @@ class GlooComm(HostComm):
     on its condition (`_done`) without holding anything else.
 
     Abort: this rank's pending and later collectives, and those of communicators split from it, raise
-    `CommAborted` at once. Peers blocked in a collective with this rank raise when this process exits (gloo
-    closes its connections: "Connection closed by peer") or at `timeout`; a peer that dies mid-collective
-    makes the others raise `CommAborted` the same way.
+    `CommAborted` at once. The abort is also written to the store (gloo's own abort does not close its
+    connections), and a collective that waits checks the store every `ABORT_POLL` seconds, so peers blocked
+    with this rank raise within that. A peer that dies mid-collective makes the others raise `CommAborted`
+    as gloo notices the closed connection.
     """
 
     def __init__(self, store: Store, rank: int, size: int, prefix: str = "lmgate",
-                 timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:
-        """Collective over the `size` processes: each must call it with its own rank and the same prefix."""
+                 timeout: datetime.timedelta = DEFAULT_TIMEOUT, abort_keys: tuple[str, ...] = ()) -> None:
+        """Collective over the `size` processes: each must call it with its own rank and the same prefix.
+        `abort_keys`: the store keys of the communicators it was split from, whose abort aborts it too."""
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} out of range for a group of {size}")
         self._store = store
@@ -54,6 +57,7 @@ class GlooComm(HostComm):
         self._done = threading.Condition(self._lock)
         self._aborted = False
         self._children: list[GlooComm] = []
+        self._abort_keys = (*abort_keys, f"{prefix}/aborted")
 
     @classmethod
     def connect(cls, host: str, port: int, rank: int, size: int,
@@ -111,7 +115,7 @@ class GlooComm(HostComm):
         members = sorted((r for r, (c, _) in enumerate(entries) if c == color), key=lambda r: (entries[r][1], r))
         self._splits += 1
         child = GlooComm(self._store, members.index(self._rank), len(members),
-                         f"{self._prefix}/{self._splits}/{color}", self._timeout)
+                         f"{self._prefix}/{self._splits}/{color}", self._timeout, self._abort_keys)
         with self._lock:
             self._children.append(child)
             aborted = self._aborted
@@ -120,12 +124,19 @@ class GlooComm(HostComm):
         return child
 
     def abort(self) -> None:
+        self._abort_here()
+        try:
+            self._store.set(self._abort_keys[-1], "1")  # the peers' waiting collectives see it
+        except RuntimeError:  # the store has gone (its process exited): the peers' connections went with it
+            pass
+
+    def _abort_here(self) -> None:
         with self._lock:
             self._aborted = True
             children, self._children = self._children, []
             self._done.notify_all()
         for child in children:
-            child.abort()
+            child._abort_here()
 
     def _gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         out = [torch.empty_like(tensor) for _ in range(self._size)]
@@ -149,16 +160,28 @@ class GlooComm(HostComm):
         # The callback runs on gloo's thread and must not hold this object: dropping the last reference to a
         # process group there would make its destructor join that very thread.
         future.add_done_callback(lambda _: _notify(done))
-        with self._lock:
-            self._done.wait_for(lambda: future.done() or self._aborted)
-            aborted = self._aborted
-        if aborted:
-            raise CommAborted("host communicator aborted")
+        while True:
+            with self._lock:
+                self._done.wait_for(lambda: future.done() or self._aborted, timeout=ABORT_POLL)
+                aborted, finished = self._aborted, future.done()
+            if aborted:
+                raise CommAborted("host communicator aborted")
+            if finished:
+                break
+            if self._peer_aborted():
+                self._abort_here()
+                raise CommAborted("host communicator aborted by a peer")
         try:
             work.wait()
         except RuntimeError as exc:
             self.abort()
             raise CommAborted(f"a collective failed: {str(exc).splitlines()[0]}") from exc
+
+    def _peer_aborted(self) -> bool:
+        try:
+            return any(self._store.check([key]) for key in self._abort_keys)
+        except RuntimeError:  # the store has gone: gloo reports the lost peers itself
+            return False
 
 
 def _notify(done: threading.Condition) -> None:
