@@ -6,6 +6,7 @@ from typing import Any
 
 from .errors import InvalidRequest, UnsupportedModel
 
+DP_BACKENDS = ("thread", "process")
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
@@ -75,7 +76,8 @@ class EngineConfig:
     max_batch_size: int = 64
     max_batched_tokens: int = 256
     max_context_length: int | None = None
-    engine_loops: int = 1
+    engine_loops: int = 1  # data-parallel ranks
+    dp_backend: str = "thread"  # of DP_BACKENDS: ranks as threads sharing one model, or processes with one each
     default_max_new_tokens: int = 256
     max_queued_requests: int = 1024  # per engine loop; a generate beyond it is RESOURCE_EXHAUSTED
     attention_kernel: bool = True  # CPU decode attention in C++ (built on first use), else torch ops
@@ -87,6 +89,8 @@ class EngineConfig:
                      "default_max_new_tokens", "max_queued_requests"):
             if getattr(self, name) < 1:
                 raise InvalidRequest(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.dp_backend not in DP_BACKENDS:
+            raise InvalidRequest(f"dp_backend must be one of {', '.join(DP_BACKENDS)}, got {self.dp_backend!r}")
         if self.threads < 0:
             raise InvalidRequest(f"threads must be 0 (all available CPUs) or more, got {self.threads}")
         if self.kv_cache_tokens < self.block_size:

@@ -10,25 +10,20 @@ from typing import Callable, Iterator
 import torch
 
 from . import chat
-from .block_manager import BlockManager
-from .config import EngineConfig
+from .config import EngineConfig, ModelConfig
+from .distributed.process_ranks import ProcessRanks
+from .distributed.ranks import Ranks
+from .distributed.thread_ranks import ThreadRanks
 from .engine_loop import EngineLoop
-from .config import ModelConfig
 from .errors import ContextOverflow, InvalidRequest, Unavailable, UnsupportedModel
 from .gateway import Gateway
 from .hardware import choose_dtype, cpu_features, matmul_gflops
-from .distributed import ThreadComm
-from .threads import available_cpus, on_fresh_thread
-from .kernels import load_paged_attention
-from .kernels.triton import available as triton_available
-from .kv_cache import allocate_kv_cache, kv_bytes_per_token
+from .kv_cache import kv_bytes_per_token
 from .loader import Checkpoint, load_checkpoint, read_config
 from .memory import keep_freed_memory, release_host_memory
-from .model_runner import ModelRunner
-from .models import build_model, count_weight_bytes
-from .models.llama import LlamaForCausalLM
 from .request import Request, RequestKind, RequestOutput
 from .sampling import SamplingParams
+from .threads import available_cpus, on_fresh_thread
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +83,8 @@ class Stream:
 
 
 class Engine:
-    """Shared read-only weights, one `EngineLoop` thread per data-parallel rank, each with its own KV cache."""
+    """The Gateway in front of the data-parallel ranks: `EngineLoop` threads sharing one model, or rank
+    processes each with its own (`EngineConfig.dp_backend`); each rank has its own KV cache."""
 
     def __init__(self, config: EngineConfig | None = None, checkpoint: Checkpoint | None = None) -> None:
         self.config = config = config or EngineConfig()
@@ -99,30 +95,47 @@ class Engine:
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
         self._warn_emulated_bf16()
-        ckpt = checkpoint or on_fresh_thread(lambda: load_checkpoint(config.model))
+        processes = config.dp_backend == "process"
+        ckpt = checkpoint or on_fresh_thread(lambda: load_checkpoint(config.model, weights=not processes))
         self.model_path, self.model_config, self.tokenizer = ckpt.path, ckpt.config, ckpt.tokenizer
-        self.weights_path = ckpt.path  # where level-2 sleep reloads weights from; follows UpdateWeights
-        self.model: LlamaForCausalLM | None = self._build(ckpt)
         self.sleeping: set[str] = set()  # of SLEEP_TAGS; written only under _admin_lock
         self._admin_lock = threading.Lock()  # serializes sleep / wakeup / update_weights; loops never take it
-        num_blocks = config.kv_cache_tokens // config.block_size
         self.max_context_length = min(
             config.max_context_length or ckpt.config.max_position_embeddings,
             ckpt.config.max_position_embeddings,
-            num_blocks * config.block_size,
+            config.kv_cache_tokens // config.block_size * config.block_size,
         )
         self.kv_bytes_per_token = kv_bytes_per_token(ckpt.config, self.dtype)
-        self.gateway = Gateway(config.engine_loops, config.max_queued_requests)
         # Loops step in parallel: sharing the CPUs beats each loop's pool competing for all of them.
         self.num_threads = config.threads or available_cpus()
         self.threads_per_loop = max(1, self.num_threads // config.engine_loops)
-        comms = ThreadComm.create_group(config.engine_loops)
-        self.loops = on_fresh_thread(lambda: [self._make_loop(comm, num_blocks) for comm in comms])
-        self._threads = [
-            threading.Thread(target=loop.run, name=f"lmgate-engine-{loop.rank}", daemon=True) for loop in self.loops
-        ]
-        for t in self._threads:
-            t.start()
+        if processes:
+            self.ranks: Ranks = ProcessRanks(config, ckpt.path, self.max_context_length, self.threads_per_loop,
+                                             logging.getLogger().getEffectiveLevel())
+        else:
+            self.ranks = ThreadRanks(config, ckpt, self.dtype, self.max_context_length, self.threads_per_loop)
+        del ckpt, checkpoint  # the raw weights: the model holds what it needs
+        self.gateway = Gateway(queues=self.ranks.queues)
+        try:
+            self.ranks.start(self.gateway)
+        except BaseException:
+            self.gateway.stop_signals()
+            raise
+
+    @property
+    def loops(self) -> list[EngineLoop]:
+        """The engine loops of this process (none when the ranks are processes)."""
+        return getattr(self.ranks, "loops", [])
+
+    @property
+    def failure(self) -> str | None:
+        """Why a rank died, once one has: the engine then refuses work and the server should exit."""
+        return self.ranks.failure
+
+    def on_failure(self, listener: Callable[[str], None]) -> None:
+        """`listener(reason)` runs once, on an engine thread, if a rank dies: every stream has then ended
+        UNAVAILABLE and new work is refused; the server should exit so that a supervisor restarts it."""
+        self.ranks.on_failure(listener)
 
     def _warn_emulated_bf16(self) -> None:
         """An explicit bf16 on a CPU that only emulates it: say once what it costs here, measured."""
@@ -133,28 +146,6 @@ class Engine:
                     "against %.0f in float32 (%.1fx slower); --dtype auto would choose float32",
                     cpu_features().name, bf16, fp32, fp32 / max(bf16, 1e-9))
         self.dtype_reason += f", emulated on this CPU ({fp32 / max(bf16, 1e-9):.1f}x slower matmuls than float32)"
-
-    def _make_loop(self, comm: ThreadComm, num_blocks: int) -> EngineLoop:
-        c = self.config
-        runner = ModelRunner(
-            self.model,
-            lambda: allocate_kv_cache(self.model_config, num_blocks, c.block_size, self.dtype, self.device),
-            c.block_size,
-            self.device,
-            self._attention_path(),
-        )
-        return EngineLoop(
-            comm.rank, self.gateway, comm, runner, BlockManager(num_blocks, c.block_size, c.prefix_caching), self.tokenizer,
-            c.max_batch_size, c.max_batched_tokens, self.max_context_length, c.default_max_new_tokens,
-            self.threads_per_loop,
-        )
-
-    def _attention_path(self) -> str:
-        """Triton on CUDA (torch ops without Triton); on the CPU the C++ decode kernel unless it is off or
-        could not be built."""
-        if self.device.type == "cuda":
-            return "triton" if triton_available() else "torch"
-        return "cpu" if self.config.attention_kernel and load_paged_attention() else "torch"
 
     # requests ----------------------------------------------------------------------------------------------
 
@@ -256,25 +247,26 @@ class Engine:
 
     def info(self) -> EngineInfo:
         """A snapshot read from other threads without locks: each figure is a single int read, possibly stale."""
+        stats = self.ranks.stats()
         return EngineInfo(
             model=self.model_path,
             architecture=self.model_config.architecture,
             max_context_length=self.max_context_length,
             vocab_size=self.tokenizer.vocab_size,
-            engine_loops=len(self.loops),
-            kv_blocks_total=sum(l.blocks.num_blocks for l in self.loops),
-            kv_blocks_free=sum(l.blocks.num_free for l in self.loops),
+            engine_loops=self.config.engine_loops,
+            kv_blocks_total=sum(s.kv_blocks_total for s in stats),
+            kv_blocks_free=sum(s.kv_blocks_free for s in stats),
             kv_block_size=self.config.block_size,
-            kv_cache_bytes=sum(l.runner.kv_cache_bytes for l in self.loops),
+            kv_cache_bytes=sum(s.kv_cache_bytes for s in stats),
             weights_bytes=self.weights_bytes,
             sleeping_tags=sorted(self.sleeping),
             active_sessions=len(self.gateway.binding),
-            running_sequences=sum(len(l.scheduler.running) for l in self.loops),
-            waiting_sequences=sum(len(l.scheduler.waiting) for l in self.loops),
-            queued_requests=sum(q.num_generates for q in self.gateway.queues),
-            preemptions=sum(l.scheduler.num_preemptions for l in self.loops),
-            prefix_cache_queried_tokens=sum(l.blocks.queried_tokens for l in self.loops),
-            prefix_cache_hit_tokens=sum(l.blocks.hit_tokens for l in self.loops),
+            running_sequences=sum(s.running for s in stats),
+            waiting_sequences=sum(s.waiting for s in stats),
+            queued_requests=sum(s.queued for s in stats),
+            preemptions=sum(s.preemptions for s in stats),
+            prefix_cache_queried_tokens=sum(s.prefix_queried_tokens for s in stats),
+            prefix_cache_hit_tokens=sum(s.prefix_hit_tokens for s in stats),
         )
 
     # sleep and wake-up -------------------------------------------------------------------------------------
@@ -291,12 +283,12 @@ class Engine:
                 self.gateway.binding.clear()
                 self.sleeping.add("kv_cache")
             if "weights" not in self.sleeping:
-                self._offload_weights()
+                self.ranks.offload_weights()
                 self.sleeping.add("weights")
-            if level == 2 and self.model is not None:
-                self._install_model(None)
+            if level == 2:
+                self.ranks.drop_weights()
             release_host_memory()
-            log.info("asleep at level %d", 2 if self.model is None else 1)
+            log.info("asleep at level %d", level)
 
     def wakeup(self, tags: list[str] | tuple[str, ...] = ()) -> None:
         """Restore the given tags (none: all); admission reopens only once nothing sleeps."""
@@ -306,7 +298,7 @@ class Engine:
         with self._admin_lock:
             wanted = set(tags or SLEEP_TAGS) & self.sleeping
             if "weights" in wanted:
-                self._restore_weights()
+                self.ranks.restore_weights()
                 self.sleeping.discard("weights")
             if "kv_cache" in wanted:
                 self.gateway.control(RequestKind.WAKE_KV)
@@ -324,52 +316,20 @@ class Engine:
             if "weights" in self.sleeping:
                 raise Unavailable("the weights are asleep: call Admin.Wakeup with tag 'weights' first")
             _check_same_shape(read_config(path), self.model_config)
-            ckpt = on_fresh_thread(lambda: load_checkpoint(path))
-            self._install_model(self._build(ckpt))
-            self.weights_path = ckpt.path
-
-    def _offload_weights(self) -> None:
-        """Level 1 keeps weights in host memory: moved off an accelerator, untouched on the CPU."""
-        if self.device.type != "cpu":
-            self.model.to("cpu")
-            torch.cuda.empty_cache()
-
-    def _restore_weights(self) -> None:
-        if self.model is None:
-            ckpt = on_fresh_thread(lambda: load_checkpoint(self.weights_path))
-            self._install_model(self._build(ckpt))
-        elif self.device.type != "cpu":
-            self.model.to(self.device)
-
-    def _build(self, ckpt: Checkpoint) -> LlamaForCausalLM:
-        """Off the calling thread, as loading is: engine/threads.py says why."""
-        hint = self.config.max_batched_tokens
-        return on_fresh_thread(lambda: build_model(ckpt.config, ckpt.weights, self.dtype, self.device, hint))
-
-    def _install_model(self, model: LlamaForCausalLM | None) -> None:
-        self.model = model
-        for loop in self.loops:
-            loop.runner.model = model
-            loop.runner.weights_version += 1
+            self.ranks.load_weights(path)
 
     @property
     def weights_bytes(self) -> int:
-        """Bytes of weights on the engine's device (tied tensors once, packed copies included)."""
-        if self.model is None or (self.device.type != "cpu" and "weights" in self.sleeping):
-            return 0
-        return count_weight_bytes(self.model)
+        """Bytes of weights on the engine's device, all ranks together (tied tensors once, packed copies included)."""
+        return self.ranks.weights_bytes
 
     def shutdown(self) -> None:
         """Refuse new work, cancel what runs, join the loops; every stream gets its last output. Then free
         the KV caches and the weights at once, rather than whenever the garbage collector breaks the
         engine's reference cycles."""
         self.gateway.shutdown()
-        for t in self._threads:
-            t.join()
+        self.ranks.shutdown()
         self.gateway.stop_signals()
-        for loop in self.loops:
-            loop.runner.release_kv_cache()
-        self._install_model(None)
 
     def __enter__(self) -> "Engine":
         return self

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -10,18 +11,47 @@ from . import chat
 from .batch import BatchData
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
-from .errors import ContextOverflow, EngineError, InternalError, InvalidRequest, SessionBusy
+from .errors import ContextOverflow, EngineError, InternalError, InvalidRequest, SessionBusy, Unavailable
 from .gateway import Gateway, Signal, cancelled_output
 from .distributed import CommAborted, HostComm
+from .config import EngineConfig, ModelConfig
+from .kernels import load_paged_attention
+from .kernels.triton import available as triton_available
+from .kv_cache import allocate_kv_cache
 from .model_runner import ModelRunner
 from .request import CancelFlag, FinishReason, Request, RequestKind, RequestOutput, TokenLogprob, Usage
 from .scheduler import Scheduler
 from .sequence import Sequence, Session
 from .tokenizer import Tokenizer
+from .weights import LocalWeights
 
 log = logging.getLogger(__name__)
 
 DETOKENIZER_CONTEXT = 6  # prompt tokens the detokenizer sees, so the first delta's spacing is right
+
+
+@dataclass(slots=True)
+class LoopStats:
+    """One loop's figures for `Engine.info`; read from other threads (or sent by a rank process) without locks,
+    each a single int read, possibly stale."""
+
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    kv_cache_bytes: int = 0
+    running: int = 0
+    waiting: int = 0
+    queued: int = 0
+    preemptions: int = 0
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+
+
+def attention_path(device: torch.device, kernel: bool) -> str:
+    """Triton on CUDA (torch ops without Triton); on the CPU the C++ decode kernel unless it is off or could
+    not be built."""
+    if device.type == "cuda":
+        return "triton" if triton_available() else "torch"
+    return "cpu" if kernel and load_paged_attention() else "torch"
 
 
 class EngineLoop:
@@ -60,14 +90,39 @@ class EngineLoop:
         self.weights_version = runner.weights_version  # of the weights the prefix cache's KV was computed with
         self._signals: list[Signal] = []
 
+    @classmethod
+    def build(cls, rank: int, comm: HostComm, gateway: Gateway, weights: LocalWeights, tokenizer: Tokenizer,
+              model_config: ModelConfig, config: EngineConfig, max_context_length: int, num_threads: int) -> "EngineLoop":
+        """A loop over `weights`' model with a KV cache of its own (allocated here: call on a fresh thread)."""
+        num_blocks = config.kv_cache_tokens // config.block_size
+        runner = ModelRunner(
+            weights.model,
+            lambda: allocate_kv_cache(model_config, num_blocks, config.block_size, weights.dtype, weights.device),
+            config.block_size, weights.device, attention_path(weights.device, config.attention_kernel),
+        )
+        weights.runners.append(runner)
+        return cls(
+            rank, gateway, comm, runner, BlockManager(num_blocks, config.block_size, config.prefix_caching), tokenizer,
+            config.max_batch_size, config.max_batched_tokens, max_context_length, config.default_max_new_tokens,
+            num_threads,
+        )
+
+    def stats(self) -> LoopStats:
+        return LoopStats(
+            self.blocks.num_blocks, self.blocks.num_free, self.runner.kv_cache_bytes, len(self.scheduler.running),
+            len(self.scheduler.waiting), self.gateway.queues[self.rank].num_generates, self.scheduler.num_preemptions,
+            self.blocks.queried_tokens, self.blocks.hit_tokens,
+        )
+
     # the loop ----------------------------------------------------------------------------------------------
 
     def run(self) -> None:
         torch.set_num_threads(self.num_threads)  # also what threads started later take as their default
         try:
             self._run()
-        except CommAborted:
-            pass  # a peer loop failed and has shut the Gateway down
+        except CommAborted:  # a peer rank failed (its thread raised, or its process died): so does this one
+            self._fail_all(Unavailable("an engine rank failed; the server is stopping"))
+            self.gateway.shutdown()
         except Exception:
             log.exception("engine loop %d failed; stopping the engine", self.rank)
             self.comm.abort()  # release the peers from their collectives

@@ -29,8 +29,9 @@ Signal = tuple[Request, RequestOutput]
 class Gateway:
     """Shared by the caller threads (push, cancel, kill), the engine loops (pop, notify) and the signal thread."""
 
-    def __init__(self, num_queues: int, max_queued: int = 1024) -> None:
-        self.queues = [RequestQueue(max_queued) for _ in range(num_queues)]
+    def __init__(self, num_queues: int = 1, max_queued: int = 1024, queues: list[RequestQueue] | None = None) -> None:
+        """`queues`: the ranks' own (a rank in another process has a stand-in); else `num_queues` new ones."""
+        self.queues = queues or [RequestQueue(max_queued) for _ in range(num_queues)]
         self.binding = SequenceBinding()
         self._next_rank = itertools.count()  # next() on a count is atomic in CPython
         self._next_id = itertools.count(1)
@@ -70,7 +71,7 @@ class Gateway:
     def start_session(self, session_id: int) -> int:
         """Bind a new session to an engine loop, round robin; 0 picks an unused id."""
         self.check_admission()
-        rank = next(self._next_rank) % len(self.queues)
+        rank = self._next_loop()
         if session_id:
             self.binding.bind(session_id, rank)
             return session_id
@@ -86,11 +87,11 @@ class Gateway:
         """Queue a generate request: stateless ones round robin, session turns to their session's loop."""
         self.check_admission()
         if request.stateless:
-            rank = next(self._next_rank) % len(self.queues)
+            rank = self._next_loop()
         else:
             rank = self.binding.claim(request.session_id, request)
         try:
-            if not self._enqueue(rank, request):
+            if not self.enqueue(rank, request):
                 raise Unavailable("the engine is shutting down")
         except (Unavailable, ResourceExhausted):  # refused: the session is free for its next turn
             if not request.stateless:
@@ -102,7 +103,7 @@ class Gateway:
         A loop that has shut down counts as done."""
         pending = threading.Semaphore(0)
         for rank in range(len(self.queues)):
-            if not self._enqueue(rank, Request(kind, 0, lambda _: pending.release())):
+            if not self.enqueue(rank, Request(kind, 0, lambda _: pending.release())):
                 pending.release()
         for _ in self.queues:
             pending.acquire()
@@ -113,23 +114,33 @@ class Gateway:
         rank = self.binding.unbind(session_id)
         done = RequestOutput("", session_id, finish_reason=FinishReason.STOP)
         request = Request(RequestKind.KILL, session_id, on_done)
-        if rank is None or not self._enqueue(rank, request):
+        if rank is None or not self.enqueue(rank, request):
             self.notify([(request, done)])
 
     def cancel(self, request: Request) -> bool:
-        """Flip the flag; a queued request ends here and now, an active one at its loop's next step."""
+        """Flip the flag; a queued request ends here and now, an active one at its loop's next step (a loop in
+        another process is told through the request's `on_cancel`)."""
         old = request.cancel_flag.exchange(CancelFlag.CANCELLED)
         if old == CancelFlag.QUEUED:
             self.notify([(request, cancelled_output(request))])
+        elif old == CancelFlag.ACTIVE and request.on_cancel is not None:
+            request.on_cancel()
         return old != CancelFlag.CANCELLED
 
-    def _enqueue(self, rank: int, request: Request) -> bool:
+    def enqueue(self, rank: int, request: Request) -> bool:
+        """Put a request in loop `rank`'s queue and wake the loops; False once that queue is closed."""
         if not self.queues[rank].push(request):
             return False
-        self._wake_loops()
+        self.wake_loops()
         return True
 
-    def _wake_loops(self) -> None:
+    def _next_loop(self) -> int:
+        """The loop of a new session or stateless request: round robin."""
+        return next(self._next_rank) % len(self.queues)
+
+    def wake_loops(self) -> None:
+        """Idle loops wait for the arrival count to change (`pop`); also called for arrivals at other ranks'
+        processes, which idle loops here must follow."""
         with self._arrivals:
             self._num_arrivals += 1
             self._arrivals.notify_all()
@@ -178,8 +189,7 @@ class Gateway:
                 self._signals.append(signals)
                 self._signal_cond.notify()
                 return
-        for request, output in signals:
-            self._deliver(request, output)
+        self._deliver_all(signals)
 
     def shutdown(self) -> None:
         """Refuse new work, cancel what is still queued, and stop the signal thread once it has delivered all."""
@@ -190,7 +200,7 @@ class Gateway:
                     self.notify([(request, RequestOutput("", request.session_id, finish_reason=FinishReason.STOP))])
                 else:
                     self.cancel(request)
-        self._wake_loops()
+        self.wake_loops()
 
     def stop_signals(self) -> None:
         with self._signal_cond:
@@ -207,8 +217,11 @@ class Gateway:
                 if not self._signals:
                     return
                 batch = self._signals.popleft()
-            for request, output in batch:
-                self._deliver(request, output)
+            self._deliver_all(batch)
+
+    def _deliver_all(self, signals: list[Signal]) -> None:
+        for request, output in signals:
+            self._deliver(request, output)
 
     def _deliver(self, request: Request, output: RequestOutput) -> None:
         # Release the session before the last output reaches the client, so its next turn is never refused.

@@ -55,7 +55,8 @@ def read_config(path: str) -> ModelConfig:
         return read_gguf_config(GGUFReader(p)) if p.is_file() else read_hf_config(p)
 
 
-def load_checkpoint(path: str | None = None) -> Checkpoint:
+def load_checkpoint(path: str | None = None, weights: bool = True) -> Checkpoint:
+    """`weights=False`: the shape and tokenizer only (a serving process whose ranks load their own)."""
     path = path or embedded_model_path()
     p = _existing(path)
     start = time.perf_counter()
@@ -64,16 +65,16 @@ def load_checkpoint(path: str | None = None) -> Checkpoint:
         if p.is_file():
             reader = GGUFReader(p)
             config = read_gguf_config(reader)
-            weights = read_gguf_weights(reader, config)
+            tensors = read_gguf_weights(reader, config) if weights else {}
             tokenizer = Tokenizer.from_gguf(reader)
         else:
             config = read_hf_config(p)
-            weights = read_hf_weights(p)
+            tensors = read_hf_weights(p) if weights else {}
             tokenizer = Tokenizer.from_hf_dir(str(p))
     elapsed = time.perf_counter() - start
-    _progress(f"loaded {p.name}: {config.architecture}, {len(weights)} tensors in {elapsed:.1f}s", done=True)
+    _progress(f"loaded {p.name}: {config.architecture}, {len(tensors)} tensors in {elapsed:.1f}s", done=True)
     log.info("loaded %s (%s) in %.2fs", path, config.architecture, elapsed)
-    return Checkpoint(str(p), config, weights, tokenizer)
+    return Checkpoint(str(p), config, tensors, tokenizer)
 
 
 def _existing(path: str) -> Path:

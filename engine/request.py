@@ -101,4 +101,5 @@ class Request:
     messages: list[dict] | None = None  # a session turn given as chat messages (chat.py); input_ids set by its loop
     unique_id: int = -1  # assigned by Gateway.pop, monotonically increasing
     cancel_flag: CancelFlag = field(default_factory=CancelFlag)
+    on_cancel: Callable[[], None] | None = None  # tells a loop in another process that an active request was cancelled
     arrival: float = field(default_factory=time.monotonic)  # when it was submitted

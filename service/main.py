@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 from prometheus_client import start_http_server
 
-from lmgate.engine.config import EngineConfig
+from lmgate.engine.config import DP_BACKENDS, EngineConfig
 from lmgate.engine.engine import Engine
 from lmgate.engine.errors import EngineError
 from lmgate.engine.hardware import DTYPE_CHOICES
@@ -26,6 +26,10 @@ from .replica import default_replica_id
 from .server import Server, TlsFiles
 
 log = logging.getLogger("lmgate")
+
+
+class EngineFailed(Exception):
+    """An engine rank died while serving: streams ended UNAVAILABLE, the server stopped; exit status 1."""
 
 
 class StartupError(Exception):
@@ -79,6 +83,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="address to listen on [LMGATE_HOST]")
     ap.add_argument("--port", type=PORT, default=_env("PORT", 50051), help="port; 0 picks a free one [LMGATE_PORT]")
     ap.add_argument("--engine-loops", type=COUNT, default=_env("ENGINE_LOOPS", 1), help="data-parallel engine loops, each with its own KV cache [LMGATE_ENGINE_LOOPS]")
+    ap.add_argument("--dp-backend", default=_env("DP_BACKEND", "thread"), type=_one_of(*DP_BACKENDS), metavar="{" + ",".join(DP_BACKENDS) + "}", help="thread: the engine loops are threads sharing one copy of the weights; process: each loop a process of its own (spawned), with its own copy, past the GIL [LMGATE_DP_BACKEND]")
     ap.add_argument("--max-batch-size", type=COUNT, default=_env("MAX_BATCH_SIZE", 64), help="sequences per engine step [LMGATE_MAX_BATCH_SIZE]")
     ap.add_argument("--max-batched-tokens", type=COUNT, default=_env("MAX_BATCHED_TOKENS", 512), help="tokens per engine step; long prompts are prefilled in chunks of this [LMGATE_MAX_BATCHED_TOKENS]")
     ap.add_argument("--kv-cache-tokens", type=COUNT, default=_env("KV_CACHE_TOKENS", 32768), help="KV cache size per engine loop, in tokens; also caps the context [LMGATE_KV_CACHE_TOKENS]")
@@ -125,7 +130,7 @@ def check_settings(args: argparse.Namespace) -> EngineConfig:
         return EngineConfig(
             model=args.model, dtype=args.dtype, device=args.device, kv_cache_tokens=args.kv_cache_tokens,
             max_batch_size=args.max_batch_size, max_batched_tokens=args.max_batched_tokens,
-            max_context_length=args.max_context_length or None, engine_loops=args.engine_loops,
+            max_context_length=args.max_context_length or None, engine_loops=args.engine_loops, dp_backend=args.dp_backend,
             max_queued_requests=args.max_queued_requests, attention_kernel=args.attention_kernel == "on",
             prefix_caching=args.prefix_caching == "on", threads=args.threads,
         )
@@ -174,11 +179,11 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> None:
     print(f"lmgate serving {os.path.basename(engine.model_path)} on {args.host}:{server.port} "
           f"(ready in {time.perf_counter() - started:.1f}s)", flush=True)
     info = engine.info()
-    log.info("started: model %s (%s), dtype %s (%s), device %s, %d engine loop(s) x %d torch threads, KV cache "
+    log.info("started: model %s (%s), dtype %s (%s), device %s, %d engine loop(s) as %ss x %d torch threads, KV cache "
              "%d tokens (%.0f MiB), batches of %d sequences / %d tokens, context %d, gRPC port %d (%s), metrics port %s, "
              "replica %s",
              os.path.basename(engine.model_path), info.architecture, str(engine.dtype).removeprefix("torch."),
-             engine.dtype_reason, engine.device, info.engine_loops, engine.threads_per_loop,
+             engine.dtype_reason, engine.device, info.engine_loops, args.dp_backend, engine.threads_per_loop,
              info.kv_blocks_total * info.kv_block_size, info.kv_cache_bytes / 2**20, args.max_batch_size,
              args.max_batched_tokens, info.max_context_length, server.port,
              ("mutual TLS" if args.tls.client_ca else "TLS") if args.tls else "plaintext", args.metrics_port or "off",
@@ -187,14 +192,21 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(server.failed.wait())]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for w in waits:
+        w.cancel()
+    if server.failed.is_set():
+        await server.stop(0)
+        raise EngineFailed(engine.failure)
     log.info("shutting down: %.0fs grace for running streams", args.grace)
     await server.stop(args.grace)
     log.info("stopped")
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit status 0 after a clean shutdown, 2 when a setting cannot work (said in one line on stderr)."""
+    """Exit status 0 after a clean shutdown, 2 when a setting cannot work, 1 when an engine rank died (said in
+    one line on stderr)."""
     args = parse_args(argv)
     configure_logging(args.log_level, args.log_format)
     try:
@@ -202,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     except StartupError as exc:
         print(f"lmgate serve: error: {exc}", file=sys.stderr)
         return 2
+    except EngineFailed as exc:
+        print(f"lmgate serve: error: {exc}; stopped", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -67,6 +67,7 @@ class Server:
         admin = AdminServicer(engine, self.metrics, admin_token, self.refresh_health)
         pb_grpc.add_AdminServicer_to_server(admin, self.grpc)
         self.health = health.aio.HealthServicer()
+        self.failed = asyncio.Event()  # set once the engine has lost a rank
         self._stopping = False
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection(SERVICES + (health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
@@ -78,15 +79,22 @@ class Server:
             raise OSError(f"cannot listen on {address}")
 
     async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.engine.on_failure(lambda _: loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._engine_failed())))
         await self.grpc.start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         await self.refresh_health()
+
+    async def _engine_failed(self) -> None:
+        """A rank died: NOT_SERVING everywhere at once; whoever runs the server sees `failed` and stops it."""
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.failed.set()
 
     async def refresh_health(self, closing: bool = False) -> None:
         """While any part of the engine sleeps (or is about to), Generate is refused: Inference and the server
         as a whole ("") report NOT_SERVING, so load balancers send traffic elsewhere; Admin stays SERVING, to be
         woken. After `stop` began, nothing changes any more."""
-        if self._stopping:
+        if self._stopping or self.failed.is_set():
             return
         asleep = closing or bool(self.engine.sleeping)
         serving = health_pb2.HealthCheckResponse.NOT_SERVING if asleep else health_pb2.HealthCheckResponse.SERVING

@@ -9,6 +9,7 @@ import torch
 if not torch.cuda.is_available():  # the Triton kernels run in Triton's interpreter, on CPU tensors
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from lmgate.engine.config import DP_BACKENDS
 from lmgate.engine.loader import embedded_model_path
 from lmgate.engine.tokenizer import Tokenizer
 
@@ -44,12 +45,30 @@ def server(checkpoint):
     s.stop()
 
 
-@pytest.fixture(scope="session")
-def server2(checkpoint):
-    """Two data-parallel engine loops behind a real gRPC server on loopback."""
+def _two_ranks(checkpoint, backend: str):
     from lmgate.engine.config import EngineConfig
     from tests.serving import ServerThread
 
-    s = ServerThread(EngineConfig(dtype="float32", kv_cache_tokens=8192, engine_loops=2), checkpoint)
+    return ServerThread(EngineConfig(dtype="float32", kv_cache_tokens=8192, engine_loops=2, dp_backend=backend), checkpoint)
+
+
+@pytest.fixture(scope="session")
+def thread_ranks_server(checkpoint):
+    """Two data-parallel engine loops as threads of the server, behind a real gRPC server on loopback."""
+    s = _two_ranks(checkpoint, "thread")
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="session")
+def process_ranks_server(checkpoint):
+    """Two data-parallel ranks as spawned processes of their own, behind a real gRPC server on loopback."""
+    s = _two_ranks(checkpoint, "process")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module", params=DP_BACKENDS)
+def server2(request):
+    """Two data-parallel ranks, as threads and then as processes: the tests that take it run over both."""
+    return request.getfixturevalue(f"{request.param}_ranks_server")

@@ -15,6 +15,12 @@ GREEDY = pb.SamplingParams(max_new_tokens=24, ignore_eos=True)
 LONG = pb.SamplingParams(max_new_tokens=2000, ignore_eos=True)
 
 
+@pytest.fixture(params=["server", "thread_ranks_server", "process_ranks_server"])
+def served(request):
+    """The session, cancel and end tests run on one engine loop, two as threads, and two as processes."""
+    return request.getfixturevalue(request.param)
+
+
 def collect(stream) -> tuple[list[int], str, pb.GenerateResponse]:
     ids, text, last = [], "", None
     for msg in stream:
@@ -51,8 +57,8 @@ def test_generate_echoes_request_id_and_accepts_token_ids(server):
     assert sum(len(m.token_ids) for m in msgs) == 24
 
 
-def test_session_two_turns_reuse_history(server):
-    stub = server.stub()
+def test_session_two_turns_reuse_history(served):
+    stub = served.stub()
     sid = stub.Start(pb.StartRequest()).session_id
     turn1 = [504, 3575, 282, 4649, 314]
     turn2 = [1060, 314, 253]
@@ -65,9 +71,9 @@ def test_session_two_turns_reuse_history(server):
     stub.End(pb.EndRequest(session_id=sid))
 
 
-def test_chat_session_turns_equal_stateless_conversation(server):
+def test_chat_session_turns_equal_stateless_conversation(served):
     """The README's two-turn chat: each turn sends its new messages, the session renders the conversation."""
-    stub = server.stub()
+    stub = served.stub()
     sid = stub.Start(pb.StartRequest()).session_id
     chat_params = pb.SamplingParams(max_new_tokens=24)
     conversation = pb.ChatMessages()
@@ -86,8 +92,8 @@ def test_info_says_dtype_and_why(server):
     assert info.dtype == "float32" and info.dtype_reason == "asked for float32"
 
 
-def test_cancel_mid_stream_keeps_history(server):
-    stub = server.stub()
+def test_cancel_mid_stream_keeps_history(served):
+    stub = served.stub()
     sid = stub.Start(pb.StartRequest()).session_id
     stream = stub.Generate(pb.GenerateRequest(session_id=sid, request_id="to-cancel", prompt="Count to one thousand:", sampling=LONG))
     first = wait_first_token(stream)
@@ -101,8 +107,8 @@ def test_cancel_mid_stream_keeps_history(server):
     stub.End(pb.EndRequest(session_id=sid))
 
 
-def test_cancel_by_session(server):
-    stub = server.stub()
+def test_cancel_by_session(served):
+    stub = served.stub()
     sid = stub.Start(pb.StartRequest()).session_id
     stream = stub.Generate(pb.GenerateRequest(session_id=sid, prompt="Once upon a time", sampling=LONG))
     wait_first_token(stream)
@@ -112,8 +118,8 @@ def test_cancel_by_session(server):
     stub.End(pb.EndRequest(session_id=sid))
 
 
-def test_end_during_stream_cancels_and_forgets(server):
-    stub = server.stub()
+def test_end_during_stream_cancels_and_forgets(served):
+    stub = served.stub()
     sid = stub.Start(pb.StartRequest()).session_id
     stream = stub.Generate(pb.GenerateRequest(session_id=sid, prompt="Once upon a time", sampling=LONG))
     wait_first_token(stream)
@@ -128,8 +134,8 @@ def test_end_during_stream_cancels_and_forgets(server):
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-def test_concurrent_generate_on_one_session_refused(server):
-    stub = server.stub()
+def test_concurrent_generate_on_one_session_refused(served):
+    stub = served.stub()
     sid = stub.Start(pb.StartRequest()).session_id
     first = stub.Generate(pb.GenerateRequest(session_id=sid, prompt="Once upon a time", sampling=pb.SamplingParams(max_new_tokens=64, ignore_eos=True)))
     wait_first_token(first)
@@ -140,8 +146,8 @@ def test_concurrent_generate_on_one_session_refused(server):
     stub.End(pb.EndRequest(session_id=sid))
 
 
-def test_start_existing_session_already_exists(server):
-    stub = server.stub()
+def test_start_existing_session_already_exists(served):
+    stub = served.stub()
     stub.Start(pb.StartRequest(session_id=4242))
     with pytest.raises(grpc.RpcError) as err:
         stub.Start(pb.StartRequest(session_id=4242))
@@ -149,12 +155,12 @@ def test_start_existing_session_already_exists(server):
     stub.End(pb.EndRequest(session_id=4242))
 
 
-def test_deadline_cancels_and_frees_kv(server):
-    stub = server.stub()
+def test_deadline_cancels_and_frees_kv(served):
+    stub = served.stub()
     with pytest.raises(grpc.RpcError) as err:
         collect(stub.Generate(pb.GenerateRequest(prompt="Once upon a time", sampling=LONG), timeout=1.0))
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert_idle(server)
+    assert_idle(served)
 
 
 BAD_REQUESTS = [
@@ -179,18 +185,18 @@ BAD_REQUESTS = [
 
 
 @pytest.mark.parametrize("request_, code", BAD_REQUESTS)
-def test_bad_generate_gets_status_and_changes_nothing(server, request_, code):
-    before = server.info()
+def test_bad_generate_gets_status_and_changes_nothing(served, request_, code):
+    before = served.info()
     with pytest.raises(grpc.RpcError) as err:
-        collect(server.stub().Generate(request_))
+        collect(served.stub().Generate(request_))
     assert err.value.code() == code
     assert err.value.details()
-    assert_idle(server, before)
+    assert_idle(served, before)
 
 
-def test_session_rpcs_answer_bad_values_with_documented_statuses(server):
-    stub = server.stub()
-    before = server.info()
+def test_session_rpcs_answer_bad_values_with_documented_statuses(served):
+    stub = served.stub()
+    before = served.info()
     sid = stub.Start(pb.StartRequest()).session_id
     cases = [
         (lambda: stub.End(pb.EndRequest()), grpc.StatusCode.INVALID_ARGUMENT),  # no session id
@@ -205,7 +211,7 @@ def test_session_rpcs_answer_bad_values_with_documented_statuses(server):
     stub.End(pb.EndRequest(session_id=987654321))  # ending an unknown session is a no-op, as End is idempotent
     stub.End(pb.EndRequest(session_id=sid))
     assert stub.Tokenize(pb.TokenizeRequest(text="")).token_ids == []
-    assert_idle(server, before)
+    assert_idle(served, before)
 
 
 def test_cancel_without_target_invalid(server):

@@ -18,7 +18,7 @@ import torch
 from prometheus_client import start_http_server
 from safetensors.torch import save_file
 
-from lmgate.engine.config import EngineConfig
+from lmgate.engine.config import DP_BACKENDS, EngineConfig
 from lmgate.service.auth import is_loopback_peer
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
@@ -31,10 +31,10 @@ GREEDY = pb.SamplingParams(max_new_tokens=16, ignore_eos=True)
 LONG = pb.SamplingParams(max_new_tokens=4000, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def sleepy(checkpoint):
-    """A server of its own: these tests put it to sleep."""
-    s = ServerThread(EngineConfig(dtype="float32", kv_cache_tokens=8192, engine_loops=2), checkpoint)
+@pytest.fixture(scope="module", params=DP_BACKENDS)
+def sleepy(checkpoint, request):
+    """A server of its own, two ranks as threads, then as processes: these tests put it to sleep."""
+    s = ServerThread(EngineConfig(dtype="float32", kv_cache_tokens=8192, engine_loops=2, dp_backend=request.param), checkpoint)
     yield s
     s.stop()
 

@@ -1,0 +1,312 @@
+"""`ProcessRanks`: each data-parallel rank a process of its own, started with spawn (the serving side;
+rank_process.py is the rank's side and lists the messages).
+
+The serving process keeps the Gateway and the SequenceBinding. Its queues are `RemoteQueue`s, which
+forward each request to its rank's process; one receiver thread turns the ranks' output messages back into
+the Gateway's signals, and notices a rank that dies.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing
+import threading
+from multiprocessing.process import BaseProcess
+
+import zmq
+
+from ..config import EngineConfig
+from ..engine_loop import LoopStats
+from ..errors import EngineError, InternalError, Unavailable
+from ..gateway import Gateway, Signal
+from ..request import CancelFlag, FinishReason, Request, RequestKind, RequestOutput
+from .gloo_comm import GlooComm
+from .rank_process import RankSpec, request_fields, run_rank
+from .ranks import Ranks
+
+log = logging.getLogger(__name__)
+
+EXIT_DRAIN_SECONDS = 2.0  # after a rank's process ended, how long its last messages may still take to arrive
+JOIN_SECONDS = 30.0  # for a rank to exit after close, before it is killed
+
+
+class RemoteQueue:
+    """The serving process's stand-in for one rank's `RequestQueue`: `push` forwards the request at once.
+
+    `_lock` guards the socket, `_inflight` and `_closed`; it is a leaf. A request is marked active before it
+    leaves, under the lock, so its cancel (`on_cancel`, which takes the lock too) always follows it.
+    """
+
+    def __init__(self, socket: zmq.Socket, rank: int, ids: itertools.count, ranks: "ProcessRanks") -> None:
+        self.rank = rank
+        self._socket = socket
+        self._ids = ids  # shared by all ranks' queues; next() on a count is atomic in CPython
+        self._ranks = ranks
+        self._inflight: dict[int, Request] = {}
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def push(self, request: Request) -> bool:
+        with self._lock:
+            if self._closed:
+                return False
+            if not request.cancel_flag.compare_exchange(CancelFlag.QUEUED, CancelFlag.ACTIVE):
+                return True  # cancelled before it left: the canceller has ended its stream
+            wire_id = next(self._ids)
+            self._inflight[wire_id] = request
+            request.on_cancel = lambda: self.send(("cancel", wire_id))
+            self._socket.send_pyobj(("request", wire_id, request_fields(request)))
+        self._ranks.wake_all_but(self.rank)
+        return True
+
+    def send(self, message: tuple) -> None:
+        with self._lock:
+            if not self._socket.closed:
+                self._socket.send_pyobj(message)
+
+    def take(self, wire_id: int, finished: bool) -> Request | None:
+        """The request an output belongs to; forgotten once its last output has come."""
+        with self._lock:
+            return self._inflight.pop(wire_id, None) if finished else self._inflight.get(wire_id)
+
+    def close(self) -> list[Request]:
+        """The rank cancels what it still holds queued, so nothing is handed back here."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._socket.send_pyobj(("close",))
+        return []
+
+    def close_socket(self) -> None:
+        with self._lock:
+            self._socket.close(linger=0)
+
+    def fail(self) -> list[Request]:
+        """Refuse new requests and hand back every request still in flight: its rank will never answer."""
+        with self._lock:
+            self._closed = True
+            inflight, self._inflight = list(self._inflight.values()), {}
+        return inflight
+
+
+class ProcessRanks(Ranks):
+    """Owns the rank processes, the sockets to them, the TCPStore their `GlooComm` meets at, and the receiver
+    thread. `_lock` guards `_stats`, `_weights_bytes` and `_acks` (a condition waited on by weight calls)."""
+
+    def __init__(self, config: EngineConfig, model_path: str, max_context_length: int, threads_per_loop: int,
+                 log_level: int) -> None:
+        super().__init__()
+        self.config = config
+        self.threads_per_loop = threads_per_loop
+        size = config.engine_loops
+        self._context = zmq.Context()
+        self._outputs = self._context.socket(zmq.PULL)
+        outputs_port = self._outputs.bind_to_random_port("tcp://127.0.0.1")
+        self._store = GlooComm.create_store()
+        self._ids = ids = itertools.count(1)  # wire ids of requests and weight calls
+        self.queues: list[RemoteQueue] = []
+        self._specs = []
+        for rank in range(size):
+            socket = self._context.socket(zmq.PUSH)
+            socket.setsockopt(zmq.SNDHWM, 0)  # never block a caller: the rank takes what it is sent
+            port = socket.bind_to_random_port("tcp://127.0.0.1")
+            self.queues.append(RemoteQueue(socket, rank, ids, self))
+            self._specs.append(RankSpec(config, model_path, rank, size, self._store.port, f"tcp://127.0.0.1:{port}",
+                                        f"tcp://127.0.0.1:{outputs_port}", threads_per_loop, max_context_length,
+                                        log_level))
+        self._procs: list[BaseProcess] = []
+        self._exited: set[int] = set()  # ranks that said "exited" (a clean close)
+        self._stats = [LoopStats() for _ in range(size)]
+        self._weights_bytes = [0] * size
+        self._lock = threading.Lock()
+        self._acks = threading.Condition(self._lock)
+        self._pending_acks: dict[int, list] = {}  # wire id -> [ranks yet to answer, first error]
+        self._gateway: Gateway | None = None
+        self._receiver: threading.Thread | None = None
+
+    # start -------------------------------------------------------------------------------------------------
+
+    def start(self, gateway: Gateway) -> None:
+        """Spawn the ranks (never fork: gRPC's threads may be running) and wait until each is ready; a rank
+        that fails to start fails this, with its error."""
+        self._gateway = gateway
+        spawn = multiprocessing.get_context("spawn")
+        self._procs = [spawn.Process(target=run_rank, args=(spec,), name=f"lmgate-rank-{spec.rank}", daemon=True)
+                       for spec in self._specs]
+        for p in self._procs:
+            p.start()
+        log.info("engine ranks started as processes: %s", ", ".join(f"rank {i} pid {p.pid}" for i, p in enumerate(self._procs)))
+        waiting = set(range(len(self._procs)))
+        try:
+            while waiting:
+                message = self._receive_during_start(waiting)
+                if message[0] == "failed":
+                    raise message[2]
+                _, rank, stats, nbytes = message
+                self._stats[rank], self._weights_bytes[rank] = stats, nbytes
+                waiting.discard(rank)
+        except BaseException:
+            self._kill_all()
+            self._close_sockets()
+            raise
+        self._receiver = threading.Thread(target=self._receive, name="lmgate-rank-receiver", daemon=True)
+        self._receiver.start()
+
+    def _receive_during_start(self, waiting: set[int]) -> tuple:
+        poller = zmq.Poller()
+        poller.register(self._outputs, zmq.POLLIN)
+        for rank in waiting:
+            poller.register(self._procs[rank].sentinel, zmq.POLLIN)
+        ready = dict(poller.poll())
+        if self._outputs in ready:
+            return self._outputs.recv_pyobj()
+        rank = next(r for r in waiting if self._procs[r].sentinel in ready)
+        if self._outputs.poll(EXIT_DRAIN_SECONDS * 1000):
+            return self._outputs.recv_pyobj()  # most likely its "failed"
+        raise InternalError(f"engine rank {rank} exited while starting (exit status {self._procs[rank].exitcode})")
+
+    # state -------------------------------------------------------------------------------------------------
+
+    def stats(self) -> list[LoopStats]:
+        with self._lock:
+            return list(self._stats)
+
+    @property
+    def weights_bytes(self) -> int:
+        with self._lock:
+            return sum(self._weights_bytes)
+
+    def wake_all_but(self, rank: int) -> None:
+        for queue in self.queues:
+            if queue.rank != rank:
+                queue.send(("wake",))
+
+    # weights -----------------------------------------------------------------------------------------------
+
+    def offload_weights(self) -> None:
+        self._weights("offload")
+
+    def drop_weights(self) -> None:
+        self._weights("drop")
+
+    def restore_weights(self) -> None:
+        self._weights("restore")
+
+    def load_weights(self, path: str) -> None:
+        self._weights("load", path)
+
+    def _weights(self, action: str, path: str = "") -> None:
+        """Every rank does `action` on its own model; returns once all have, raising the first error."""
+        wire_id = next(self._ids)
+        with self._lock:
+            if self.failure is not None:
+                raise Unavailable(f"{self.failure}: the server is stopping")
+            self._pending_acks[wire_id] = [len(self.queues), None]
+        for queue in self.queues:
+            queue.send(("weights", wire_id, action, path))
+        with self._lock:
+            self._acks.wait_for(lambda: self._pending_acks[wire_id][0] == 0)
+            error = self._pending_acks.pop(wire_id)[1]
+        if error is not None:
+            raise error
+
+    # the receiver thread -----------------------------------------------------------------------------------
+
+    def _receive(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._outputs, zmq.POLLIN)
+        for p in self._procs:
+            poller.register(p.sentinel, zmq.POLLIN)
+        running = set(range(len(self._procs)))
+        while running:
+            ready = dict(poller.poll())
+            while self._outputs.poll(0):
+                self._handle(self._outputs.recv_pyobj())
+            for rank in [r for r in running if self._procs[r].sentinel in ready]:
+                poller.unregister(self._procs[rank].sentinel)
+                running.discard(rank)
+                self._rank_ended(rank)
+
+    def _rank_ended(self, rank: int) -> None:
+        """A rank's process is gone: after a close it said "exited" (perhaps still in flight); otherwise it died."""
+        deadline = EXIT_DRAIN_SECONDS * 1000
+        while rank not in self._exited and self._outputs.poll(deadline):
+            self._handle(self._outputs.recv_pyobj())
+        if rank not in self._exited:
+            self._fail(f"engine rank {rank} (pid {self._procs[rank].pid}) exited with status {self._procs[rank].exitcode}")
+
+    def _handle(self, message: tuple) -> None:
+        kind, rank = message[0], message[1]
+        if kind == "outputs":
+            with self._lock:
+                self._stats[rank] = message[2]
+            queue = self.queues[rank]
+            signals: list[Signal] = []
+            for wire_id, output in message[3]:
+                request = queue.take(wire_id, output.finished)
+                if request is not None:
+                    signals.append((request, output))
+            self._gateway.notify(signals)
+        elif kind == "weights_done":
+            _, _, wire_id, error, nbytes = message
+            with self._lock:
+                self._weights_bytes[rank] = nbytes
+                self._ack(wire_id, error)
+        elif kind == "exited":
+            self._exited.add(rank)
+
+    def _ack(self, wire_id: int, error: EngineError | None) -> None:
+        """Under `_lock`: one rank has answered a weight call."""
+        pending = self._pending_acks.get(wire_id)
+        if pending is not None:
+            pending[0] -= 1
+            pending[1] = pending[1] or error
+            self._acks.notify_all()
+
+    def _fail(self, reason: str) -> None:
+        """A rank died: refuse new work, end every stream in flight with UNAVAILABLE (kills and controls
+        answered, so no caller waits for ever), release waiting weight calls, tell the listeners."""
+        with self._lock:
+            if self.failure is not None:
+                return
+            self.failure = reason
+            for wire_id in list(self._pending_acks):
+                self._pending_acks[wire_id] = [0, Unavailable(reason)]
+            self._acks.notify_all()
+        log.error("%s; ending every stream and stopping", reason)
+        self._gateway.close_admission("failed", f"{reason}: the server is stopping")
+        error = Unavailable(f"{reason}: the server is stopping")
+        signals: list[Signal] = []
+        for queue in self.queues:
+            for request in queue.fail():
+                if request.kind is RequestKind.GENERATE:
+                    signals.append((request, RequestOutput(request.request_id, request.session_id, error=error)))
+                else:
+                    signals.append((request, RequestOutput("", request.session_id, finish_reason=FinishReason.STOP)))
+        self._gateway.notify(signals)
+        for listener in self._failure_listeners:
+            listener(reason)
+
+    # shutdown ----------------------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """The Gateway has sent every rank "close": wait for them (killing any that do not exit in
+        `JOIN_SECONDS`, or all at once after a failure), then for the receiver's last outputs."""
+        for p in self._procs:
+            p.join(0 if self.failure else JOIN_SECONDS)
+        self._kill_all()
+        if self._receiver is not None:
+            self._receiver.join()
+        self._close_sockets()
+
+    def _kill_all(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+
+    def _close_sockets(self) -> None:
+        for queue in self.queues:
+            queue.close_socket()
+        self._outputs.close(linger=0)
+        self._context.term()

@@ -1,0 +1,249 @@
+"""A data-parallel rank as a process of its own (the rank side; process_ranks.py is the serving process's).
+
+The process holds its own model and KV cache and runs one `EngineLoop` over a `RankGateway`: the ordinary
+Gateway, its queue filled from the serving process. The loops of all ranks agree in `Gateway.pop` over
+`GlooComm`, exactly as threads do over `ThreadComm`. Messages cross on pyzmq sockets as pickles:
+
+  serving → rank (PUSH → PULL, one socket per rank):
+    ("request", wire_id, fields)   a generate, kill or control request (`request_fields`)
+    ("cancel", wire_id)            a request it sent was cancelled
+    ("wake",)                      a request arrived at another rank: idle loops here must step with it
+    ("weights", wire_id, action, path)   offload / drop / restore / load, done off the loop thread
+    ("close",)                     shut down: cancel everything, stop the loop, exit 0
+  rank → serving (PUSH → one PULL):
+    ("ready", rank, stats, weights_bytes) | ("failed", rank, error)
+    ("outputs", rank, stats, [(wire_id, RequestOutput), ...])   one message per delivered batch
+    ("weights_done", rank, wire_id, error | None, weights_bytes)
+    ("exited", rank)               its last message after a clean close
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import zmq
+
+from ..config import EngineConfig
+from ..engine_loop import EngineLoop, LoopStats
+from ..errors import EngineError, InternalError
+from ..gateway import Gateway, Signal
+from ..hardware import choose_dtype
+from ..loader import load_checkpoint
+from ..memory import keep_freed_memory, release_host_memory
+from ..request import Request, RequestKind, RequestOutput
+from ..threads import on_fresh_thread
+from ..weights import LocalWeights
+from .gloo_comm import GlooComm
+
+log = logging.getLogger(__name__)
+
+REQUEST_FIELDS = ("kind", "session_id", "request_id", "input_ids", "params", "stateless", "messages", "arrival")
+
+
+def request_fields(request: Request) -> tuple:
+    """What of a request crosses to a rank: everything but its callbacks and flag (monotonic clocks agree
+    between the processes of one machine, so `arrival` keeps its meaning)."""
+    return tuple(getattr(request, f) for f in REQUEST_FIELDS)
+
+
+@dataclass(frozen=True, slots=True)
+class RankSpec:
+    """Everything a rank process starts from (pickled by spawn)."""
+
+    config: EngineConfig
+    model_path: str
+    rank: int
+    size: int
+    store_port: int  # the serving process's TCPStore, for GlooComm
+    requests_address: str  # this rank's PULL connects here
+    outputs_address: str  # every rank's PUSH connects here
+    num_threads: int
+    max_context_length: int
+    log_level: int
+
+
+class Outbox:
+    """Outputs collected while the signal thread delivers one batch, then sent as one message. `_lock` guards
+    `_items` and the socket (the signal thread sends, and so does the main thread, before start and at exit)."""
+
+    def __init__(self, socket: zmq.Socket, rank: int) -> None:
+        self._socket = socket
+        self._rank = rank
+        self._items: list[tuple[int, RequestOutput]] = []
+        self._lock = threading.Lock()
+        self.stats: Callable[[], LoopStats] = LoopStats
+
+    def collector(self, wire_id: int) -> Callable[[RequestOutput], None]:
+        """The `on_output` of the request the serving process knows as `wire_id`."""
+        return lambda output: self._add(wire_id, output)
+
+    def _add(self, wire_id: int, output: RequestOutput) -> None:
+        with self._lock:
+            self._items.append((wire_id, output))
+
+    def flush(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+            if items:
+                self._socket.send_pyobj(("outputs", self._rank, self.stats(), items))
+
+    def send(self, message: tuple) -> None:
+        with self._lock:
+            self._socket.send_pyobj(message)
+
+
+class RankGateway(Gateway):
+    """The Gateway of one rank process: every request goes to its own loop, and each delivered batch of
+    outputs leaves as one message."""
+
+    def __init__(self, rank: int, size: int, max_queued: int, outbox: Outbox) -> None:
+        super().__init__(size, max_queued)
+        self.rank = rank
+        self.outbox = outbox
+
+    def _next_loop(self) -> int:
+        return self.rank
+
+    def _deliver_all(self, signals: list[Signal]) -> None:
+        super()._deliver_all(signals)
+        self.outbox.flush()
+
+
+class RankProcess:
+    """Built in the spawned process; `serve` runs until the serving process says close, or dies."""
+
+    def __init__(self, spec: RankSpec, context: zmq.Context, outbox: Outbox) -> None:
+        c = spec.config
+        self.spec = spec
+        keep_freed_memory()
+        dtype, _ = choose_dtype(c.dtype, torch.device(c.device))
+        comm = GlooComm.connect("127.0.0.1", spec.store_port, spec.rank, spec.size)
+        ckpt = on_fresh_thread(lambda: load_checkpoint(spec.model_path))
+        self.weights = LocalWeights(ckpt, dtype, torch.device(c.device), c.max_batched_tokens)
+        self.gateway = RankGateway(spec.rank, spec.size, c.max_queued_requests, outbox)
+        self.loop = on_fresh_thread(lambda: EngineLoop.build(
+            spec.rank, comm, self.gateway, self.weights, ckpt.tokenizer, ckpt.config, c, spec.max_context_length,
+            spec.num_threads))
+        del ckpt  # the raw weights: the model holds what it needs
+        outbox.stats = self.loop.stats
+        self.outbox = outbox
+        self.requests = context.socket(zmq.PULL)
+        self.requests.connect(spec.requests_address)
+        self.live: weakref.WeakValueDictionary[int, Request] = weakref.WeakValueDictionary()  # for cancels
+        self.closing = False
+
+    def serve(self) -> int:
+        """Exit status: 0 after a close, 1 when the loop stopped by itself (a peer rank died, a step raised)."""
+        stopped_r, stopped_w = os.pipe()
+        thread = threading.Thread(target=self._run_loop, args=(stopped_w,), name=f"lmgate-engine-{self.spec.rank}")
+        thread.start()
+        self.outbox.send(("ready", self.spec.rank, self.loop.stats(), self.weights.nbytes))
+        poller = zmq.Poller()
+        poller.register(self.requests, zmq.POLLIN)
+        poller.register(stopped_r, zmq.POLLIN)
+        poller.register(multiprocessing.parent_process().sentinel, zmq.POLLIN)
+        while True:
+            ready = dict(poller.poll())
+            if multiprocessing.parent_process().sentinel in ready:
+                os._exit(1)  # the serving process has gone: nobody is left to serve
+            if self.requests in ready:
+                while self.requests.poll(0):
+                    self._handle(self.requests.recv_pyobj())
+            if stopped_r in ready:
+                break
+        thread.join()
+        self.gateway.stop_signals()  # delivers, and so sends, the last outputs
+        self.weights.drop()
+        if not self.closing:
+            return 1
+        self.outbox.send(("exited", self.spec.rank))
+        return 0
+
+    def _run_loop(self, stopped: int) -> None:
+        try:
+            self.loop.run()
+        finally:
+            os.write(stopped, b"x")
+
+    def _handle(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "request":
+            self._request(message[1], Request(on_output=self.outbox.collector(message[1]),
+                                               **dict(zip(REQUEST_FIELDS, message[2]))))
+        elif kind == "cancel":
+            request = self.live.get(message[1])
+            if request is not None:
+                self.gateway.cancel(request)
+        elif kind == "wake":
+            self.gateway.wake_loops()
+        elif kind == "weights":
+            threading.Thread(target=self._weights, args=message[1:], name="lmgate-weights").start()
+        elif kind == "close":
+            self.closing = True
+            self.gateway.shutdown()
+
+    def _request(self, wire_id: int, request: Request) -> None:
+        """As `Gateway.push`, `kill` and `control` would for a caller here; the serving process has already
+        checked admission and the session's binding, so the binding here only mirrors it."""
+        gateway = self.gateway
+        if request.kind is RequestKind.KILL:
+            gateway.kill(request.session_id, request.on_output)
+            return
+        if request.kind is not RequestKind.GENERATE:
+            if request.kind is RequestKind.SLEEP:
+                gateway.binding.clear()  # the loop ends every session; queued turns end CANCELLED
+            if not gateway.enqueue(self.spec.rank, request):
+                request.on_output(RequestOutput("", 0, error=InternalError("the engine rank is stopping")))
+                gateway.outbox.flush()
+            return
+        if not request.stateless and gateway.binding.find(request.session_id) is None:
+            gateway.binding.bind(request.session_id, self.spec.rank)
+        try:
+            gateway.push(request)
+            self.live[wire_id] = request
+        except EngineError as exc:
+            request.on_output(RequestOutput(request.request_id, request.session_id, error=exc))
+            gateway.outbox.flush()
+
+    def _weights(self, wire_id: int, action: str, path: str) -> None:
+        error = None
+        try:
+            {"offload": self.weights.offload, "drop": self.weights.drop, "restore": self.weights.restore,
+             "load": lambda: self.weights.load(path)}[action]()
+            if action == "drop":
+                release_host_memory()
+        except Exception as exc:
+            log.exception("rank %d: weights %s failed", self.spec.rank, action)
+            error = exc if isinstance(exc, EngineError) else InternalError(f"weights {action} failed: {exc}")
+        self.outbox.send(("weights_done", self.spec.rank, wire_id, error, self.weights.nbytes))
+
+
+def run_rank(spec: RankSpec) -> None:
+    """The spawned process's entry point."""
+    logging.basicConfig(level=spec.log_level,
+                        format=f"%(asctime)s %(levelname)s rank {spec.rank} %(name)s: %(message)s")
+    torch.set_num_threads(spec.num_threads)
+    context = zmq.Context()
+    outputs = context.socket(zmq.PUSH)
+    outputs.connect(spec.outputs_address)
+    outbox = Outbox(outputs, spec.rank)
+    try:
+        rank = RankProcess(spec, context, outbox)
+    except Exception as exc:
+        log.exception("rank %d failed to start", spec.rank)
+        outbox.send(("failed", spec.rank, exc if isinstance(exc, EngineError) else InternalError(f"rank {spec.rank}: {exc}")))
+        _exit(context, 1)
+    _exit(context, rank.serve())
+
+
+def _exit(context: zmq.Context, status: int) -> Any:
+    """Deliver what was sent (sockets linger until then), then leave without running torch's exit hooks."""
+    context.destroy(linger=5000)
+    logging.shutdown()
+    os._exit(status)

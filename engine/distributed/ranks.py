@@ -1,0 +1,55 @@
+"""`Ranks`: the engine's data-parallel ranks as the Engine sees them, whether threads or processes."""
+from __future__ import annotations
+
+import abc
+from typing import Callable
+
+from ..engine_loop import LoopStats
+from ..gateway import Gateway
+from ..request_queue import RequestQueue
+
+
+class Ranks(abc.ABC):
+    """Started once with the Gateway whose `queues` they serve, stopped once after `Gateway.shutdown`.
+
+    Weight calls come from one admin caller at a time (the Engine's admin lock) and return once every rank
+    has done them; `drop_weights` only after every loop has acknowledged SLEEP.
+    """
+
+    queues: list[RequestQueue]  # one per rank, handed to the Gateway
+    threads_per_loop: int
+
+    def __init__(self) -> None:
+        self.failure: str | None = None  # why a rank died; set once, then the server stops
+        self._failure_listeners: list[Callable[[str], None]] = []
+
+    @abc.abstractmethod
+    def start(self, gateway: Gateway) -> None: ...
+
+    @abc.abstractmethod
+    def stats(self) -> list[LoopStats]: ...
+
+    @abc.abstractmethod
+    def offload_weights(self) -> None: ...
+
+    @abc.abstractmethod
+    def drop_weights(self) -> None: ...
+
+    @abc.abstractmethod
+    def restore_weights(self) -> None: ...
+
+    @abc.abstractmethod
+    def load_weights(self, path: str) -> None: ...
+
+    @property
+    @abc.abstractmethod
+    def weights_bytes(self) -> int:
+        """Bytes of weights held on the engine's device by all ranks together."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """After `Gateway.shutdown`: wait for every rank to stop, then free their memory."""
+
+    def on_failure(self, listener: Callable[[str], None]) -> None:
+        """`listener(reason)` runs once if a rank dies (on the thread that noticed, without locks held)."""
+        self._failure_listeners.append(listener)

@@ -1,0 +1,70 @@
+"""`ThreadRanks`: each data-parallel rank an `EngineLoop` thread of this process, all reading one model."""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from ..config import EngineConfig
+from ..engine_loop import EngineLoop, LoopStats
+from ..gateway import Gateway
+from ..loader import Checkpoint
+from ..request_queue import RequestQueue
+from ..threads import on_fresh_thread
+from ..weights import LocalWeights
+from .ranks import Ranks
+from .thread_comm import ThreadComm
+
+
+class ThreadRanks(Ranks):
+    """Shared read-only weights; each loop has its own KV cache and agrees with its peers over `ThreadComm`."""
+
+    def __init__(self, config: EngineConfig, ckpt: Checkpoint, dtype: torch.dtype, max_context_length: int,
+                 threads_per_loop: int) -> None:
+        super().__init__()
+        self.config = config
+        self.tokenizer, self.model_config = ckpt.tokenizer, ckpt.config  # not the checkpoint: it holds the raw weights
+        self.weights = LocalWeights(ckpt, dtype, torch.device(config.device), config.max_batched_tokens)
+        self.max_context_length = max_context_length
+        self.threads_per_loop = threads_per_loop
+        self.queues = [RequestQueue(config.max_queued_requests) for _ in range(config.engine_loops)]
+        self.loops: list[EngineLoop] = []
+        self._threads: list[threading.Thread] = []
+
+    def start(self, gateway: Gateway) -> None:
+        comms = ThreadComm.create_group(self.config.engine_loops)
+        self.loops = on_fresh_thread(lambda: [
+            EngineLoop.build(comm.rank, comm, gateway, self.weights, self.tokenizer, self.model_config,
+                             self.config, self.max_context_length, self.threads_per_loop)
+            for comm in comms
+        ])
+        self._threads = [threading.Thread(target=loop.run, name=f"lmgate-engine-{loop.rank}", daemon=True)
+                         for loop in self.loops]
+        for t in self._threads:
+            t.start()
+
+    def stats(self) -> list[LoopStats]:
+        return [loop.stats() for loop in self.loops]
+
+    def offload_weights(self) -> None:
+        self.weights.offload()
+
+    def drop_weights(self) -> None:
+        self.weights.drop()
+
+    def restore_weights(self) -> None:
+        self.weights.restore()
+
+    def load_weights(self, path: str) -> None:
+        self.weights.load(path)
+
+    @property
+    def weights_bytes(self) -> int:
+        return self.weights.nbytes
+
+    def shutdown(self) -> None:
+        for t in self._threads:
+            t.join()
+        for loop in self.loops:
+            loop.runner.release_kv_cache()
+        self.weights.drop()

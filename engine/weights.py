@@ -1,0 +1,68 @@
+"""`LocalWeights`: the model a process's runners share, and how it sleeps, wakes and is replaced."""
+from __future__ import annotations
+
+import torch
+
+from .loader import Checkpoint, load_checkpoint
+from .model_runner import ModelRunner
+from .models import build_model, count_weight_bytes
+from .models.llama import LlamaForCausalLM
+from .threads import on_fresh_thread
+
+
+class LocalWeights:
+    """One model, read by every runner of this process (a thread engine's loops, or one rank process).
+
+    Changed only by one admin caller at a time (the Engine's admin lock, a rank's control thread). Weights are
+    swapped by replacing the model object and bumping each runner's `weights_version`: a loop reads
+    `runner.model` once per step, so a step in flight finishes on the old one.
+    """
+
+    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, batch_hint: int) -> None:
+        self.dtype, self.device, self.batch_hint = dtype, device, batch_hint
+        self.path = ckpt.path  # where a dropped model is loaded again from; follows `load`
+        self.runners: list[ModelRunner] = []
+        self.model: LlamaForCausalLM | None = self._build(ckpt)
+        self._offloaded = False
+
+    def offload(self) -> None:
+        """Sleep level 1: weights kept in host memory, moved off an accelerator, untouched on the CPU."""
+        if self.model is not None and self.device.type != "cpu":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        self._offloaded = True
+
+    def drop(self) -> None:
+        """Sleep level 2 (and shutdown): the weights freed; only after every loop has stopped stepping."""
+        self._install(None)
+
+    def restore(self) -> None:
+        """Undo `offload` or `drop`: back on the device, loaded again from `path` if they were dropped."""
+        if self.model is None:
+            self.load(self.path)
+        elif self.device.type != "cpu":
+            self.model.to(self.device)
+        self._offloaded = False
+
+    def load(self, path: str) -> None:
+        """Replace the weights with a checkpoint's (its shape checked by the caller)."""
+        ckpt = on_fresh_thread(lambda: load_checkpoint(path))
+        self._install(self._build(ckpt))
+        self.path = ckpt.path
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weights on the device (tied tensors once, packed copies included)."""
+        if self.model is None or (self.device.type != "cpu" and self._offloaded):
+            return 0
+        return count_weight_bytes(self.model)
+
+    def _build(self, ckpt: Checkpoint) -> LlamaForCausalLM:
+        """Off the calling thread, as loading is: engine/threads.py says why."""
+        return on_fresh_thread(lambda: build_model(ckpt.config, ckpt.weights, self.dtype, self.device, self.batch_hint))
+
+    def _install(self, model: LlamaForCausalLM | None) -> None:
+        self.model = model
+        for runner in self.runners:
+            runner.model = model
+            runner.weights_version += 1

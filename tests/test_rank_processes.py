@@ -1,0 +1,99 @@
+"""Data-parallel ranks as processes: what only processes have (spawned ranks, a rank killed mid-stream).
+
+The session, cancel, end, sleep and stress tests run over processes too, through the `server2`, `served` and
+`sleepy` fixtures."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from lmgate.v1 import lmgate_pb2 as pb
+from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
+from tests.serving import serve_process
+
+LONG = pb.SamplingParams(max_new_tokens=4000, ignore_eos=True)
+GUARD = 300  # seconds: a guard against a hang, far above what any run takes, never a performance bound
+
+
+def rank_pids(pid: int) -> list[int]:
+    """The serving process's spawned children (multiprocessing's spawn runs them with `spawn_main`)."""
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            children += [int(c) for c in f.read().split()]
+    ranks = []
+    for child in children:
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                ranks.append(child)
+    return sorted(ranks)
+
+
+def test_each_rank_is_a_process_and_info_counts_them_all(process_ranks_server):
+    info = process_ranks_server.info()
+    assert info.engine_loops == 2 and info.kv_blocks_total == 2 * 8192 // info.kv_block_size
+    assert info.weights_bytes > 2 * 500e6  # each rank holds its own copy of the 135M float32 weights
+    assert len(rank_pids(os.getpid())) >= 2
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="finds the rank processes through /proc")
+def test_a_rank_killed_mid_stream_ends_every_stream_and_the_server_exits_non_zero():
+    proc, address = serve_process("--engine-loops", "2", "--dp-backend", "process", "--kv-cache-tokens", "4096")
+    try:
+        ranks = rank_pids(proc.pid)
+        assert len(ranks) == 2
+        channel = grpc.insecure_channel(address)
+        stub = pb_grpc.InferenceStub(channel)
+        health = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service="lmgate.v1.Inference"))
+        assert next(health).status == health_pb2.HealthCheckResponse.SERVING
+        sid = stub.Start(pb.StartRequest()).session_id
+        streams = [stub.Generate(pb.GenerateRequest(prompt=f"Story {i}:", sampling=LONG), timeout=GUARD) for i in range(5)]
+        streams.append(stub.Generate(pb.GenerateRequest(session_id=sid, prompt="Once", sampling=LONG), timeout=GUARD))
+        for s in streams:  # every stream is running, on both ranks (stateless requests go round robin)
+            assert next(m for m in s if m.token_ids)
+        statuses = []
+
+        def drain(stream) -> None:
+            try:
+                for _ in stream:
+                    pass
+                statuses.append("finished")
+            except grpc.RpcError as err:
+                statuses.append((err.code(), err.details()))
+
+        readers = [threading.Thread(target=drain, args=(s,)) for s in streams]
+        for r in readers:
+            r.start()
+        os.kill(ranks[1], signal.SIGKILL)
+        for r in readers:
+            r.join()
+        assert len(statuses) == len(streams)
+        for status in statuses:
+            assert status[0] == grpc.StatusCode.UNAVAILABLE and "engine rank" in status[1], status
+        seen = []
+        try:
+            for update in health:
+                seen.append(update.status)
+        except grpc.RpcError:
+            pass  # the server went away after saying NOT_SERVING
+        assert health_pb2.HealthCheckResponse.NOT_SERVING in seen
+        assert proc.wait(timeout=GUARD) == 1
+        assert not any(os.path.exists(f"/proc/{pid}") and _alive(pid) for pid in ranks)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _alive(pid: int) -> bool:
+    """Not a zombie (an exited child its parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
