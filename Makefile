@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # had, pip's own choice of torch (set PIP_EXTRA_INDEX_URL for another build).
 TORCH ?= torch==2.13.0
 
-.PHONY: install proto serve test test-fast bench-engine bench-serve bench-prefix bench-fleet bench-comm clean
+.PHONY: install proto serve test test-fast bench-engine bench-serve bench-prefix bench-fleet bench-comm bench-scale clean
 
 install: $(STAMP)
 
@@ -61,6 +61,9 @@ bench-fleet: install $(NGINX)
 
 bench-comm: install
 	$(PY) tests/bench_comm.py $(ARGS)
+
+bench-scale: install
+	$(PY) tests/bench_scale.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

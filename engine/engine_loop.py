@@ -44,6 +44,8 @@ class LoopStats:
     preemptions: int = 0
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
+    steps: int = 0
+    pop_seconds: float = 0.0  # in `Gateway.pop`: the ranks' agreement, waits for slower ranks and idle time included
 
 
 def attention_path(device: torch.device, kernel: bool) -> str:
@@ -87,6 +89,7 @@ class EngineLoop:
         self.default_max_new_tokens = default_max_new_tokens
         self.num_threads = num_threads  # torch threads for this loop's steps
         self.num_steps = 0
+        self.pop_seconds = 0.0
         self.weights_version = runner.weights_version  # of the weights the prefix cache's KV was computed with
         self._signals: list[Signal] = []
 
@@ -111,7 +114,7 @@ class EngineLoop:
         return LoopStats(
             self.blocks.num_blocks, self.blocks.num_free, self.runner.kv_cache_bytes, len(self.scheduler.running),
             len(self.scheduler.waiting), self.gateway.queues[self.rank].num_generates, self.scheduler.num_preemptions,
-            self.blocks.queried_tokens, self.blocks.hit_tokens,
+            self.blocks.queried_tokens, self.blocks.hit_tokens, self.num_steps, self.pop_seconds,
         )
 
     # the loop ----------------------------------------------------------------------------------------------
@@ -133,7 +136,9 @@ class EngineLoop:
     def _run(self) -> None:
         while True:
             free = self.max_batch_size - len(self.scheduler.running) - len(self.scheduler.waiting)
+            start = time.perf_counter()
             requests = self.gateway.pop(self.rank, max(free, 0), self.scheduler.has_work, self.comm)
+            self.pop_seconds += time.perf_counter() - start
             if requests is None:
                 return
             try:
