@@ -78,6 +78,7 @@ class EngineConfig:
     max_context_length: int | None = None
     engine_loops: int = 1  # data-parallel ranks
     dp_backend: str = "thread"  # of DP_BACKENDS: ranks as threads sharing one model, or processes with one each
+    tensor_parallel: int = 1  # ranks splitting each data-parallel rank's model (always processes)
     default_max_new_tokens: int = 256
     max_queued_requests: int = 1024  # per engine loop; a generate beyond it is RESOURCE_EXHAUSTED
     attention_kernel: bool = True  # CPU decode attention in C++ (built on first use), else torch ops
@@ -85,7 +86,7 @@ class EngineConfig:
     threads: int = 0  # torch threads over all engine loops; 0: the CPUs this process may use (threads.py)
 
     def __post_init__(self) -> None:
-        for name in ("kv_cache_tokens", "block_size", "max_batch_size", "max_batched_tokens", "engine_loops",
+        for name in ("kv_cache_tokens", "block_size", "max_batch_size", "max_batched_tokens", "engine_loops", "tensor_parallel",
                      "default_max_new_tokens", "max_queued_requests"):
             if getattr(self, name) < 1:
                 raise InvalidRequest(f"{name} must be at least 1, got {getattr(self, name)}")

@@ -14,7 +14,7 @@ from .detokenizer import IncrementalDetokenizer
 from .errors import ContextOverflow, EngineError, InternalError, InvalidRequest, SessionBusy, Unavailable
 from .gateway import Gateway, Signal, cancelled_output
 from .distributed import CommAborted, HostComm
-from .config import EngineConfig, ModelConfig
+from .config import EngineConfig
 from .kernels import load_paged_attention
 from .kernels.triton import available as triton_available
 from .kv_cache import allocate_kv_cache
@@ -46,6 +46,18 @@ class LoopStats:
     prefix_hit_tokens: int = 0
     steps: int = 0
     pop_seconds: float = 0.0  # in `Gateway.pop`: the ranks' agreement, waits for slower ranks and idle time included
+
+
+def build_runner(weights: LocalWeights, config: EngineConfig) -> ModelRunner:
+    """A runner over `weights`' model (a tensor-parallel shard's included) with a KV cache of its own."""
+    num_blocks = config.kv_cache_tokens // config.block_size
+    runner = ModelRunner(
+        weights.model,
+        lambda: allocate_kv_cache(weights.config, num_blocks, config.block_size, weights.dtype, weights.device),
+        config.block_size, weights.device, attention_path(weights.device, config.attention_kernel),
+    )
+    weights.runners.append(runner)
+    return runner
 
 
 def attention_path(device: torch.device, kernel: bool) -> str:
@@ -95,15 +107,11 @@ class EngineLoop:
 
     @classmethod
     def build(cls, rank: int, comm: HostComm, gateway: Gateway, weights: LocalWeights, tokenizer: Tokenizer,
-              model_config: ModelConfig, config: EngineConfig, max_context_length: int, num_threads: int) -> "EngineLoop":
+              config: EngineConfig, max_context_length: int, num_threads: int) -> "EngineLoop":
         """A loop over `weights`' model with a KV cache of its own (allocated here: call on a fresh thread)."""
         num_blocks = config.kv_cache_tokens // config.block_size
-        runner = ModelRunner(
-            weights.model,
-            lambda: allocate_kv_cache(model_config, num_blocks, config.block_size, weights.dtype, weights.device),
-            config.block_size, weights.device, attention_path(weights.device, config.attention_kernel),
-        )
-        weights.runners.append(runner)
+        runner = build_runner(weights, config)
+
         return cls(
             rank, gateway, comm, runner, BlockManager(num_blocks, config.block_size, config.prefix_caching), tokenizer,
             config.max_batch_size, config.max_batched_tokens, max_context_length, config.default_max_new_tokens,
@@ -143,6 +151,8 @@ class EngineLoop:
                 return
             try:
                 self.step(requests)
+            except CommAborted:  # a tensor-parallel peer failed mid-step: as a data-parallel one would
+                raise
             except Exception as exc:  # a failed step must end its streams, not hang them
                 log.exception("engine loop %d: step failed", self.rank)
                 self._fail_all(InternalError(f"engine step failed: {exc}"))

@@ -1,8 +1,9 @@
 """Turns a scheduled batch into tensors, runs the model over the paged cache, and samples."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -11,7 +12,24 @@ from .attention import (AttentionMetadata, DecodeTables, GatheredDecode, Prefill
                         gather_rows)
 from .models.llama import LlamaForCausalLM
 from .sampling import SampleResult, SampleRow, sample
+from .distributed.host_comm import HostComm
 from .sequence import Sequence
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """kSetup's output: one step as plain lists, decodes first. The same for every tensor-parallel rank, so a
+    leader broadcasts it (without `sample_rows`, which only the leader reads) and each rank prepares its own
+    tensors for its share of the KV heads."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)  # each token's KV slot in the flattened cache
+    logit_rows: list[int] = field(default_factory=list)
+    decode_tables: list[list[int]] = field(default_factory=list)  # block tables of the decodes
+    decode_lengths: list[int] = field(default_factory=list)  # their tokens of KV, this step's included
+    prefills: list[tuple[int, int, int, list[int]]] = field(default_factory=list)  # rows [start, end), context, blocks
+    sample_rows: list[SampleRow] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -48,66 +66,88 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.attention = attention  # of ATTENTION_PATHS; chosen at build, read per step
+        self.followers: HostComm | None = None  # a tensor-parallel leader's group: what it does, they do
+        self.group_kv_share = 1.0  # the tensor-parallel group's KV heads over this rank's
 
     def release_kv_cache(self) -> None:
+        self._tell_followers("release_kv")
         self.kv_caches = []
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def allocate_kv_cache(self) -> None:
+        self._tell_followers("allocate_kv")
         if not self.kv_caches:
             self.kv_caches = self.make_kv_cache()
 
+    def stop_followers(self) -> None:
+        self._tell_followers("stop")
+
+    def _tell_followers(self, command: str) -> None:
+        if self.followers is not None:
+            self.followers.broadcast((command, None))
+
     @property
     def kv_cache_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for kv in self.kv_caches for t in kv)
+        """This rank's KV cache; a tensor-parallel leader's counts its whole group's."""
+        return int(sum(t.numel() * t.element_size() for kv in self.kv_caches for t in kv) * self.group_kv_share)
 
     def setup(self, batch: list[Sequence]) -> StepInputs:
-        """kSetup: host-side sequence state to device tensors."""
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logit_rows: list[int] = []
-        rows: list[SampleRow] = []
-        decodes = [s for s in batch if s.num_scheduled == 1 and s.num_uncomputed == 1]
-        prefills: list[PrefillChunk] = []
-        chunks: list[Sequence] = []
+        """kSetup + kPrepare. A tensor-parallel leader sends the plan to its followers first."""
+        plan = self.plan(batch)
+        if self.followers is not None:
+            self.followers.broadcast(("step", dataclasses.replace(plan, sample_rows=[])))
+        return self.prepare(plan)
+
+    def plan(self, batch: list[Sequence]) -> StepPlan:
+        """kSetup: the step as plain lists, decodes first, from the sequences' host-side state."""
+        plan = StepPlan()
         for seq in batch:
             start, end = seq.num_computed, seq.num_computed + seq.num_scheduled
-            first_row = len(ids)
-            ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(seq.block_table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end))
-            if seq not in decodes and self.attention == "triton":
-                chunks.append(seq)
-            elif seq not in decodes:
-                table = torch.tensor(seq.block_table[: -(-end // self.block_size)], dtype=torch.long)
-                prefills.append(PrefillChunk(first_row, len(ids), end, self._rows(table)))
+            first_row = len(plan.input_ids)
+            plan.input_ids.extend(seq.token_ids[start:end])
+            plan.positions.extend(range(start, end))
+            plan.slots.extend(seq.block_table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end))
+            if seq.num_scheduled == 1 and seq.num_uncomputed == 1:
+                plan.decode_tables.append(seq.block_table)
+                plan.decode_lengths.append(end)
+            else:
+                plan.prefills.append((first_row, len(plan.input_ids), end, seq.block_table[: -(-end // self.block_size)]))
             if seq.samples_this_step:
-                logit_rows.append(len(ids) - 1)
-                rows.append(SampleRow(seq.params, seq.generator, seq.token_ids[: seq.num_prompt_tokens], seq.output_ids, seq.banned_ids))
-        meta = AttentionMetadata(self._tensor(slots), len(decodes), self._decode_tables(decodes) if decodes else None,
-                                 self._prefill_tables(chunks) if self.attention == "triton" else prefills,
-                                 triton=self.attention == "triton")
-        return StepInputs(self._tensor(ids), self._tensor(positions), meta, self._tensor(logit_rows), rows)
+                plan.logit_rows.append(len(plan.input_ids) - 1)
+                plan.sample_rows.append(SampleRow(seq.params, seq.generator, seq.token_ids[: seq.num_prompt_tokens], seq.output_ids, seq.banned_ids))
+        return plan
 
-    def _decode_tables(self, decodes: list[Sequence]) -> DecodeTables | GatheredDecode:
-        width = max(len(s.block_table) for s in decodes)
-        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in decodes], dtype=torch.long)
-        lengths = torch.tensor([s.num_computed + 1 for s in decodes])
+    def prepare(self, plan: StepPlan) -> StepInputs:
+        """kPrepare: the plan as device tensors and the attention metadata this runner's path reads."""
+        if self.attention == "triton":
+            prefills = self._prefill_tables(plan.prefills)
+        else:
+            prefills = [PrefillChunk(start, end, context, self._rows(torch.tensor(table, dtype=torch.long)))
+                        for start, end, context, table in plan.prefills]
+        decode = self._decode_tables(plan.decode_tables, plan.decode_lengths) if plan.decode_tables else None
+        meta = AttentionMetadata(self._tensor(plan.slots), len(plan.decode_tables), decode, prefills,
+                                 triton=self.attention == "triton")
+        return StepInputs(self._tensor(plan.input_ids), self._tensor(plan.positions), meta,
+                          self._tensor(plan.logit_rows), plan.sample_rows)
+
+    def _decode_tables(self, block_tables: list[list[int]], lengths: list[int]) -> DecodeTables | GatheredDecode:
+        width = max(len(t) for t in block_tables)
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
+        lengths = torch.tensor(lengths)
         if self.attention != "torch":
             return DecodeTables(tables.to(self.device), lengths.to(self.device))
         return GatheredDecode(self._rows(tables), decode_mask(lengths, width * self.block_size, self.kv_caches[0][0]).to(self.device))
 
-    def _prefill_tables(self, chunks: list[Sequence]) -> PrefillTables:
+    def _prefill_tables(self, prefills: list[tuple[int, int, int, list[int]]]) -> PrefillTables:
         """Rows counted from the first prefill row: the chunks follow one another after the decodes."""
-        lens = [s.num_scheduled for s in chunks]
-        width = max((len(s.block_table) for s in chunks), default=1)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in chunks]
+        lens = [end - start for start, end, _, _ in prefills]
+        width = max((len(table) for *_, table in prefills), default=1)
+        tables = [table + [0] * (width - len(table)) for *_, table in prefills]
         return PrefillTables(
-            self._tensor(tables) if chunks else torch.zeros((0, 1), dtype=torch.long, device=self.device),
+            self._tensor(tables) if prefills else torch.zeros((0, 1), dtype=torch.long, device=self.device),
             self._tensor([0, *itertools.accumulate(lens)][: len(lens)]), self._tensor(lens),
-            self._tensor([s.num_computed + s.num_scheduled for s in chunks]), max(lens, default=0),
+            self._tensor([context for _, _, context, _ in prefills]), max(lens, default=0),
         )
 
     def _rows(self, tables: torch.Tensor) -> torch.Tensor:

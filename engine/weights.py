@@ -1,13 +1,25 @@
 """`LocalWeights`: the model a process's runners share, and how it sleeps, wakes and is replaced."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
 from .loader import Checkpoint, load_checkpoint
 from .model_runner import ModelRunner
 from .models import build_model, count_weight_bytes
 from .models.llama import LlamaForCausalLM
+from .models.tensor_parallel import Shard, shard_config, shard_weights
 from .threads import on_fresh_thread
+
+
+@dataclass(frozen=True, slots=True)
+class TensorParallel:
+    """A rank's place in its tensor-parallel group: its shard, and the all-reduce over the group."""
+
+    shard: Shard
+    all_reduce: Callable[[torch.Tensor], torch.Tensor]
 
 
 class LocalWeights:
@@ -18,9 +30,12 @@ class LocalWeights:
     `runner.model` once per step, so a step in flight finishes on the old one.
     """
 
-    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, batch_hint: int) -> None:
+    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, batch_hint: int,
+                 tp: TensorParallel | None = None) -> None:
         self.dtype, self.device, self.batch_hint = dtype, device, batch_hint
         self.path = ckpt.path  # where a dropped model is loaded again from; follows `load`
+        self.tp = tp
+        self.config = shard_config(ckpt.config, tp.shard) if tp else ckpt.config  # the model this process runs
         self.runners: list[ModelRunner] = []
         self.model: LlamaForCausalLM | None = self._build(ckpt)
         self._offloaded = False
@@ -58,8 +73,14 @@ class LocalWeights:
         return count_weight_bytes(self.model)
 
     def _build(self, ckpt: Checkpoint) -> LlamaForCausalLM:
-        """Off the calling thread, as loading is: engine/threads.py says why."""
-        return on_fresh_thread(lambda: build_model(ckpt.config, ckpt.weights, self.dtype, self.device, self.batch_hint))
+        """Off the calling thread, as loading is: engine/threads.py says why. A tensor-parallel rank builds its
+        shard, whose decoder layers sum their row-parallel outputs over the group."""
+        weights = shard_weights(ckpt.weights, ckpt.config, self.tp.shard) if self.tp else ckpt.weights
+        model = on_fresh_thread(lambda: build_model(self.config, weights, self.dtype, self.device, self.batch_hint))
+        if self.tp:
+            for layer in model.model.layers:
+                layer.reduce = self.tp.all_reduce
+        return model
 
     def _install(self, model: LlamaForCausalLM | None) -> None:
         self.model = model

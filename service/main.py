@@ -84,6 +84,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--port", type=PORT, default=_env("PORT", 50051), help="port; 0 picks a free one [LMGATE_PORT]")
     ap.add_argument("--engine-loops", type=COUNT, default=_env("ENGINE_LOOPS", 1), help="data-parallel engine loops, each with its own KV cache [LMGATE_ENGINE_LOOPS]")
     ap.add_argument("--dp-backend", default=_env("DP_BACKEND", "thread"), type=_one_of(*DP_BACKENDS), metavar="{" + ",".join(DP_BACKENDS) + "}", help="thread: the engine loops are threads sharing one copy of the weights; process: each loop a process of its own (spawned), with its own copy, past the GIL [LMGATE_DP_BACKEND]")
+    ap.add_argument("--tensor-parallel", type=COUNT, default=_env("TENSOR_PARALLEL", 1), help="ranks each engine loop's model is split over (by whole GQA groups; always processes): --tensor-parallel 2 --engine-loops 2 makes four [LMGATE_TENSOR_PARALLEL]")
     ap.add_argument("--max-batch-size", type=COUNT, default=_env("MAX_BATCH_SIZE", 64), help="sequences per engine step [LMGATE_MAX_BATCH_SIZE]")
     ap.add_argument("--max-batched-tokens", type=COUNT, default=_env("MAX_BATCHED_TOKENS", 512), help="tokens per engine step; long prompts are prefilled in chunks of this [LMGATE_MAX_BATCHED_TOKENS]")
     ap.add_argument("--kv-cache-tokens", type=COUNT, default=_env("KV_CACHE_TOKENS", 32768), help="KV cache size per engine loop, in tokens; also caps the context [LMGATE_KV_CACHE_TOKENS]")
@@ -131,6 +132,7 @@ def check_settings(args: argparse.Namespace) -> EngineConfig:
             model=args.model, dtype=args.dtype, device=args.device, kv_cache_tokens=args.kv_cache_tokens,
             max_batch_size=args.max_batch_size, max_batched_tokens=args.max_batched_tokens,
             max_context_length=args.max_context_length or None, engine_loops=args.engine_loops, dp_backend=args.dp_backend,
+            tensor_parallel=args.tensor_parallel,
             max_queued_requests=args.max_queued_requests, attention_kernel=args.attention_kernel == "on",
             prefix_caching=args.prefix_caching == "on", threads=args.threads,
         )
@@ -179,11 +181,11 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> None:
     print(f"lmgate serving {os.path.basename(engine.model_path)} on {args.host}:{server.port} "
           f"(ready in {time.perf_counter() - started:.1f}s)", flush=True)
     info = engine.info()
-    log.info("started: model %s (%s), dtype %s (%s), device %s, %d engine loop(s) as %ss x %d torch threads, KV cache "
+    log.info("started: model %s (%s), dtype %s (%s), device %s, %d engine loop(s) as %s, tensor parallel %d, x %d torch threads, KV cache "
              "%d tokens (%.0f MiB), batches of %d sequences / %d tokens, context %d, gRPC port %d (%s), metrics port %s, "
              "replica %s",
              os.path.basename(engine.model_path), info.architecture, str(engine.dtype).removeprefix("torch."),
-             engine.dtype_reason, engine.device, info.engine_loops, args.dp_backend, engine.threads_per_loop,
+             engine.dtype_reason, engine.device, info.engine_loops, "threads" if engine.loops else "processes", args.tensor_parallel, engine.threads_per_loop,
              info.kv_blocks_total * info.kv_block_size, info.kv_cache_bytes / 2**20, args.max_batch_size,
              args.max_batched_tokens, info.max_context_length, server.port,
              ("mutual TLS" if args.tls.client_ca else "TLS") if args.tls else "plaintext", args.metrics_port or "off",

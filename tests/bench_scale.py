@@ -1,4 +1,4 @@
-"""Data-parallel scale-out on one machine, in one run: DP=1, DP=2 as threads, DP=2 as processes, on the
+"""Scale-out on one machine, in one run: DP=1, DP=2 as threads, DP=2 as processes, TP=2, on the
 workload of bench-engine, against the GEMM-bound limit measured in the same run (a benchmark: it prints,
 never asserts).
 
@@ -23,12 +23,14 @@ from lmgate.engine.threads import available_cpus, on_fresh_thread
 from bench_comm import on_processes  # beside this file: all run as scripts
 from bench_engine import gemm_bound, matmul_flops, run_engine
 
-CONFIGS = (("DP=1", 1, "thread"), ("DP=2 threads", 2, "thread"), ("DP=2 processes", 2, "process"))
+# label, data-parallel ranks, backend, tensor-parallel ranks
+CONFIGS = (("DP=1", 1, "thread", 1), ("DP=2 threads", 2, "thread", 1), ("DP=2 processes", 2, "process", 1),
+           ("TP=2", 1, "process", 2))
 
 
-def measure(args, loops: int, backend: str) -> tuple[float, float, float, str]:
+def measure(args, loops: int, backend: str, tp: int) -> tuple[float, float, float, str]:
     """Output tokens/s; milliseconds per step and in `pop` per step, averaged over ranks."""
-    engine = Engine(EngineConfig(model=args.model, dtype="float32", engine_loops=loops, dp_backend=backend,
+    engine = Engine(EngineConfig(model=args.model, dtype="float32", engine_loops=loops, dp_backend=backend, tensor_parallel=tp,
                                  max_batched_tokens=args.max_batched_tokens, max_batch_size=max(64, args.requests)))
     try:
         prompts = random_prompts(random.Random(0), args.requests, args.input_len, engine.tokenizer.vocab_size)
@@ -54,8 +56,8 @@ def main() -> None:
     args = ap.parse_args()
     flops = on_fresh_thread(lambda: matmul_flops(torch.float32))
     results = {}
-    for label, loops, backend in CONFIGS:
-        results[label] = measure(args, loops, backend)
+    for label, loops, backend, tp in CONFIGS:
+        results[label] = measure(args, loops, backend, tp)
         print(f"{label}: {results[label][0]:.1f} tok/s", flush=True)
     gloo = on_processes(2, 2000)["all_reduce [2 ints]"]
     cpu = cpu_features()
@@ -69,7 +71,6 @@ def main() -> None:
     base = results["DP=1"][0]
     for label, (tps, step_ms, pop_ms, threads) in results.items():
         print(f"{label:16} {tps:8.1f} {tps / limit:9.1%} {tps / base:7.2f}x {step_ms:8.1f} {pop_ms:10.2f}   {threads}")
-    print("TP=2: not built yet (tensor parallelism is the next part of this issue)")
     print(f"gloo all_reduce of [2 ints] between 2 processes over loopback: {gloo:.0f} us median "
           f"(the agreement makes two of them per step: a shape check, then the values)")
     print(f"\nWhat this predicts: the agreement costs about {2 * gloo / 1e3:.2f} ms per step against steps of "

@@ -72,6 +72,11 @@ class GlooComm(HostComm):
         return TCPStore(host, port, is_master=True, wait_for_workers=False)
 
     @property
+    def store(self) -> Store:
+        """The rendezvous this communicator's group met at, for other groups of the same ranks."""
+        return self._store
+
+    @property
     def rank(self) -> int:
         return self._rank
 

@@ -31,7 +31,8 @@ JOIN_SECONDS = 30.0  # for a rank to exit after close, before it is killed
 
 
 class RemoteQueue:
-    """The serving process's stand-in for one rank's `RequestQueue`: `push` forwards the request at once.
+    """The serving process's link to one rank process; a tensor-parallel leader's is the Gateway's stand-in
+    for that data-parallel rank's `RequestQueue`: `push` forwards the request at once.
 
     `_lock` guards the socket, `_inflight` and `_closed`; it is a leaf. A request is marked active before it
     leaves, under the lock, so its cancel (`on_cancel`, which takes the lock too) always follows it.
@@ -98,25 +99,27 @@ class ProcessRanks(Ranks):
         super().__init__()
         self.config = config
         self.threads_per_loop = threads_per_loop
-        size = config.engine_loops
+        self.tp_size = tp = config.tensor_parallel
+        size = config.engine_loops * tp
         self._context = zmq.Context()
         self._outputs = self._context.socket(zmq.PULL)
         outputs_port = self._outputs.bind_to_random_port("tcp://127.0.0.1")
         self._store = GlooComm.create_store()
         self._ids = ids = itertools.count(1)  # wire ids of requests and weight calls
-        self.queues: list[RemoteQueue] = []
+        self._links: list[RemoteQueue] = []  # one per rank process, by world rank
         self._specs = []
         for rank in range(size):
             socket = self._context.socket(zmq.PUSH)
             socket.setsockopt(zmq.SNDHWM, 0)  # never block a caller: the rank takes what it is sent
             port = socket.bind_to_random_port("tcp://127.0.0.1")
-            self.queues.append(RemoteQueue(socket, rank, ids, self))
-            self._specs.append(RankSpec(config, model_path, rank, size, self._store.port, f"tcp://127.0.0.1:{port}",
+            self._links.append(RemoteQueue(socket, rank // tp, ids, self))
+            self._specs.append(RankSpec(config, model_path, rank, size, tp, self._store.port, f"tcp://127.0.0.1:{port}",
                                         f"tcp://127.0.0.1:{outputs_port}", threads_per_loop, max_context_length,
                                         log_level))
+        self.queues = self._links[::tp]  # the tensor-parallel leaders take the requests
         self._procs: list[BaseProcess] = []
         self._exited: set[int] = set()  # ranks that said "exited" (a clean close)
-        self._stats = [LoopStats() for _ in range(size)]
+        self._stats = [LoopStats() for _ in range(config.engine_loops)]
         self._weights_bytes = [0] * size
         self._lock = threading.Lock()
         self._acks = threading.Condition(self._lock)
@@ -143,7 +146,9 @@ class ProcessRanks(Ranks):
                 if message[0] == "failed":
                     raise message[2]
                 _, rank, stats, nbytes = message
-                self._stats[rank], self._weights_bytes[rank] = stats, nbytes
+                self._weights_bytes[rank] = nbytes
+                if rank % self.tp_size == 0:
+                    self._stats[rank // self.tp_size] = stats
                 waiting.discard(rank)
         except BaseException:
             self._kill_all()
@@ -201,9 +206,9 @@ class ProcessRanks(Ranks):
         with self._lock:
             if self.failure is not None:
                 raise Unavailable(f"{self.failure}: the server is stopping")
-            self._pending_acks[wire_id] = [len(self.queues), None]
-        for queue in self.queues:
-            queue.send(("weights", wire_id, action, path))
+            self._pending_acks[wire_id] = [len(self._links), None]
+        for link in self._links:
+            link.send(("weights", wire_id, action, path))
         with self._lock:
             self._acks.wait_for(lambda: self._pending_acks[wire_id][0] == 0)
             error = self._pending_acks.pop(wire_id)[1]
@@ -237,10 +242,10 @@ class ProcessRanks(Ranks):
 
     def _handle(self, message: tuple) -> None:
         kind, rank = message[0], message[1]
-        if kind == "outputs":
+        if kind == "outputs":  # only from leaders
             with self._lock:
-                self._stats[rank] = message[2]
-            queue = self.queues[rank]
+                self._stats[rank // self.tp_size] = message[2]
+            queue = self._links[rank]
             signals: list[Signal] = []
             for wire_id, output in message[3]:
                 request = queue.take(wire_id, output.finished)
@@ -306,7 +311,7 @@ class ProcessRanks(Ranks):
             p.join()
 
     def _close_sockets(self) -> None:
-        for queue in self.queues:
-            queue.close_socket()
+        for link in self._links:
+            link.close_socket()
         self._outputs.close(linger=0)
         self._context.term()

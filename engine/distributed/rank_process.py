@@ -30,7 +30,7 @@ import torch
 import zmq
 
 from ..config import EngineConfig
-from ..engine_loop import EngineLoop, LoopStats
+from ..engine_loop import EngineLoop, LoopStats, build_runner
 from ..errors import EngineError, InternalError
 from ..gateway import Gateway, Signal
 from ..hardware import choose_dtype
@@ -38,8 +38,11 @@ from ..loader import load_checkpoint
 from ..memory import keep_freed_memory, release_host_memory
 from ..request import Request, RequestKind, RequestOutput
 from ..threads import on_fresh_thread
-from ..weights import LocalWeights
+from ..models.tensor_parallel import shard_of
+from ..weights import LocalWeights, TensorParallel
+from .device_group import DeviceGroup
 from .gloo_comm import GlooComm
+from .host_comm import CommAborted
 
 log = logging.getLogger(__name__)
 
@@ -54,18 +57,29 @@ def request_fields(request: Request) -> tuple:
 
 @dataclass(frozen=True, slots=True)
 class RankSpec:
-    """Everything a rank process starts from (pickled by spawn)."""
+    """Everything a rank process starts from (pickled by spawn). Rank `rank` of the world is tensor-parallel
+    rank `rank % tp_size` of data-parallel rank `rank // tp_size`; only the tensor-parallel leaders (0) run
+    engine loops and take requests."""
 
     config: EngineConfig
     model_path: str
     rank: int
     size: int
+    tp_size: int
     store_port: int  # the serving process's TCPStore, for GlooComm
     requests_address: str  # this rank's PULL connects here
     outputs_address: str  # every rank's PUSH connects here
     num_threads: int
     max_context_length: int
     log_level: int
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
 
 
 class Outbox:
@@ -116,22 +130,43 @@ class RankGateway(Gateway):
 
 
 class RankProcess:
-    """Built in the spawned process; `serve` runs until the serving process says close, or dies."""
+    """Built in the spawned process; `serve` runs until the serving process says close, or dies.
+
+    A tensor-parallel leader runs an `EngineLoop` whose runner tells its followers each step's plan (and
+    each KV sleep and wake-up) over the group's `GlooComm`; a follower runs `_follow`, doing the same to its
+    shard. Both sum activations over a `DeviceGroup`.
+    """
 
     def __init__(self, spec: RankSpec, context: zmq.Context, outbox: Outbox) -> None:
         c = spec.config
         self.spec = spec
         keep_freed_memory()
-        dtype, _ = choose_dtype(c.dtype, torch.device(c.device))
-        comm = GlooComm.connect("127.0.0.1", spec.store_port, spec.rank, spec.size)
+        device = torch.device(c.device)
+        dtype, _ = choose_dtype(c.dtype, device)
+        world = GlooComm.connect("127.0.0.1", spec.store_port, spec.rank, spec.size)
+        dp_comm = world.split(color=spec.tp_rank, key=spec.dp_rank)  # the leaders' group agrees in `pop`
+        self.tp_comm = world.split(color=spec.dp_rank, key=spec.tp_rank)
         ckpt = on_fresh_thread(lambda: load_checkpoint(spec.model_path))
-        self.weights = LocalWeights(ckpt, dtype, torch.device(c.device), c.max_batched_tokens)
-        self.gateway = RankGateway(spec.rank, spec.size, c.max_queued_requests, outbox)
-        self.loop = on_fresh_thread(lambda: EngineLoop.build(
-            spec.rank, comm, self.gateway, self.weights, ckpt.tokenizer, ckpt.config, c, spec.max_context_length,
-            spec.num_threads))
+        tp = None
+        if spec.tp_size > 1:
+            group = DeviceGroup(world.store, f"tp-device/{spec.dp_rank}", spec.tp_rank, spec.tp_size, device)
+            tp = TensorParallel(shard_of(ckpt.config, spec.tp_rank, spec.tp_size), group.all_reduce)
+        self.weights = LocalWeights(ckpt, dtype, device, c.max_batched_tokens, tp)
+        self.gateway = RankGateway(spec.dp_rank, spec.size // spec.tp_size, c.max_queued_requests, outbox)
+        self.loop: EngineLoop | None = None
+        if spec.tp_rank == 0:
+            self.loop = on_fresh_thread(lambda: EngineLoop.build(
+                spec.dp_rank, dp_comm, self.gateway, self.weights, ckpt.tokenizer, c, spec.max_context_length,
+                spec.num_threads))
+            self.runner = self.loop.runner
+            if spec.tp_size > 1:
+                self.runner.followers = self.tp_comm
+                group_kv = sum(len(shard_of(ckpt.config, r, spec.tp_size).kv_heads) for r in range(spec.tp_size))
+                self.runner.group_kv_share = group_kv / self.weights.config.num_kv_heads
+            outbox.stats = self.loop.stats
+        else:
+            self.runner = on_fresh_thread(lambda: build_runner(self.weights, c))
         del ckpt  # the raw weights: the model holds what it needs
-        outbox.stats = self.loop.stats
         self.outbox = outbox
         self.requests = context.socket(zmq.PULL)
         self.requests.connect(spec.requests_address)
@@ -139,11 +174,13 @@ class RankProcess:
         self.closing = False
 
     def serve(self) -> int:
-        """Exit status: 0 after a close, 1 when the loop stopped by itself (a peer rank died, a step raised)."""
+        """Exit status: 0 after a close (a follower: its leader's stop), 1 when the loop stopped by itself (a
+        peer rank died, a step raised)."""
         stopped_r, stopped_w = os.pipe()
-        thread = threading.Thread(target=self._run_loop, args=(stopped_w,), name=f"lmgate-engine-{self.spec.rank}")
+        thread = threading.Thread(target=self._run, args=(stopped_w,), name=f"lmgate-engine-{self.spec.rank}")
         thread.start()
-        self.outbox.send(("ready", self.spec.rank, self.loop.stats(), self.weights.nbytes))
+        stats = self.loop.stats() if self.loop else LoopStats()
+        self.outbox.send(("ready", self.spec.rank, stats, self.weights.nbytes))
         poller = zmq.Poller()
         poller.register(self.requests, zmq.POLLIN)
         poller.register(stopped_r, zmq.POLLIN)
@@ -165,11 +202,41 @@ class RankProcess:
         self.outbox.send(("exited", self.spec.rank))
         return 0
 
-    def _run_loop(self, stopped: int) -> None:
+    def _run(self, stopped: int) -> None:
         try:
+            if self.loop is None:
+                self.closing = self._follow()
+                return
             self.loop.run()
+            try:
+                self.runner.stop_followers()
+            except CommAborted:
+                pass  # a follower has gone: the serving process sees its exit
         finally:
             os.write(stopped, b"x")
+
+    def _follow(self) -> bool:
+        """A tensor-parallel follower: what the leader does to its model and KV cache, this rank does to its
+        shard, in the same order. True once the leader says stop; False when the group broke."""
+        torch.set_num_threads(self.spec.num_threads)
+        runner = self.runner
+        try:
+            while True:
+                command, plan = self.tp_comm.broadcast(None)
+                if command == "step":
+                    runner.forward(runner.prepare(plan))
+                elif command == "release_kv":
+                    runner.release_kv_cache()
+                elif command == "allocate_kv":
+                    runner.allocate_kv_cache()
+                elif command == "stop":
+                    return True
+        except CommAborted:
+            return False
+        except Exception:
+            log.exception("rank %d: a tensor-parallel step failed", self.spec.rank)
+            self.tp_comm.abort()
+            return False
 
     def _handle(self, message: tuple) -> None:
         kind = message[0]
@@ -198,12 +265,12 @@ class RankProcess:
         if request.kind is not RequestKind.GENERATE:
             if request.kind is RequestKind.SLEEP:
                 gateway.binding.clear()  # the loop ends every session; queued turns end CANCELLED
-            if not gateway.enqueue(self.spec.rank, request):
+            if not gateway.enqueue(self.spec.dp_rank, request):
                 request.on_output(RequestOutput("", 0, error=InternalError("the engine rank is stopping")))
                 gateway.outbox.flush()
             return
         if not request.stateless and gateway.binding.find(request.session_id) is None:
-            gateway.binding.bind(request.session_id, self.spec.rank)
+            gateway.binding.bind(request.session_id, self.spec.dp_rank)
         try:
             gateway.push(request)
             self.live[wire_id] = request

@@ -23,7 +23,7 @@ class ThreadRanks(Ranks):
                  threads_per_loop: int) -> None:
         super().__init__()
         self.config = config
-        self.tokenizer, self.model_config = ckpt.tokenizer, ckpt.config  # not the checkpoint: it holds the raw weights
+        self.tokenizer = ckpt.tokenizer  # not the checkpoint: it holds the raw weights
         self.weights = LocalWeights(ckpt, dtype, torch.device(config.device), config.max_batched_tokens)
         self.max_context_length = max_context_length
         self.threads_per_loop = threads_per_loop
@@ -34,8 +34,8 @@ class ThreadRanks(Ranks):
     def start(self, gateway: Gateway) -> None:
         comms = ThreadComm.create_group(self.config.engine_loops)
         self.loops = on_fresh_thread(lambda: [
-            EngineLoop.build(comm.rank, comm, gateway, self.weights, self.tokenizer, self.model_config,
-                             self.config, self.max_context_length, self.threads_per_loop)
+            EngineLoop.build(comm.rank, comm, gateway, self.weights, self.tokenizer, self.config,
+                             self.max_context_length, self.threads_per_loop)
             for comm in comms
         ])
         self._threads = [threading.Thread(target=loop.run, name=f"lmgate-engine-{loop.rank}", daemon=True)

@@ -88,6 +88,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    # Tensor parallelism sums the partial outputs of the row-parallel o_proj and down_proj over the group
+    # here (models/tensor_parallel.py); alone, a layer's outputs are whole.
+    reduce = staticmethod(lambda x: x)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -96,8 +100,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, rope, kv, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.reduce(self.self_attn(self.input_layernorm(x), rope, kv, meta))
+        return x + self.reduce(self.mlp(self.post_attention_layernorm(x)))
 
 
 class LlamaModel(nn.Module):

@@ -1,0 +1,37 @@
+"""`DeviceGroup`: the tensor-parallel ranks' all-reduce over activations, on torch.distributed (gloo for CPU
+tensors, NCCL for CUDA ones: the same code), beside the gloo `GlooComm` that carries their control."""
+from __future__ import annotations
+
+import datetime
+
+import torch
+from torch.distributed import PrefixStore, ProcessGroupGloo, Store
+from torch.distributed.distributed_c10d import AllreduceOptions
+
+from .host_comm import CommAborted
+
+TIMEOUT = datetime.timedelta(minutes=10)
+
+
+class DeviceGroup:
+    """Made collectively by the `size` ranks of one tensor-parallel group, each from its own thread; used by
+    its loop's thread (leader) or follower thread only, one step at a time."""
+
+    def __init__(self, store: Store, prefix: str, rank: int, size: int, device: torch.device) -> None:
+        self.rank, self.size = rank, size
+        prefixed = PrefixStore(prefix, store)
+        if device.type == "cuda":
+            from torch.distributed import ProcessGroupNCCL  # only in CUDA builds of torch
+
+            self._group = ProcessGroupNCCL(prefixed, rank, size)
+        else:
+            self._group = ProcessGroupGloo(prefixed, rank, size, TIMEOUT)
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum `tensor` over the group, in place; a peer gone is `CommAborted`, as for host collectives."""
+        tensor = tensor.contiguous()
+        try:
+            self._group.allreduce([tensor], AllreduceOptions()).wait()
+        except RuntimeError as exc:
+            raise CommAborted(f"tensor-parallel all-reduce failed: {str(exc).splitlines()[0]}") from exc
+        return tensor

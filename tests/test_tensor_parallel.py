@@ -1,0 +1,94 @@
+"""Tensor parallelism: heads split by whole GQA groups, rank processes summing over gloo, outputs equal to
+one rank's (and to transformers')."""
+from __future__ import annotations
+
+import pytest
+
+from lmgate.engine.config import EngineConfig
+from lmgate.engine.engine import Engine
+from lmgate.engine.errors import InvalidRequest
+from lmgate.engine.models.tensor_parallel import shard_of
+from lmgate.engine.sampling import SamplingParams
+from tests.test_engine import hf_greedy, hf_model  # noqa: F401  (fixture)
+from tests.test_models import ARCH_NAMES, hf_tokenizer_dir, prompt_ids, tiny_models  # noqa: F401  (fixtures)
+
+NEW = 24
+LOGPROB_TOLERANCE = 1e-3  # partial sums over the group change the summation order, nothing else
+
+
+def heads(cfg, size: int) -> list[tuple[list[int], list[int]]]:
+    return [(list(s.q_heads), list(s.kv_heads)) for s in (shard_of(cfg, r, size) for r in range(size))]
+
+
+def test_heads_split_by_whole_gqa_groups_unevenly_and_replicated_past_the_kv_heads(checkpoint):
+    cfg = checkpoint.config  # SmolLM2: 9 query heads in 3 KV groups
+    assert (cfg.num_heads, cfg.num_kv_heads) == (9, 3)
+    assert heads(cfg, 2) == [(list(range(6)), [0, 1]), ([6, 7, 8], [2])]
+    assert heads(cfg, 3) == [([0, 1, 2], [0]), ([3, 4, 5], [1]), ([6, 7, 8], [2])]
+    assert heads(cfg, 4) == [([0, 1], [0]), ([2], [0]), ([3, 4, 5], [1]), ([6, 7, 8], [2])]
+    assert [len(shard_of(cfg, r, 2).intermediate) for r in range(2)] == [768, 768]
+    for size in (2, 4, 9):  # every query head and MLP column held exactly once
+        shards = [shard_of(cfg, r, size) for r in range(size)]
+        assert sorted(h for s in shards for h in s.q_heads) == list(range(9))
+        assert sorted(c for s in shards for c in s.intermediate) == list(range(cfg.intermediate_size))
+    with pytest.raises(InvalidRequest):
+        shard_of(cfg, 0, 10)
+
+
+def _outputs(engine: Engine, prompts: list[list[int]]):
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True, logprobs=1)
+    streams = [engine.submit(p, params) for p in prompts]  # concurrent: one batch, both DP ranks
+    outs = []
+    for s in streams:
+        tokens, logprobs = [], []
+        for o in s:
+            tokens += o.token_ids
+            logprobs += [lp.logprob for lp in o.logprobs]
+        outs.append((tokens, logprobs))
+    return outs
+
+
+@pytest.mark.parametrize("arch", ARCH_NAMES)
+def test_tp2_equals_one_rank_on_every_architecture(tiny_models, arch, prompt_ids):
+    tiny = tiny_models(arch)
+    prompts = [prompt_ids, prompt_ids[:7], prompt_ids[3:]]
+    config = dict(dtype="float32", model=tiny.path, kv_cache_tokens=2048)
+    with Engine(EngineConfig(**config)) as one:
+        want = _outputs(one, prompts)
+    with Engine(EngineConfig(**config, tensor_parallel=2)) as tp:
+        assert not tp.loops and tp.info().engine_loops == 1
+        got = _outputs(tp, prompts)
+        assert tp.info().kv_blocks_free == tp.info().kv_blocks_total
+    assert want[0][0] == tiny.hf_greedy(prompt_ids)
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want):
+        assert tokens == want_tokens
+        assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs)) < LOGPROB_TOLERANCE
+
+
+def test_tp2_times_dp2_makes_four_ranks_with_equal_outputs(tiny_models, prompt_ids):
+    tiny = tiny_models("qwen2")  # attention biases: column-parallel biases split with their rows
+    prompts = [prompt_ids[i:] for i in range(4)]
+    config = dict(dtype="float32", model=tiny.path, kv_cache_tokens=2048)
+    with Engine(EngineConfig(**config)) as one:
+        want = _outputs(one, prompts)
+    with Engine(EngineConfig(**config, tensor_parallel=2, engine_loops=2)) as tp:
+        info = tp.info()
+        assert info.engine_loops == 2 and info.kv_blocks_total == 2 * 2048 // info.kv_block_size
+        assert [t for t, _ in _outputs(tp, prompts)] == [t for t, _ in want]
+
+
+def test_embedded_model_under_tp2_is_greedy_equal_to_transformers(checkpoint, hf_model, tokenizer):
+    """Uneven: one rank holds two KV groups, the other one."""
+    prompts = [tokenizer.encode(p) for p in ("The capital of France is", "def fibonacci(n):")]
+    with Engine(EngineConfig(dtype="float32", tensor_parallel=2, kv_cache_tokens=2048), checkpoint) as tp:
+        got = [t for t, _ in _outputs(tp, prompts)]
+        tp.sleep(2)  # weights and KV of every rank freed, then rebuilt as shards
+        assert tp.info().weights_bytes == 0 and tp.info().kv_cache_bytes == 0
+        tp.wakeup()
+        again = [t for t, _ in _outputs(tp, prompts)]
+    assert got == [hf_greedy(hf_model, p, NEW) for p in prompts] == again
+
+
+def test_a_split_the_model_cannot_take_is_refused_before_any_rank_starts(tiny_models):
+    with pytest.raises(InvalidRequest, match="tensor parallelism 5"):
+        Engine(EngineConfig(dtype="float32", model=tiny_models("llama").path, tensor_parallel=5))
