@@ -10,6 +10,7 @@ Gateway, its queue filled from the serving process. The loops of all ranks agree
     ("wake",)                      a request arrived at another rank: idle loops here must step with it
     ("weights", wire_id, action, path)   offload / drop / restore / load, done off the loop thread
     ("close",)                     shut down: cancel everything, stop the loop, exit 0
+  (a tensor-parallel follower gets only "weights": its leader tells it the rest over their GlooComm)
   rank → serving (PUSH → one PULL):
     ("ready", rank, stats, weights_bytes) | ("failed", rank, error)
     ("outputs", rank, stats, [(wire_id, RequestOutput), ...])   one message per delivered batch
