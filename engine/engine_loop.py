@@ -132,8 +132,9 @@ class EngineLoop:
         try:
             self._run()
         except CommAborted:  # a peer rank failed (its thread raised, or its process died): so does this one
-            self._fail_all(Unavailable("an engine rank failed; the server is stopping"))
-            self.gateway.shutdown()
+            error = Unavailable("an engine rank failed; the server is stopping")
+            self._fail_all(error)
+            self.gateway.shutdown(error)
         except Exception:
             log.exception("engine loop %d failed; stopping the engine", self.rank)
             self.comm.abort()  # release the peers from their collectives
@@ -156,6 +157,8 @@ class EngineLoop:
             except Exception as exc:  # a failed step must end its streams, not hang them
                 log.exception("engine loop %d: step failed", self.rank)
                 self._fail_all(InternalError(f"engine step failed: {exc}"))
+                if self.runner.followers is not None:
+                    raise  # its followers may be inside that step's collectives: the group must break
             self._flush()
 
     def step(self, requests: list[Request]) -> None:

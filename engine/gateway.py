@@ -15,7 +15,7 @@ import threading
 from collections import deque
 from typing import Callable
 
-from .errors import ResourceExhausted, SessionExists, Unavailable
+from .errors import EngineError, ResourceExhausted, SessionExists, Unavailable
 from .distributed import HostComm, RedOp
 from .request import CancelFlag, FinishReason, Request, RequestKind, RequestOutput, Usage
 from .request_queue import RequestQueue
@@ -191,15 +191,17 @@ class Gateway:
                 return
         self._deliver_all(signals)
 
-    def shutdown(self) -> None:
-        """Refuse new work, cancel what is still queued, and stop the signal thread once it has delivered all."""
+    def shutdown(self, error: EngineError | None = None) -> None:
+        """Refuse new work and end what is still queued: CANCELLED, or with `error` (a rank failed)."""
         self.close_admission("shutdown", "the engine is shutting down")
         for queue in self.queues:
             for request in queue.close():
                 if request.kind is RequestKind.KILL:
                     self.notify([(request, RequestOutput("", request.session_id, finish_reason=FinishReason.STOP))])
-                else:
+                elif error is None:
                     self.cancel(request)
+                elif request.cancel_flag.compare_exchange(CancelFlag.QUEUED, CancelFlag.CANCELLED):
+                    self.notify([(request, RequestOutput(request.request_id, request.session_id, error=error))])
         self.wake_loops()
 
     def stop_signals(self) -> None:

@@ -70,6 +70,11 @@ def test_a_rank_killed_mid_stream_ends_every_stream_and_the_server_exits_non_zer
         for r in readers:
             r.start()
         os.kill(ranks[1], signal.SIGKILL)
+        for i in range(6):  # new work while the death is noticed: refused, never a server that stops answering
+            with pytest.raises(grpc.RpcError) as err:
+                for _ in stub.Generate(pb.GenerateRequest(prompt=f"Late {i}:", sampling=LONG), timeout=GUARD):
+                    pass
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         for r in readers:
             r.join()
         assert len(statuses) == len(streams)

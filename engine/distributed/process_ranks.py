@@ -11,6 +11,7 @@ import itertools
 import logging
 import multiprocessing
 import threading
+import time
 from multiprocessing.process import BaseProcess
 
 import zmq
@@ -51,19 +52,30 @@ class RemoteQueue:
         with self._lock:
             if self._closed:
                 return False
+            wire_id = next(self._ids)
+            request.on_cancel = lambda: self.send(("cancel", wire_id))  # before a cancel can see it active
             if not request.cancel_flag.compare_exchange(CancelFlag.QUEUED, CancelFlag.ACTIVE):
                 return True  # cancelled before it left: the canceller has ended its stream
-            wire_id = next(self._ids)
+            if not self._send(("request", wire_id, request_fields(request))):
+                return False  # its rank process has gone: refused as at shutdown
             self._inflight[wire_id] = request
-            request.on_cancel = lambda: self.send(("cancel", wire_id))
-            self._socket.send_pyobj(("request", wire_id, request_fields(request)))
         self._ranks.wake_all_but(self.rank)
         return True
 
-    def send(self, message: tuple) -> None:
+    def send(self, message: tuple) -> bool:
+        """False when the rank process is not connected (gone, or not yet there): the message is dropped."""
         with self._lock:
-            if not self._socket.closed:
-                self._socket.send_pyobj(message)
+            return self._send(message)
+
+    def _send(self, message: tuple) -> bool:
+        """Under `_lock`. Never blocks: a PUSH socket with no peer would wait for ever, lock held."""
+        if self._socket.closed:
+            return False
+        try:
+            self._socket.send_pyobj(message, flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
 
     def take(self, wire_id: int, finished: bool) -> Request | None:
         """The request an output belongs to; forgotten once its last output has come."""
@@ -75,7 +87,7 @@ class RemoteQueue:
         with self._lock:
             if not self._closed:
                 self._closed = True
-                self._socket.send_pyobj(("close",))
+                self._send(("close",))
         return []
 
     def close_socket(self) -> None:
@@ -150,12 +162,21 @@ class ProcessRanks(Ranks):
                 if rank % self.tp_size == 0:
                     self._stats[rank // self.tp_size] = stats
                 waiting.discard(rank)
+            self._await_connections()
         except BaseException:
             self._kill_all()
             self._close_sockets()
             raise
         self._receiver = threading.Thread(target=self._receive, name="lmgate-rank-receiver", daemon=True)
         self._receiver.start()
+
+    def _await_connections(self) -> None:
+        """Until every rank's socket has its peer (sends never block, so one sent earlier would be lost)."""
+        for link, proc in zip(self._links, self._procs):
+            while not link.send(("hello",)):
+                if not proc.is_alive():
+                    raise InternalError(f"engine rank {proc.name} exited while starting (exit status {proc.exitcode})")
+                time.sleep(0.01)
 
     def _receive_during_start(self, waiting: set[int]) -> tuple:
         poller = zmq.Poller()
@@ -264,7 +285,7 @@ class ProcessRanks(Ranks):
         """Under `_lock`: one rank has answered a weight call."""
         pending = self._pending_acks.get(wire_id)
         if pending is not None:
-            pending[0] -= 1
+            pending[0] = max(pending[0] - 1, 0)  # a late answer after `_fail` released the call
             pending[1] = pending[1] or error
             self._acks.notify_all()
 
@@ -302,6 +323,10 @@ class ProcessRanks(Ranks):
         self._kill_all()
         if self._receiver is not None:
             self._receiver.join()
+        with self._lock:  # a weight call whose ranks exited before answering
+            for wire_id in self._pending_acks:
+                self._pending_acks[wire_id] = [0, Unavailable("the engine has shut down")]
+            self._acks.notify_all()
         self._close_sockets()
 
     def _kill_all(self) -> None:

@@ -37,7 +37,7 @@ from ..gateway import Gateway, Signal
 from ..hardware import choose_dtype
 from ..loader import load_checkpoint
 from ..memory import keep_freed_memory, release_host_memory
-from ..request import Request, RequestKind, RequestOutput
+from ..request import FinishReason, Request, RequestKind, RequestOutput
 from ..threads import on_fresh_thread
 from ..models.tensor_parallel import shard_of
 from ..weights import LocalWeights, TensorParallel
@@ -209,10 +209,11 @@ class RankProcess:
                 self.closing = self._follow()
                 return
             self.loop.run()
-            try:
-                self.runner.stop_followers()
-            except CommAborted:
-                pass  # a follower has gone: the serving process sees its exit
+            if self.closing:  # else followers may sit in a step's all-reduce: this process's exit breaks it
+                try:
+                    self.runner.stop_followers()
+                except CommAborted:
+                    pass  # a follower has gone: the serving process sees its exit
         finally:
             os.write(stopped, b"x")
 
@@ -258,17 +259,21 @@ class RankProcess:
 
     def _request(self, wire_id: int, request: Request) -> None:
         """As `Gateway.push`, `kill` and `control` would for a caller here; the serving process has already
-        checked admission and the session's binding, so the binding here only mirrors it."""
+        checked admission and the session's binding, so the binding here only mirrors it. Every request
+        counts as exactly one arrival here, refused or not, as it does at every other rank (as their "wake"):
+        idle loops agree on the arrival count (`Gateway.pop`)."""
         gateway = self.gateway
-        if request.kind is RequestKind.KILL:
-            gateway.kill(request.session_id, request.on_output)
-            return
         if request.kind is not RequestKind.GENERATE:
             if request.kind is RequestKind.SLEEP:
                 gateway.binding.clear()  # the loop ends every session; queued turns end CANCELLED
+            if request.kind is RequestKind.KILL:
+                gateway.binding.unbind(request.session_id)  # queued turns end CANCELLED; the loop frees its KV
             if not gateway.enqueue(self.spec.dp_rank, request):
-                request.on_output(RequestOutput("", 0, error=InternalError("the engine rank is stopping")))
+                done = RequestOutput("", request.session_id, finish_reason=FinishReason.STOP)
+                request.on_output(done if request.kind is RequestKind.KILL else
+                                  RequestOutput("", 0, error=InternalError("the engine rank is stopping")))
                 gateway.outbox.flush()
+                gateway.wake_loops()
             return
         if not request.stateless and gateway.binding.find(request.session_id) is None:
             gateway.binding.bind(request.session_id, self.spec.dp_rank)
@@ -278,6 +283,7 @@ class RankProcess:
         except EngineError as exc:
             request.on_output(RequestOutput(request.request_id, request.session_id, error=exc))
             gateway.outbox.flush()
+            gateway.wake_loops()
 
     def _weights(self, wire_id: int, action: str, path: str) -> None:
         error = None
