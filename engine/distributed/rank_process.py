@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import signal
 import threading
 import weakref
 from dataclasses import dataclass
@@ -302,6 +303,10 @@ def run_rank(spec: RankSpec) -> None:
     """The spawned process's entry point."""
     logging.basicConfig(level=spec.log_level,
                         format=f"%(asctime)s %(levelname)s rank {spec.rank} %(name)s: %(message)s")
+    # A terminal's Ctrl-C or a supervisor's SIGTERM to the whole group is for the serving process, which
+    # closes its ranks in order; a rank leaves on its own only when that process has gone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(spec.num_threads)
     context = zmq.Context()
     outputs = context.socket(zmq.PUSH)
