@@ -79,11 +79,25 @@ class EngineConfig:
     engine_loops: int = 1  # data-parallel ranks
     dp_backend: str = "thread"  # of DP_BACKENDS: ranks as threads sharing one model, or processes with one each
     tensor_parallel: int = 1  # ranks splitting each data-parallel rank's model (always processes)
+    nnodes: int = 1  # machines the ranks are spread over, evenly (more than one: the ranks are processes)
+    node_rank: int = 0  # this machine's place: 0 serves and holds the first ranks; others run ranks only
+    master_addr: str = "127.0.0.1"  # node 0's address, reachable from every node: its store and sockets
+    master_port: int = 0  # node 0's rendezvous (TCPStore) port; 0: any free one, on one node only
     default_max_new_tokens: int = 256
     max_queued_requests: int = 1024  # per engine loop; a generate beyond it is RESOURCE_EXHAUSTED
     attention_kernel: bool = True  # CPU decode attention in C++ (built on first use), else torch ops
     prefix_caching: bool = True  # full KV blocks shared by prompts that start with the same tokens
     threads: int = 0  # torch threads over all engine loops; 0: the CPUs this process may use (threads.py)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks over all nodes: every data-parallel rank's tensor-parallel ranks."""
+        return self.engine_loops * self.tensor_parallel
+
+    @property
+    def rank_processes(self) -> bool:
+        """Whether the ranks are processes: asked for, or needed by tensor parallelism or more nodes."""
+        return self.dp_backend == "process" or self.tensor_parallel > 1 or self.nnodes > 1
 
     def __post_init__(self) -> None:
         for name in ("kv_cache_tokens", "block_size", "max_batch_size", "max_batched_tokens", "engine_loops", "tensor_parallel",
@@ -92,6 +106,16 @@ class EngineConfig:
                 raise InvalidRequest(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.dp_backend not in DP_BACKENDS:
             raise InvalidRequest(f"dp_backend must be one of {', '.join(DP_BACKENDS)}, got {self.dp_backend!r}")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise InvalidRequest(f"node_rank must be 0..{self.nnodes - 1} of nnodes {self.nnodes}, got {self.node_rank}")
+        if not 0 <= self.master_port <= 65535:
+            raise InvalidRequest(f"master_port must be 0..65535, got {self.master_port}")
+        if self.nnodes > 1:
+            if not self.master_port:
+                raise InvalidRequest("more than one node needs a master_port the other nodes can find")
+            if self.node_rank == 0 and self.world_size % self.nnodes:  # other nodes take node 0's ranks
+                raise InvalidRequest(f"the {self.world_size} ranks (engine_loops x tensor_parallel) do not spread "
+                                     f"evenly over {self.nnodes} nodes")
         if self.threads < 0:
             raise InvalidRequest(f"threads must be 0 (all available CPUs) or more, got {self.threads}")
         if self.kv_cache_tokens < self.block_size:

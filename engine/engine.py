@@ -96,7 +96,7 @@ class Engine:
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
         self._warn_emulated_bf16()
-        processes = config.dp_backend == "process" or config.tensor_parallel > 1  # TP ranks are processes
+        processes = config.rank_processes
         ckpt = checkpoint or on_fresh_thread(lambda: load_checkpoint(config.model, weights=not processes))
         self.model_path, self.model_config, self.tokenizer = ckpt.path, ckpt.config, ckpt.tokenizer
         self.sleeping: set[str] = set()  # of SLEEP_TAGS; written only under _admin_lock
@@ -109,7 +109,7 @@ class Engine:
         self.kv_bytes_per_token = kv_bytes_per_token(ckpt.config, self.dtype)
         # Loops step in parallel: sharing the CPUs beats each loop's pool competing for all of them.
         self.num_threads = config.threads or available_cpus()
-        self.threads_per_loop = max(1, self.num_threads // (config.engine_loops * config.tensor_parallel))
+        self.threads_per_loop = max(1, self.num_threads * config.nnodes // config.world_size)  # this node's share
         for rank in range(config.tensor_parallel):  # a split the model cannot take is refused before any spawn
             shard_of(ckpt.config, rank, config.tensor_parallel)
         if processes:

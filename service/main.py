@@ -16,6 +16,7 @@ import torch
 from prometheus_client import start_http_server
 
 from lmgate.engine.config import DP_BACKENDS, EngineConfig
+from lmgate.engine.distributed.node import run_node
 from lmgate.engine.engine import Engine
 from lmgate.engine.errors import EngineError
 from lmgate.engine.hardware import DTYPE_CHOICES
@@ -50,6 +51,7 @@ def _ranged(kind: Callable[[str], Any], low: float, high: float = math.inf) -> C
 
 
 PORT = _ranged(int, 0, 65535)
+DEFAULT_MASTER_PORT = 29500  # torchrun's
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 COUNT = _ranged(int, 1)
 
@@ -85,6 +87,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--engine-loops", type=COUNT, default=_env("ENGINE_LOOPS", 1), help="data-parallel engine loops, each with its own KV cache [LMGATE_ENGINE_LOOPS]")
     ap.add_argument("--dp-backend", default=_env("DP_BACKEND", "thread"), type=_one_of(*DP_BACKENDS), metavar="{" + ",".join(DP_BACKENDS) + "}", help="thread: the engine loops are threads sharing one copy of the weights; process: each loop a process of its own (spawned), with its own copy, past the GIL [LMGATE_DP_BACKEND]")
     ap.add_argument("--tensor-parallel", type=COUNT, default=_env("TENSOR_PARALLEL", 1), help="ranks each engine loop's model is split over (by whole GQA groups; always processes): --tensor-parallel 2 --engine-loops 2 makes four [LMGATE_TENSOR_PARALLEL]")
+    ap.add_argument("--nnodes", type=COUNT, default=_env("NNODES", 1), help="machines the ranks (--engine-loops x --tensor-parallel) are spread over, evenly; the ranks are then processes [LMGATE_NNODES]")
+    ap.add_argument("--node-rank", type=_ranged(int, 0), default=_env("NODE_RANK", 0), help="this machine's place among --nnodes: 0 serves gRPC and holds the first ranks; the others run ranks only, taking every other setting from node 0 [LMGATE_NODE_RANK]")
+    ap.add_argument("--master-addr", default=_env("MASTER_ADDR", "127.0.0.1"), help="node 0's address, reachable from every node (IPv4 or a name) [LMGATE_MASTER_ADDR]")
+    ap.add_argument("--master-port", type=PORT, default=_env("MASTER_PORT", None), help=f"node 0's rendezvous port; default {DEFAULT_MASTER_PORT} with more than one node, else any free one [LMGATE_MASTER_PORT]")
     ap.add_argument("--max-batch-size", type=COUNT, default=_env("MAX_BATCH_SIZE", 64), help="sequences per engine step [LMGATE_MAX_BATCH_SIZE]")
     ap.add_argument("--max-batched-tokens", type=COUNT, default=_env("MAX_BATCHED_TOKENS", 512), help="tokens per engine step; long prompts are prefilled in chunks of this [LMGATE_MAX_BATCHED_TOKENS]")
     ap.add_argument("--kv-cache-tokens", type=COUNT, default=_env("KV_CACHE_TOKENS", 32768), help="KV cache size per engine loop, in tokens; also caps the context [LMGATE_KV_CACHE_TOKENS]")
@@ -111,9 +117,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def check_settings(args: argparse.Namespace) -> EngineConfig:
     """The checks that cost nothing, before the model loads: ports free, device present, model readable,
     engine limits consistent; `args.tls` is set to the TLS files, if any. Raises StartupError."""
-    for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
+    if args.master_port is None:
+        args.master_port = DEFAULT_MASTER_PORT if args.nnodes > 1 else 0
+    if args.node_rank >= args.nnodes:
+        raise StartupError(f"--node-rank {args.node_rank} is not one of --nnodes {args.nnodes} (0..{args.nnodes - 1})")
+    serving = args.node_rank == 0  # other nodes run ranks only
+    ports = [("--port", args.host, args.port), ("--metrics-port", args.host, args.metrics_port)] if serving else []
+    if serving and args.nnodes > 1:  # node 0's store and rank sockets listen on --master-addr
+        ports.append(("--master-port", args.master_addr, args.master_port))
+    for flag, host, port in ports:
         if port:
-            _check_port_free(flag, args.host, port)
+            _check_port_free(flag, host, port)
     if args.port and args.port == args.metrics_port:
         raise StartupError(f"--port and --metrics-port are both {args.port}")
     args.tls = _tls_files(args)
@@ -132,8 +146,8 @@ def check_settings(args: argparse.Namespace) -> EngineConfig:
             model=args.model, dtype=args.dtype, device=args.device, kv_cache_tokens=args.kv_cache_tokens,
             max_batch_size=args.max_batch_size, max_batched_tokens=args.max_batched_tokens,
             max_context_length=args.max_context_length or None, engine_loops=args.engine_loops, dp_backend=args.dp_backend,
-            tensor_parallel=args.tensor_parallel,
-            max_queued_requests=args.max_queued_requests, attention_kernel=args.attention_kernel == "on",
+            tensor_parallel=args.tensor_parallel, nnodes=args.nnodes, node_rank=args.node_rank,
+            master_addr=args.master_addr, master_port=args.master_port, max_queued_requests=args.max_queued_requests, attention_kernel=args.attention_kernel == "on",
             prefix_caching=args.prefix_caching == "on", threads=args.threads,
         )
     except EngineError as exc:
@@ -157,6 +171,16 @@ def _check_port_free(flag: str, host: str, port: int) -> None:
             pass
     except OSError as exc:
         raise StartupError(f"{flag} {port}: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def serve_node(config: EngineConfig) -> int:
+    """A node past the first: its ranks, until node 0 closes them (0) or one dies or loses node 0 (1)."""
+    try:
+        return run_node(config)
+    except EngineError as exc:
+        raise StartupError(str(exc)) from None
+    except RuntimeError as exc:  # the store: node 0 never came, or went
+        raise StartupError(f"node 0 at {config.master_addr}:{config.master_port}: {str(exc).splitlines()[0]}") from None
 
 
 async def serve(args: argparse.Namespace, config: EngineConfig) -> None:
@@ -212,7 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(args.log_level, args.log_format)
     try:
-        asyncio.run(serve(args, check_settings(args)))
+        config = check_settings(args)
+        if config.node_rank:
+            return serve_node(config)
+        asyncio.run(serve(args, config))
     except StartupError as exc:
         print(f"lmgate serve: error: {exc}", file=sys.stderr)
         return 2

@@ -34,7 +34,7 @@ def measure(args, loops: int, backend: str, tp: int) -> tuple[float, float, floa
                                  max_batched_tokens=args.max_batched_tokens, max_batch_size=max(64, args.requests)))
     try:
         prompts = random_prompts(random.Random(0), args.requests, args.input_len, engine.tokenizer.vocab_size)
-        run_engine(engine, prompts[: 2 * loops], 4)  # warm-up, every rank
+        run_engine(engine, prompts, args.output_len)  # a full-size warm-up wave, as bench-engine does
         before = engine.ranks.stats()
         tps = run_engine(engine, prompts, args.output_len)
         after = engine.ranks.stats()
@@ -60,6 +60,8 @@ def main() -> None:
         results[label] = measure(args, loops, backend, tp)
         print(f"{label}: {results[label][0]:.1f} tok/s", flush=True)
     gloo = on_processes(2, 2000)["all_reduce [2 ints]"]
+    # The limit is the best matmul rate seen, before and after the configurations ran (see bench_engine.py).
+    flops = max(flops, on_fresh_thread(lambda: matmul_flops(torch.float32)))
     cpu = cpu_features()
     num_params = read_config(args.model or embedded_model_path()).num_params
     limit = gemm_bound(args, num_params, flops)

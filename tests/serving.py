@@ -76,3 +76,27 @@ def serve_process(*flags: str) -> tuple[subprocess.Popen, str]:
             time.sleep(0.01)
     return proc, address
 
+
+
+class StreamEnds:
+    """Reads each stream to its end on a thread of its own, from construction; `join` returns how each ended:
+    "finished", or the (code, details) of its status."""
+
+    def __init__(self, streams) -> None:
+        self.ends: list = []
+        self._readers = [threading.Thread(target=self._drain, args=(s,)) for s in streams]
+        for r in self._readers:
+            r.start()
+
+    def _drain(self, stream) -> None:
+        try:
+            for _ in stream:
+                pass
+            self.ends.append("finished")
+        except grpc.RpcError as err:
+            self.ends.append((err.code(), err.details()))
+
+    def join(self) -> list:
+        for r in self._readers:
+            r.join()
+        return self.ends

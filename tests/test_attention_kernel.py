@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lmgate.engine.attention import DecodeTables, GatheredDecode, _decode, decode_mask, gather_rows
-from lmgate.engine.kernels import compiler_found, load_paged_attention
+from lmgate.engine.kernels import _builder_lock, compiler_found, load_paged_attention
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
@@ -117,3 +117,11 @@ def test_kernel_refuses_bad_input(kernel, what):
     case = _case(9, 3, 64, 16, [20, 33], torch.float32)
     with pytest.raises(RuntimeError):
         kernel(*_corrupt(case, what), 0.125)
+
+
+def test_a_build_lock_left_by_a_killed_build_is_cleared(tmp_path):
+    """torch's builder waits for ever on the `lock` file of a build killed midway (every later start hung);
+    whoever holds lmgate's flock, which dies with its process, knows such a file is stale."""
+    (tmp_path / "lock").write_text("")
+    with _builder_lock(str(tmp_path)):
+        assert not (tmp_path / "lock").exists()

@@ -1,4 +1,4 @@
-"""Data-parallel ranks as processes: what only processes have (spawned ranks, a rank killed mid-stream).
+"""Data-parallel ranks as processes: what only processes have (spawned ranks, a rank killed or hung mid-stream).
 
 The session, cancel, end, sleep and stress tests run over processes too, through the `server2`, `served` and
 `sleepy` fixtures."""
@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 
 import grpc
 import pytest
@@ -14,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
-from tests.serving import serve_process
+from tests.serving import StreamEnds, serve_process
 
 LONG = pb.SamplingParams(max_new_tokens=4000, ignore_eos=True)
 GUARD = 300  # seconds: a guard against a hang, far above what any run takes, never a performance bound
@@ -42,7 +41,10 @@ def test_each_rank_is_a_process_and_info_counts_them_all(process_ranks_server):
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="finds the rank processes through /proc")
-def test_a_rank_killed_mid_stream_ends_every_stream_and_the_server_exits_non_zero():
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_a_rank_killed_or_hung_mid_stream_ends_every_stream_and_the_server_exits_non_zero(how):
+    """Killed: its process's end tells at once. Hung (stopped: nothing closes, its peers wait in their
+    collectives): its heartbeat's silence tells, after HEARTBEAT_TIMEOUT."""
     proc, address = serve_process("--engine-loops", "2", "--dp-backend", "process", "--kv-cache-tokens", "4096")
     try:
         ranks = rank_pids(proc.pid)
@@ -56,27 +58,14 @@ def test_a_rank_killed_mid_stream_ends_every_stream_and_the_server_exits_non_zer
         streams.append(stub.Generate(pb.GenerateRequest(session_id=sid, prompt="Once", sampling=LONG), timeout=GUARD))
         for s in streams:  # every stream is running, on both ranks (stateless requests go round robin)
             assert next(m for m in s if m.token_ids)
-        statuses = []
-
-        def drain(stream) -> None:
-            try:
-                for _ in stream:
-                    pass
-                statuses.append("finished")
-            except grpc.RpcError as err:
-                statuses.append((err.code(), err.details()))
-
-        readers = [threading.Thread(target=drain, args=(s,)) for s in streams]
-        for r in readers:
-            r.start()
-        os.kill(ranks[1], signal.SIGKILL)
+        ends = StreamEnds(streams)
+        os.kill(ranks[1], how)
         for i in range(6):  # new work while the death is noticed: refused, never a server that stops answering
             with pytest.raises(grpc.RpcError) as err:
                 for _ in stub.Generate(pb.GenerateRequest(prompt=f"Late {i}:", sampling=LONG), timeout=GUARD):
                     pass
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        for r in readers:
-            r.join()
+        statuses = ends.join()
         assert len(statuses) == len(streams)
         for status in statuses:
             assert status[0] == grpc.StatusCode.UNAVAILABLE and "engine rank" in status[1], status

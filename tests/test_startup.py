@@ -41,6 +41,10 @@ def bad_settings(taken_port: str) -> list[tuple[list[str], dict[str, str], str]]
         (["--port", "0", "--model", "/nonexistent/model"], {}, "does not exist"),
         (["--port", "0", "--device", "tpu"], {}, "--device"),
         (["--port", "0", "--kv-cache-tokens", "8", "--dtype", "float32"], {}, "kv_cache_tokens (8) must hold one block"),
+        (["--port", "0", "--nnodes", "2", "--node-rank", "2"], {}, "--node-rank 2 is not one of --nnodes 2"),
+        (["--port", "0", "--nnodes", "2", "--engine-loops", "3"], {}, "3 ranks (engine_loops x tensor_parallel) do not spread evenly over 2 nodes"),
+        (["--port", "0", "--nnodes", "2", "--engine-loops", "2", "--master-addr", "192.0.2.1"], {},
+         "--master-port 29500: cannot listen on 192.0.2.1:29500"),  # node 0 listens on --master-addr: one of its own
     ]
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import datetime
 
 import torch
-from torch.distributed import PrefixStore, ProcessGroupGloo, Store
+from torch.distributed import PrefixStore, Store
 from torch.distributed.distributed_c10d import AllreduceOptions
 
+from .gloo_comm import gloo_group
 from .host_comm import CommAborted
 
 TIMEOUT = datetime.timedelta(minutes=10)
@@ -17,7 +18,8 @@ class DeviceGroup:
     """Made collectively by the `size` ranks of one tensor-parallel group, each from its own thread; used by
     its loop's thread (leader) or follower thread only, one step at a time."""
 
-    def __init__(self, store: Store, prefix: str, rank: int, size: int, device: torch.device) -> None:
+    def __init__(self, store: Store, prefix: str, rank: int, size: int, device: torch.device,
+                 hostname: str = "127.0.0.1") -> None:
         self.rank, self.size = rank, size
         prefixed = PrefixStore(prefix, store)
         if device.type == "cuda":
@@ -25,7 +27,7 @@ class DeviceGroup:
 
             self._group = ProcessGroupNCCL(prefixed, rank, size)
         else:
-            self._group = ProcessGroupGloo(prefixed, rank, size, TIMEOUT)
+            self._group = gloo_group(prefixed, rank, size, TIMEOUT, hostname)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the group, in place; a peer gone is `CommAborted`, as for host collectives."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import socket
 import threading
 from typing import Callable
 
@@ -41,17 +42,20 @@ class GlooComm(HostComm):
     """
 
     def __init__(self, store: Store, rank: int, size: int, prefix: str = "lmgate",
-                 timeout: datetime.timedelta = DEFAULT_TIMEOUT, abort_keys: tuple[str, ...] = ()) -> None:
+                 timeout: datetime.timedelta = DEFAULT_TIMEOUT, abort_keys: tuple[str, ...] = (),
+                 hostname: str = "127.0.0.1") -> None:
         """Collective over the `size` processes: each must call it with its own rank and the same prefix.
-        `abort_keys`: the store keys of the communicators it was split from, whose abort aborts it too."""
+        `abort_keys`: the store keys of the communicators it was split from, whose abort aborts it too.
+        `hostname`: this process's address that its peers reach it by (`local_address`)."""
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} out of range for a group of {size}")
+        self.hostname = hostname
         self._store = store
         self._prefix = prefix
         self._timeout = timeout
         self._rank = rank
         self._size = size
-        self._group = ProcessGroupGloo(PrefixStore(prefix, store), rank, size, timeout)
+        self._group = gloo_group(PrefixStore(prefix, store), rank, size, timeout, hostname)
         self._splits = 0  # split() calls so far: every rank counts the same, so it names the new group's keys
         self._lock = threading.Lock()
         self._done = threading.Condition(self._lock)
@@ -62,13 +66,15 @@ class GlooComm(HostComm):
     @classmethod
     def connect(cls, host: str, port: int, rank: int, size: int,
                 timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> GlooComm:
-        """Join the group whose `TCPStore` listens at host:port (made by `create_store`)."""
+        """Join the group whose `TCPStore` listens at host:port (made by `create_store`), from any machine
+        that reaches it."""
         store = TCPStore(host, port, is_master=False, timeout=timeout)
-        return cls(store, rank, size, timeout=timeout)
+        return cls(store, rank, size, timeout=timeout, hostname=local_address(host, port))
 
     @staticmethod
     def create_store(host: str = "127.0.0.1", port: int = 0) -> TCPStore:
-        """The rendezvous the ranks `connect` to, served by this process (port 0: any free port, see `.port`)."""
+        """The rendezvous the ranks `connect` to, served by this process on every interface (port 0: any
+        free port, see `.port`); `host` is the address the ranks are told."""
         return TCPStore(host, port, is_master=True, wait_for_workers=False)
 
     @property
@@ -120,7 +126,7 @@ class GlooComm(HostComm):
         members = sorted((r for r, (c, _) in enumerate(entries) if c == color), key=lambda r: (entries[r][1], r))
         self._splits += 1
         child = GlooComm(self._store, members.index(self._rank), len(members),
-                         f"{self._prefix}/{self._splits}/{color}", self._timeout, self._abort_keys)
+                         f"{self._prefix}/{self._splits}/{color}", self._timeout, self._abort_keys, self.hostname)
         with self._lock:
             self._children.append(child)
             aborted = self._aborted
@@ -187,6 +193,23 @@ class GlooComm(HostComm):
             return any(self._store.check([key]) for key in self._abort_keys)
         except RuntimeError:  # the store has gone: gloo reports the lost peers itself
             return False
+
+
+def local_address(peer_host: str, peer_port: int) -> str:
+    """This machine's address on the route to `peer_host`: the one peers there can reach it by. gloo's own
+    default resolves the host name, which on many machines names an address other nodes cannot reach."""
+    family, kind, _, _, peer = socket.getaddrinfo(peer_host, peer_port or 1, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, kind) as probe:
+        probe.connect(peer)  # a datagram socket sends nothing: this only picks the route
+        return probe.getsockname()[0]
+
+
+def gloo_group(store: Store, rank: int, size: int, timeout: datetime.timedelta, hostname: str) -> ProcessGroupGloo:
+    """A gloo process group whose connections use `hostname`."""
+    options = ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [ProcessGroupGloo.create_device(hostname=hostname)]
+    return ProcessGroupGloo(store, rank, size, options)
 
 
 def _notify(done: threading.Condition) -> None:

@@ -4,12 +4,18 @@ rank_process.py is the rank's side and lists the messages).
 The serving process keeps the Gateway and the SequenceBinding. Its queues are `RemoteQueue`s, which
 forward each request to its rank's process; one receiver thread turns the ranks' output messages back into
 the Gateway's signals, and notices a rank that dies.
+
+With more than one node, the ranks are spread evenly: node 0 (this process) spawns the first share, and
+publishes the others' `RankSpec`s in its TCPStore, where each other node's `run_node` (node.py) finds them.
+Its sockets then listen on `master_addr`, and its remote ranks are watched by heartbeats.
 """
 from __future__ import annotations
 
 import itertools
 import logging
 import multiprocessing
+import pickle
+import socket
 import threading
 import time
 from multiprocessing.process import BaseProcess
@@ -22,7 +28,7 @@ from ..errors import EngineError, InternalError, Unavailable
 from ..gateway import Gateway, Signal
 from ..request import CancelFlag, FinishReason, Request, RequestKind, RequestOutput
 from .gloo_comm import GlooComm
-from .rank_process import RankSpec, request_fields, run_rank
+from .rank_process import HEARTBEAT_SECONDS, HEARTBEAT_TIMEOUT, RankSpec, request_fields, run_rank
 from .ranks import Ranks
 
 log = logging.getLogger(__name__)
@@ -102,9 +108,18 @@ class RemoteQueue:
         return inflight
 
 
+NNODES_KEY = "lmgate/nnodes"  # node 0 publishes its --nnodes, which every other node checks
+
+
+def node_specs_key(node: int) -> str:
+    """The TCPStore key under which node 0 publishes the `RankSpec`s of `node`'s ranks."""
+    return f"lmgate/node/{node}/specs"
+
+
 class ProcessRanks(Ranks):
     """Owns the rank processes, the sockets to them, the TCPStore their `GlooComm` meets at, and the receiver
-    thread. `_lock` guards `_stats`, `_weights_bytes` and `_acks` (a condition waited on by weight calls)."""
+    thread. `_lock` guards `_stats`, `_weights_bytes` and `_acks` (a condition waited on by weight calls).
+    `_procs` holds this node's rank processes, by world rank; the others are `remote` ranks."""
 
     def __init__(self, config: EngineConfig, model_path: str, max_context_length: int, threads_per_loop: int,
                  log_level: int) -> None:
@@ -112,24 +127,28 @@ class ProcessRanks(Ranks):
         self.config = config
         self.threads_per_loop = threads_per_loop
         self.tp_size = tp = config.tensor_parallel
-        size = config.engine_loops * tp
+        size = config.world_size
+        per_node = size // config.nnodes
+        host = socket.gethostbyname(config.master_addr)  # node 0's own address: other nodes reach it there
         self._context = zmq.Context()
         self._outputs = self._context.socket(zmq.PULL)
-        outputs_port = self._outputs.bind_to_random_port("tcp://127.0.0.1")
-        self._store = GlooComm.create_store()
+        outputs_port = self._outputs.bind_to_random_port(f"tcp://{host}")
+        self._store = GlooComm.create_store(host, config.master_port)
         self._ids = ids = itertools.count(1)  # wire ids of requests and weight calls
         self._links: list[RemoteQueue] = []  # one per rank process, by world rank
         self._specs = []
         for rank in range(size):
-            socket = self._context.socket(zmq.PUSH)
-            socket.setsockopt(zmq.SNDHWM, 0)  # never block a caller: the rank takes what it is sent
-            port = socket.bind_to_random_port("tcp://127.0.0.1")
-            self._links.append(RemoteQueue(socket, rank // tp, ids, self))
-            self._specs.append(RankSpec(config, model_path, rank, size, tp, self._store.port, f"tcp://127.0.0.1:{port}",
-                                        f"tcp://127.0.0.1:{outputs_port}", threads_per_loop, max_context_length,
-                                        log_level))
+            push = self._context.socket(zmq.PUSH)
+            push.setsockopt(zmq.SNDHWM, 0)  # never block a caller: the rank takes what it is sent
+            port = push.bind_to_random_port(f"tcp://{host}")
+            self._links.append(RemoteQueue(push, rank // tp, ids, self))
+            self._specs.append(RankSpec(config, model_path, rank, size, tp, host, self._store.port, f"tcp://{host}:{port}",
+                                        f"tcp://{host}:{outputs_port}", threads_per_loop, max_context_length,
+                                        log_level, node=rank // per_node))
         self.queues = self._links[::tp]  # the tensor-parallel leaders take the requests
-        self._procs: list[BaseProcess] = []
+        self.remote = set(range(per_node, size))
+        self._procs: dict[int, BaseProcess] = {}
+        self._last_heard = dict.fromkeys(range(size), time.monotonic())  # receiver thread only
         self._exited: set[int] = set()  # ranks that said "exited" (a clean close)
         self._stats = [LoopStats() for _ in range(config.engine_loops)]
         self._weights_bytes = [0] * size
@@ -142,27 +161,37 @@ class ProcessRanks(Ranks):
     # start -------------------------------------------------------------------------------------------------
 
     def start(self, gateway: Gateway) -> None:
-        """Spawn the ranks (never fork: gRPC's threads may be running) and wait until each is ready; a rank
-        that fails to start fails this, with its error."""
+        """Spawn this node's ranks (never fork: gRPC's threads may be running), publish the other nodes', and
+        wait until every rank is ready; a rank that fails to start fails this, with its error."""
         self._gateway = gateway
+        for node in range(1, self.config.nnodes):
+            self._store.set(node_specs_key(node), pickle.dumps([s for s in self._specs if s.node == node]))
+        self._store.set(NNODES_KEY, str(self.config.nnodes))
         spawn = multiprocessing.get_context("spawn")
-        self._procs = [spawn.Process(target=run_rank, args=(spec,), name=f"lmgate-rank-{spec.rank}", daemon=True)
-                       for spec in self._specs]
-        for p in self._procs:
+        self._procs = {spec.rank: spawn.Process(target=run_rank, args=(spec,), name=f"lmgate-rank-{spec.rank}", daemon=True)
+                       for spec in self._specs if spec.node == 0}
+        for p in self._procs.values():
             p.start()
-        log.info("engine ranks started as processes: %s", ", ".join(f"rank {i} pid {p.pid}" for i, p in enumerate(self._procs)))
-        waiting = set(range(len(self._procs)))
+        log.info("engine ranks started as processes: %s", ", ".join(f"rank {i} pid {p.pid}" for i, p in self._procs.items()))
+        if self.remote:
+            log.info("waiting for ranks %s from nodes 1..%d (lmgate serve --nnodes %d --node-rank K --master-addr %s "
+                     "--master-port %d)", ", ".join(map(str, sorted(self.remote))), self.config.nnodes - 1,
+                     self.config.nnodes, self.config.master_addr, self._store.port)
+        waiting = set(range(len(self._specs)))
         try:
             while waiting:
                 message = self._receive_during_start(waiting)
                 if message[0] == "failed":
                     raise message[2]
+                if message[0] != "ready":
+                    continue  # a heartbeat
                 _, rank, stats, nbytes = message
                 self._weights_bytes[rank] = nbytes
                 if rank % self.tp_size == 0:
                     self._stats[rank // self.tp_size] = stats
                 waiting.discard(rank)
             self._await_connections()
+            self._last_heard = dict.fromkeys(range(len(self._links)), time.monotonic())
         except BaseException:
             self._kill_all()
             self._close_sockets()
@@ -172,21 +201,27 @@ class ProcessRanks(Ranks):
 
     def _await_connections(self) -> None:
         """Until every rank's socket has its peer (sends never block, so one sent earlier would be lost)."""
-        for link, proc in zip(self._links, self._procs):
+        deadline = time.monotonic() + HEARTBEAT_TIMEOUT
+        for rank, link in enumerate(self._links):
             while not link.send(("hello",)):
-                if not proc.is_alive():
+                proc = self._procs.get(rank)
+                if proc is not None and not proc.is_alive():
                     raise InternalError(f"engine rank {proc.name} exited while starting (exit status {proc.exitcode})")
+                if proc is None and time.monotonic() > deadline:
+                    raise InternalError(f"engine rank {rank} on node {self._specs[rank].node} said it was ready "
+                                        f"but never connected to {self.config.master_addr}")
                 time.sleep(0.01)
 
     def _receive_during_start(self, waiting: set[int]) -> tuple:
         poller = zmq.Poller()
         poller.register(self._outputs, zmq.POLLIN)
-        for rank in waiting:
+        local = [r for r in waiting if r in self._procs]
+        for rank in local:
             poller.register(self._procs[rank].sentinel, zmq.POLLIN)
         ready = dict(poller.poll())
         if self._outputs in ready:
             return self._outputs.recv_pyobj()
-        rank = next(r for r in waiting if self._procs[r].sentinel in ready)
+        rank = next(r for r in local if self._procs[r].sentinel in ready)
         if self._outputs.poll(EXIT_DRAIN_SECONDS * 1000):
             return self._outputs.recv_pyobj()  # most likely its "failed"
         raise InternalError(f"engine rank {rank} exited while starting (exit status {self._procs[rank].exitcode})")
@@ -239,19 +274,36 @@ class ProcessRanks(Ranks):
     # the receiver thread -----------------------------------------------------------------------------------
 
     def _receive(self) -> None:
+        """Until every rank has ended: a local one's process exited; a remote one said "exited", or is given
+        up after a failure (it leaves when the pings stop). A rank silent for HEARTBEAT_TIMEOUT, hung or on a
+        machine gone, is a failure."""
         poller = zmq.Poller()
         poller.register(self._outputs, zmq.POLLIN)
-        for p in self._procs:
+        for p in self._procs.values():
             poller.register(p.sentinel, zmq.POLLIN)
-        running = set(range(len(self._procs)))
+        running = set(range(len(self._links)))
+        pinged = 0.0
         while running:
-            ready = dict(poller.poll())
+            ready = dict(poller.poll(HEARTBEAT_SECONDS * 1000))
             while self._outputs.poll(0):
                 self._handle(self._outputs.recv_pyobj())
-            for rank in [r for r in running if self._procs[r].sentinel in ready]:
+            for rank in [r for r in running - self.remote if self._procs[r].sentinel in ready]:
                 poller.unregister(self._procs[rank].sentinel)
                 running.discard(rank)
                 self._rank_ended(rank)
+            now = time.monotonic()
+            for rank in sorted(running):
+                silent = now - self._last_heard[rank]
+                if rank in self.remote and (rank in self._exited or self.failure is not None):
+                    running.discard(rank)
+                elif silent > HEARTBEAT_TIMEOUT and self.failure is None and rank not in self._exited:
+                    running -= {rank} & self.remote  # a local one is still waited for: shutdown kills it
+                    where = f"on node {self._specs[rank].node}" if rank in self.remote else f"(pid {self._procs[rank].pid})"
+                    self._fail(f"engine rank {rank} {where} has not answered for {silent:.0f}s")
+            if now - pinged >= HEARTBEAT_SECONDS:
+                pinged = now
+                for rank in self.remote:
+                    self._links[rank].send(("ping",))
 
     def _rank_ended(self, rank: int) -> None:
         """A rank's process is gone: after a close it said "exited" (perhaps still in flight); otherwise it died."""
@@ -263,6 +315,7 @@ class ProcessRanks(Ranks):
 
     def _handle(self, message: tuple) -> None:
         kind, rank = message[0], message[1]
+        self._last_heard[rank] = time.monotonic()
         if kind == "outputs":  # only from leaders
             with self._lock:
                 self._stats[rank // self.tp_size] = message[2]
@@ -318,7 +371,7 @@ class ProcessRanks(Ranks):
     def shutdown(self) -> None:
         """The Gateway has sent every rank "close": wait for them (killing any that do not exit in
         `JOIN_SECONDS`, or all at once after a failure), then for the receiver's last outputs."""
-        for p in self._procs:
+        for p in self._procs.values():
             p.join(0 if self.failure else JOIN_SECONDS)
         self._kill_all()
         if self._receiver is not None:
@@ -330,7 +383,7 @@ class ProcessRanks(Ranks):
         self._close_sockets()
 
     def _kill_all(self) -> None:
-        for p in self._procs:
+        for p in self._procs.values():
             if p.is_alive():
                 p.kill()
             p.join()

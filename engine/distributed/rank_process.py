@@ -10,12 +10,17 @@ Gateway, its queue filled from the serving process. The loops of all ranks agree
     ("wake",)                      a request arrived at another rank: idle loops here must step with it
     ("weights", wire_id, action, path)   offload / drop / restore / load, done off the loop thread
     ("close",)                     shut down: cancel everything, stop the loop, exit 0
+    ("ping",)                      every HEARTBEAT_SECONDS: the serving process is alive
   (a tensor-parallel follower gets only "weights": its leader tells it the rest over their GlooComm)
   rank → serving (PUSH → one PULL):
     ("ready", rank, stats, weights_bytes) | ("failed", rank, error)
     ("outputs", rank, stats, [(wire_id, RequestOutput), ...])   one message per delivered batch
     ("weights_done", rank, wire_id, error | None, weights_bytes)
     ("exited", rank)               its last message after a clean close
+    ("alive", rank)                every HEARTBEAT_SECONDS
+
+A rank on another machine cannot be watched through its process's sentinel, nor watch its server's: each
+side takes HEARTBEAT_TIMEOUT without a message from the other as a death.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -48,13 +54,21 @@ from .host_comm import CommAborted
 
 log = logging.getLogger(__name__)
 
-REQUEST_FIELDS = ("kind", "session_id", "request_id", "input_ids", "params", "stateless", "messages", "arrival")
+REQUEST_FIELDS = ("kind", "session_id", "request_id", "input_ids", "params", "stateless", "messages")
+HEARTBEAT_SECONDS = 1.0
+HEARTBEAT_TIMEOUT = 10.0  # silence that counts as a death, either way
 
 
 def request_fields(request: Request) -> tuple:
-    """What of a request crosses to a rank: everything but its callbacks and flag (monotonic clocks agree
-    between the processes of one machine, so `arrival` keeps its meaning)."""
-    return tuple(getattr(request, f) for f in REQUEST_FIELDS)
+    """What of a request crosses to a rank: everything but its callbacks and flag, and its age rather than
+    its arrival (monotonic clocks differ between machines)."""
+    return (*(getattr(request, f) for f in REQUEST_FIELDS), time.monotonic() - request.arrival)
+
+
+def rebuild_request(fields: tuple, on_output: Callable[[RequestOutput], None]) -> Request:
+    """The request `request_fields` described, on this machine's clock."""
+    *values, age = fields
+    return Request(on_output=on_output, arrival=time.monotonic() - age, **dict(zip(REQUEST_FIELDS, values)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,12 +82,15 @@ class RankSpec:
     rank: int
     size: int
     tp_size: int
-    store_port: int  # the serving process's TCPStore, for GlooComm
+    store_host: str  # the serving process's TCPStore, for GlooComm
+    store_port: int
     requests_address: str  # this rank's PULL connects here
     outputs_address: str  # every rank's PUSH connects here
     num_threads: int
     max_context_length: int
     log_level: int
+    node: int = 0  # the machine it runs on; past node 0 its server is watched by heartbeats
+
 
     @property
     def dp_rank(self) -> int:
@@ -145,13 +162,14 @@ class RankProcess:
         keep_freed_memory()
         device = torch.device(c.device)
         dtype, _ = choose_dtype(c.dtype, device)
-        world = GlooComm.connect("127.0.0.1", spec.store_port, spec.rank, spec.size)
+        world = GlooComm.connect(spec.store_host, spec.store_port, spec.rank, spec.size)
         dp_comm = world.split(color=spec.tp_rank, key=spec.dp_rank)  # the leaders' group agrees in `pop`
         self.tp_comm = world.split(color=spec.dp_rank, key=spec.tp_rank)
         ckpt = on_fresh_thread(lambda: load_checkpoint(spec.model_path))
         tp = None
         if spec.tp_size > 1:
-            group = DeviceGroup(world.store, f"tp-device/{spec.dp_rank}", spec.tp_rank, spec.tp_size, device)
+            group = DeviceGroup(world.store, f"tp-device/{spec.dp_rank}", spec.tp_rank, spec.tp_size, device,
+                                world.hostname)
             tp = TensorParallel(shard_of(ckpt.config, spec.tp_rank, spec.tp_size), group.all_reduce)
         self.weights = LocalWeights(ckpt, dtype, device, c.max_batched_tokens, tp)
         self.gateway = RankGateway(spec.dp_rank, spec.size // spec.tp_size, c.max_queued_requests, outbox)
@@ -187,15 +205,25 @@ class RankProcess:
         poller.register(self.requests, zmq.POLLIN)
         poller.register(stopped_r, zmq.POLLIN)
         poller.register(multiprocessing.parent_process().sentinel, zmq.POLLIN)
+        beat, heard = time.monotonic(), None  # until the server's first word, its start-up may still take long
         while True:
-            ready = dict(poller.poll())
+            ready = dict(poller.poll(HEARTBEAT_SECONDS * 1000))
             if multiprocessing.parent_process().sentinel in ready:
-                os._exit(1)  # the serving process has gone: nobody is left to serve
+                os._exit(1)  # the serving process (or this node's) has gone: nobody is left to serve
+            now = time.monotonic()
             if self.requests in ready:
+                heard = now
                 while self.requests.poll(0):
                     self._handle(self.requests.recv_pyobj())
             if stopped_r in ready:
                 break
+            if now - beat >= HEARTBEAT_SECONDS:
+                beat = now
+                self.outbox.send(("alive", self.spec.rank))
+            if self.spec.node and heard is not None and now - heard > HEARTBEAT_TIMEOUT:
+                log.error("rank %d: nothing from the serving process on node 0 for %.0fs; exiting",
+                          self.spec.rank, now - heard)
+                os._exit(1)
         thread.join()
         self.gateway.stop_signals()  # delivers, and so sends, the last outputs
         self.weights.drop()
@@ -244,8 +272,7 @@ class RankProcess:
     def _handle(self, message: tuple) -> None:
         kind = message[0]
         if kind == "request":
-            self._request(message[1], Request(on_output=self.outbox.collector(message[1]),
-                                               **dict(zip(REQUEST_FIELDS, message[2]))))
+            self._request(message[1], rebuild_request(message[2], self.outbox.collector(message[1])))
         elif kind == "cancel":
             request = self.live.get(message[1])
             if request is not None:

@@ -6,11 +6,15 @@ False; the engine then runs the same attention with torch ops.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import shutil
+import sys
 import threading
 import time
+from typing import Iterator
 
 import torch
 
@@ -50,17 +54,39 @@ def _build() -> bool:
     name = f"lmgate_kernels_{capability.lower()}"  # a cache shared by different CPUs keeps one build each
     start = time.perf_counter()
     try:
-        from torch.utils.cpp_extension import load  # imports setuptools, which a venv may lack
+        from torch.utils.cpp_extension import get_default_build_root, load  # imports setuptools, which a venv may lack
 
-        # -fopenmp: at::parallel_for is inline OpenMP; it runs on the pool torch's own ops use.
-        load(name=name, sources=[SOURCE], is_python_module=False,
-             extra_cflags=["-O3", "-fopenmp", *CAPABILITY_FLAGS.get(capability, [])])
+        root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+        build_dir = os.path.join(root, f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}", name)
+        os.makedirs(build_dir, exist_ok=True)
+        with _builder_lock(build_dir):
+            # -fopenmp: at::parallel_for is inline OpenMP; it runs on the pool torch's own ops use.
+            load(name=name, sources=[SOURCE], is_python_module=False, build_directory=build_dir,
+                 extra_cflags=["-O3", "-fopenmp", *CAPABILITY_FLAGS.get(capability, [])])
     except Exception as exc:  # no compiler, ninja or setuptools, or a failed build: the torch path still works
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         log.warning("paged-attention CPU kernel unavailable (%s); decode attention runs on torch ops", first_line)
         return False
     log.info("paged-attention CPU kernel %s ready in %.1fs", name, time.perf_counter() - start)
     return True
+
+
+@contextlib.contextmanager
+def _builder_lock(build_dir: str) -> Iterator[None]:
+    """One builder per build directory across processes, and no stale lock left by a killed one.
+
+    torch's builder marks a build in progress with a `lock` file that only a finished build removes: a
+    process killed mid-build (Ctrl-C on a first `make serve`) left every later start waiting on it forever.
+    An flock dies with its process, so whoever holds this one knows any `lock` file inside is stale.
+    """
+    with open(os.path.join(build_dir, "lmgate.flock"), "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(build_dir, "lock"))
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _put_ninja_on_path() -> None:

@@ -42,17 +42,49 @@ void prefetch(const scalar_t* block, int64_t elems) {
   }
 }
 
-float dot(const float* a, const float* b, int64_t n) {
-  Vec acc(0.f);
-  int64_t d = 0;
-  for (; d + Vec::size() <= n; d += Vec::size()) {
-    acc = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc);
+float reduce_sum(Vec x) {
+  return at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, x);
+}
+
+// scores[t] = scale * (query . keys[t]) for `rows` keys of `n` elements. Four keys at a time, so that four
+// chains of multiply-adds run side by side: one chain per key waits on each multiply-add before the next,
+// and left the kernel bound by that latency at a third of the memory bandwidth.
+void key_scores(const float* query, const float* keys, int64_t rows, int64_t n, float scale, float* scores) {
+  int64_t t = 0;
+  for (; t + 4 <= rows; t += 4) {
+    const float* k = keys + t * n;
+    Vec acc0(0.f), acc1(0.f), acc2(0.f), acc3(0.f);
+    int64_t d = 0;
+    for (; d + Vec::size() <= n; d += Vec::size()) {
+      const Vec x = Vec::loadu(query + d);
+      acc0 = at::vec::fmadd(x, Vec::loadu(k + d), acc0);
+      acc1 = at::vec::fmadd(x, Vec::loadu(k + n + d), acc1);
+      acc2 = at::vec::fmadd(x, Vec::loadu(k + 2 * n + d), acc2);
+      acc3 = at::vec::fmadd(x, Vec::loadu(k + 3 * n + d), acc3);
+    }
+    float sums[4] = {reduce_sum(acc0), reduce_sum(acc1), reduce_sum(acc2), reduce_sum(acc3)};
+    for (; d < n; ++d) {
+      for (int64_t i = 0; i < 4; ++i) {
+        sums[i] += query[d] * k[i * n + d];
+      }
+    }
+    for (int64_t i = 0; i < 4; ++i) {
+      scores[t + i] = sums[i] * scale;
+    }
   }
-  float sum = at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return x + y; }, acc);
-  for (; d < n; ++d) {
-    sum += a[d] * b[d];
+  for (; t < rows; ++t) {
+    const float* k = keys + t * n;
+    Vec acc(0.f);
+    int64_t d = 0;
+    for (; d + Vec::size() <= n; d += Vec::size()) {
+      acc = at::vec::fmadd(Vec::loadu(query + d), Vec::loadu(k + d), acc);
+    }
+    float sum = reduce_sum(acc);
+    for (; d < n; ++d) {
+      sum += query[d] * k[d];
+    }
+    scores[t] = sum * scale;
   }
-  return sum;
 }
 
 // out[0:n] = out * scale + sum over rows t of weights[t] * x[t, 0:n]. Four accumulators per register's
@@ -122,10 +154,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         const int64_t rows = std::min(block_size, len - b * block_size);
         const float* keys = as_float(k_head + table[b] * block_elems, buffer.data(), rows * dim);
         for (int64_t g = 0; g < group; ++g) {
-          float* p = probs.data() + g * block_size;
-          for (int64_t t = 0; t < rows; ++t) {
-            p[t] = dot(queries.data() + g * dim, keys + t * dim, dim) * static_cast<float>(scale);
-          }
+          key_scores(queries.data() + g * dim, keys, rows, dim, static_cast<float>(scale), probs.data() + g * block_size);
         }
         const float* values = as_float(v_head + table[b] * block_elems, buffer.data(), rows * dim);
         for (int64_t g = 0; g < group; ++g) {

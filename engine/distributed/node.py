@@ -1,0 +1,68 @@
+"""`run_node`: the ranks of a machine past the first (`lmgate serve --nnodes N --node-rank K`).
+
+Node 0's serving process publishes each other node's `RankSpec`s in its TCPStore (process_ranks.py); this
+process fetches its own, spawns them as node 0 spawns its share, and waits for them. It serves nothing:
+requests, outputs and collectives go between the ranks and node 0 directly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import multiprocessing
+import pickle
+import signal
+from multiprocessing.connection import wait
+
+from torch.distributed import TCPStore
+
+from ..config import EngineConfig
+from ..errors import InvalidRequest
+from ..threads import available_cpus
+from .process_ranks import NNODES_KEY, node_specs_key
+from .rank_process import RankSpec, run_rank
+
+log = logging.getLogger(__name__)
+
+JOIN_TIMEOUT = datetime.timedelta(minutes=10)  # for node 0 to come up and publish this node's ranks
+
+
+def fetch_specs(config: EngineConfig) -> list[RankSpec]:
+    """This node's ranks, as node 0 published them, with this machine's own CPUs shared between them."""
+    store = TCPStore(config.master_addr, config.master_port, is_master=False, timeout=JOIN_TIMEOUT)
+    nnodes = int(store.get(NNODES_KEY))
+    if nnodes != config.nnodes:
+        raise InvalidRequest(f"node 0 at {config.master_addr}:{config.master_port} serves {nnodes} nodes, "
+                             f"not --nnodes {config.nnodes}")
+    specs: list[RankSpec] = pickle.loads(store.get(node_specs_key(config.node_rank)))
+    threads = max(1, (config.threads or available_cpus()) // len(specs))
+    return [dataclasses.replace(spec, num_threads=threads) for spec in specs]
+
+
+def run_node(config: EngineConfig) -> int:
+    """Exit status: 0 when every rank closed cleanly (node 0 shut down), 1 when one died or lost node 0.
+    SIGINT or SIGTERM kills the ranks: node 0 sees them go silent and stops too."""
+    specs = fetch_specs(config)
+    spawn = multiprocessing.get_context("spawn")
+    procs = [spawn.Process(target=run_rank, args=(spec,), name=f"lmgate-rank-{spec.rank}", daemon=True) for spec in specs]
+    for p in procs:
+        p.start()
+    log.info("node %d of %d: ranks %s started as processes (pids %s), served by node 0 at %s",
+             config.node_rank, config.nnodes, ", ".join(str(s.rank) for s in specs),
+             ", ".join(str(p.pid) for p in procs), config.master_addr)
+
+    def stop(signum: int, _frame) -> None:
+        log.info("node %d: %s, killing its ranks", config.node_rank, signal.Signals(signum).name)
+        for p in procs:
+            p.kill()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
+    running = {p.sentinel: p for p in procs}
+    while running:
+        for sentinel in wait(list(running)):
+            p = running.pop(sentinel)
+            p.join()
+            (log.info if p.exitcode == 0 else log.error)("node %d: %s exited with status %s", config.node_rank,
+                                                         p.name, p.exitcode)
+    return 0 if all(p.exitcode == 0 for p in procs) else 1

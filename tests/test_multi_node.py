@@ -1,0 +1,149 @@
+"""Two nodes on one machine: node 1 runs in a network namespace of its own, joined to this one (node 0's) by a
+veth pair, so every request, output and collective between them crosses a real link between two network
+stacks. Needs root and `ip`; skipped with the reason where the machine forbids it."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from lmgate.v1 import lmgate_pb2 as pb
+from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
+from tests.serving import StreamEnds, serve_process
+from tests.test_engine import hf_greedy, hf_model  # noqa: F401  (fixture)
+
+NEW = 24
+GUARD = 300  # seconds: a guard against a hang, far above what any run takes, never a performance bound
+NODE0, NODE1 = "10.231.7.1", "10.231.7.2"
+PROMPTS = ("The capital of France is", "def fibonacci(n):", "Water boils at", "My favourite colour is")
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def node1_netns():
+    """A network namespace for node 1, its end of a veth pair at NODE1, this namespace's end at NODE0."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("two nodes on one machine need root and iproute2's `ip` (network namespaces)")
+    tag = f"lmg{os.getpid() % 100000}"
+    netns, here, there = f"{tag}-node1", f"{tag}a", f"{tag}b"
+    try:
+        _ip("netns", "add", netns)
+        _ip("link", "add", here, "type", "veth", "peer", "name", there, "netns", netns)
+        _ip("addr", "add", f"{NODE0}/24", "dev", here)
+        _ip("link", "set", here, "up")
+        _ip("-n", netns, "addr", "add", f"{NODE1}/24", "dev", there)
+        _ip("-n", netns, "link", "set", there, "up")
+        _ip("-n", netns, "link", "set", "lo", "up")
+    except subprocess.CalledProcessError as exc:
+        _remove(netns, here)
+        pytest.skip(f"this machine forbids network namespaces: {exc.stderr.strip()}")
+    try:
+        yield netns
+    finally:
+        _remove(netns, here)
+
+
+def _remove(netns: str, link: str) -> None:
+    subprocess.run(["ip", "link", "del", link], capture_output=True)  # takes its peer with it
+    subprocess.run(["ip", "netns", "del", netns], capture_output=True)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def start_nodes(netns: str, *flags: str) -> tuple[subprocess.Popen, subprocess.Popen, str]:
+    """Node 1 in `netns` (it waits for node 0), then node 0 here; both processes and node 0's gRPC address."""
+    port = str(_free_port(NODE0))
+    common = ("--nnodes", "2", "--master-addr", NODE0, "--master-port", port, "--kv-cache-tokens", "2048", *flags)
+    lmgate = os.path.join(os.path.dirname(sys.executable), "lmgate")
+    # A session of its own: its ranks share its process group, which the tests stop and kill as one node.
+    node1 = subprocess.Popen(["ip", "netns", "exec", netns, lmgate, "serve", "--node-rank", "1", *common],
+                             start_new_session=True)
+    try:
+        node0, address = serve_process("--node-rank", "0", *common)
+    except BaseException:
+        _kill(node1)
+        raise
+    return node0, node1, address
+
+
+def _kill(node1: subprocess.Popen, node0: subprocess.Popen | None = None) -> None:
+    """All of node 1's processes, and node 0 (its ranks follow it)."""
+    if node0 is not None and node0.poll() is None:
+        node0.kill()
+        node0.wait()
+    try:
+        os.killpg(node1.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    node1.wait()
+
+
+def greedy(stub: pb_grpc.InferenceStub, prompt: str) -> list[int]:
+    sampling = pb.SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    return [t for m in stub.Generate(pb.GenerateRequest(prompt=prompt, sampling=sampling), timeout=GUARD)
+            for t in m.token_ids]
+
+
+def test_data_parallel_ranks_on_two_nodes_answer_as_one_node_and_stop_together(node1_netns, hf_model, tokenizer):
+    """One rank per node; requests one at a time go to each rank in turn; SIGTERM to node 0 closes node 1's
+    rank too, and both exit 0."""
+    node0, node1, address = start_nodes(node1_netns, "--engine-loops", "2")
+    try:
+        with grpc.insecure_channel(address) as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            assert stub.Info(pb.InfoRequest()).engine_loops == 2
+            got = [greedy(stub, p) for p in PROMPTS]
+        assert got == [hf_greedy(hf_model, tokenizer.encode(p), NEW) for p in PROMPTS]
+        node0.send_signal(signal.SIGTERM)
+        assert node0.wait(timeout=GUARD) == 0
+        assert node1.wait(timeout=GUARD) == 0
+    finally:
+        _kill(node1, node0)
+
+
+def test_tensor_parallel_across_two_nodes_and_a_hung_node_ends_every_stream(node1_netns, hf_model, tokenizer):
+    """The model split over the two nodes (all-reduces over the veth); then node 1 stops dead (SIGSTOP: no
+    connection closes, only its silence tells): every stream ends UNAVAILABLE and node 0 exits 1."""
+    node0, node1, address = start_nodes(node1_netns, "--tensor-parallel", "2")
+    try:
+        with grpc.insecure_channel(address) as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            got = [greedy(stub, p) for p in PROMPTS[:2]]
+            assert got == [hf_greedy(hf_model, tokenizer.encode(p), NEW) for p in PROMPTS[:2]]
+            long = pb.SamplingParams(max_new_tokens=2000, ignore_eos=True)  # within the 2048-token context
+            streams = [stub.Generate(pb.GenerateRequest(prompt=f"Story {i}:", sampling=long), timeout=GUARD)
+                       for i in range(3)]
+            for s in streams:
+                assert next(m for m in s if m.token_ids)
+            ends = StreamEnds(streams)
+            os.killpg(node1.pid, signal.SIGSTOP)
+            statuses = ends.join()
+        assert len(statuses) == 3
+        for status in statuses:
+            assert status[0] == grpc.StatusCode.UNAVAILABLE and "engine rank 1 on node 1" in status[1], status
+        assert node0.wait(timeout=GUARD) == 1
+    finally:
+        _kill(node1, node0)
+
+
+def test_a_node_whose_server_died_stops_its_ranks_and_exits_non_zero(node1_netns):
+    node0, node1, _ = start_nodes(node1_netns, "--engine-loops", "2")
+    try:
+        node0.kill()
+        node0.wait()
+        assert node1.wait(timeout=GUARD) == 1  # its rank heard nothing for the heartbeat timeout
+    finally:
+        _kill(node1, node0)
