@@ -164,6 +164,7 @@ class EngineLoop:
     def step(self, requests: list[Request]) -> None:
         """One engine step: kAdd, cancellations, then the batch ops kSetup .. kDel."""
         self.num_steps += 1
+        self.runner.install_pending_weights()
         if self.weights_version != self.runner.weights_version:  # cached KV was computed by other weights
             self.blocks.reset_prefix_cache()
             self.weights_version = self.runner.weights_version

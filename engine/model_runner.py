@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -68,6 +69,9 @@ class ModelRunner:
         self.attention = attention  # of ATTENTION_PATHS; chosen at build, read per step
         self.followers: HostComm | None = None  # a tensor-parallel leader's group: what it does, they do
         self.group_kv_share = 1.0  # the tensor-parallel group's KV heads over this rank's
+        self.install_weights: Callable[[int], None] = lambda version: None  # a TP rank's LocalWeights.install_staged
+        self._pending_weights: int | None = None  # the staged version to install; a leaf lock guards it
+        self._pending_lock = threading.Lock()
 
     def release_kv_cache(self) -> None:
         self._tell_followers("release_kv")
@@ -83,9 +87,23 @@ class ModelRunner:
     def stop_followers(self) -> None:
         self._tell_followers("stop")
 
-    def _tell_followers(self, command: str) -> None:
+    def switch_weights_at_next_step(self, version: int) -> None:
+        """From a tensor-parallel leader's control thread, once every rank of its group staged `version`."""
+        with self._pending_lock:
+            self._pending_weights = version
+
+    def install_pending_weights(self) -> None:
+        """At a step boundary, on the loop thread: the staged weights go in here and at the followers at once,
+        so that no step mixes old and new shards."""
+        with self._pending_lock:
+            version, self._pending_weights = self._pending_weights, None
+        if version is not None:
+            self._tell_followers("install_weights", version)
+            self.install_weights(version)
+
+    def _tell_followers(self, command: str, argument: object = None) -> None:
         if self.followers is not None:
-            self.followers.broadcast((command, None))
+            self.followers.broadcast((command, argument))
 
     @property
     def kv_cache_bytes(self) -> int:

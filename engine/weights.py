@@ -27,7 +27,9 @@ class LocalWeights:
 
     Changed only by one admin caller at a time (the Engine's admin lock, a rank's control thread). Weights are
     swapped by replacing the model object and bumping each runner's `weights_version`: a loop reads
-    `runner.model` once per step, so a step in flight finishes on the old one.
+    `runner.model` once per step, so a step in flight finishes on the old one. A tensor-parallel rank's new
+    shard is only staged by `load`: its group's leader puts every rank's in at one step (`install_staged`),
+    as a step that mixed old and new shards would compute nothing.
     """
 
     def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, batch_hint: int,
@@ -38,6 +40,7 @@ class LocalWeights:
         self.config = shard_config(ckpt.config, tp.shard) if tp else ckpt.config  # the model this process runs
         self.runners: list[ModelRunner] = []
         self.model: LlamaForCausalLM | None = self._build(ckpt)
+        self._staged: dict[int, LlamaForCausalLM] = {}  # tensor parallelism: by version, until installed
         self._offloaded = False
 
     def offload(self) -> None:
@@ -49,21 +52,40 @@ class LocalWeights:
 
     def drop(self) -> None:
         """Sleep level 2 (and shutdown): the weights freed; only after every loop has stopped stepping."""
+        self._staged.clear()  # `path` names the newest already: a restore loads it
         self._install(None)
 
     def restore(self) -> None:
         """Undo `offload` or `drop`: back on the device, loaded again from `path` if they were dropped."""
         if self.model is None:
-            self.load(self.path)
+            self._install(self._build(on_fresh_thread(lambda: load_checkpoint(self.path))))  # no step runs now
         elif self.device.type != "cpu":
             self.model.to(self.device)
         self._offloaded = False
 
-    def load(self, path: str) -> None:
-        """Replace the weights with a checkpoint's (its shape checked by the caller)."""
+    def load(self, path: str, version: int = 0) -> None:
+        """Replace the weights with a checkpoint's (its shape checked by the caller); under tensor parallelism,
+        stage them as `version` for `install_staged`."""
         ckpt = on_fresh_thread(lambda: load_checkpoint(path))
-        self._install(self._build(ckpt))
+        model = self._build(ckpt)
         self.path = ckpt.path
+        if self.tp:
+            self._staged[version] = model
+        else:
+            self._install(model)
+
+    def install_staged(self, version: int) -> None:
+        """Staged `version` in place of the current model, older stages dropped: on the loop or follower
+        thread, at the step its group's leader chose (every rank of the group has staged it by then)."""
+        model = self._staged.pop(version, None)
+        for older in [v for v in self._staged if v < version]:
+            del self._staged[older]
+        if model is not None:
+            self._install(model)
+
+    def discard_staged(self, version: int) -> None:
+        """A staged model its group will not switch to (another rank failed to load it)."""
+        self._staged.pop(version, None)
 
     @property
     def nbytes(self) -> int:

@@ -11,6 +11,7 @@ from lmgate.engine.models.tensor_parallel import shard_of
 from lmgate.engine.sampling import SamplingParams
 from tests.test_engine import hf_greedy, hf_model  # noqa: F401  (fixture)
 from tests.test_models import ARCH_NAMES, hf_tokenizer_dir, prompt_ids, tiny_models  # noqa: F401  (fixtures)
+from tests.test_sleep import checkpoints  # noqa: F401  (fixture)
 
 NEW = 24
 LOGPROB_TOLERANCE = 1e-3  # partial sums over the group change the summation order, nothing else
@@ -87,6 +88,21 @@ def test_embedded_model_under_tp2_is_greedy_equal_to_transformers(checkpoint, hf
         tp.wakeup()
         again = [t for t, _ in _outputs(tp, prompts)]
     assert got == [hf_greedy(hf_model, p, NEW) for p in prompts] == again
+
+
+def test_update_weights_under_tp2_switches_every_rank_of_the_group(checkpoint, checkpoints, tokenizer):
+    """Each rank stages its shard of the new checkpoint; the leader puts them in at one step. Outputs are
+    then the new model's (as one rank computes them), and going back restores the old ones."""
+    prompts = [tokenizer.encode(p) for p in ("The capital of France is", "def fibonacci(n):")]
+    with Engine(EngineConfig(dtype="float32", model=checkpoints["changed"], kv_cache_tokens=2048)) as one:
+        want = [t for t, _ in _outputs(one, prompts)]
+    with Engine(EngineConfig(dtype="float32", tensor_parallel=2, kv_cache_tokens=2048), checkpoint) as tp:
+        before = [t for t, _ in _outputs(tp, prompts)]
+        tp.update_weights(checkpoints["changed"])
+        changed = [t for t, _ in _outputs(tp, prompts)]
+        tp.update_weights(checkpoints["original"])
+        after = [t for t, _ in _outputs(tp, prompts)]
+    assert changed == want != before == after
 
 
 def test_a_split_the_model_cannot_take_is_refused_before_any_rank_starts(tiny_models):

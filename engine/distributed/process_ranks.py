@@ -254,17 +254,30 @@ class ProcessRanks(Ranks):
         self._weights("restore")
 
     def load_weights(self, path: str) -> None:
-        self._weights("load", path)
+        """Under tensor parallelism in two phases: every rank stages its shard, then each group's leader puts
+        its group's in at its next step; none switches unless all loaded."""
+        version = next(self._ids)
+        try:
+            self._weights("load", path, wire_id=version)
+        except EngineError:
+            if self.tp_size > 1:
+                self._weights("discard", version)
+            raise
+        if self.tp_size > 1:
+            self._weights("install", version, links=self.queues)
 
-    def _weights(self, action: str, path: str = "") -> None:
-        """Every rank does `action` on its own model; returns once all have, raising the first error."""
-        wire_id = next(self._ids)
+    def _weights(self, action: str, argument: object = None, links: list[RemoteQueue] | None = None,
+                 wire_id: int | None = None) -> None:
+        """Every rank (of `links`, else all) does `action` on its own model; returns once all have, raising
+        the first error."""
+        links = self._links if links is None else links
+        wire_id = next(self._ids) if wire_id is None else wire_id
         with self._lock:
             if self.failure is not None:
                 raise Unavailable(f"{self.failure}: the server is stopping")
-            self._pending_acks[wire_id] = [len(self._links), None]
-        for link in self._links:
-            link.send(("weights", wire_id, action, path))
+            self._pending_acks[wire_id] = [len(links), None]
+        for link in links:
+            link.send(("weights", wire_id, action, argument))
         with self._lock:
             self._acks.wait_for(lambda: self._pending_acks[wire_id][0] == 0)
             error = self._pending_acks.pop(wire_id)[1]

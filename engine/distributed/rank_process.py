@@ -8,7 +8,9 @@ Gateway, its queue filled from the serving process. The loops of all ranks agree
     ("request", wire_id, fields)   a generate, kill or control request (`request_fields`)
     ("cancel", wire_id)            a request it sent was cancelled
     ("wake",)                      a request arrived at another rank: idle loops here must step with it
-    ("weights", wire_id, action, path)   offload / drop / restore / load, done off the loop thread
+    ("weights", wire_id, action, argument)   offload / drop / restore / load (argument: the path), done
+                                   off the loop thread; under tensor parallelism a load only stages, as
+                                   version wire_id, and "install" (to leaders) or "discard" of it follows
     ("close",)                     shut down: cancel everything, stop the loop, exit 0
     ("ping",)                      every HEARTBEAT_SECONDS: the serving process is alive
   (a tensor-parallel follower gets only "weights": its leader tells it the rest over their GlooComm)
@@ -183,6 +185,7 @@ class RankProcess:
                 self.runner.followers = self.tp_comm
                 group_kv = sum(len(shard_of(ckpt.config, r, spec.tp_size).kv_heads) for r in range(spec.tp_size))
                 self.runner.group_kv_share = group_kv / self.weights.config.num_kv_heads
+                self.runner.install_weights = self.weights.install_staged
             outbox.stats = self.loop.stats
         else:
             self.runner = on_fresh_thread(lambda: build_runner(self.weights, c))
@@ -260,6 +263,8 @@ class RankProcess:
                     runner.release_kv_cache()
                 elif command == "allocate_kv":
                     runner.allocate_kv_cache()
+                elif command == "install_weights":
+                    self.weights.install_staged(plan)  # the argument: a version
                 elif command == "stop":
                     return True
         except CommAborted:
@@ -313,11 +318,14 @@ class RankProcess:
             gateway.outbox.flush()
             gateway.wake_loops()
 
-    def _weights(self, wire_id: int, action: str, path: str) -> None:
+    def _weights(self, wire_id: int, action: str, argument: object) -> None:
+        """`argument`: a load's path; the version (the load's wire id) to install or discard."""
         error = None
         try:
             {"offload": self.weights.offload, "drop": self.weights.drop, "restore": self.weights.restore,
-             "load": lambda: self.weights.load(path)}[action]()
+             "load": lambda: self.weights.load(argument, version=wire_id),
+             "discard": lambda: self.weights.discard_staged(argument),
+             "install": lambda: self.runner.switch_weights_at_next_step(argument)}[action]()
             if action == "drop":
                 release_host_memory()
         except Exception as exc:
