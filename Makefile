@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # had, pip's own choice of torch (set PIP_EXTRA_INDEX_URL for another build).
 TORCH ?= torch==2.13.0
 
-.PHONY: install proto serve test test-fast bench-engine bench-serve bench-prefix bench-fleet bench-comm bench-scale clean
+.PHONY: install proto serve test test-fast bench-engine bench-serve bench-prefix bench-fleet bench-comm bench-scale bench-quant gpu-install test-gpu bench-gpu clean
 
 install: $(STAMP)
 
@@ -64,6 +64,24 @@ bench-comm: install
 
 bench-scale: install
 	$(PY) tests/bench_scale.py $(ARGS)
+
+bench-quant: install
+	$(PY) tests/bench_quant.py $(ARGS)
+
+# On the lent GPU machine (no network): its own python3, which holds torch with CUDA; lmgate is installed
+# there without dependencies (the missing wheels carried, as the README's GPU section says). Elsewhere:
+# make test-gpu GPU_PY=.venv/bin/python.
+GPU_PY ?= python3
+GPU_TESTS := tests/test_gpu.py tests/test_sampling.py tests/test_triton_kernels.py tests/test_cuda_graphs.py
+
+gpu-install:
+	$(GPU_PY) -m pip install -q --no-deps --no-build-isolation --no-index -e .
+
+test-gpu: gpu-install
+	$(GPU_PY) -m pytest -q $(GPU_TESTS) -k "not engine_greedy_tokens_equal_on_the_triton_path" $(ARGS)
+
+bench-gpu: gpu-install
+	$(GPU_PY) tests/bench_gpu.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -7,6 +7,7 @@ from typing import Any
 from .errors import InvalidRequest, UnsupportedModel
 
 DP_BACKENDS = ("thread", "process")
+WEIGHT_MODES = ("float", "quantized")
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
@@ -86,6 +87,8 @@ class EngineConfig:
     default_max_new_tokens: int = 256
     max_queued_requests: int = 1024  # per engine loop; a generate beyond it is RESOURCE_EXHAUSTED
     attention_kernel: bool = True  # CPU decode attention in C++ (built on first use), else torch ops
+    weights: str = "float"  # of WEIGHT_MODES; quantized: a GGUF's quantized matrices kept as blocks on the CPU (weights.keep_quantized)
+    cuda_graphs: bool = True  # CUDA: decode steps replayed from graphs per batch-size bucket (not under tensor parallelism)
     prefix_caching: bool = True  # full KV blocks shared by prompts that start with the same tokens
     threads: int = 0  # torch threads over all engine loops; 0: the CPUs this process may use (threads.py)
 
@@ -104,6 +107,8 @@ class EngineConfig:
                      "default_max_new_tokens", "max_queued_requests"):
             if getattr(self, name) < 1:
                 raise InvalidRequest(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.weights not in WEIGHT_MODES:
+            raise InvalidRequest(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {self.weights!r}")
         if self.dp_backend not in DP_BACKENDS:
             raise InvalidRequest(f"dp_backend must be one of {', '.join(DP_BACKENDS)}, got {self.dp_backend!r}")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:

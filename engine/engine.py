@@ -99,6 +99,8 @@ class Engine:
         processes = config.rank_processes
         ckpt = checkpoint or on_fresh_thread(lambda: load_checkpoint(config.model, weights=not processes))
         self.model_path, self.model_config, self.tokenizer = ckpt.path, ckpt.config, ckpt.tokenizer
+        # The ids a request may use: both the tokenizer and the model's embedding must know them.
+        self.vocab_size = min(ckpt.tokenizer.vocab_size, ckpt.config.vocab_size)
         self.sleeping: set[str] = set()  # of SLEEP_TAGS; written only under _admin_lock
         self._admin_lock = threading.Lock()  # serializes sleep / wakeup / update_weights; loops never take it
         self.max_context_length = min(
@@ -163,7 +165,7 @@ class Engine:
             ids = list(prompt)
         if not ids:
             raise InvalidRequest("the prompt is empty")
-        vocab = self.tokenizer.vocab_size
+        vocab = self.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
@@ -199,7 +201,7 @@ class Engine:
         return stream
 
     def _check_request(self, ids: list[int], params: SamplingParams) -> None:
-        vocab = self.tokenizer.vocab_size
+        vocab = self.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
             raise InvalidRequest(f"stop_token_ids must be below the vocabulary size {vocab}")
         total = len(ids) + params.max_new_tokens
@@ -255,7 +257,7 @@ class Engine:
             model=self.model_path,
             architecture=self.model_config.architecture,
             max_context_length=self.max_context_length,
-            vocab_size=self.tokenizer.vocab_size,
+            vocab_size=self.vocab_size,
             engine_loops=self.config.engine_loops,
             kv_blocks_total=sum(s.kv_blocks_total for s in stats),
             kv_blocks_free=sum(s.kv_blocks_free for s in stats),

@@ -15,7 +15,8 @@ from .errors import ContextOverflow, EngineError, InternalError, InvalidRequest,
 from .gateway import Gateway, Signal, cancelled_output
 from .distributed import CommAborted, HostComm
 from .config import EngineConfig
-from .kernels import load_paged_attention
+from .cuda_graphs import DecodeGraphs
+from .kernels import load_cpu_kernels
 from .kernels.triton import available as triton_available
 from .kv_cache import allocate_kv_cache
 from .model_runner import ModelRunner
@@ -48,13 +49,17 @@ class LoopStats:
     pop_seconds: float = 0.0  # in `Gateway.pop`: the ranks' agreement, waits for slower ranks and idle time included
 
 
-def build_runner(weights: LocalWeights, config: EngineConfig) -> ModelRunner:
+def build_runner(weights: LocalWeights, config: EngineConfig, max_context_length: int) -> ModelRunner:
     """A runner over `weights`' model (a tensor-parallel shard's included) with a KV cache of its own."""
     num_blocks = config.kv_cache_tokens // config.block_size
+    attention = attention_path(weights.device, config.attention_kernel)
+    graphs = None
+    if config.cuda_graphs and attention == "triton" and config.tensor_parallel == 1:
+        graphs = DecodeGraphs(config.max_batch_size, -(-max_context_length // config.block_size), weights.device)
     runner = ModelRunner(
         weights.model,
         lambda: allocate_kv_cache(weights.config, num_blocks, config.block_size, weights.dtype, weights.device),
-        config.block_size, weights.device, attention_path(weights.device, config.attention_kernel),
+        config.block_size, weights.device, attention, graphs,
     )
     weights.runners.append(runner)
     return runner
@@ -65,7 +70,7 @@ def attention_path(device: torch.device, kernel: bool) -> str:
     not be built."""
     if device.type == "cuda":
         return "triton" if triton_available() else "torch"
-    return "cpu" if kernel and load_paged_attention() else "torch"
+    return "cpu" if kernel and load_cpu_kernels() else "torch"
 
 
 class EngineLoop:
@@ -110,7 +115,7 @@ class EngineLoop:
               config: EngineConfig, max_context_length: int, num_threads: int) -> "EngineLoop":
         """A loop over `weights`' model with a KV cache of its own (allocated here: call on a fresh thread)."""
         num_blocks = config.kv_cache_tokens // config.block_size
-        runner = build_runner(weights, config)
+        runner = build_runner(weights, config, max_context_length)
 
         return cls(
             rank, gateway, comm, runner, BlockManager(num_blocks, config.block_size, config.prefix_caching), tokenizer,

@@ -1,6 +1,9 @@
-"""Loading a GGUF file: metadata to a config, tensors dequantized to Hugging Face names and layout."""
+"""Loading a GGUF file: metadata to a config, tensors to Hugging Face names and layout. Matrices of the
+quantization types the CPU kernels read stay quantized (`GGUFBlocks`); `build_model` expands them where the
+model runs in float."""
 from __future__ import annotations
 
+import logging
 import re
 
 import numpy as np
@@ -10,6 +13,9 @@ from gguf.quants import dequantize
 
 from .config import ModelConfig
 from .errors import UnsupportedModel
+from .models.quantized_linear import BLOCK_LAYOUTS, TYPE_NAMES, GGUFBlocks, gguf_blocks
+
+log = logging.getLogger(__name__)
 
 _ARCHES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -79,22 +85,33 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def read_gguf_weights(reader: GGUFReader, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Dequantized fp32 tensors by Hugging Face name; unknown tensors (e.g. rope tables) are skipped."""
+def read_gguf_weights(reader: GGUFReader, config: ModelConfig) -> dict[str, torch.Tensor | GGUFBlocks]:
+    """Tensors by Hugging Face name: matrices of a type in `BLOCK_LAYOUTS` as their blocks, everything else
+    as fp32; unknown tensors (e.g. rope tables) are skipped."""
     permute = config.architecture in ("LlamaForCausalLM", "MistralForCausalLM")
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor | GGUFBlocks] = {}
+    expanded: set[str] = set()
     for t in reader.tensors:
         name = _hf_name(t.name)
         if name is None:
+            continue
+        shape = [int(d) for d in reversed(t.shape)]
+        heads = config.num_heads if name.endswith("q_proj.weight") else config.num_kv_heads
+        rotated = permute and name.endswith(("q_proj.weight", "k_proj.weight"))
+        if int(t.tensor_type) in BLOCK_LAYOUTS and len(shape) == 2:
+            rows = np.asarray(t.data).reshape(shape[0], -1)
+            weights[name] = gguf_blocks(_unpermute(rows, heads) if rotated else rows, int(t.tensor_type), tuple(shape))
             continue
         if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
             data = np.asarray(t.data, dtype=np.float32)
         else:
             data = dequantize(t.data, t.tensor_type)
-        data = data.reshape([int(d) for d in reversed(t.shape)])
-        if permute and name.endswith("q_proj.weight"):
-            data = _unpermute(data, config.num_heads)
-        elif permute and name.endswith("k_proj.weight"):
-            data = _unpermute(data, config.num_kv_heads)
+            expanded.add(t.tensor_type.name)
+        data = data.reshape(shape)
+        if rotated:
+            data = _unpermute(data, heads)
         weights[name] = torch.from_numpy(np.array(data, dtype=np.float32))
+    if expanded:
+        log.info("GGUF tensors of types %s expanded to float32 (the CPU kernels read %s)", ", ".join(sorted(expanded)),
+                 ", ".join(TYPE_NAMES.values()))
     return weights

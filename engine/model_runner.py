@@ -11,6 +11,7 @@ import torch
 
 from .attention import (AttentionMetadata, DecodeTables, GatheredDecode, PrefillChunk, PrefillTables, decode_mask,
                         gather_rows)
+from .cuda_graphs import DecodeGraphs
 from .models.llama import LlamaForCausalLM
 from .sampling import SampleResult, SampleRow, sample
 from .distributed.host_comm import HostComm
@@ -42,6 +43,7 @@ class StepInputs:
     meta: AttentionMetadata
     logit_rows: torch.Tensor  # the batch row of each sampling sequence's last token
     sample_rows: list[SampleRow]
+    bucket: int = 0  # a decode step replayed from the CUDA graph of this batch size (cuda_graphs.py); 0: eager
 
 
 # How attention reads the paged cache: torch ops (gather, then matmuls), the C++ CPU decode kernel
@@ -59,6 +61,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         attention: str,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model  # replaced whole by the engine (weight updates), read once per step
         self.weights_version = 0  # bumped by the engine with every new model, after `model` is replaced
@@ -67,6 +70,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.attention = attention  # of ATTENTION_PATHS; chosen at build, read per step
+        self.graphs = graphs  # decode steps from CUDA graphs (Triton path, no tensor parallelism), else None
         self.followers: HostComm | None = None  # a tensor-parallel leader's group: what it does, they do
         self.group_kv_share = 1.0  # the tensor-parallel group's KV heads over this rank's
         self.install_weights: Callable[[int], None] = lambda version: None  # a TP rank's LocalWeights.install_staged
@@ -76,6 +80,8 @@ class ModelRunner:
     def release_kv_cache(self) -> None:
         self._tell_followers("release_kv")
         self.kv_caches = []
+        if self.graphs is not None:
+            self.graphs.drop()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -133,11 +139,18 @@ class ModelRunner:
                 plan.prefills.append((first_row, len(plan.input_ids), end, seq.block_table[: -(-end // self.block_size)]))
             if seq.samples_this_step:
                 plan.logit_rows.append(len(plan.input_ids) - 1)
-                plan.sample_rows.append(SampleRow(seq.params, seq.generator, seq.token_ids[: seq.num_prompt_tokens], seq.output_ids, seq.banned_ids))
+                plan.sample_rows.append(SampleRow(seq.params, seq.seed, seq.token_ids[: seq.num_prompt_tokens], seq.output_ids, seq.banned_ids))
         return plan
 
     def prepare(self, plan: StepPlan) -> StepInputs:
         """kPrepare: the plan as device tensors and the attention metadata this runner's path reads."""
+        width = max((len(t) for t in plan.decode_tables), default=0)
+        if self.graphs is not None and self.graphs.fits(len(plan.input_ids), len(plan.prefills), width):
+            input_ids, positions, meta = self.graphs.load(plan.input_ids, plan.positions, plan.slots, plan.decode_tables,
+                                                          plan.decode_lengths)
+            # Every decode samples, in order: the logits are the bucket's first rows (only their count is read).
+            return StepInputs(input_ids, positions, meta, torch.arange(len(plan.logit_rows)), plan.sample_rows,
+                              bucket=meta.num_decode)
         if self.attention == "triton":
             prefills = self._prefill_tables(plan.prefills)
         else:
@@ -176,12 +189,15 @@ class ModelRunner:
         return torch.tensor(values, dtype=torch.long).to(self.device)
 
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """kForward: the model over the batch; logits only for the rows that sample."""
+    def forward(self, inputs: StepInputs, logits: bool = True) -> torch.Tensor | None:
+        """kForward: the model over the batch; logits only for the rows that sample, and none for a
+        tensor-parallel follower (`logits=False`), whose replicated LM head would only repeat its leader's."""
         model = self.model
+        if inputs.bucket:  # every decode samples, in order: the first rows of the bucket's logits
+            return self.graphs.run(model, self.weights_version, self.kv_caches, inputs.bucket)[: len(inputs.logit_rows)]
         hidden = model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        return model.compute_logits(hidden[inputs.logit_rows])
+        return model.compute_logits(hidden[inputs.logit_rows]) if logits else None
 
     def sample(self, logits: torch.Tensor, inputs: StepInputs) -> SampleResult:
-        """kFetch: sampling on the host, device results back as Python ints."""
-        return sample(logits.cpu(), inputs.sample_rows)
+        """kFetch: sampling on the model's device; the results come back in one copy, as Python ints."""
+        return sample(logits, inputs.sample_rows)

@@ -74,9 +74,9 @@ class SampleRow:
     """What the sampler needs of one sequence this step."""
 
     params: SamplingParams
-    generator: torch.Generator
+    seed: int  # the request's seed, or one drawn at arrival
     prompt_ids: list[int]
-    output_ids: list[int]
+    output_ids: list[int]  # its length counts the draws so far: this step's draw is number len(output_ids)
     banned_ids: list[int] = field(default_factory=list)  # eos / stop ids while below min_new_tokens
 
 
@@ -86,9 +86,23 @@ class SampleResult:
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]  # (chosen, top-n) per row
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def uniform(seed: int, counter: int) -> float:
+    """The counter-th draw in [0, 1) of a seed's stream (SplitMix64's mix of seed + counter * golden ratio),
+    with 24 bits so that it is exact in float32. A function of its arguments only: a row's draw never depends
+    on the batch, the device, or the draws of other rows."""
+    z = (seed + (counter + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return ((z ^ (z >> 31)) >> 40) * 2.0**-24
+
+
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
-    """logits: [rows, vocab] fp32. Each row's result depends only on that row, so a seeded request gives the
-    same tokens whatever else shares its batch."""
+    """logits: [rows, vocab] fp32 on the model's device, which does all the work; the chosen ids (and the
+    logprobs asked for) come back to the host in one copy. Each row's result depends only on that row, so a
+    seeded request gives the same tokens whatever else shares its batch."""
     raw = logits
     logits = _apply_penalties(logits, rows)
     tokens = logits.argmax(dim=-1)
@@ -96,66 +110,117 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
     if sampled:
         idx = torch.tensor(sampled, device=logits.device)
         tokens[idx] = _sample_rows(logits[idx], [rows[i] for i in sampled])
-    token_list = tokens.tolist()
-    return SampleResult(token_list, _logprobs(raw, token_list, rows))
+    return _fetch(raw, tokens, rows)
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """Repetition penalty over prompt and output (as Hugging Face and vLLM); presence / frequency over output."""
+    """Repetition penalty over prompt and output (as Hugging Face and vLLM); presence / frequency over output;
+    banned ids to -inf. Each kind is one indexed update over all its rows' (row, token) pairs."""
     if not any(r.params.penalized or r.banned_ids for r in rows):
         return logits
     logits = logits.clone()
-    vocab = logits.shape[-1]
-    for i, r in enumerate(rows):
-        p = r.params
-        row = logits[i]
-        if p.repetition_penalty not in (0, 1):
-            seen = torch.tensor(sorted(set(r.prompt_ids) | set(r.output_ids)), dtype=torch.long, device=row.device)
-            vals = row[seen]
-            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if (p.presence_penalty or p.frequency_penalty) and r.output_ids:
-            ids = torch.tensor(r.output_ids, dtype=torch.long, device=row.device)
-            counts = torch.bincount(ids, minlength=vocab)[:vocab].float()
-            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
-        if r.banned_ids:
-            row[r.banned_ids] = float("-inf")
+    device = logits.device
+
+    def pairs(token_lists: list[tuple[int, list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+        row_idx = [i for i, ids in token_lists for _ in ids]
+        tok_idx = [t for _, ids in token_lists for t in ids]
+        return torch.tensor(row_idx, dtype=torch.long, device=device), torch.tensor(tok_idx, dtype=torch.long, device=device)
+
+    repeat = [(i, sorted(set(r.prompt_ids) | set(r.output_ids))) for i, r in enumerate(rows)
+              if r.params.repetition_penalty not in (0, 1)]
+    if repeat:
+        row_idx, tok_idx = pairs(repeat)
+        penalty = torch.tensor([rows[i].params.repetition_penalty for i, ids in repeat for _ in ids], device=device)
+        vals = logits[row_idx, tok_idx]
+        logits[row_idx, tok_idx] = torch.where(vals > 0, vals / penalty, vals * penalty)
+    counted = [i for i, r in enumerate(rows) if (r.params.presence_penalty or r.params.frequency_penalty) and r.output_ids]
+    if counted:
+        row_idx, tok_idx = pairs([(j, rows[i].output_ids) for j, i in enumerate(counted)])
+        counts = torch.zeros((len(counted), logits.shape[-1]), device=device)
+        counts.index_put_((row_idx, tok_idx), torch.ones_like(tok_idx, dtype=counts.dtype), accumulate=True)
+        freq = torch.tensor([[rows[i].params.frequency_penalty] for i in counted], device=device)
+        presence = torch.tensor([[rows[i].params.presence_penalty] for i in counted], device=device)
+        at = torch.tensor(counted, device=device)
+        logits[at] -= freq * counts + presence * (counts > 0).float()
+    banned = [(i, r.banned_ids) for i, r in enumerate(rows) if r.banned_ids]
+    if banned:
+        logits[pairs(banned)] = float("-inf")
     return logits
 
 
 def _sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """Temperature, then top-k / top-p / min-p filters, then one uniform draw per row from its own generator
-    (a host generator: the draws cross to the logits' device in one copy)."""
+    """Temperature, then min-p / top-k / top-p filters, then one uniform draw per row (`uniform`, computed on
+    the host and copied in with the other per-row parameters) against the row's cumulative distribution."""
     def column(values: list) -> torch.Tensor:
-        return torch.tensor(values, device=logits.device).unsqueeze(1)
+        return torch.tensor(values, dtype=torch.float32, device=logits.device).unsqueeze(1)
 
     temps = column([r.params.temperature for r in rows])
     probs = torch.softmax(logits / temps, dim=-1)
     min_ps = column([r.params.min_p for r in rows])
     probs = probs.masked_fill(probs < min_ps * probs.amax(dim=-1, keepdim=True), 0.0)
     vocab = probs.shape[-1]
-    top_ks = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
-    top_ps = [r.params.top_p if 0 < r.params.top_p < 1 else 1.0 for r in rows]
-    if min(top_ks) < vocab or min(top_ps) < 1:
-        probs, order = probs.sort(dim=-1, descending=True)
-        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-        cut = ranks >= column(top_ks)
-        cut |= (probs.cumsum(dim=-1) - probs) >= column(top_ps)
-        probs = probs.masked_fill(cut, 0.0)
-    else:
-        order = None
+    top_ks = column([r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows])
+    top_ps = column([r.params.top_p if 0 < r.params.top_p < 1 else 1.0 for r in rows])
+    draws = column([uniform(r.seed, len(r.output_ids)) for r in rows])
+    if not any(0 < r.params.top_k < vocab or 0 < r.params.top_p < 1 for r in rows):
+        return _draw(probs, draws)
+    # The filters keep tokens in order of probability. Most rows keep few: their top CANDIDATES, found
+    # without sorting the vocabulary, hold every token they keep (a top-k within them, or a nucleus whose
+    # mass they reach). Only other rows sort it all. Which path a row takes depends on that row alone.
+    candidates = min(CANDIDATES, vocab)
+    top = probs.topk(candidates, dim=-1)
+    nucleus = (top_ps < 1) & (top.values.sum(dim=-1, keepdim=True) >= top_ps)
+    inside = ((top_ks <= candidates) | nucleus).squeeze(1)
+    tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+    for where, values, order in _split(inside, top, probs):
+        ranks = torch.arange(values.shape[-1], device=logits.device).unsqueeze(0)
+        cut = (ranks >= top_ks[where]) | ((values.cumsum(dim=-1) - values) >= top_ps[where])
+        tokens[where] = order.gather(1, _draw(values.masked_fill(cut, 0.0), draws[where]).unsqueeze(1)).squeeze(1)
+    return tokens
+
+
+CANDIDATES = 256  # tokens a row's top-k / top-p looks at before it sorts the whole vocabulary
+
+
+def _split(inside: torch.Tensor, top, probs: torch.Tensor):
+    """(rows, sorted probabilities, their token ids) for the rows whose candidates suffice, then for the rest."""
+    if bool(inside.all()):
+        yield inside, top.values, top.indices
+        return
+    rest = ~inside
+    if bool(inside.any()):
+        yield inside, top.values[inside], top.indices[inside]
+    values, order = probs[rest].sort(dim=-1, descending=True)
+    yield rest, values, order
+
+
+def _draw(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    """Per row, the index at which the cumulative distribution passes draw x total."""
     cdf = probs.cumsum(dim=-1)
-    draws = torch.cat([torch.rand(1, generator=r.generator) for r in rows]).to(logits.device).unsqueeze(1)
-    choice = torch.searchsorted(cdf, draws * cdf[:, -1:], right=True).clamp_(max=vocab - 1)
-    return (choice if order is None else order.gather(1, choice)).squeeze(1)
+    total = cdf[:, -1:]
+    # Strictly below the total, so that the draw lands on a token of non-zero probability however it rounds.
+    target = torch.minimum(draws * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
 
-def _logprobs(raw: torch.Tensor, tokens: list[int], rows: list[SampleRow]):
+def _fetch(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
+    """The chosen ids, and for rows that ask, the chosen token's logprob and the top n (of the unpenalized
+    distribution), packed into one float64 tensor (ids are exact there) for a single device-to-host copy."""
     wanted = [i for i, r in enumerate(rows) if r.params.logprobs]
-    out: list[tuple[float, list[tuple[int, float]]] | None] = [None] * len(rows)
     if not wanted:
-        return out
-    lp = torch.log_softmax(raw[torch.tensor(wanted, device=raw.device)], dim=-1)
+        return SampleResult(tokens.tolist(), [None] * len(rows))
+    idx = torch.tensor(wanted, device=raw.device)
+    lp = torch.log_softmax(raw[idx], dim=-1)
+    chosen = lp.gather(1, tokens[idx].unsqueeze(1))
+    top = lp.topk(max(rows[i].params.logprobs for i in wanted), dim=-1)
+    packed = torch.cat([tokens.double(), chosen.double().flatten(), top.indices.double().flatten(),
+                        top.values.double().flatten()]).cpu()
+    n, w = len(rows), len(wanted)
+    token_list = [int(t) for t in packed[:n].tolist()]
+    chosen_list = packed[n : n + w].tolist()
+    top_ids, top_values = packed[n + w :].view(2, w, -1)
+    out: list[tuple[float, list[tuple[int, float]]] | None] = [None] * n
     for j, i in enumerate(wanted):
-        top = lp[j].topk(rows[i].params.logprobs)
-        out[i] = (lp[j, tokens[i]].item(), list(zip(top.indices.tolist(), top.values.tolist())))
-    return out
+        k = rows[i].params.logprobs
+        out[i] = (chosen_list[j], [(int(t), v) for t, v in zip(top_ids[j, :k].tolist(), top_values[j, :k].tolist())])
+    return SampleResult(token_list, out)

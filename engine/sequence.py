@@ -4,8 +4,6 @@ from __future__ import annotations
 import enum
 import random
 
-import torch
-
 from .detokenizer import IncrementalDetokenizer
 from .request import Request
 
@@ -64,8 +62,7 @@ class Sequence(HoldsKV):
         self.max_new_tokens = max_new_tokens
         self.stop_ids = frozenset(self.params.stop_token_ids) | (frozenset() if self.params.ignore_eos else eos_ids)
         self.detokenizer = detokenizer
-        seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = self.params.seed if self.params.seed is not None else random.getrandbits(64)  # sampling.uniform
         self.status = SequenceStatus.WAITING
         self.num_scheduled = 0  # tokens this step will compute; set by the scheduler
         self.finish_reason = None

@@ -1,17 +1,22 @@
 """`LocalWeights`: the model a process's runners share, and how it sleeps, wakes and is replaced."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from .config import EngineConfig
+from .kernels import load_cpu_kernels
 from .loader import Checkpoint, load_checkpoint
 from .model_runner import ModelRunner
-from .models import build_model, count_weight_bytes
+from .models import build_model, count_weight_bytes, expand_blocks
 from .models.llama import LlamaForCausalLM
 from .models.tensor_parallel import Shard, shard_config, shard_weights
 from .threads import on_fresh_thread
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +25,17 @@ class TensorParallel:
 
     shard: Shard
     all_reduce: Callable[[torch.Tensor], torch.Tensor]
+
+
+def keep_quantized(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> bool:
+    """`--weights quantized`: a GGUF file's quantized matrices stay quantized where the CPU kernels read them
+    (float32 activations, no tensor parallelism, a compiler found); elsewhere the weights are float, said once."""
+    if config.weights != "quantized":
+        return False
+    if device.type == "cpu" and dtype == torch.float32 and config.tensor_parallel == 1 and load_cpu_kernels():
+        return True
+    log.warning("--weights quantized needs the CPU kernels, float32 and no tensor parallelism: weights are float")
+    return False
 
 
 class LocalWeights:
@@ -33,8 +49,9 @@ class LocalWeights:
     """
 
     def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, batch_hint: int,
-                 tp: TensorParallel | None = None) -> None:
+                 tp: TensorParallel | None = None, quantized: bool = False) -> None:
         self.dtype, self.device, self.batch_hint = dtype, device, batch_hint
+        self.quantized = quantized and tp is None  # GGUF blocks kept as blocks (`keep_quantized`)
         self.path = ckpt.path  # where a dropped model is loaded again from; follows `load`
         self.tp = tp
         self.config = shard_config(ckpt.config, tp.shard) if tp else ckpt.config  # the model this process runs
@@ -97,8 +114,9 @@ class LocalWeights:
     def _build(self, ckpt: Checkpoint) -> LlamaForCausalLM:
         """Off the calling thread, as loading is: engine/threads.py says why. A tensor-parallel rank builds its
         shard, whose decoder layers sum their row-parallel outputs over the group."""
-        weights = shard_weights(ckpt.weights, ckpt.config, self.tp.shard) if self.tp else ckpt.weights
-        model = on_fresh_thread(lambda: build_model(self.config, weights, self.dtype, self.device, self.batch_hint))
+        weights = shard_weights(expand_blocks(ckpt.weights), ckpt.config, self.tp.shard) if self.tp else ckpt.weights
+        model = on_fresh_thread(lambda: build_model(self.config, weights, self.dtype, self.device, self.batch_hint,
+                                                    self.quantized))
         if self.tp:
             for layer in model.model.layers:
                 layer.reduce = self.tp.all_reduce

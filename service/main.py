@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 from prometheus_client import start_http_server
 
-from lmgate.engine.config import DP_BACKENDS, EngineConfig
+from lmgate.engine.config import DP_BACKENDS, WEIGHT_MODES, EngineConfig
 from lmgate.engine.distributed.node import run_node
 from lmgate.engine.engine import Engine
 from lmgate.engine.errors import EngineError
@@ -98,6 +98,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-queued-requests", type=COUNT, default=_env("MAX_QUEUED_REQUESTS", 1024), help="requests waiting per engine loop before new ones get RESOURCE_EXHAUSTED [LMGATE_MAX_QUEUED_REQUESTS]")
     ap.add_argument("--dtype", default=_env("DTYPE", "auto"), type=_one_of(*DTYPE_CHOICES), metavar="{" + ",".join(DTYPE_CHOICES) + "}", help="weights and KV dtype; auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, else float32 [LMGATE_DTYPE]")
     ap.add_argument("--attention-kernel", default=_env("ATTENTION_KERNEL", "on"), type=ON_OFF, metavar="{on,off}", help="on: CPU decode attention in C++, compiled once on first use (torch ops if that fails); off: torch ops [LMGATE_ATTENTION_KERNEL]")
+    ap.add_argument("--weights", default=_env("WEIGHTS", "float"), choices=WEIGHT_MODES, help="float: a GGUF's quantized matrices expanded to float at load; quantized: kept as the file's blocks on the CPU (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; needs a C++ compiler, float32, no tensor parallelism), several times less memory and a faster single stream [LMGATE_WEIGHTS]")
+    ap.add_argument("--cuda-graphs", default=_env("CUDA_GRAPHS", "on"), type=ON_OFF, metavar="{on,off}", help="on: with --device cuda, decode steps replay CUDA graphs captured per batch-size bucket (not under --tensor-parallel); off: every step eager [LMGATE_CUDA_GRAPHS]")
     ap.add_argument("--prefix-caching", default=_env("PREFIX_CACHING", "on"), type=ON_OFF, metavar="{on,off}", help="on: prompts that start with the same tokens (a system prompt, a few-shot preamble, a retry) share their full KV blocks [LMGATE_PREFIX_CACHING]")
     ap.add_argument("--threads", type=_ranged(int, 0), default=_env("THREADS", 0), help="torch threads, split between engine loops; 0: the CPUs this process may use (affinity and cgroup quota) [LMGATE_THREADS]")
     ap.add_argument("--device", default=_env("DEVICE", "cpu"), help="cpu, cuda or cuda:N [LMGATE_DEVICE]")
@@ -148,6 +150,7 @@ def check_settings(args: argparse.Namespace) -> EngineConfig:
             max_context_length=args.max_context_length or None, engine_loops=args.engine_loops, dp_backend=args.dp_backend,
             tensor_parallel=args.tensor_parallel, nnodes=args.nnodes, node_rank=args.node_rank,
             master_addr=args.master_addr, master_port=args.master_port, max_queued_requests=args.max_queued_requests, attention_kernel=args.attention_kernel == "on",
+            cuda_graphs=args.cuda_graphs == "on", weights=args.weights,
             prefix_caching=args.prefix_caching == "on", threads=args.threads,
         )
     except EngineError as exc:

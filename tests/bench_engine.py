@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterator
 
+import lmgate.engine  # noqa: F401  (before torch: it sets OpenMP's wait policy, engine/__init__.py)
 import torch
 
 from lmgate.client.bench import random_prompts
@@ -94,12 +95,13 @@ class Figures:
 
 def measure_engine(args, dtype: str, prompts_for) -> tuple[Engine, float, float, float]:
     engine = Engine(EngineConfig(model=args.model, dtype=dtype, max_batched_tokens=args.max_batched_tokens,
-                                 max_batch_size=max(64, args.requests)))
+                                 max_batch_size=max(64, args.requests), weights=args.weights))
     prompts = prompts_for(engine)
     before = on_fresh_thread(lambda: matmul_flops(engine.dtype))  # see engine/threads.py: keep the main thread clear
     # Warm-up with one full-size wave: the first steps at each batch and context size allocate buffers and
-    # build oneDNN primitives (measured here: 154 tok/s for the first wave, 200 for the next).
-    run_engine(engine, prompts, args.output_len)
+    # build oneDNN primitives (measured here: 154 tok/s for the first wave, 200 for the next). Other prompts
+    # than the measured ones: the prefix cache would otherwise serve the measured wave's prefills.
+    run_engine(engine, prompts_for(engine, seed=1), args.output_len)
     tps = run_engine(engine, prompts, args.output_len)
     single = engine_single_stream(engine, prompts[0], args.output_len)
     # A shared VM's speed wanders (this one's matmul rate has read 74 and 152 GFLOP/s in one hour): the
@@ -184,13 +186,15 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated; each runs lmgate and transformers "
                     "(bfloat16 on a CPU without native bf16 runs emulated, several times slower)")
     ap.add_argument("--max-batched-tokens", type=int, default=512)
+    ap.add_argument("--weights", default="float", choices=["float", "quantized", "auto"],
+                    help="float: a GGUF expanded at load, the GEMM-bound limit's own path; quantized: kept as blocks")
     ap.add_argument("--hf-sample", type=int, default=4, help="requests that measure transformers one at a time")
     ap.add_argument("--noisy-neighbour", action="store_true", help="also run lmgate with one busy process beside it")
     ap.add_argument("--hf-batch", type=int, default=0, help="padded batch size for transformers (0: all requests)")
     args = ap.parse_args()
 
-    def prompts_for(engine: Engine) -> list[list[int]]:
-        return random_prompts(random.Random(0), args.requests, args.input_len, engine.tokenizer.vocab_size)
+    def prompts_for(engine: Engine, seed: int = 0) -> list[list[int]]:
+        return random_prompts(random.Random(seed), args.requests, args.input_len, engine.tokenizer.vocab_size)
 
     figures: dict[str, Figures] = {}
     for dtype in args.dtypes.split(","):

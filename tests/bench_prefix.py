@@ -13,6 +13,7 @@ import statistics
 import threading
 import time
 
+import lmgate.engine  # noqa: F401  (before torch: it sets OpenMP's wait policy, engine/__init__.py)
 import torch
 
 from lmgate.client.bench import random_prompts

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import random
 
+import lmgate.engine  # noqa: F401  (before torch: it sets OpenMP's wait policy, engine/__init__.py)
 import torch
 
 from lmgate.client.bench import random_prompts
@@ -30,11 +31,12 @@ CONFIGS = (("DP=1", 1, "thread", 1), ("DP=2 threads", 2, "thread", 1), ("DP=2 pr
 
 def measure(args, loops: int, backend: str, tp: int) -> tuple[float, float, float, str]:
     """Output tokens/s; milliseconds per step and in `pop` per step, averaged over ranks."""
-    engine = Engine(EngineConfig(model=args.model, dtype="float32", engine_loops=loops, dp_backend=backend, tensor_parallel=tp,
+    engine = Engine(EngineConfig(model=args.model, dtype="float32", weights="float", engine_loops=loops, dp_backend=backend, tensor_parallel=tp,
                                  max_batched_tokens=args.max_batched_tokens, max_batch_size=max(64, args.requests)))
     try:
-        prompts = random_prompts(random.Random(0), args.requests, args.input_len, engine.tokenizer.vocab_size)
-        run_engine(engine, prompts, args.output_len)  # a full-size warm-up wave, as bench-engine does
+        prompts, warmup = (random_prompts(random.Random(seed), args.requests, args.input_len, engine.tokenizer.vocab_size)
+                           for seed in (0, 1))
+        run_engine(engine, warmup, args.output_len)  # a full-size wave of other prompts, as bench-engine does
         before = engine.ranks.stats()
         tps = run_engine(engine, prompts, args.output_len)
         after = engine.ranks.stats()

@@ -2,6 +2,7 @@
 
 import os
 
+import lmgate.engine  # noqa: F401  (before torch: it sets OpenMP's wait policy, engine/__init__.py)
 import gguf
 import pytest
 import torch

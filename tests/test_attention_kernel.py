@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lmgate.engine.attention import DecodeTables, GatheredDecode, _decode, decode_mask, gather_rows
-from lmgate.engine.kernels import _builder_lock, compiler_found, load_paged_attention
+from lmgate.engine.kernels import _builder_lock, compiler_found, load_cpu_kernels
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
@@ -15,7 +15,7 @@ def kernel():
     """The kernel is built wherever a C++ compiler is found; without one the engine uses the torch path."""
     if not compiler_found():
         pytest.skip("no C++ compiler: the engine runs decode attention on torch ops")
-    assert load_paged_attention()
+    assert load_cpu_kernels()
     return torch.ops.lmgate.paged_decode_attention
 
 

@@ -26,7 +26,7 @@ from lmgate.engine.attention import AttentionMetadata, DecodeTables, GatheredDec
 from lmgate.engine.config import EngineConfig, ModelConfig
 from lmgate.engine.engine import Engine
 from lmgate.engine.errors import UnsupportedModel
-from lmgate.engine.kernels import compiler_found, load_paged_attention
+from lmgate.engine.kernels import compiler_found, load_cpu_kernels
 from lmgate.engine.kv_cache import allocate_kv_cache
 from lmgate.engine.loader import load_checkpoint, read_config
 from lmgate.engine.models import build_model, instantiate, load_weights
@@ -280,7 +280,7 @@ def test_model_chunked_prefill_matches_transformers(tiny, prompt_ids):
 @pytest.mark.parametrize("kernel", _decode_paths())
 def test_model_batched_decode_matches_transformers(tiny, prompt_ids, prompt_b_ids, kernel):
     """Two prompts prefilled in one step, then one decode token each in one step (padded block tables)."""
-    assert not kernel or load_paged_attention()
+    assert not kernel or load_cpu_kernels()
     ckpt, model = tiny.ours()
     bs = 8
     a, b = list(prompt_ids), list(prompt_b_ids)
@@ -358,7 +358,9 @@ def tokenizer_fields(gguf_path) -> list[tuple[str, object, gguf.GGUFValueType, g
     return fields
 
 
-def _write_gguf(tiny: TinyModel, path: str, tokenizer_fields) -> None:
+def _write_gguf(tiny: TinyModel, path: str, tokenizer_fields, quantize=None) -> None:
+    """`quantize(gguf_name, float32 array)`: (bytes, quantization type) for a tensor stored quantized, or
+    None to store it as float32."""
     cfg = tiny.hf.config
     arch = _GGUF_ARCH[tiny.name]
     head_dim = tiny.hf.model.layers[0].self_attn.head_dim
@@ -394,7 +396,11 @@ def _write_gguf(tiny: TinyModel, path: str, tokenizer_fields) -> None:
                 data = _llama_cpp_permute(data, cfg.num_attention_heads)
             elif arch == "llama" and rest == "self_attn.k_proj.weight":
                 data = _llama_cpp_permute(data, cfg.num_key_value_heads)
-        w.add_tensor(gname, data)
+        stored = quantize(gname, data) if quantize else None
+        if stored is None:
+            w.add_tensor(gname, data)
+        else:
+            w.add_tensor(gname, stored[0], raw_dtype=stored[1])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -549,3 +555,21 @@ def test_build_model_packs_linear_layers_on_cpu(tiny):
     if torch.backends.mkldnn.is_available():
         assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
         assert sum(isinstance(m, PackedLinear) for m in model.modules()) == 4 * model.config.num_layers + 1
+
+
+def test_ids_the_model_cannot_embed_are_refused(tmp_path):
+    """A tokenizer larger than the model's embedding (a model whose vocabulary was trimmed): an id past the
+    model's rows is the caller's error, not a failed step."""
+    from lmgate.engine.errors import InvalidRequest
+    from tests.gpu_models import write_model, write_tokenizer
+
+    path = str(tmp_path / "trimmed")
+    write_model(path, transformers.LlamaConfig(vocab_size=600, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                               num_attention_heads=4, num_key_value_heads=2), torch.float32)
+    write_tokenizer(path, 1000)
+    with Engine(EngineConfig(dtype="float32", model=path, kv_cache_tokens=1024)) as engine:
+        assert engine.info().vocab_size == 600
+        with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+            engine.generate([5, 700], SamplingParams(max_new_tokens=2))
+        assert len(engine.generate([5, 599], SamplingParams(max_new_tokens=2, ignore_eos=True)).token_ids) == 2
+        assert engine.info().kv_blocks_free == engine.info().kv_blocks_total

@@ -19,6 +19,7 @@ from prometheus_client import start_http_server
 from safetensors.torch import save_file
 
 from lmgate.engine.config import DP_BACKENDS, EngineConfig
+from lmgate.engine.models import expand_blocks
 from lmgate.service.auth import is_loopback_peer
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
@@ -166,14 +167,15 @@ def checkpoints(tmp_path_factory, gguf_path, checkpoint):
     root = tmp_path_factory.mktemp("ckpt")
     tokenizer_dir = root / "tokenizer"
     AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path)).save_pretrained(tokenizer_dir)
-    changed = dict(checkpoint.weights)
+    weights = expand_blocks(checkpoint.weights)  # the GGUF's blocks as float32, to save as safetensors
+    changed = dict(weights)
     for i in range(4):
         name = f"model.layers.{i}.mlp.down_proj.weight"
         changed[name] = -changed[name]
     small_config = dataclasses.replace(checkpoint.config, hidden_size=64, intermediate_size=128, num_layers=2, head_dim=16)
     generator = torch.Generator().manual_seed(0)
     small = {k: torch.randn(_small_shape(k, v.shape, small_config), generator=generator)
-             for k, v in checkpoint.weights.items() if not k.startswith("model.layers.") or k.startswith(("model.layers.0.", "model.layers.1."))}
+             for k, v in weights.items() if not k.startswith("model.layers.") or k.startswith(("model.layers.0.", "model.layers.1."))}
     return {
         "changed": save_hf_dir(root / "changed", checkpoint.config, changed, str(tokenizer_dir)),
         "other_shape": save_hf_dir(root / "other_shape", small_config, small, str(tokenizer_dir)),

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lmgate.engine.config import EngineConfig
+from lmgate.engine.cuda_graphs import DecodeGraphs
 from lmgate.engine.engine import Engine
 from lmgate.engine.sampling import SamplingParams
 from tests.test_models import hf_tokenizer_dir, tiny_models  # noqa: F401  (fixtures)
@@ -78,7 +79,7 @@ def test_store_kv_writes_slots_and_skips_padding(dtype):
 @pytest.mark.parametrize("heads,kvh", [(9, 3), (4, 4), (6, 1)])
 @pytest.mark.parametrize("blocks_per_split", [1, 2, 16])
 def test_decode_attention_matches_reference(dtype, heads, kvh, blocks_per_split):
-    lengths = [1, 15, 16, 17, 70, 33]
+    lengths = [1, 15, 16, 17, 0, 70, 33]  # 0: a CUDA graph bucket's padded row, which reads nothing
     k_cache, v_cache = make_cache(kvh, 24, dtype, seed=heads)
     tables, table_tensor = tables_for(lengths, 24, seed=kvh)
     q = torch.randn(len(lengths), heads, D).to(dtype).to(DEVICE)
@@ -87,6 +88,9 @@ def test_decode_attention_matches_reference(dtype, heads, kvh, blocks_per_split)
                                           scale, blocks_per_split=blocks_per_split)
     assert got.shape == q.shape and got.dtype == dtype
     for i, n in enumerate(lengths):
+        if n == 0:
+            assert torch.equal(got[i], torch.zeros_like(got[i]))
+            continue
         want = reference(q[i : i + 1], context(k_cache, tables[i], n), context(v_cache, tables[i], n), n - 1, scale)
         torch.testing.assert_close(got[i].double(), want[0], rtol=TOL[dtype], atol=TOL[dtype])
 
@@ -113,30 +117,38 @@ def test_prefill_attention_over_cached_prefix_matches_reference(dtype, heads, kv
         torch.testing.assert_close(got[starts[c] : starts[c] + m].double(), want, rtol=TOL[dtype], atol=TOL[dtype])
 
 
-def test_engine_greedy_tokens_equal_on_the_triton_path(tiny_models, monkeypatch):
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-buffers"])
+def test_engine_greedy_tokens_equal_on_the_triton_path(tiny_models, monkeypatch, graphs):
     """Chunked prefills (some after a cached prefix), decodes and mixed steps through the Triton kernels give
-    the torch path's tokens."""
-    calls = {"decode_attention": 0, "prefill_attention": 0}
+    the torch path's tokens. With `graphs`, decode-only steps go through the CUDA-graph runner's static
+    buffers, padded to their bucket (three sequences in a bucket of four), run eagerly: a CPU cannot capture."""
+    calls = {"decode_attention": 0, "prefill_attention": 0, "run": 0}
 
-    def counted(name: str):
-        kernel = getattr(triton_kernels, name)
+    def counted(owner, name: str):
+        kernel = getattr(owner, name)
 
         def call(*args, **kwargs):
             calls[name] += 1
             return kernel(*args, **kwargs)
-        return call
+        monkeypatch.setattr(owner, name, call)
 
-    for name in calls:
-        monkeypatch.setattr(triton_kernels, name, counted(name))
+    for name in ("decode_attention", "prefill_attention"):
+        counted(triton_kernels, name)
+    counted(DecodeGraphs, "run")
     with Engine(EngineConfig(dtype="float32", model=tiny_models("llama").path, kv_cache_tokens=1024,
                              attention_kernel=False, max_batched_tokens=16, prefix_caching=False)) as eng:
-        texts = ("The quick brown fox jumps over the lazy dog, twice.", "Paged attention keeps blocks apart.")
+        texts = ("The quick brown fox jumps over the lazy dog, twice.", "Paged attention keeps blocks apart.",
+                 "Graphs replay.")
         prompts = [eng.tokenizer.encode(text) for text in texts]
         params = SamplingParams(max_new_tokens=6, ignore_eos=True)
         want = [eng.generate(p, params).token_ids for p in prompts]
         for loop in eng.loops:
             loop.runner.attention = "triton"
+            if graphs:
+                loop.runner.graphs = DecodeGraphs(4, 8, torch.device("cpu"), capture=False)
         streams = [eng.submit(p, params) for p in prompts]
         got = [[t for out in s for t in out.token_ids] for s in streams]
+        assert eng.info().kv_blocks_free == eng.info().kv_blocks_total
     assert got == want
     assert calls["decode_attention"] > 0 and calls["prefill_attention"] > 0
+    assert (calls["run"] > 0) == graphs

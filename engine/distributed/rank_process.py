@@ -49,7 +49,7 @@ from ..memory import keep_freed_memory, release_host_memory
 from ..request import FinishReason, Request, RequestKind, RequestOutput
 from ..threads import on_fresh_thread
 from ..models.tensor_parallel import shard_of
-from ..weights import LocalWeights, TensorParallel
+from ..weights import LocalWeights, TensorParallel, keep_quantized
 from .device_group import DeviceGroup
 from .gloo_comm import GlooComm
 from .host_comm import CommAborted
@@ -173,7 +173,7 @@ class RankProcess:
             group = DeviceGroup(world.store, f"tp-device/{spec.dp_rank}", spec.tp_rank, spec.tp_size, device,
                                 world.hostname)
             tp = TensorParallel(shard_of(ckpt.config, spec.tp_rank, spec.tp_size), group.all_reduce)
-        self.weights = LocalWeights(ckpt, dtype, device, c.max_batched_tokens, tp)
+        self.weights = LocalWeights(ckpt, dtype, device, c.max_batched_tokens, tp, keep_quantized(c, dtype, device))
         self.gateway = RankGateway(spec.dp_rank, spec.size // spec.tp_size, c.max_queued_requests, outbox)
         self.loop: EngineLoop | None = None
         if spec.tp_rank == 0:
@@ -188,7 +188,7 @@ class RankProcess:
                 self.runner.install_weights = self.weights.install_staged
             outbox.stats = self.loop.stats
         else:
-            self.runner = on_fresh_thread(lambda: build_runner(self.weights, c))
+            self.runner = on_fresh_thread(lambda: build_runner(self.weights, c, spec.max_context_length))
         del ckpt  # the raw weights: the model holds what it needs
         self.outbox = outbox
         self.requests = context.socket(zmq.PULL)
@@ -258,7 +258,7 @@ class RankProcess:
             while True:
                 command, plan = self.tp_comm.broadcast(None)
                 if command == "step":
-                    runner.forward(runner.prepare(plan))
+                    runner.forward(runner.prepare(plan), logits=False)
                 elif command == "release_kv":
                     runner.release_kv_cache()
                 elif command == "allocate_kv":

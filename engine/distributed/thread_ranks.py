@@ -11,7 +11,7 @@ from ..gateway import Gateway
 from ..loader import Checkpoint
 from ..request_queue import RequestQueue
 from ..threads import on_fresh_thread
-from ..weights import LocalWeights
+from ..weights import LocalWeights, keep_quantized
 from .ranks import Ranks
 from .thread_comm import ThreadComm
 
@@ -24,7 +24,9 @@ class ThreadRanks(Ranks):
         super().__init__()
         self.config = config
         self.tokenizer = ckpt.tokenizer  # not the checkpoint: it holds the raw weights
-        self.weights = LocalWeights(ckpt, dtype, torch.device(config.device), config.max_batched_tokens)
+        device = torch.device(config.device)
+        self.weights = LocalWeights(ckpt, dtype, device, config.max_batched_tokens,
+                                    quantized=keep_quantized(config, dtype, device))
         self.max_context_length = max_context_length
         self.threads_per_loop = threads_per_loop
         self.queues = [RequestQueue(config.max_queued_requests) for _ in range(config.engine_loops)]

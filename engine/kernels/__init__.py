@@ -1,8 +1,11 @@
 """C++ CPU kernels, compiled on first use with torch's extension builder and cached across runs
 (in `~/.cache/torch_extensions`, or `$TORCH_EXTENSIONS_DIR`).
 
-Where no compiler is found, or the build fails, `load_paged_attention` says so once in the log and returns
-False; the engine then runs the same attention with torch ops.
+* paged_attention.cpp: CPU decode attention over the paged KV cache (`torch.ops.lmgate.paged_decode_attention`);
+* quantized_matmul.cpp: linear layers over GGUF's quantized blocks (`gguf_matvec`, `gguf_dequantize`).
+
+Where no compiler is found, or the build fails, `load_cpu_kernels` says so once in the log and returns
+False; the engine then runs attention with torch ops and expands GGUF weights to float at load.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = os.path.join(os.path.dirname(__file__), "paged_attention.cpp")
+SOURCES = [os.path.join(os.path.dirname(__file__), name) for name in ("paged_attention.cpp", "quantized_matmul.cpp")]
 
 # The flags torch builds its own kernels of each capability with, so that ATen's Vectorized takes the same
 # instructions; "DEFAULT" (and other architectures) get its portable version.
@@ -34,8 +37,8 @@ _lock = threading.Lock()
 _loaded: bool | None = None
 
 
-def load_paged_attention() -> bool:
-    """Whether `torch.ops.lmgate.paged_decode_attention` is available, building it the first time."""
+def load_cpu_kernels() -> bool:
+    """Whether the `torch.ops.lmgate` CPU kernels are available, building them the first time."""
     global _loaded
     with _lock:
         if _loaded is None:
@@ -61,13 +64,14 @@ def _build() -> bool:
         os.makedirs(build_dir, exist_ok=True)
         with _builder_lock(build_dir):
             # -fopenmp: at::parallel_for is inline OpenMP; it runs on the pool torch's own ops use.
-            load(name=name, sources=[SOURCE], is_python_module=False, build_directory=build_dir,
+            load(name=name, sources=SOURCES, is_python_module=False, build_directory=build_dir,
                  extra_cflags=["-O3", "-fopenmp", *CAPABILITY_FLAGS.get(capability, [])])
     except Exception as exc:  # no compiler, ninja or setuptools, or a failed build: the torch path still works
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        log.warning("paged-attention CPU kernel unavailable (%s); decode attention runs on torch ops", first_line)
+        log.warning("CPU kernels unavailable (%s): decode attention runs on torch ops, GGUF weights are expanded "
+                    "to float", first_line)
         return False
-    log.info("paged-attention CPU kernel %s ready in %.1fs", name, time.perf_counter() - start)
+    log.info("CPU kernels %s ready in %.1fs", name, time.perf_counter() - start)
     return True
 
 

@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from ..config import ModelConfig
 from ..errors import UnsupportedModel
 from .llama import LlamaForCausalLM, RotaryEmbedding, pack_weights
 from .packed_linear import pack_linears, packed_bytes
+from .quantized_linear import GGUFBlocks, QuantizedEmbedding, QuantizedLinear
+
+QUANTIZED = (QuantizedLinear, QuantizedEmbedding)
 
 MODEL_CLASSES = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -17,10 +21,14 @@ MODEL_CLASSES = {
 
 
 def build_model(
-    cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device, batch_hint: int = 256
+    cfg: ModelConfig, weights: dict[str, torch.Tensor | GGUFBlocks], dtype: torch.dtype, device: torch.device,
+    batch_hint: int = 256, quantized: bool = False,
 ) -> LlamaForCausalLM:
     """`instantiate`, then on the device in the dtype; on the CPU the linear layers' weights are then packed for
-    oneDNN (`packed_linear.py`)."""
+    oneDNN (`packed_linear.py`). `quantized`: GGUF blocks stay blocks (`quantized_linear.py`; the caller
+    checked the kernels run here), else they are expanded to float first."""
+    if not quantized:
+        weights = expand_blocks(weights)
     model = instantiate(cfg, weights)
     model.model.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
@@ -38,8 +46,15 @@ def instantiate(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> LlamaForC
 
 
 def count_weight_bytes(model: LlamaForCausalLM) -> int:
-    """Bytes the weights take: parameters (tied ones once) and packed copies."""
-    return sum(p.numel() * p.element_size() for p in model.parameters()) + packed_bytes(model)
+    """Bytes the weights take: parameters (tied ones once), packed copies and quantized blocks (shared ones
+    once)."""
+    blocks = {m.blocks.data_ptr(): m.blocks.nbytes for m in model.modules() if isinstance(m, QUANTIZED)}
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + packed_bytes(model) + sum(blocks.values())
+
+
+def expand_blocks(weights: dict[str, torch.Tensor | GGUFBlocks]) -> dict[str, torch.Tensor]:
+    """Every quantized matrix as float32 (a float model, tensor parallelism)."""
+    return {k: v.dequantize() if isinstance(v, GGUFBlocks) else v for k, v in weights.items()}
 
 
 def load_weights(model: LlamaForCausalLM, weights: dict[str, torch.Tensor]) -> None:
@@ -58,9 +73,24 @@ def load_weights(model: LlamaForCausalLM, weights: dict[str, torch.Tensor]) -> N
             f"checkpoint does not fit {cfg.architecture}: missing {missing[:3]}, unexpected {unexpected[:3]}, "
             f"wrong shape {[(k, tuple(packed[k].shape), tuple(expected[k])) for k in wrong[:3]]}"
         )
+    for name in [k for k, v in packed.items() if isinstance(v, GGUFBlocks)]:
+        _quantize_module(model, name.removesuffix(".weight"), packed.pop(name), packed)
     ref = next(model.parameters())
     if ref.device.type != "meta":
         packed = {k: v.to(device=ref.device, dtype=ref.dtype) for k, v in packed.items()}
     model.load_state_dict(packed, strict=False, assign=True)
-    if tied:
+    if tied and isinstance(model.model.embed_tokens, QuantizedEmbedding):
+        model.lm_head = QuantizedLinear(GGUFBlocks(model.model.embed_tokens.blocks, model.model.embed_tokens.qtype,
+                                                   cfg.hidden_size))
+    elif tied:
         model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def _quantize_module(model: LlamaForCausalLM, path: str, weight: GGUFBlocks, packed: dict) -> None:
+    """The linear layer or embedding at `path` replaced by one over `weight`'s blocks (its bias taken along)."""
+    parent_path, _, attr = path.rpartition(".")
+    parent = model.get_submodule(parent_path)
+    if isinstance(getattr(parent, attr), nn.Embedding):
+        setattr(parent, attr, QuantizedEmbedding(weight))
+    else:
+        setattr(parent, attr, QuantizedLinear(weight, packed.pop(f"{path}.bias", None)))

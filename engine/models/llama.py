@@ -11,6 +11,7 @@ from torch import nn
 
 from ..attention import AttentionMetadata, paged_attention
 from ..config import ModelConfig
+from .quantized_linear import GGUFBlocks, cat_rows
 
 
 class RMSNorm(nn.Module):
@@ -139,7 +140,7 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
 
-def pack_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def pack_weights(weights: dict[str, torch.Tensor | GGUFBlocks], cfg: ModelConfig) -> dict[str, torch.Tensor | GGUFBlocks]:
     """Hugging Face names to this module's: q/k/v into qkv_proj, gate/up into gate_up_proj, tied head."""
     packed = dict(weights)
     for i in range(cfg.num_layers):
@@ -147,10 +148,10 @@ def pack_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str
         for kind in ("weight", "bias"):
             parts = [packed.pop(f"{attn}.{p}_proj.{kind}", None) for p in "qkv"]
             if all(t is not None for t in parts):
-                packed[f"{attn}.qkv_proj.{kind}"] = torch.cat(parts)
+                packed[f"{attn}.qkv_proj.{kind}"] = cat_rows(parts)
         gate, up = packed.pop(f"{mlp}.gate_proj.weight", None), packed.pop(f"{mlp}.up_proj.weight", None)
         if gate is not None and up is not None:  # else left missing, for load_weights to refuse
-            packed[f"{mlp}.gate_up_proj.weight"] = torch.cat([gate, up])
+            packed[f"{mlp}.gate_up_proj.weight"] = cat_rows([gate, up])
     if (cfg.tie_word_embeddings or "lm_head.weight" not in packed) and "model.embed_tokens.weight" in packed:
         packed["lm_head.weight"] = packed["model.embed_tokens.weight"]
     return packed

@@ -3,7 +3,7 @@ them; a block table row lists a sequence's blocks in order. Softmax runs in fp32
 
 * `store_kv`: each token's key and value into its slot (`block * block_size + offset`); a negative slot
   (a padded row) writes nothing.
-* `decode_attention`: one query token per sequence, as flash decoding: the context is cut into splits of
+* `decode_attention`: one query token per sequence (a padded row of a CUDA graph's bucket sees none), as flash decoding: the context is cut into splits of
   `blocks_per_split` blocks, one program per (sequence, KV head, split) handles the query heads of that
   KV head's GQA group together, and a second kernel merges the splits by their running max and sum. The
   launch grid depends on shapes only (batch, heads, table width), so a CUDA graph can hold it.
@@ -88,17 +88,18 @@ def _decode_merge_kernel(Acc, Max, Sum, Out, num_splits, stride_ot, stride_oh, h
     live = s < num_splits
     m = tl.load(Max + row, mask=live, other=float("-inf"))
     total_max = tl.max(m, axis=0)
+    total_max = tl.where(total_max == float("-inf"), 0.0, total_max)  # no KV at all (a padded row): zeros out
     weight = tl.where(live, tl.exp(m - total_max), 0.0)  # a split past the context has m = -inf: weight 0
     norm = tl.sum(tl.load(Sum + row, mask=live, other=0.0) * weight, axis=0)
     acc = tl.load(Acc + row[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
-    out = tl.sum(acc * weight[:, None], axis=0) / norm
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.where(norm == 0.0, 1.0, norm)
     tl.store(Out + i * stride_ot + hq * stride_oh + d, out.to(Out.dtype.element_ty))
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      lengths: torch.Tensor, scale: float, blocks_per_split: int = 16) -> torch.Tensor:
     """q: [n, H, D]; block_tables: [n, width] int (padding entries never read); lengths: [n], tokens of KV
-    each query sees (at least 1). Returns [n, H, D] in q's dtype."""
+    each query sees (0 for a padded row, whose output is zeros). Returns [n, H, D] in q's dtype."""
     n, heads, d = q.shape
     kvh, num_blocks, block, _ = k_cache.shape
     group = heads // kvh

@@ -1,0 +1,122 @@
+"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
+
+A decode-only step of n sequences runs the graph of the smallest bucket that holds n. Its inputs go into
+static buffers in one copy from pinned host memory; rows n.. of the bucket are padding that writes nowhere
+that matters (token 0 at position 0, slot -1 so the Triton store skips it, 0 tokens of KV so decode attention
+reads nothing), and the first n rows of the graph's static logits are the step's. Prefill and mixed steps run
+eagerly. A graph holds the addresses of the weights, the KV cache and its own buffers: the runner drops the
+graphs when it frees the KV cache (Sleep), and `run` captures again when the model or its version changed
+(Wakeup, UpdateWeights), one bucket at a time as steps first need it.
+
+Without CUDA (`capture=False`, the tests on a CPU), the same buffers and padding run eagerly at every step.
+"""
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from .attention import AttentionMetadata, DecodeTables
+from .models.llama import LlamaForCausalLM
+
+_INPUTS = 4  # token ids, positions, slots, KV lengths: one row each, then the block tables
+
+
+def buckets(max_batch_size: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to 64 and every 16 beyond, and max_batch_size itself."""
+    sizes = [b for b in (1, 2, 4) if b < max_batch_size]
+    b = 8
+    while b < max_batch_size:
+        sizes.append(b)
+        b += 8 if b < 64 else 16
+    return sizes + [max_batch_size]
+
+
+class DecodeGraphs:
+    """Owned by one model runner, on its loop's thread."""
+
+    def __init__(self, max_batch_size: int, max_blocks: int, device: torch.device, capture: bool = True) -> None:
+        self.sizes = buckets(max_batch_size)
+        self.max_blocks = max_blocks  # block-table width: a sequence at the context limit fills it
+        self.capture = capture
+        size = self.sizes[-1]
+        # One flat int64 buffer, so that a step's inputs cross to the device in a single copy.
+        self._host = torch.zeros(size * (_INPUTS + max_blocks), dtype=torch.long)
+        if capture:
+            self._host = self._host.pin_memory()
+        self._device = torch.zeros_like(self._host, device=device)
+        self.input_ids, self.positions, self.slots, self.lengths = self._device[: _INPUTS * size].view(_INPUTS, size)
+        self.tables = self._device[_INPUTS * size :].view(size, max_blocks)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+        self._captured_for: tuple[int, int] | None = None  # (id of the model, its weights version)
+
+    def fits(self, num_rows: int, num_prefills: int, table_width: int) -> bool:
+        """Whether a step runs from a graph: decodes only, as many as the largest bucket, tables that fit."""
+        return num_prefills == 0 and 0 < num_rows <= self.sizes[-1] and table_width <= self.max_blocks
+
+    def bucket(self, n: int) -> int:
+        return self.sizes[bisect.bisect_left(self.sizes, n)]
+
+    def load(self, input_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
+             lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """A decode step's inputs into the static buffers, padded to its bucket; returns the bucket's views.
+        Two copies: the per-row inputs of every row (a few KB) and the bucket's rows of the block tables."""
+        size, n, b = self.sizes[-1], len(input_ids), self.bucket(len(input_ids))
+        columns = self._host[: _INPUTS * size].view(_INPUTS, size)
+        columns.zero_()
+        columns[:, :n] = torch.tensor([input_ids, positions, slots, lengths])
+        columns[2, n:] = -1  # padded rows store nothing
+        tables_end = _INPUTS * size + b * self.max_blocks
+        host_tables = self._host[_INPUTS * size : tables_end].view(b, self.max_blocks)
+        host_tables.zero_()
+        width = max(len(t) for t in tables)
+        host_tables[:n, :width] = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+        self._device[: _INPUTS * size].copy_(self._host[: _INPUTS * size], non_blocking=True)
+        self._device[_INPUTS * size : tables_end].copy_(self._host[_INPUTS * size : tables_end], non_blocking=True)
+        return self.views(b)
+
+    def views(self, b: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Token ids, positions and attention metadata of the first b rows: what a graph of bucket b reads."""
+        meta = AttentionMetadata(self.slots[:b], b, DecodeTables(self.tables[:b], self.lengths[:b]), [], triton=True)
+        return self.input_ids[:b], self.positions[:b], meta
+
+    def run(self, model: LlamaForCausalLM, weights_version: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+            b: int) -> torch.Tensor:
+        """Logits of all b rows of the loaded step (the caller keeps the first n), from bucket b's graph."""
+        if not self.capture:
+            return self._forward(model, kv_caches, b)
+        if self._captured_for != (id(model), weights_version):
+            self.drop()
+            self._captured_for = (id(model), weights_version)
+        if b not in self._graphs:
+            self._graphs[b] = self._capture(model, kv_caches, b)
+        graph, logits = self._graphs[b]
+        graph.replay()
+        return logits
+
+    def drop(self) -> None:
+        """Forget every graph and its memory pool (the caller empties the allocator's cache)."""
+        self._graphs.clear()
+        self._pool = None
+        self._captured_for = None
+
+    def _forward(self, model: LlamaForCausalLM, kv_caches, b: int) -> torch.Tensor:
+        input_ids, positions, meta = self.views(b)
+        return model.compute_logits(model(input_ids, positions, kv_caches, meta))
+
+    def _capture(self, model: LlamaForCausalLM, kv_caches, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """One eager run on a side stream first (Triton compiles there, and the step's KV is written: the
+        replay writes the same values again), then the capture. Graphs share one memory pool: they never run
+        at the same time."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._forward(model, kv_caches, b)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: another engine loop's thread may use the device while this one captures.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            logits = self._forward(model, kv_caches, b)
+        self._pool = graph.pool()
+        return graph, logits

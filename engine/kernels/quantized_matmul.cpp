@@ -1,0 +1,410 @@
+// Linear layers over GGUF's quantized blocks, kept in memory as the file stores them.
+//
+// A quantized row of K weights is K / 32 (Q4_0, Q4_1, Q8_0) or K / 256 (Q4_K, Q5_K, Q6_K) blocks; each
+// block holds its weights' small integers and the scales (and minimums) that turn them back into floats.
+// `gguf_dequantize` writes rows out as fp32; `gguf_matvec` computes x @ W.T for a few rows of x without
+// ever writing W out: each block is expanded into a small buffer in L1 and multiplied into every row of x
+// while it is there, so W streams through memory once per call, at a fifth to an eighth of fp32's bytes.
+// All arithmetic is fp32: the values are exactly those `gguf.quants.dequantize` gives, only the order of
+// the sums differs.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+
+// ggml's type numbers (gguf.GGMLQuantizationType).
+enum QuantType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+struct Layout {
+  int64_t weights;  // per block
+  int64_t bytes;    // per block
+};
+
+Layout layout_of(int64_t type) {
+  switch (type) {
+    case Q4_0: return {32, 18};
+    case Q4_1: return {32, 20};
+    case Q8_0: return {32, 34};
+    case Q4_K: return {256, 144};
+    case Q5_K: return {256, 176};
+    case Q6_K: return {256, 210};
+  }
+  TORCH_CHECK(false, "unsupported GGUF quantization type ", type);
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(bits);
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
+}
+
+// Low nibbles are the block's first 16 weights, high nibbles the next 16 (Q4_0 and Q4_1).
+void nibbles(const uint8_t* qs, float scale, float offset, float* out) {
+  for (int j = 0; j < 16; ++j) {
+    out[j] = static_cast<float>(qs[j] & 0xF) * scale + offset;
+    out[j + 16] = static_cast<float>(qs[j] >> 4) * scale + offset;
+  }
+}
+
+// The 6-bit scale and minimum of sub-block j of a Q4_K / Q5_K block, packed into 12 bytes.
+void scale_min(const uint8_t* s, int j, float* scale, float* min) {
+  if (j < 4) {
+    *scale = static_cast<float>(s[j] & 63);
+    *min = static_cast<float>(s[j + 4] & 63);
+  } else {
+    *scale = static_cast<float>((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4));
+    *min = static_cast<float>((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+  }
+}
+
+// Q4_K / Q5_K: 8 sub-blocks of 32, each weight = d * scale * q - dmin * min; Q5_K adds a fifth bit from qh.
+template <bool FIVE_BITS>
+void k_quant(const uint8_t* b, float* out) {
+  const float d = half_at(b), dmin = half_at(b + 2);
+  const uint8_t* scales = b + 4;
+  const uint8_t* qh = b + 16;
+  const uint8_t* qs = FIVE_BITS ? b + 48 : b + 16;
+  for (int pair = 0; pair < 4; ++pair) {  // 64 weights: the low nibbles of 32 bytes, then their high nibbles
+    float s0, m0, s1, m1;
+    scale_min(scales, 2 * pair, &s0, &m0);
+    scale_min(scales, 2 * pair + 1, &s1, &m1);
+    const float d0 = d * s0, d1 = d * s1, o0 = dmin * m0, o1 = dmin * m1;
+    const uint8_t* q = qs + 32 * pair;
+    float* y = out + 64 * pair;
+    for (int l = 0; l < 32; ++l) {
+      int lo = q[l] & 0xF, hi = q[l] >> 4;
+      if (FIVE_BITS) {
+        lo += ((qh[l] >> (2 * pair)) & 1) << 4;
+        hi += ((qh[l] >> (2 * pair + 1)) & 1) << 4;
+      }
+      y[l] = d0 * static_cast<float>(lo) - o0;
+      y[l + 32] = d1 * static_cast<float>(hi) - o1;
+    }
+  }
+}
+
+// Q6_K: 16 sub-blocks of 16 with int8 scales; 4 low bits in ql, 2 high bits in qh, offset by 32.
+void q6_k(const uint8_t* b, float* out) {
+  const uint8_t* ql = b;
+  const uint8_t* qh = b + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = half_at(b + 208);
+  for (int half = 0; half < 2; ++half) {  // 128 weights from 64 bytes of ql and 32 of qh
+    const uint8_t* l4 = ql + 64 * half;
+    const uint8_t* h2 = qh + 32 * half;
+    const int8_t* s = sc + 8 * half;
+    float* y = out + 128 * half;
+    for (int l = 0; l < 32; ++l) {
+      const int is = l / 16;
+      const int q1 = ((l4[l] & 0xF) | (((h2[l] >> 0) & 3) << 4)) - 32;
+      const int q2 = ((l4[l + 32] & 0xF) | (((h2[l] >> 2) & 3) << 4)) - 32;
+      const int q3 = ((l4[l] >> 4) | (((h2[l] >> 4) & 3) << 4)) - 32;
+      const int q4 = ((l4[l + 32] >> 4) | (((h2[l] >> 6) & 3) << 4)) - 32;
+      y[l] = d * static_cast<float>(s[is]) * static_cast<float>(q1);
+      y[l + 32] = d * static_cast<float>(s[is + 2]) * static_cast<float>(q2);
+      y[l + 64] = d * static_cast<float>(s[is + 4]) * static_cast<float>(q3);
+      y[l + 96] = d * static_cast<float>(s[is + 6]) * static_cast<float>(q4);
+    }
+  }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// Eight unsigned bytes as floats, times a scale plus an offset.
+inline __m256 u8x8(__m128i bytes, __m256 scale, __m256 offset) {
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)), scale, offset);
+}
+
+// 16 bytes of nibbles: the low nibbles are weights 0..15, the high ones 16..31.
+inline void nibbles_avx2(const uint8_t* qs, float scale, float offset, float* out) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i mask = _mm_set1_epi8(0xF);
+  const __m128i lo = _mm_and_si128(q, mask), hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
+  const __m256 s = _mm256_set1_ps(scale), o = _mm256_set1_ps(offset);
+  _mm256_storeu_ps(out, u8x8(lo, s, o));
+  _mm256_storeu_ps(out + 8, u8x8(_mm_srli_si128(lo, 8), s, o));
+  _mm256_storeu_ps(out + 16, u8x8(hi, s, o));
+  _mm256_storeu_ps(out + 24, u8x8(_mm_srli_si128(hi, 8), s, o));
+}
+
+inline void q8_0_avx2(const uint8_t* b, float* out) {
+  const __m256 d = _mm256_set1_ps(half_at(b));
+  for (int j = 0; j < 32; j += 8) {
+    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + j));
+    _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
+  }
+}
+
+// Q4_K: per 64 weights, 32 bytes whose low nibbles are one sub-block and high nibbles the next.
+inline void q4_k_avx2(const uint8_t* b, float* out) {
+  const float d = half_at(b), dmin = half_at(b + 2);
+  const __m256i mask = _mm256_set1_epi8(0xF);
+  for (int pair = 0; pair < 4; ++pair) {
+    float s0, m0, s1, m1;
+    scale_min(b + 4, 2 * pair, &s0, &m0);
+    scale_min(b + 4, 2 * pair + 1, &s1, &m1);
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * pair));
+    const __m256i halves[2] = {_mm256_and_si256(q, mask), _mm256_and_si256(_mm256_srli_epi16(q, 4), mask)};
+    const __m256 scales[2] = {_mm256_set1_ps(d * s0), _mm256_set1_ps(d * s1)};
+    const __m256 offsets[2] = {_mm256_set1_ps(-dmin * m0), _mm256_set1_ps(-dmin * m1)};
+    for (int h = 0; h < 2; ++h) {
+      float* y = out + 64 * pair + 32 * h;
+      const __m128i low = _mm256_castsi256_si128(halves[h]), high = _mm256_extracti128_si256(halves[h], 1);
+      _mm256_storeu_ps(y, u8x8(low, scales[h], offsets[h]));
+      _mm256_storeu_ps(y + 8, u8x8(_mm_srli_si128(low, 8), scales[h], offsets[h]));
+      _mm256_storeu_ps(y + 16, u8x8(high, scales[h], offsets[h]));
+      _mm256_storeu_ps(y + 24, u8x8(_mm_srli_si128(high, 8), scales[h], offsets[h]));
+    }
+  }
+}
+#endif
+
+template <int64_t TYPE>
+inline void dequantize_block(const uint8_t* b, float* out) {
+#if defined(__AVX2__) && defined(__FMA__)
+  switch (TYPE) {
+    case Q4_0: nibbles_avx2(b + 2, half_at(b), -8.f * half_at(b), out); return;
+    case Q4_1: nibbles_avx2(b + 4, half_at(b), half_at(b + 2), out); return;
+    case Q8_0: q8_0_avx2(b, out); return;
+    case Q4_K: q4_k_avx2(b, out); return;
+  }
+#endif
+  switch (TYPE) {
+    case Q4_0: nibbles(b + 2, half_at(b), -8.f * half_at(b), out); return;
+    case Q4_1: nibbles(b + 4, half_at(b), half_at(b + 2), out); return;
+    case Q8_0: {
+      const float d = half_at(b);
+      const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
+      for (int j = 0; j < 32; ++j) out[j] = d * static_cast<float>(q[j]);
+      return;
+    }
+    case Q4_K: k_quant<false>(b, out); return;
+    case Q5_K: k_quant<true>(b, out); return;
+    case Q6_K: q6_k(b, out); return;
+  }
+}
+
+void check_blocks(const at::Tensor& blocks, int64_t type, int64_t k) {
+  const Layout l = layout_of(type);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
+              "blocks must be a contiguous uint8 [N, row_bytes] tensor");
+  TORCH_CHECK(k % l.weights == 0 && blocks.size(1) == k / l.weights * l.bytes,
+              "a row of ", k, " weights of type ", type, " takes ", k / l.weights * l.bytes, " bytes, got ",
+              blocks.size(1));
+}
+
+// f(std::integral_constant<int64_t, TYPE>{}): the type becomes a template argument once per call, so that
+// no block pays for a switch.
+template <typename F>
+void with_type(int64_t type, F&& f) {
+  switch (type) {
+    case Q4_0: return f(std::integral_constant<int64_t, Q4_0>{});
+    case Q4_1: return f(std::integral_constant<int64_t, Q4_1>{});
+    case Q8_0: return f(std::integral_constant<int64_t, Q8_0>{});
+    case Q4_K: return f(std::integral_constant<int64_t, Q4_K>{});
+    case Q5_K: return f(std::integral_constant<int64_t, Q5_K>{});
+    case Q6_K: return f(std::integral_constant<int64_t, Q6_K>{});
+  }
+  TORCH_CHECK(false, "unsupported GGUF quantization type ", type);
+}
+
+// out[n, :] = the K weights of row n, for every row.
+void gguf_dequantize(const at::Tensor& blocks, int64_t type, at::Tensor& out) {
+  const int64_t n_rows = out.size(0), k = out.size(1);
+  check_blocks(blocks, type, k);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && blocks.size(0) == n_rows,
+              "out must be a contiguous float32 [N, K] tensor");
+  const Layout l = layout_of(type);
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  const int64_t row_bytes = blocks.size(1), per_row = k / l.weights;
+  with_type(type, [&](auto t) {
+    at::parallel_for(0, n_rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) {
+        for (int64_t b = 0; b < per_row; ++b) {
+          dequantize_block<decltype(t)::value>(src + n * row_bytes + b * l.bytes, dst + n * k + b * l.weights);
+        }
+      }
+    });
+  });
+}
+
+constexpr int64_t MAX_ROWS = 8;  // rows of x one pass over W serves; more rows take more passes
+
+// out[m, n] = x[m] . W[n] for `ROWS` rows of x. At least four chains of multiply-adds run side by side (one
+// would wait on each before the next), and at most eight accumulators stay in registers.
+template <int64_t ROWS, int64_t TYPE>
+void matvec_rows(const float* x, int64_t k, const uint8_t* w, int64_t row_bytes, int64_t n_begin, int64_t n_end,
+                 float* out, int64_t out_stride) {
+  constexpr int64_t CHAINS = ROWS >= 4 ? 1 : 4 / ROWS;
+  constexpr int64_t STEP = CHAINS * Vec::size();
+  constexpr Layout l = TYPE == Q4_0 ? Layout{32, 18} : TYPE == Q4_1 ? Layout{32, 20} : TYPE == Q8_0 ? Layout{32, 34}
+                     : TYPE == Q4_K ? Layout{256, 144} : TYPE == Q5_K ? Layout{256, 176} : Layout{256, 210};
+  alignas(64) float buffer[l.weights];
+  const int64_t per_row = k / l.weights;
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    Vec acc[ROWS][CHAINS];
+    for (int64_t m = 0; m < ROWS; ++m) {
+      for (int64_t j = 0; j < CHAINS; ++j) acc[m][j] = Vec(0.f);
+    }
+    const uint8_t* row = w + n * row_bytes;
+    for (int64_t b = 0; b < per_row; ++b) {
+      dequantize_block<TYPE>(row + b * l.bytes, buffer);
+      const float* xb = x + b * l.weights;
+      for (int64_t d = 0; d < l.weights; d += STEP) {
+        Vec wv[CHAINS];
+        for (int64_t j = 0; j < CHAINS; ++j) wv[j] = Vec::loadu(buffer + d + j * Vec::size());
+        for (int64_t m = 0; m < ROWS; ++m) {
+          const float* xm = xb + m * k + d;
+          for (int64_t j = 0; j < CHAINS; ++j) acc[m][j] = at::vec::fmadd(wv[j], Vec::loadu(xm + j * Vec::size()), acc[m][j]);
+        }
+      }
+    }
+    for (int64_t m = 0; m < ROWS; ++m) {
+      Vec sum = acc[m][0];
+      for (int64_t j = 1; j < CHAINS; ++j) sum = sum + acc[m][j];
+      out[m * out_stride + n] = at::vec::vec_reduce_all<float>([](Vec a, Vec c) { return a + c; }, sum);
+    }
+  }
+}
+
+constexpr bool small_blocks(int64_t type) { return type == Q4_0 || type == Q4_1 || type == Q8_0; }
+
+#if defined(__AVX2__) && defined(__FMA__)
+
+// A 32-weight block's integers as four vectors of floats, unscaled (Q4_0 and Q4_1 unsigned, Q8_0 signed).
+template <int64_t TYPE>
+inline void block_ints(const uint8_t* b, __m256 q[4]) {
+  if constexpr (TYPE == Q8_0) {
+    for (int j = 0; j < 4; ++j) {
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * j));
+      q[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+    }
+  } else {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (TYPE == Q4_1 ? 4 : 2)));
+    const __m128i mask = _mm_set1_epi8(0xF);
+    const __m128i lo = _mm_and_si128(packed, mask), hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+  }
+}
+
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+// matvec_rows for the 32-weight types without expanding W: a block's weights are scale * q + offset, so its
+// dot with x is scale * (q . x) + offset * sum(x), with the sums of x per block computed once per call.
+template <int64_t ROWS, int64_t TYPE>
+void matvec_rows_fused(const float* x, int64_t k, const uint8_t* w, int64_t row_bytes, int64_t n_begin,
+                       int64_t n_end, float* out, int64_t out_stride) {
+  constexpr int64_t BYTES = TYPE == Q4_0 ? 18 : TYPE == Q4_1 ? 20 : 34;
+  const int64_t blocks = k / 32;
+  std::vector<float> xsum(ROWS * blocks);  // each thread's own: a few hundred adds against its rows of W
+  for (int64_t i = 0; i < ROWS * blocks; ++i) {
+    xsum[i] = hsum(_mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(x + i * 32), _mm256_loadu_ps(x + i * 32 + 8)),
+                                 _mm256_add_ps(_mm256_loadu_ps(x + i * 32 + 16), _mm256_loadu_ps(x + i * 32 + 24))));
+  }
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    __m256 acc[ROWS];
+    float offsets[ROWS];
+    for (int64_t m = 0; m < ROWS; ++m) {
+      acc[m] = _mm256_setzero_ps();
+      offsets[m] = 0.f;
+    }
+    const uint8_t* row = w + n * row_bytes;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* block = row + b * BYTES;
+      const float d = half_at(block);
+      const float offset = TYPE == Q4_1 ? half_at(block + 2) : TYPE == Q4_0 ? -8.f * d : 0.f;
+      __m256 q[4];
+      block_ints<TYPE>(block, q);
+      const __m256 scale = _mm256_set1_ps(d);
+      for (int64_t m = 0; m < ROWS; ++m) {
+        const float* xm = x + m * k + b * 32;
+        __m256 t = _mm256_mul_ps(q[0], _mm256_loadu_ps(xm));
+        t = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xm + 8), t);
+        t = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xm + 16), t);
+        t = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xm + 24), t);
+        acc[m] = _mm256_fmadd_ps(t, scale, acc[m]);
+        if constexpr (TYPE != Q8_0) offsets[m] += offset * xsum[m * blocks + b];
+      }
+    }
+    for (int64_t m = 0; m < ROWS; ++m) out[m * out_stride + n] = hsum(acc[m]) + offsets[m];
+  }
+}
+#endif
+
+// matvec_rows for a row count known only at run time: 1 .. MAX_ROWS.
+template <int64_t TYPE, int64_t ROWS = 1>
+void matvec_any_rows(int64_t rows, const float* x, int64_t k, const uint8_t* w, int64_t row_bytes, int64_t n_begin,
+                     int64_t n_end, float* out, int64_t out_stride) {
+  if (rows == ROWS) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if constexpr (small_blocks(TYPE)) {
+      matvec_rows_fused<ROWS, TYPE>(x, k, w, row_bytes, n_begin, n_end, out, out_stride);
+      return;
+    }
+#endif
+    matvec_rows<ROWS, TYPE>(x, k, w, row_bytes, n_begin, n_end, out, out_stride);
+  } else if constexpr (ROWS < MAX_ROWS) {
+    matvec_any_rows<TYPE, ROWS + 1>(rows, x, k, w, row_bytes, n_begin, n_end, out, out_stride);
+  }
+}
+
+// x: [M, K] float32; blocks: [N, row_bytes] uint8. Returns x @ W.T, [M, N] float32.
+at::Tensor gguf_matvec(const at::Tensor& x_in, const at::Tensor& blocks, int64_t type) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be a float32 [M, K] tensor");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t m_rows = x.size(0), k = x.size(1), n_rows = blocks.size(0);
+  check_blocks(blocks, type, k);
+  at::Tensor out = at::empty({m_rows, n_rows}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t row_bytes = blocks.size(1);
+  with_type(type, [&](auto t) {
+    at::parallel_for(0, n_rows, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t m0 = 0; m0 < m_rows; m0 += MAX_ROWS) {
+        matvec_any_rows<decltype(t)::value>(std::min(MAX_ROWS, m_rows - m0), xp + m0 * k, k, w, row_bytes, begin,
+                                            end, op + m0 * n_rows, n_rows);
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(lmgate, m) {
+  m.def("gguf_dequantize(Tensor blocks, int type, Tensor(a!) out) -> ()");
+  m.def("gguf_matvec(Tensor x, Tensor blocks, int type) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(lmgate, CPU, m) {
+  m.impl("gguf_dequantize", &gguf_dequantize);
+  m.impl("gguf_matvec", &gguf_matvec);
+}

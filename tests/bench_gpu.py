@@ -1,0 +1,506 @@
+"""lmgate on a GPU against the published figures, transformers and the device's own limits, in one run (a
+benchmark: it prints, never asserts).
+
+    make bench-gpu                                         # a CUDA machine: all three model shapes
+    make bench-gpu ARGS="--models qwen2.5-0.5b --skip-hf"
+    make bench-gpu ARGS="--device cpu --tiny"              # every code path on a CPU, tiny shapes (figures meaningless)
+
+Each model is built on the spot in its published shape with random bf16 weights (random weights cost what
+trained ones do), written as a Hugging Face directory with a tokenizer of the model's vocabulary, and measured:
+
+1. offline throughput on nano-vllm's bench.py workload: 256 sequences, prompt and output lengths each uniform
+   in 100..1024, ignore_eos, temperature 0.6, all submitted at once; output tokens over the time to the last;
+2. decode at 512 tokens of context: one stream (ms per token), and a batch of 64 (ms per step), with CUDA
+   graphs and without;
+3. transformers `generate` on the batch's prompts: greedy, every sequence to the same length;
+4. the offline workload again through `lmgate serve` over gRPC, every stream at once.
+
+The limits are measured in the same run: HBM bandwidth by a device-to-device copy, bf16 matmul FLOP/s at the
+model's largest prefill GEMM. A decode step cannot beat reading the weights and its KV once; the offline
+workload cannot beat the larger of its FLOPs and its decode steps' bytes.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import gc
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import lmgate.engine  # noqa: F401  before torch: the OMP_WAIT_POLICY it sets counts only before libgomp loads
+import torch
+import transformers
+
+from lmgate.client import AsyncClient
+from lmgate.client.bench import random_prompts
+from lmgate.engine.config import EngineConfig, ModelConfig
+from lmgate.engine.engine import Engine
+from lmgate.engine.hardware import cpu_features
+from lmgate.engine.kv_cache import kv_bytes_per_token
+from lmgate.engine.loader import read_config
+from lmgate.engine.sampling import SamplingParams
+from lmgate.engine.threads import on_fresh_thread
+from gpu_models import write_model  # beside this file: all run as scripts
+from serving import serve_process
+
+# The published config.json of each model. Llama-3.2-1B's rope_scaling ("llama3") is left out: lmgate refuses
+# it, and it changes the rotary frequencies, not the cost.
+MODELS: dict[str, dict] = {
+    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, head_dim=64, vocab_size=151936,
+                         tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6, attention_bias=True,
+                         max_position_embeddings=32768),
+    "llama-3.2-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                         tie_word_embeddings=True, rope_theta=500000.0, rms_norm_eps=1e-5,
+                         max_position_embeddings=131072),
+    "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
+                         tie_word_embeddings=True, rope_theta=100000.0, rms_norm_eps=1e-5,
+                         max_position_embeddings=8192),
+}
+TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=1024)
+
+OFFLINE_GOALS = {"qwen2.5-0.5b": 25_000, "llama-3.2-1b": 15_000}  # output tok/s
+SINGLE_STREAM_GOALS = {"qwen2.5-0.5b": 500}  # tok/s
+# Published on nano-vllm's bench.py workload, one A800: vLLM 0.10.2 and the nano-vllm Triton fork.
+PUBLISHED = {"qwen2.5-0.5b": (17_711, 24_121), "llama-3.2-1b": (12_627, 15_068)}
+GRPC_GOAL = 0.9  # of the engine alone
+
+DTYPE = torch.bfloat16
+TEMPERATURE = 0.6  # nano-vllm's bench.py samples at 0.6
+MAX_CONTEXT = 4096  # nano-vllm's bench.py max_model_len
+KV_RESERVE = 4 << 30  # device memory kept beside weights and KV for activations, graphs and Triton
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Sizes of every measurement; TINY_WORKLOAD runs each code path on a CPU in a few minutes."""
+
+    num_seqs: int = 256
+    min_len: int = 100  # offline prompt and output lengths, each uniform in [min_len, max_len]
+    max_len: int = 1024
+    warmup_max_output: int = 64  # warm-up outputs of 1..this: sequences finish a few per step, so every graph bucket runs
+    context: int = 512  # prompt tokens of the decode measurements
+    decode_tokens: int = 128
+    decode_batch: int = 64
+    max_batched_tokens: int = 8192
+    copy_bytes: int = 1 << 30
+
+
+TINY_WORKLOAD = Workload(num_seqs=16, min_len=8, max_len=32, warmup_max_output=8, context=32, decode_tokens=16,
+                         decode_batch=8, max_batched_tokens=256, copy_bytes=64 << 20)
+
+Requests = list[tuple[list[int], SamplingParams]]
+
+
+# ------------------------------------------------------------------------------------------------ the device
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_device_memory(device: torch.device) -> None:
+    """Collect what the last model left, so the next one has the device to itself."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_features().name
+
+
+def triton_version() -> str:
+    try:
+        import triton
+    except ImportError:
+        return "not installed"
+    return triton.__version__
+
+
+def best_seconds(fn: Callable[[], object], device: torch.device, inner: int = 5, reps: int = 5) -> float:
+    """Seconds per call of `fn`, the best of `reps` timings of `inner` calls after a warm-up: the device's own
+    rate, with the synchronization's cost spread thin."""
+    fn()
+    best = math.inf
+    for _ in range(reps):
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        synchronize(device)
+        best = min(best, (time.perf_counter() - start) / inner)
+    return best
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes per second a device-to-device copy moves, read plus written: what a decode step can stream."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / best_seconds(lambda: dst.copy_(src), device)
+
+
+def matmul_flops(device: torch.device, m: int, k: int, n: int) -> float:
+    """bf16 FLOP/s of one [m, k] x [k, n] matmul: the model's largest GEMM at a full prefill step."""
+    a = torch.randn(m, k, dtype=DTYPE, device=device)
+    b = torch.randn(k, n, dtype=DTYPE, device=device)
+    return 2 * m * k * n / best_seconds(lambda: a @ b, device)
+
+
+# ------------------------------------------------------------------------------------------------ the models
+def build_model(name: str, shape: dict, root: str, device: torch.device) -> str:
+    """A Hugging Face directory of `shape` with random bf16 weights and a tokenizer of exactly the model's ids
+    (tests/gpu_models.py: the lent GPU machine has no embedded model). Built on `device`: on a GPU that takes
+    seconds, not minutes."""
+    path = os.path.join(root, name)
+    with torch.device(device):
+        write_model(path, transformers.AutoConfig.for_model(**shape), DTYPE)
+    free_device_memory(device)
+    return path
+
+
+def kv_cache_tokens(w: Workload, cfg: ModelConfig, device: torch.device) -> int:
+    """Enough KV for every offline sequence at its longest (no preemption, as on nano-vllm's 80 GB card), capped by
+    what fits in the device's free memory beside the weights and KV_RESERVE."""
+    block = EngineConfig().block_size
+    need = max(w.num_seqs * (2 * w.max_len + block), w.decode_batch * (w.context + w.decode_tokens + block))
+    if device.type != "cuda":
+        return need
+    free = torch.cuda.mem_get_info(device)[0] - weight_bytes(cfg) - KV_RESERVE
+    return min(need, free // kv_bytes_per_token(cfg, DTYPE))
+
+
+def weight_bytes(cfg: ModelConfig) -> int:
+    """Bytes of the weights a token's matmuls read: every linear layer and the LM head (the embedding is a lookup)."""
+    return cfg.num_params * DTYPE.itemsize
+
+
+def engine_config(path: str, device: torch.device, w: Workload, kv_tokens: int) -> EngineConfig:
+    return EngineConfig(model=path, device=str(device), dtype="bfloat16", kv_cache_tokens=kv_tokens,
+                        max_batch_size=max(w.num_seqs, w.decode_batch), max_batched_tokens=w.max_batched_tokens,
+                        max_context_length=MAX_CONTEXT)
+
+
+def serve_flags(config: EngineConfig) -> list[str]:
+    """`lmgate serve` flags for the engine settings of `config`, so the server runs the engine measured alone."""
+    return ["--model", config.model, "--device", config.device, "--dtype", config.dtype,
+            "--kv-cache-tokens", str(config.kv_cache_tokens), "--max-batch-size", str(config.max_batch_size),
+            "--max-batched-tokens", str(config.max_batched_tokens),
+            "--max-context-length", str(config.max_context_length),
+            "--cuda-graphs", "on" if config.cuda_graphs else "off", "--log-level", "WARNING"]
+
+
+# ------------------------------------------------------------------------------------------------ workloads
+def offline_requests(seed: int, w: Workload, vocab: int, max_output: int = 0) -> Requests:
+    """nano-vllm's bench.py: prompt and output lengths each uniform in [min_len, max_len] (outputs in
+    [1, max_output] for a warm-up), random ids past the low ones where models keep special tokens."""
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(w.num_seqs):
+        prompt = [rng.randrange(100, vocab) for _ in range(rng.randint(w.min_len, w.max_len))]
+        output = rng.randint(1, max_output) if max_output else rng.randint(w.min_len, w.max_len)
+        requests.append((prompt, SamplingParams(max_new_tokens=output, temperature=TEMPERATURE, ignore_eos=True)))
+    return requests
+
+
+@dataclass
+class DecodePrompts:
+    """Prompts of `context` tokens: each measured set has a warm-up set of its own, so that no measured prompt
+    finds its KV in the prefix cache."""
+
+    warm_single: list[int]
+    single: list[int]
+    warm_batch: list[list[int]]
+    batch: list[list[int]]
+
+    @classmethod
+    def make(cls, seed: int, w: Workload, vocab: int) -> "DecodePrompts":
+        p = random_prompts(random.Random(seed), 2 + 2 * w.decode_batch, w.context, vocab)
+        return cls(p[0], p[1], p[2 : 2 + w.decode_batch], p[2 + w.decode_batch :])
+
+
+# ------------------------------------------------------------------------------------------------ the engine
+@dataclass
+class Trace:
+    """When each request's token-carrying outputs arrived (perf_counter seconds), from one common start."""
+
+    start: float
+    stamps: list[list[float]]
+    tokens: int
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / (max(s[-1] for s in self.stamps) - self.start)
+
+
+def run_requests(engine: Engine, requests: Requests) -> Trace:
+    """Submits every request at once and waits for the last; the engine delivers one output per step."""
+    stamps: list[list[float]] = [[] for _ in requests]
+    tokens = [0] * len(requests)
+    errors = []
+    done = threading.Semaphore(0)
+
+    def on_output_of(i: int) -> Callable:
+        def on_output(out) -> None:
+            if out.token_ids:
+                stamps[i].append(time.perf_counter())
+                tokens[i] += len(out.token_ids)
+            if out.error is not None:
+                errors.append(out.error)
+            if out.finished:
+                done.release()
+        return on_output
+
+    start = time.perf_counter()
+    for i, (prompt, params) in enumerate(requests):
+        engine.submit(prompt, params, on_output=on_output_of(i))
+    for _ in requests:
+        done.acquire()
+    if errors:
+        raise errors[0]
+    return Trace(start, stamps, sum(tokens))
+
+
+def lockstep_ms_per_step(trace: Trace) -> float:
+    """Milliseconds per step while every sequence decodes: from the last one's first token to the first finish,
+    counted on the sequence that finished first (the earlier ones decoded beside later prefill chunks)."""
+    all_started = max(s[0] for s in trace.stamps)
+    first_done = min(trace.stamps, key=lambda s: s[-1])
+    steps = sum(1 for t in first_done if t > all_started)
+    return (first_done[-1] - all_started) / steps * 1e3 if steps else math.nan
+
+
+def decode_figures(engine: Engine, w: Workload, prompts: DecodePrompts) -> dict[str, float]:
+    """One stream's ms per token, the batch's ms per step and its tokens/s prefill included; greedy, each
+    measurement after a warm-up on other prompts of the same shape."""
+    greedy = SamplingParams(max_new_tokens=w.decode_tokens, ignore_eos=True)
+    run_requests(engine, [(prompts.warm_single, greedy)])
+    stamps = run_requests(engine, [(prompts.single, greedy)]).stamps[0]
+    run_requests(engine, [(p, greedy) for p in prompts.warm_batch])
+    batch = run_requests(engine, [(p, greedy) for p in prompts.batch])
+    return {"single_ms": (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e3,
+            "batch_ms_step": lockstep_ms_per_step(batch), "batch_tps": batch.tokens_per_second}
+
+
+def engine_figures(config: EngineConfig, w: Workload, warmup: Requests, offline: Requests,
+                   prompts: DecodePrompts) -> dict[str, float]:
+    """The offline workload and the decode figures on one engine, then the decode figures again without CUDA
+    graphs (on a CPU the flag changes nothing: both runs take the same path)."""
+    with Engine(config) as engine:
+        run_requests(engine, warmup)  # Triton compiles, every CUDA graph bucket is captured
+        figures = {"offline_tps": run_requests(engine, offline).tokens_per_second}
+        figures.update(decode_figures(engine, w, prompts))
+    with Engine(dataclasses.replace(config, cuda_graphs=False)) as engine:
+        eager = decode_figures(engine, w, prompts)
+    figures.update(single_ms_eager=eager["single_ms"], batch_ms_step_eager=eager["batch_ms_step"])
+    return figures
+
+
+# ------------------------------------------------------------------------------------------------ references
+def transformers_tps(path: str, device: torch.device, prompts: list[list[int]], new_tokens: int) -> float:
+    """Output tokens/s of transformers' `generate` on one batch (equal lengths: no padding), greedy, every
+    sequence to `new_tokens`, prefill included, as the engine's batch figure."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=DTYPE).to(device).eval()
+    batch = torch.tensor(prompts, device=device)
+
+    def generate(n: int) -> None:
+        with torch.inference_mode():
+            model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, eos_token_id=None, pad_token_id=0)
+
+    generate(2)  # warm-up
+    synchronize(device)
+    start = time.perf_counter()
+    generate(new_tokens)
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    del model
+    free_device_memory(device)
+    return len(prompts) * new_tokens / seconds
+
+
+async def stream_all(address: str, requests: Requests) -> tuple[int, float]:
+    """Every request as a Generate stream at once over one channel; output tokens and seconds to the last."""
+    async with AsyncClient(address) as client:
+        async def one(prompt: list[int], p: SamplingParams) -> int:
+            stream = client.generate(token_ids=prompt, max_new_tokens=p.max_new_tokens, temperature=p.temperature,
+                                     ignore_eos=p.ignore_eos)
+            return sum([len(delta.token_ids) async for delta in stream])
+
+        start = time.perf_counter()
+        counts = await asyncio.gather(*(one(prompt, p) for prompt, p in requests))
+        return sum(counts), time.perf_counter() - start
+
+
+def grpc_figures(config: EngineConfig, warmup: Requests, offline: Requests) -> dict[str, float]:
+    """The offline workload through `lmgate serve` (a child process with the engine's settings), after the same
+    warm-up; and the client's CPU use, in cores, which says whether this process rather than the server was the
+    bottleneck."""
+    proc, address = serve_process(*serve_flags(config))
+    try:
+        asyncio.run(stream_all(address, warmup))
+        cpu = time.process_time()
+        tokens, seconds = asyncio.run(stream_all(address, offline))
+        cpu = time.process_time() - cpu
+    finally:
+        proc.terminate()
+        proc.wait()
+    return {"grpc_tps": tokens / seconds, "grpc_client_cores": cpu / seconds}
+
+
+# ------------------------------------------------------------------------------------------------ limits
+def decode_limit_ms(cfg: ModelConfig, contexts: list[int], bandwidth: float) -> float:
+    """The fastest a decode step can be: the weights and each sequence's KV read once at `bandwidth`."""
+    nbytes = weight_bytes(cfg) + sum(contexts) * kv_bytes_per_token(cfg, DTYPE)
+    return nbytes / bandwidth * 1e3
+
+
+def offline_bound(cfg: ModelConfig, offline: Requests, bandwidth: float, flops: float) -> tuple[float, str]:
+    """Output tokens/s no engine passes on this workload, and what binds it: every token costs 2 x params FLOP;
+    decode steps, at least as many as the longest output, each read the weights, and every sequence reads its
+    context's KV at each of its decode steps."""
+    prompt_lens = [len(prompt) for prompt, _ in offline]
+    output_lens = [p.max_new_tokens for _, p in offline]
+    flop_seconds = 2 * cfg.num_params * (sum(prompt_lens) + sum(output_lens)) / flops
+    kv_tokens_read = sum((o - 1) * p + (o - 1) * o // 2 for p, o in zip(prompt_lens, output_lens))
+    byte_seconds = (weight_bytes(cfg) * max(output_lens) + kv_tokens_read * kv_bytes_per_token(cfg, DTYPE)) / bandwidth
+    return sum(output_lens) / max(flop_seconds, byte_seconds), "FLOP/s" if flop_seconds > byte_seconds else "bandwidth"
+
+
+# ------------------------------------------------------------------------------------------------ one model
+def measure_model(name: str, args: argparse.Namespace, w: Workload, root: str, device: torch.device,
+                  bandwidth: float) -> dict:
+    """Every figure of one model, its limits beside them; the model's directory is removed after."""
+    shape = {**MODELS[name], **(TINY_SHAPE if args.tiny else {})}
+    path = on_fresh_thread(lambda: build_model(name, shape, root, device))
+    cfg = read_config(path)
+    offline = offline_requests(0, w, cfg.vocab_size)
+    warmup = offline_requests(1, w, cfg.vocab_size, max_output=w.warmup_max_output)
+    prompts = DecodePrompts.make(2, w, cfg.vocab_size)
+    config = engine_config(path, device, w, args.kv_cache_tokens or kv_cache_tokens(w, cfg, device))
+    print(f"{name}: {cfg.num_params / 1e6:.1f}M params, KV cache {config.kv_cache_tokens} tokens", flush=True)
+
+    figures = engine_figures(config, w, warmup, offline, prompts)
+    free_device_memory(device)
+    print(f"{name}: engine {figures['offline_tps']:,.0f} tok/s offline, {figures['single_ms']:.2f} ms/token single stream",
+          flush=True)
+    if not args.skip_hf:
+        figures["hf_tps"] = on_fresh_thread(lambda: transformers_tps(path, device, prompts.batch, w.decode_tokens))
+    if not args.skip_grpc:
+        figures.update(grpc_figures(config, warmup, offline))
+    shutil.rmtree(path)
+
+    flops = on_fresh_thread(lambda: matmul_flops(device, w.max_batched_tokens, cfg.hidden_size, 2 * cfg.intermediate_size))
+    bound, bound_by = offline_bound(cfg, offline, bandwidth, flops)
+    mid = w.context + w.decode_tokens // 2  # the mean context over the decode steps
+    published = PUBLISHED.get(name, (None, None))
+    return {
+        "shape": shape, "params": cfg.num_params, "weight_bytes": weight_bytes(cfg),
+        "kv_bytes_per_token": kv_bytes_per_token(cfg, DTYPE), "kv_cache_tokens": config.kv_cache_tokens,
+        "matmul_flops": flops, "offline_bound_tps": bound, "offline_bound_by": bound_by,
+        "single_limit_ms": decode_limit_ms(cfg, [mid], bandwidth),
+        "batch_limit_ms": decode_limit_ms(cfg, [mid] * w.decode_batch, bandwidth),
+        "goal_offline_tps": OFFLINE_GOALS.get(name), "goal_single_tps": SINGLE_STREAM_GOALS.get(name),
+        "vllm_a800_tps": published[0], "nano_vllm_a800_tps": published[1],
+        **figures,
+    }
+
+
+# ------------------------------------------------------------------------------------------------ report
+def fmt(value: float | None, spec: str = ",.0f") -> str:
+    return "—" if value is None or math.isnan(value) else format(value, spec)
+
+
+def ratio(value: float | None, reference: float | None) -> str:
+    return "—" if value is None or not reference else f"{value / reference:.0%}"
+
+
+def report(meta: dict, results: dict[str, dict], w: Workload) -> None:
+    """Two markdown tables: the offline workload and serving over gRPC; decode against the bandwidth limit."""
+    print(f"\n## lmgate on {meta['device_name']} (torch {meta['torch']}, triton {meta['triton']})\n")
+    print(f"copy bandwidth {meta['bandwidth'] / 1e9:,.0f} GB/s (read + write, {w.copy_bytes >> 20} MiB copied); "
+          f"offline: {w.num_seqs} sequences, prompt and output lengths each uniform in {w.min_len}..{w.max_len}, "
+          f"ignore_eos, temperature {TEMPERATURE}; decode: {w.context} prompt tokens + {w.decode_tokens} new, greedy; "
+          f"max_batched_tokens {w.max_batched_tokens}, max_context_length {MAX_CONTEXT}, bf16")
+    for name, r in results.items():
+        print(f"{name}: {r['params'] / 1e6:.1f}M params ({r['weight_bytes'] / 2**20:,.0f} MiB read per step), "
+              f"KV {r['kv_bytes_per_token']:,} B/token, cache {r['kv_cache_tokens']:,} tokens; bf16 matmul "
+              f"[{w.max_batched_tokens}x{r['shape']['hidden_size']}]x[{r['shape']['hidden_size']}x"
+              f"{2 * r['shape']['intermediate_size']}] {r['matmul_flops'] / 1e12:.3g} TFLOP/s")
+
+    print("\nOffline throughput, output tokens/s (published: nano-vllm's workload on one A800)\n")
+    print("| model | lmgate | goal | vLLM 0.10.2 | nano-vllm Triton | bound (bound by) | of bound | gRPC | gRPC / engine "
+          f"(goal {GRPC_GOAL:.0%}) | client cores |")
+    print("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
+    for name, r in results.items():
+        print(f"| {name} | {fmt(r['offline_tps'])} | {fmt(r['goal_offline_tps'])} | {fmt(r['vllm_a800_tps'])} | "
+              f"{fmt(r['nano_vllm_a800_tps'])} | {fmt(r['offline_bound_tps'])} ({r['offline_bound_by']}) | "
+              f"{ratio(r['offline_tps'], r['offline_bound_tps'])} | {fmt(r.get('grpc_tps'))} | "
+              f"{ratio(r.get('grpc_tps'), r['offline_tps'])} | {fmt(r.get('grpc_client_cores'), '.2f')} |")
+
+    b = w.decode_batch
+    print(f"\nDecode at {w.context}..{w.context + w.decode_tokens} tokens of context (limit: weights and KV read once "
+          f"per step at the copy bandwidth); eager = cuda_graphs=False\n")
+    print(f"| model | 1 stream ms/token | tok/s | goal tok/s | limit ms | of limit | eager ms | batch {b} ms/step | "
+          f"limit ms | of limit | eager ms | batch {b} tok/s | transformers tok/s | vs transformers |")
+    print("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
+    for name, r in results.items():
+        print(f"| {name} | {fmt(r['single_ms'], '.3f')} | {fmt(1e3 / r['single_ms'])} | {fmt(r['goal_single_tps'])} | "
+              f"{fmt(r['single_limit_ms'], '.3f')} | {ratio(r['single_limit_ms'], r['single_ms'])} | "
+              f"{fmt(r['single_ms_eager'], '.3f')} | {fmt(r['batch_ms_step'], '.3f')} | {fmt(r['batch_limit_ms'], '.3f')} | "
+              f"{ratio(r['batch_limit_ms'], r['batch_ms_step'])} | {fmt(r['batch_ms_step_eager'], '.3f')} | "
+              f"{fmt(r['batch_tps'])} | {fmt(r.get('hf_tps'))} | "
+              f"{fmt(r['batch_tps'] / r['hf_tps'], '.1f') + 'x' if r.get('hf_tps') else '—'} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes and workload: every code path in minutes on a CPU")
+    ap.add_argument("--skip-hf", action="store_true", help="no transformers generate")
+    ap.add_argument("--skip-grpc", action="store_true", help="no run through lmgate serve")
+    ap.add_argument("--num-seqs", type=int, default=0, help="offline sequences (0: 256, or 16 with --tiny)")
+    ap.add_argument("--max-batched-tokens", type=int, default=0, help="tokens per engine step (0: 8192, or 256 with --tiny)")
+    ap.add_argument("--kv-cache-tokens", type=int, default=0,
+                    help="KV cache size (0: every offline sequence at its longest, capped by free device memory)")
+    ap.add_argument("--json", default="bench_gpu.json", help="where the results go, as JSON")
+    args = ap.parse_args()
+    names = args.models.split(",")
+    unknown = set(names) - set(MODELS)
+    if unknown:
+        ap.error(f"unknown models {sorted(unknown)}; known: {', '.join(MODELS)}")
+    w = TINY_WORKLOAD if args.tiny else Workload()
+    w = dataclasses.replace(w, num_seqs=args.num_seqs or w.num_seqs,
+                            max_batched_tokens=args.max_batched_tokens or w.max_batched_tokens)
+    device = torch.device(args.device)
+    transformers.utils.logging.disable_progress_bar()
+
+    bandwidth = on_fresh_thread(lambda: copy_bandwidth(device, w.copy_bytes))
+    free_device_memory(device)
+    meta = {"device_name": device_name(device), "torch": torch.__version__, "triton": triton_version(),
+            "bandwidth": bandwidth}
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="bench_gpu_") as root:
+        for name in names:
+            results[name] = measure_model(name, args, w, root, device, bandwidth)
+    report(meta, results, w)
+    with open(args.json, "w") as f:
+        json.dump({**meta, "workload": dataclasses.asdict(w), "temperature": TEMPERATURE,
+                   "max_context_length": MAX_CONTEXT, "models": results}, f, indent=2)
+    print(f"\nresults written to {args.json}")
+
+
+if __name__ == "__main__":
+    main()

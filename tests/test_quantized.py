@@ -1,0 +1,146 @@
+"""GGUF weights kept quantized (`--weights quantized`): the C++ kernels against float64 over the dequantized
+weights, tiny models written as GGUF files of each type against the float path over the same file, the
+embedded SmolLM2 against transformers, and bad files refused. Where no C++ compiler is found the kernels
+cannot be built and these tests are skipped (the engine then keeps float weights)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from lmgate.engine.config import EngineConfig
+from lmgate.engine.engine import Engine
+from lmgate.engine.errors import UnsupportedModel
+from lmgate.engine.kernels import compiler_found, load_cpu_kernels
+from lmgate.engine.loader import load_checkpoint
+from lmgate.engine.models.quantized_linear import GGUFBlocks, QuantizedEmbedding, QuantizedLinear
+from lmgate.engine.sampling import SamplingParams
+from lmgate.engine.weights import keep_quantized
+from tests.test_engine import NEW, hf_greedy, hf_model, reference_prompts  # noqa: F401  (fixtures)
+from tests.test_models import TinyModel, _write_gguf, prompt_ids, tokenizer_fields  # noqa: F401  (fixtures)
+
+kernels = pytest.mark.skipif(not (compiler_found() and load_cpu_kernels()), reason="no C++ compiler: the quantized kernels cannot be built")
+TYPES = [GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")]
+QUANTIZABLE = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0}
+
+
+def blocks_for(data: np.ndarray, qtype: GGMLQuantizationType, seed: int) -> np.ndarray:
+    """`data` quantized by gguf where it can; for the K types (gguf only reads them) random blocks of the
+    right size, their fp16 scales set small so that the weights stay near the float model's scale."""
+    if qtype in QUANTIZABLE:
+        return quantize(data, qtype)
+    weights, nbytes = GGML_QUANT_SIZES[qtype]
+    rows, cols = data.shape
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows, cols // weights, nbytes), dtype=np.uint8)
+    scales = (np.abs(rng.standard_normal((rows, cols // weights, 2))) * 2e-3 + 1e-4).astype(np.float16).view(np.uint8)
+    if qtype == GGMLQuantizationType.Q6_K:
+        blocks[..., 208:210] = scales[..., :2]  # d, after ql, qh and the int8 scales
+    else:
+        blocks[..., 0:4] = scales  # d and dmin
+    return blocks.reshape(rows, -1)
+
+
+@kernels
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_blocks_expand_to_ggufs_own_values(qtype):
+    data = np.random.default_rng(1).standard_normal((37, 768)).astype(np.float32)
+    raw = blocks_for(data, qtype, seed=2)
+    blocks = GGUFBlocks(torch.from_numpy(raw), int(qtype), 768)
+    assert torch.equal(blocks.dequantize(), torch.from_numpy(dequantize(raw, qtype).reshape(37, 768)))
+
+
+@kernels
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 3, 16, 64, 300])
+def test_quantized_linear_matches_float64(qtype, m):
+    """Three blocks per row, an odd number of rows, with a bias; few rows stream the blocks, many rows take
+    expanded tiles."""
+    n, k = 37, 3 * GGML_QUANT_SIZES[qtype][0]
+    rng = np.random.default_rng(m)
+    raw = blocks_for(rng.standard_normal((n, k)).astype(np.float32), qtype, seed=m)
+    weight = torch.from_numpy(dequantize(raw, qtype).reshape(n, k)).double()
+    bias = torch.randn(n)
+    layer = QuantizedLinear(GGUFBlocks(torch.from_numpy(raw), int(qtype), k), bias)
+    x = torch.randn(m, k)
+    want = x.double() @ weight.T + bias.double()
+    torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf_model():
+    """A Llama with every matrix a multiple of 256 wide (the K types' block), random weights, the embedded
+    tokenizer's vocabulary."""
+    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, rope_theta=50000.0,
+                                      max_position_embeddings=512, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(torch.ones_like(p) + 0.3 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    return TinyModel("llama", "", hf)
+
+
+@kernels
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_tiny_gguf_quantized_equals_float_path(qtype, tiny_gguf_model, tokenizer_fields, tmp_path, prompt_ids):
+    """The same file served with its blocks kept and with them expanded: the same model, so the same greedy
+    tokens and logprobs up to summation order; the quantized one holds a fraction of the bytes."""
+    path = str(tmp_path / f"tiny-{qtype.name}.gguf")
+    _write_gguf(tiny_gguf_model, path, tokenizer_fields,
+                quantize=lambda name, data: (blocks_for(data, qtype, seed=len(name)), qtype) if data.ndim == 2 else None)
+    ckpt = load_checkpoint(path)
+    assert all(isinstance(ckpt.weights[k], GGUFBlocks) for k in ckpt.weights if k.endswith(("proj.weight", "embed_tokens.weight")))
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=3)
+    runs = {}
+    for mode in ("float", "quantized"):
+        with Engine(EngineConfig(dtype="float32", model=path, kv_cache_tokens=2048, weights=mode), checkpoint=ckpt) as eng:
+            model = eng.loops[0].runner.model
+            assert isinstance(model.lm_head, QuantizedLinear) == (mode == "quantized")
+            assert isinstance(model.model.embed_tokens, QuantizedEmbedding) == (mode == "quantized")
+            streams = [eng.submit(ids, params) for ids in (prompt_ids, prompt_ids[:5], prompt_ids * 3)]
+            runs[mode] = ([o for s in streams for o in s], eng.weights_bytes)
+    (float_out, float_bytes), (quant_out, quant_bytes) = runs["float"], runs["quantized"]
+    assert [o.token_ids for o in quant_out] == [o.token_ids for o in float_out]
+    for q, f in zip((lp for o in quant_out for lp in o.logprobs), (lp for o in float_out for lp in o.logprobs)):
+        assert q.logprob == pytest.approx(f.logprob, abs=1e-3)
+    assert quant_bytes < float_bytes / 3
+
+
+@kernels
+def test_embedded_model_quantized_matches_transformers(checkpoint, hf_model, reference_prompts):
+    """SmolLM2's Q4_1 and Q8_0 blocks kept as they are: under 110 MB, and transformers' greedy tokens."""
+    with Engine(EngineConfig(dtype="float32", kv_cache_tokens=8192, weights="quantized"), checkpoint=checkpoint) as eng:
+        assert eng.weights_bytes < 110e6
+        streams = [eng.submit(ids, SamplingParams(max_new_tokens=NEW, ignore_eos=True)) for ids in reference_prompts]
+        got = [[t for out in s for t in out.token_ids] for s in streams]
+        eng.sleep(2)  # the weights dropped, then read again from the file: quantized again
+        eng.wakeup()
+        assert eng.weights_bytes < 110e6
+        again = eng.generate(reference_prompts[0], SamplingParams(max_new_tokens=NEW, ignore_eos=True)).token_ids
+        assert eng.info().kv_blocks_free == eng.info().kv_blocks_total
+    assert got == [hf_greedy(hf_model, ids, NEW) for ids in reference_prompts]
+    assert again == got[0]
+
+
+def test_weights_stay_float_where_the_kernels_cannot_run():
+    cpu = torch.device("cpu")
+    assert not keep_quantized(EngineConfig(weights="float"), torch.float32, cpu)
+    assert not keep_quantized(EngineConfig(weights="quantized"), torch.bfloat16, cpu)
+    assert not keep_quantized(EngineConfig(weights="quantized", tensor_parallel=2), torch.float32, cpu)
+    assert not keep_quantized(EngineConfig(weights="quantized"), torch.float32, torch.device("cuda"))
+    assert keep_quantized(EngineConfig(weights="quantized"), torch.float32, cpu) == (compiler_found() and load_cpu_kernels())
+
+
+def test_a_truncated_tensor_is_a_clear_load_error(tiny_gguf_model, tokenizer_fields, tmp_path):
+    path = tmp_path / "truncated.gguf"
+    _write_gguf(tiny_gguf_model, str(path), tokenizer_fields,
+                quantize=lambda name, data: (quantize(data, GGMLQuantizationType.Q4_0), GGMLQuantizationType.Q4_0)
+                if data.ndim == 2 else None)
+    path.write_bytes(path.read_bytes()[:-4096])
+    with pytest.raises(UnsupportedModel, match="is not a readable GGUF file"):
+        load_checkpoint(str(path))

@@ -1,0 +1,141 @@
+"""The batched sampler (engine/sampling.py) on tensors: penalties against transformers' logits processors,
+draws that depend on the row alone (seed and draw number), filters that hold, logprobs, and the same tokens
+on CUDA as on the CPU where a GPU is present."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+from lmgate.engine import sampling
+from lmgate.engine.sampling import SampleRow, SamplingParams, sample, uniform
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+VOCAB = 64
+
+
+def logits_for(rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def row(seed: int = 0, output: list[int] | None = None, prompt: list[int] | None = None, banned=(), **params) -> SampleRow:
+    return SampleRow(SamplingParams(**params), seed, prompt or [1, 2, 3], output or [], list(banned))
+
+
+def test_uniform_is_a_function_of_seed_and_counter():
+    draws = [uniform(7, c) for c in range(20000)]
+    assert draws == [uniform(7, c) for c in range(20000)]
+    assert all(0 <= u < 1 for u in draws)
+    assert abs(sum(draws) / len(draws) - 0.5) < 0.01
+    assert sum(a < 0.1 for a in draws) / len(draws) == pytest.approx(0.1, abs=0.01)
+    assert draws[:50] != [uniform(8, c) for c in range(50)]
+    assert uniform(2**64 - 1, 0) < 1  # the largest seed the API takes
+
+
+def test_penalties_match_transformers_and_the_presence_frequency_formula():
+    logits = logits_for(4)
+    rows = [
+        row(prompt=[1, 5, 9], output=[9, 9, 20], repetition_penalty=1.3),
+        row(output=[4, 4, 4, 7], presence_penalty=0.5, frequency_penalty=0.25),
+        row(),
+        row(output=[11], banned=[0, 2], repetition_penalty=0.8, frequency_penalty=-1.0),
+    ]
+    got = sampling._apply_penalties(logits, rows)
+    want = logits.clone()
+    for i in (0, 3):
+        ids = torch.tensor([rows[i].prompt_ids + rows[i].output_ids])
+        want[i : i + 1] = RepetitionPenaltyLogitsProcessor(rows[i].params.repetition_penalty)(ids, want[i : i + 1])
+    for i in (1, 3):
+        counts = torch.bincount(torch.tensor(rows[i].output_ids), minlength=VOCAB).float()
+        want[i] -= rows[i].params.frequency_penalty * counts + rows[i].params.presence_penalty * (counts > 0).float()
+    want[3, [0, 2]] = float("-inf")
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(logits, logits_for(4))  # the caller's logits are left alone
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_rows_token_does_not_depend_on_its_batch(device):
+    """The probe row at every position of batches of greedy, penalized, filtered and logprob rows."""
+    probe_logits = logits_for(1, seed=3)[0]
+    probe = row(seed=99, output=[5, 6], temperature=0.9, top_p=0.95, top_k=20)
+    others = [row(), row(seed=1, temperature=1.2, min_p=0.05), row(output=[1, 1], repetition_penalty=1.2, logprobs=3),
+              row(seed=4, temperature=0.7, presence_penalty=1.0, output=[3])]
+    alone = sample(probe_logits[None].to(device), [probe]).token_ids[0]
+    for at in range(len(others) + 1):
+        batch_rows = others[:at] + [probe] + others[at:]
+        logits = torch.cat([logits_for(at, seed=10), probe_logits[None], logits_for(len(others) - at, seed=11)])
+        assert sample(logits.to(device), batch_rows).token_ids[at] == alone
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_draws_follow_the_filtered_distribution(device):
+    """Over many draws: top-k keeps k tokens, top-p the nucleus, min-p the tokens near the top, and the
+    frequencies follow the probabilities."""
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05] + [1e-9] * (VOCAB - 5)))[None].to(device)
+    n = 4000
+
+    def draws(**params) -> list[int]:
+        return [sample(logits, [row(seed=5, output=[0] * c, **params)]).token_ids[0] for c in range(n)]
+
+    free = draws(temperature=1.0)
+    for token, p in enumerate([0.4, 0.3, 0.15, 0.1, 0.05]):
+        assert free.count(token) / n == pytest.approx(p, abs=0.03)
+    assert set(draws(temperature=1.0, top_k=2)) == {0, 1}
+    assert set(draws(temperature=1.0, top_p=0.8)) == {0, 1, 2}  # 0.4 + 0.3 < 0.8: the third one is in
+    assert set(draws(temperature=1.0, min_p=0.3)) == {0, 1, 2}  # at least 0.3 x 0.4
+    assert set(draws(temperature=0.01)) == {0}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_that_look_past_the_candidates_sort_the_vocabulary(device):
+    """Rows whose filters keep more than the top candidates (a wide nucleus, a large top-k) take the full
+    sort, beside rows that do not: every draw is a token its filters keep, and the same as the row alone."""
+    vocab = 4 * sampling.CANDIDATES
+    flat = torch.randn(vocab, generator=torch.Generator().manual_seed(1)) * 0.1
+    peaked = flat.clone()
+    peaked[:5] += 12
+    cases = [(flat, dict(top_p=0.5)), (peaked, dict(top_p=0.9)), (flat, dict(top_k=sampling.CANDIDATES + 44)),
+             (flat, dict(top_k=7, top_p=0.99))]
+    for counter in range(30):
+        rows = [row(seed=i, output=[0] * counter, temperature=1.0, **params) for i, (_, params) in enumerate(cases)]
+        logits = torch.stack([lg for lg, _ in cases]).to(device)
+        tokens = sample(logits, rows).token_ids
+        for i, (lg, params) in enumerate(cases):
+            assert tokens[i] == sample(lg[None].to(device), [rows[i]]).token_ids[0]
+            probs, order = torch.softmax(lg.double(), dim=-1).sort(descending=True)
+            rank = order.tolist().index(tokens[i])
+            assert rank < params.get("top_k", vocab)
+            assert probs[:rank].sum() < params.get("top_p", 1.0)
+
+
+def test_a_draw_at_the_top_of_the_range_lands_on_a_possible_token(monkeypatch):
+    """The largest uniform times the total may round up to the total; the draw must still not fall on the
+    zero-probability tail."""
+    monkeypatch.setattr(sampling, "uniform", lambda seed, counter: 1 - 2.0**-24)
+    logits = torch.full((1, VOCAB), -1e4)
+    logits[0, :3] = torch.tensor([1.0, 0.5, 0.25])
+    assert sample(logits, [row(temperature=1.0, top_k=3)]).token_ids == [2]
+    assert sample(logits, [row(temperature=1.0)]).token_ids[0] < 3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_logprobs_of_the_unpenalized_distribution_per_row(device):
+    logits = logits_for(3, seed=2).to(device)
+    rows = [row(logprobs=2), row(), row(seed=3, temperature=1.0, logprobs=5, repetition_penalty=1.5, output=[4])]
+    result = sample(logits, rows)
+    lp = torch.log_softmax(logits.cpu().double(), dim=-1)
+    assert result.logprobs[1] is None
+    for i, n in ((0, 2), (2, 5)):
+        chosen, top = result.logprobs[i]
+        assert chosen == pytest.approx(lp[i, result.token_ids[i]].item(), abs=1e-5)
+        assert [t for t, _ in top] == lp[i].topk(n).indices.tolist()
+        assert [v for _, v in top] == pytest.approx(lp[i].topk(n).values.tolist(), abs=1e-5)
+    assert result.token_ids[0] == int(logits[0].argmax())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_same_tokens_on_cuda_as_on_the_cpu():
+    logits = logits_for(8, seed=6)
+    rows = [row(seed=s, output=[s % 7], temperature=0.8, top_k=10 * (s % 3), top_p=0.9 if s % 2 else 0.0,
+                repetition_penalty=1.1 if s % 4 == 0 else 0.0) for s in range(8)]
+    assert sample(logits.cuda(), rows).token_ids == sample(logits, rows).token_ids
