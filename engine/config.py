@@ -7,7 +7,7 @@ from typing import Any
 from .errors import InvalidRequest, UnsupportedModel
 
 DP_BACKENDS = ("thread", "process")
-WEIGHT_MODES = ("float", "quantized")
+WEIGHT_MODES = ("auto", "quantized", "float")
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
@@ -87,7 +87,7 @@ class EngineConfig:
     default_max_new_tokens: int = 256
     max_queued_requests: int = 1024  # per engine loop; a generate beyond it is RESOURCE_EXHAUSTED
     attention_kernel: bool = True  # CPU decode attention in C++ (built on first use), else torch ops
-    weights: str = "float"  # of WEIGHT_MODES; quantized: a GGUF's quantized matrices kept as blocks on the CPU (weights.keep_quantized)
+    weights: str = "auto"  # of WEIGHT_MODES: a GGUF's quantized matrices kept as blocks on the CPU (weights.keep_quantized)
     cuda_graphs: bool = True  # CUDA: decode steps replayed from graphs per batch-size bucket (not under tensor parallelism)
     prefix_caching: bool = True  # full KV blocks shared by prompts that start with the same tokens
     threads: int = 0  # torch threads over all engine loops; 0: the CPUs this process may use (threads.py)

@@ -28,13 +28,15 @@ class TensorParallel:
 
 
 def keep_quantized(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> bool:
-    """`--weights quantized`: a GGUF file's quantized matrices stay quantized where the CPU kernels read them
-    (float32 activations, no tensor parallelism, a compiler found); elsewhere the weights are float, said once."""
-    if config.weights != "quantized":
+    """`--weights`: a GGUF file's quantized matrices stay quantized where the CPU kernels read them (float32
+    activations, no tensor parallelism, a compiler found). `auto` asks for it where it can be had, `quantized`
+    says once when it cannot, `float` never asks."""
+    if config.weights == "float":
         return False
     if device.type == "cpu" and dtype == torch.float32 and config.tensor_parallel == 1 and load_cpu_kernels():
         return True
-    log.warning("--weights quantized needs the CPU kernels, float32 and no tensor parallelism: weights are float")
+    if config.weights == "quantized":
+        log.warning("--weights quantized needs the CPU kernels, float32 and no tensor parallelism: weights are float")
     return False
 
 

@@ -55,7 +55,7 @@ def test_blocks_expand_to_ggufs_own_values(qtype):
 
 @kernels
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("m", [1, 3, 16, 64, 300])
+@pytest.mark.parametrize("m", [1, 3, 10, 16, 64, 300])
 def test_quantized_linear_matches_float64(qtype, m):
     """Three blocks per row, an odd number of rows, with a bias; few rows stream the blocks, many rows take
     expanded tiles."""
@@ -131,9 +131,11 @@ def test_weights_stay_float_where_the_kernels_cannot_run():
     cpu = torch.device("cpu")
     assert not keep_quantized(EngineConfig(weights="float"), torch.float32, cpu)
     assert not keep_quantized(EngineConfig(weights="quantized"), torch.bfloat16, cpu)
+    assert not keep_quantized(EngineConfig(), torch.float32, torch.device("cuda"))
     assert not keep_quantized(EngineConfig(weights="quantized", tensor_parallel=2), torch.float32, cpu)
     assert not keep_quantized(EngineConfig(weights="quantized"), torch.float32, torch.device("cuda"))
-    assert keep_quantized(EngineConfig(weights="quantized"), torch.float32, cpu) == (compiler_found() and load_cpu_kernels())
+    for mode in ("auto", "quantized"):
+        assert keep_quantized(EngineConfig(weights=mode), torch.float32, cpu) == (compiler_found() and load_cpu_kernels())
 
 
 def test_a_truncated_tensor_is_a_clear_load_error(tiny_gguf_model, tokenizer_fields, tmp_path):

@@ -3,18 +3,16 @@
 `GGUFBlocks` is a quantized matrix as the loader hands it over (rows of blocks, in the row order of the
 Hugging Face layout). `QuantizedLinear` computes `x @ W.T` from the blocks with the C++ kernels of
 engine/kernels (quantized_matmul.cpp): a step of few rows (decoding) reads the blocks once and never
-writes W out; a step of many rows (prefill, big batches) expands W in tiles of rows and multiplies each
-tile at the float32 matmul rate, so that the expansion is paid once per tile for all the rows. An
-embedding over blocks expands only the rows it looks up.
+writes W out; a step of many rows (prefill, big batches) runs a float32 GEMM over panels of W expanded in
+L2, at about the rate of the float path's oneDNN matmul. An embedding over blocks expands only the rows
+it looks up.
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from torch import nn
@@ -25,8 +23,7 @@ from ..kernels import load_cpu_kernels
 BLOCK_LAYOUTS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
 TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 
-MATVEC_ROWS = 16  # up to this many rows the kernel streams the blocks; beyond, expanded tiles and a matmul
-TILE_WEIGHTS = 1 << 21  # weights expanded at a time for a matmul: 8 MB of float32, within the L3 of most CPUs
+MATVEC_ROWS = 8  # up to this many rows the blocks stream through registers; beyond, a GEMM over expanded panels
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,16 +73,6 @@ def cat_rows(parts: list) -> "GGUFBlocks | torch.Tensor":
     return torch.cat([p.dequantize() if isinstance(p, GGUFBlocks) else p for p in parts])
 
 
-_scratch = threading.local()  # each engine loop's thread expands its tiles into its own buffer
-
-
-def _matmul(rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """rows @ w.T through oneDNN where torch has it (MKL's float32 path is the slow one on AMD CPUs)."""
-    if torch.backends.mkldnn.is_available():
-        return torch.ops.mkldnn._linear_pointwise(rows, w, None, "none", [], "")
-    return F.linear(rows, w)
-
-
 class QuantizedLinear(nn.Module):
     """`y = x @ W.T + b` over GGUF blocks; read-only, so engine loops may share it."""
 
@@ -98,38 +85,11 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
-        if rows.shape[0] <= MATVEC_ROWS:
-            y = torch.ops.lmgate.gguf_matvec(rows, self.blocks, self.qtype)
-        else:
-            y = self._tiled(rows)
+        kernel = torch.ops.lmgate.gguf_matvec if rows.shape[0] <= MATVEC_ROWS else torch.ops.lmgate.gguf_matmul
+        y = kernel(rows, self.blocks, self.qtype)
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
-
-    def _tiled(self, rows: torch.Tensor) -> torch.Tensor:
-        """Expanded tiles of W, each multiplied into all rows of x at once. The tile lives in a buffer of the
-        calling thread's, reused across layers and steps: a fresh 8 MB would be fresh pages, faulted in at
-        every call."""
-        step = max(1, TILE_WEIGHTS // self.in_features)
-        if step >= self.out_features:
-            return _matmul(rows, self._expand(self.blocks))
-        y = torch.empty(rows.shape[0], self.out_features)
-        for start in range(0, self.out_features, step):
-            part = self.blocks[start : start + step]
-            y[:, start : start + part.shape[0]] = _matmul(rows, self._expand(part))
-        return y
-
-    def _expand(self, part: torch.Tensor) -> torch.Tensor:
-        scratch = getattr(_scratch, "tile", None)
-        if scratch is None:
-            scratch = _scratch.tile = torch.empty(TILE_WEIGHTS + self.in_features)
-        w = scratch[: part.shape[0] * self.in_features].view(part.shape[0], self.in_features)
-        torch.ops.lmgate.gguf_dequantize(part, self.qtype, w)
-        return w
-
-    @property
-    def weight(self) -> GGUFBlocks:
-        return GGUFBlocks(self.blocks, self.qtype, self.in_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {TYPE_NAMES[self.qtype]}"
