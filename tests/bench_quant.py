@@ -12,8 +12,18 @@ bandwidth measured in the same run.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import os
 import random
+import resource
+import subprocess
+import sys
+import tempfile
 import time
+
+import gguf
+import numpy as np
 
 import lmgate.engine  # noqa: F401  (before torch: it sets OpenMP's wait policy, engine/__init__.py)
 import torch
@@ -23,8 +33,11 @@ from lmgate.engine.config import EngineConfig
 from lmgate.engine.engine import Engine
 from lmgate.engine.hardware import cpu_features
 from lmgate.engine.loader import embedded_model_path
+from lmgate.engine.sampling import SamplingParams
 from lmgate.engine.threads import available_cpus, on_fresh_thread
 from bench_engine import engine_single_stream, run_engine  # beside this file: all run as scripts
+
+VOCAB = 49152  # the embedded tokenizer's
 
 
 def copy_bandwidth(nbytes: int = 1 << 28) -> float:
@@ -50,8 +63,8 @@ def measure_lmgate(args, weights: str) -> tuple[float, float, float]:
         return engine.weights_bytes, single, batch
 
 
-def measure_llama_cpp(args, path: str) -> float | None:
-    """llama.cpp's single-stream decode tok/s (its Python binding serves one sequence at a time), or None where
+def measure_llama_cpp(args, path: str) -> tuple[float, float] | None:
+    """llama.cpp's single-stream decode tok/s and its throughput with every request in one batch, or None where
     llama-cpp-python is not installed."""
     try:
         import llama_cpp
@@ -60,16 +73,145 @@ def measure_llama_cpp(args, path: str) -> float | None:
     threads = available_cpus()
     llm = llama_cpp.Llama(path, n_ctx=args.input_len + args.output_len, n_threads=threads, n_threads_batch=threads,
                           verbose=False)
-    prompt = random_prompts(random.Random(0), 1, args.input_len, llm.n_vocab())[0]
-    llm.eval(prompt)  # a warm-up
+    prompts = random_prompts(random.Random(0), args.requests, args.input_len, llm.n_vocab())
+    llm.eval(prompts[1])  # a warm-up
     stamps = []
-    for token in llm.generate(prompt, temp=0.0, reset=True):
+    for token in llm.generate(prompts[0], temp=0.0, reset=True):
         stamps.append(time.perf_counter())
         if len(stamps) == args.output_len:
             break
     single = (len(stamps) - 1) / (stamps[-1] - stamps[0])
+    batched = llama_cpp_batched(llama_cpp, llm, prompts, args.output_len, threads)
     del llm
-    return single
+    return single, batched
+
+
+def llama_cpp_batched(llama_cpp, llm, prompts: list[list[int]], output_len: int, threads: int) -> float:
+    """Output tok/s of llama.cpp decoding every prompt at once, greedy, through its C API: one context with a
+    sequence per prompt, the prompts prefilled in batches of up to 2,048 tokens, then one token of every
+    sequence per `llama_decode` (what llama-server's parallel slots do; the Python `Llama` object serves one
+    sequence)."""
+    params = llama_cpp.llama_context_default_params()
+    params.n_seq_max = len(prompts)
+    params.n_ctx = len(prompts) * (max(map(len, prompts)) + output_len)
+    params.n_batch, params.n_ubatch = 2048, 512
+    params.n_threads = params.n_threads_batch = threads
+    ctx = llama_cpp.llama_init_from_model(llm.model, params)
+    batch = llama_cpp.llama_batch_init(params.n_batch, 0, len(prompts))
+    vocab = llm.n_vocab()
+
+    def decode(entries: list[tuple[int, int, int, bool]]) -> None:  # (token, position, sequence, wants logits)
+        for i, (token, pos, seq, logits) in enumerate(entries):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, 1, logits
+            batch.seq_id[i][0] = seq
+        batch.n_tokens = len(entries)
+        assert llama_cpp.llama_decode(ctx, batch) == 0
+
+    def next_tokens(rows: list[int]) -> list[int]:  # greedy, at these rows of the last decode's batch
+        return [int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(vocab,)).argmax())
+                for i in rows]
+
+    start = time.perf_counter()
+    entries = [(t, pos, seq, pos == len(p) - 1) for seq, p in enumerate(prompts) for pos, t in enumerate(p)]
+    last = []
+    for i in range(0, len(entries), params.n_batch):
+        chunk = entries[i : i + params.n_batch]
+        decode(chunk)
+        last += next_tokens([row for row, e in enumerate(chunk) if e[3]])
+    lengths = [len(p) for p in prompts]
+    for step in range(output_len - 1):
+        decode([(t, lengths[seq] + step, seq, True) for seq, t in enumerate(last)])
+        last = next_tokens(list(range(len(prompts))))
+    elapsed = time.perf_counter() - start
+    llama_cpp.llama_batch_free(batch)
+    llama_cpp.llama_free(ctx)
+    return len(prompts) * output_len / elapsed
+
+
+# Llama-3.2-1B and Llama-3.1-8B as llama.cpp's Q4_K_M files lay them out (Q4_K matrices, a Q6_K embedding
+# shared with the LM head), with the embedded tokenizer's 49,152-token vocabulary instead of their 128,256.
+BIG_SHAPES = {
+    "1B": dict(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192),
+    "8B": dict(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336),
+}
+
+
+def write_big_gguf(path: str, shape: dict, tokenizer_source: str) -> None:
+    """A Llama-shaped GGUF of random blocks (small fp16 scales, so activations stay finite), written tensor by
+    tensor: the 8B file is 4.6 GB and is never held in memory whole."""
+    reader = gguf.GGUFReader(tokenizer_source)
+    hidden, inter, head_dim = shape["hidden"], shape["intermediate"], shape["hidden"] // shape["heads"]
+    kv = shape["kv_heads"] * head_dim
+    w = gguf.GGUFWriter(path, "llama")
+    for key, value in {"vocab_size": VOCAB, "context_length": 8192, "embedding_length": hidden,
+                       "block_count": shape["layers"], "feed_forward_length": inter,
+                       "attention.head_count": shape["heads"], "attention.head_count_kv": shape["kv_heads"],
+                       "rope.dimension_count": head_dim}.items():
+        w.add_uint32(f"llama.{key}", value)
+    w.add_float32("llama.rope.freq_base", 500000.0)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer."):
+            vtype = field.types[0]
+            w.add_key_value(key, field.contents(), vtype, field.types[1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    Q4_K, Q6_K = gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q6_K
+    tensors = [("token_embd.weight", (VOCAB, hidden), Q6_K), ("output_norm.weight", (hidden,), None)]
+    for i in range(shape["layers"]):
+        tensors += [(f"blk.{i}.attn_norm.weight", (hidden,), None), (f"blk.{i}.ffn_norm.weight", (hidden,), None),
+                    (f"blk.{i}.attn_q.weight", (hidden, hidden), Q4_K), (f"blk.{i}.attn_k.weight", (kv, hidden), Q4_K),
+                    (f"blk.{i}.attn_v.weight", (kv, hidden), Q4_K), (f"blk.{i}.attn_output.weight", (hidden, hidden), Q4_K),
+                    (f"blk.{i}.ffn_gate.weight", (inter, hidden), Q4_K), (f"blk.{i}.ffn_up.weight", (inter, hidden), Q4_K),
+                    (f"blk.{i}.ffn_down.weight", (hidden, inter), Q4_K)]
+    data = {}  # one array per (shape, type), written again for every layer: the bytes' values do not matter
+    for name, dims, qtype in tensors:
+        if (dims, qtype) not in data:
+            data[dims, qtype] = random_blocks(dims, qtype) if qtype else np.ones(dims, dtype=np.float32)
+        arr = data[dims, qtype]
+        w.add_tensor_info(name, arr.shape, arr.dtype, arr.nbytes, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for name, dims, qtype in tensors:
+        w.write_tensor_data(data[dims, qtype])
+    w.close()
+
+
+def random_blocks(dims: tuple[int, int], qtype) -> np.ndarray:
+    weights, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols = dims
+    blocks = np.random.default_rng(rows * cols).integers(0, 256, (rows, cols // weights, nbytes), dtype=np.uint8)
+    scales = np.full((rows, cols // weights, 2), 2e-4, dtype=np.float16).view(np.uint8)
+    if qtype == gguf.GGMLQuantizationType.Q6_K:
+        blocks[..., 208:210] = scales[..., :2]  # d, after ql, qh and the int8 scales
+    else:
+        blocks[..., 0:4] = scales  # d and dmin
+    return blocks.reshape(rows, -1)
+
+
+def measure_big(path: str, output_len: int) -> dict:
+    """In a fresh process (`--one-big`): load time, resident memory after load and at its peak, one stream's
+    decode tok/s and the answer's length."""
+    start = time.perf_counter()
+    with Engine(EngineConfig(dtype="float32", model=path, weights="quantized", kv_cache_tokens=2048,
+                             max_batch_size=8)) as engine:
+        load = time.perf_counter() - start
+        rss = resident_bytes()
+        prompt = random_prompts(random.Random(0), 1, 32, engine.vocab_size)[0]
+        answer = engine.generate(prompt, SamplingParams(max_new_tokens=4, ignore_eos=True)).token_ids
+        single = engine_single_stream(engine, prompt[::-1], output_len)
+        return dict(load_s=load, rss=rss, peak=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                    weights=engine.weights_bytes, single=single, answered=len(answer))
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
+def llama_cpp_version() -> str:
+    import llama_cpp
+
+    return llama_cpp.__version__
 
 
 def main() -> None:
@@ -77,9 +219,15 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--big", default="1B,8B", help="Llama shapes written as Q4_K GGUF files and served ('' for none)")
+    ap.add_argument("--big-dir", default=tempfile.gettempdir(), help="where the big files are written (and removed)")
+    ap.add_argument("--one-big", help=argparse.SUPPRESS)  # a child process measuring one file
     args = ap.parse_args()
     torch.set_num_threads(available_cpus())
-    path = embedded_model_path()
+    if args.one_big:
+        print(json.dumps(measure_big(args.one_big, args.output_len // 16)))
+        return
+    path = path_of_embedded = embedded_model_path()
     bandwidth = on_fresh_thread(copy_bandwidth)
     cpu = cpu_features()
     print(f"cpu: {cpu.name} ({cpu.vector_isa}), {available_cpus()} threads; copy bandwidth {bandwidth / 1e9:.1f} GB/s; "
@@ -100,9 +248,28 @@ def main() -> None:
     if llama is None:
         print("| llama.cpp | — | not installed (pip install llama-cpp-python) | | |")
     else:
-        print(f"| llama.cpp (llama-cpp-python) | the file's | {llama:.1f} | {llama / limit:.0%} | one at a time |")
-        print(f"\nlmgate quantized against llama.cpp: single stream {rows['lmgate --weights quantized'][1] / llama:.2f}x "
-              "(goal 1.2x)")
+        quant = rows["lmgate --weights quantized"]
+        print(f"| llama.cpp (llama-cpp-python {llama_cpp_version()}, one batch) | the file's | {llama[0]:.1f} | "
+              f"{llama[0] / limit:.0%} | {llama[1]:.1f} |")
+        print(f"\nlmgate quantized against llama.cpp: single stream {quant[1]:.1f} / {llama[0]:.1f} = "
+              f"{quant[1] / llama[0]:.2f}x (goal 1.2x); all at once {quant[2]:.1f} / {llama[1]:.1f} = "
+              f"{quant[2] / llama[1]:.2f}x (goal 3x)")
+    big = [name for name in args.big.split(",") if name]
+    if big:
+        print(f"\n| Llama shape, Q4_K random weights | file GB | load s | weights GB | resident GB (peak) | 1 stream tok/s |")
+        print("|---|---|---|---|---|---|")
+    for name in big:
+        path = os.path.join(args.big_dir, f"lmgate-bench-{name}-q4_k.gguf")
+        try:
+            write_big_gguf(path, BIG_SHAPES[name], path_of_embedded)
+            child = subprocess.run([sys.executable, __file__, "--one-big", path, "--output-len", str(args.output_len)],
+                                   capture_output=True, text=True, check=True)
+            r = json.loads(child.stdout.strip().splitlines()[-1])
+            print(f"| {name} | {os.path.getsize(path) / 1e9:.2f} | {r['load_s']:.1f} | {r['weights'] / 1e9:.2f} | "
+                  f"{r['rss'] / 1e9:.2f} ({r['peak'] / 1e9:.2f}) | {r['single']:.2f} |", flush=True)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from lmgate.engine.engine import Engine
 from lmgate.engine.errors import UnsupportedModel
 from lmgate.engine.kernels import compiler_found, load_cpu_kernels
 from lmgate.engine.loader import load_checkpoint
+from lmgate.engine.models.fused_decode import FusedDecode
 from lmgate.engine.models.quantized_linear import GGUFBlocks, QuantizedEmbedding, QuantizedLinear
 from lmgate.engine.sampling import SamplingParams
 from lmgate.engine.weights import keep_quantized
@@ -70,19 +71,23 @@ def test_quantized_linear_matches_float64(qtype, m):
     torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
-@pytest.fixture(scope="module")
-def tiny_gguf_model():
-    """A Llama with every matrix a multiple of 256 wide (the K types' block), random weights, the embedded
-    tokenizer's vocabulary."""
-    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, rope_theta=50000.0,
-                                      max_position_embeddings=512, tie_word_embeddings=True)
+def random_tiny(name: str, config_class=transformers.LlamaConfig) -> TinyModel:
+    """A model with every matrix a multiple of 256 wide (the K types' block), random weights (norms near 1,
+    biases included), the embedded tokenizer's vocabulary."""
+    config = config_class(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, rope_theta=50000.0,
+                          max_position_embeddings=512, tie_word_embeddings=True)
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.copy_(torch.ones_like(p) + 0.3 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
-    return TinyModel("llama", "", hf)
+        for param_name, p in hf.named_parameters():
+            p.copy_(torch.ones_like(p) + 0.3 * torch.randn_like(p) if "norm" in param_name else 0.3 * torch.randn_like(p))
+    return TinyModel(name, "", hf)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf_model():
+    return random_tiny("llama")
 
 
 @kernels
@@ -109,6 +114,51 @@ def test_tiny_gguf_quantized_equals_float_path(qtype, tiny_gguf_model, tokenizer
     for q, f in zip((lp for o in quant_out for lp in o.logprobs), (lp for o in float_out for lp in o.logprobs)):
         assert q.logprob == pytest.approx(f.logprob, abs=1e-3)
     assert quant_bytes < float_bytes / 3
+
+
+class CountingFusedDecode:
+    """The model's FusedDecode, called through: how many steps took it."""
+
+    def __init__(self, inner: FusedDecode) -> None:
+        self.inner, self.calls = inner, 0
+
+    def serves(self, rows, meta) -> bool:
+        return self.inner.serves(rows, meta)
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.inner(*args)
+
+
+@kernels
+@pytest.mark.parametrize("arch, config_class, qtype", [
+    ("llama", transformers.LlamaConfig, GGMLQuantizationType.Q4_K),
+    ("qwen2", transformers.Qwen2Config, GGMLQuantizationType.Q8_0),  # a bias on Q, K and V
+    ("qwen3", transformers.Qwen3Config, GGMLQuantizationType.Q4_1),  # RMSNorm on each Q and K head
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_fused_decode_equals_the_layer_path(arch, config_class, qtype, tokenizer_fields, tmp_path, prompt_ids):
+    """Decode steps of up to 8 rows run every layer in one C++ call (models/fused_decode.py). The same engine
+    with it switched off runs the modules: the same tokens, logprobs up to the order of float32 sums, for
+    batches shrinking from 8 rows to 1 at different context lengths."""
+    path = str(tmp_path / f"{arch}.gguf")
+    _write_gguf(random_tiny(arch, config_class), path, tokenizer_fields,
+                quantize=lambda name, data: (blocks_for(data, qtype, seed=len(name)), qtype) if data.ndim == 2 else None)
+    prompts = [prompt_ids[: 3 + 2 * i] * (1 + i % 3) for i in range(8)]
+    runs = []
+    with Engine(EngineConfig(dtype="float32", model=path, kv_cache_tokens=2048, weights="quantized")) as eng:
+        model = eng.loops[0].runner.model
+        counting = model.fused_decode = CountingFusedDecode(model.fused_decode)
+        for fused in (counting, None):
+            model.fused_decode = fused
+            streams = [eng.submit(ids, SamplingParams(max_new_tokens=4 + 2 * i, ignore_eos=True, logprobs=2))
+                       for i, ids in enumerate(prompts)]
+            runs.append([o for s in streams for o in s])
+    assert counting.calls >= 15  # 8 rows down to 1, over 18 tokens of the longest stream
+    fused_out, layer_out = runs
+    assert [o.token_ids for o in fused_out] == [o.token_ids for o in layer_out]
+    for f, m in zip((lp for o in fused_out for lp in o.logprobs), (lp for o in layer_out for lp in o.logprobs)):
+        assert f.logprob == pytest.approx(m.logprob, abs=1e-4)
+        assert [t for t, _ in f.top] == [t for t, _ in m.top]
 
 
 @kernels

@@ -2,7 +2,10 @@
 (in `~/.cache/torch_extensions`, or `$TORCH_EXTENSIONS_DIR`).
 
 * paged_attention.cpp: CPU decode attention over the paged KV cache (`torch.ops.lmgate.paged_decode_attention`);
-* quantized_matmul.cpp: linear layers over GGUF's quantized blocks (`gguf_matvec`, `gguf_dequantize`).
+* quantized_matmul.cpp: linear layers over GGUF's quantized blocks (`gguf_matvec`, `gguf_matmul`,
+  `gguf_dequantize`);
+* decode_layers.cpp: every decoder layer of a quantized model for a decode step of a few rows, in one call
+  (`decode_layers`, read by engine/models/fused_decode.py).
 
 Where no compiler is found, or the build fails, `load_cpu_kernels` says so once in the log and returns
 False; the engine then runs attention with torch ops and expands GGUF weights to float at load.
@@ -23,7 +26,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [os.path.join(os.path.dirname(__file__), name) for name in ("paged_attention.cpp", "quantized_matmul.cpp")]
+SOURCES = [os.path.join(os.path.dirname(__file__), name) for name in ("paged_attention.cpp", "quantized_matmul.cpp", "decode_layers.cpp")]
 
 # The flags torch builds its own kernels of each capability with, so that ATen's Vectorized takes the same
 # instructions; "DEFAULT" (and other architectures) get its portable version.

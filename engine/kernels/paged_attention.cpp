@@ -16,6 +16,11 @@
 #include <limits>
 #include <vector>
 
+namespace lmgate {
+void check_decode_tables(const at::Tensor& block_tables, const at::Tensor& lengths, int64_t block_size,
+                         int64_t num_blocks);
+}
+
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
@@ -114,68 +119,81 @@ void scale_add_rows(float* out, float scale, const float* weights, const float* 
   }
 }
 
+// Per-thread buffers of `attend_group`, sized once for a group of query heads.
+struct AttentionScratch {
+  std::vector<float> queries, acc, buffer, probs, running_max, running_sum;
+  AttentionScratch(int64_t group, int64_t dim, int64_t block_size)
+      : queries(group * dim), acc(group * dim), buffer(block_size * dim), probs(group * block_size),
+        running_max(group), running_sum(group) {}
+};
+
+// The `group` query heads `q` [group, dim] of one sequence against its `len` tokens of one KV head, whose
+// blocks `table` lists: out [group, dim] = softmax(scale * q K^T) V, walking the blocks once.
+template <typename scalar_t>
+void attend(const scalar_t* q, const scalar_t* k_head, const scalar_t* v_head, const int64_t* table, int64_t len,
+            int64_t block_size, int64_t dim, int64_t group, float scale, scalar_t* out, AttentionScratch& s) {
+  constexpr int64_t kAhead = 2;  // blocks prefetched ahead of the one in use
+  const int64_t block_elems = block_size * dim, blocks = (len + block_size - 1) / block_size;
+  for (int64_t b = 0; b < std::min(kAhead, blocks); ++b) {
+    prefetch(k_head + table[b] * block_elems, block_elems);
+    prefetch(v_head + table[b] * block_elems, block_elems);
+  }
+  at::vec::convert(q, s.queries.data(), group * dim);
+  std::fill(s.acc.begin(), s.acc.end(), 0.f);
+  std::fill(s.running_max.begin(), s.running_max.end(), -std::numeric_limits<float>::infinity());
+  std::fill(s.running_sum.begin(), s.running_sum.end(), 0.f);
+
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (b + kAhead < blocks) {
+      prefetch(k_head + table[b + kAhead] * block_elems, block_elems);
+      prefetch(v_head + table[b + kAhead] * block_elems, block_elems);
+    }
+    const int64_t rows = std::min(block_size, len - b * block_size);
+    const float* keys = as_float(k_head + table[b] * block_elems, s.buffer.data(), rows * dim);
+    for (int64_t g = 0; g < group; ++g) {
+      key_scores(s.queries.data() + g * dim, keys, rows, dim, scale, s.probs.data() + g * block_size);
+    }
+    const float* values = as_float(v_head + table[b] * block_elems, s.buffer.data(), rows * dim);
+    for (int64_t g = 0; g < group; ++g) {
+      float* p = s.probs.data() + g * block_size;
+      const float block_max =
+          at::vec::reduce_all<float>([](Vec x, Vec y) { return at::vec::maximum(x, y); }, p, rows);
+      const float new_max = std::max(s.running_max[g], block_max);
+      const float rescale = std::exp(s.running_max[g] - new_max);  // 0 before the first block
+      at::vec::map([new_max](Vec x) { return (x - Vec(new_max)).exp(); }, p, p, rows);
+      s.running_sum[g] = s.running_sum[g] * rescale +
+                         at::vec::reduce_all<float>([](Vec x, Vec y) { return x + y; }, p, rows);
+      s.running_max[g] = new_max;
+      scale_add_rows(s.acc.data() + g * dim, rescale, p, values, rows, dim);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const float inv = 1.f / s.running_sum[g];
+    float* a = s.acc.data() + g * dim;
+    at::vec::map([inv](Vec x) { return x * Vec(inv); }, a, a, dim);
+    at::vec::convert(a, out + g * dim, dim);
+  }
+}
+
 template <typename scalar_t>
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& lengths, double scale, at::Tensor& out) {
   const int64_t n = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_cache.size(0), num_blocks = k_cache.size(1), block_size = k_cache.size(2);
-  const int64_t group = heads / kv_heads, width = block_tables.size(1), block_elems = block_size * dim;
+  const int64_t group = heads / kv_heads, width = block_tables.size(1), head_elems = num_blocks * block_size * dim;
   const scalar_t* q_data = q.data_ptr<scalar_t>();
   const scalar_t* k_data = k_cache.data_ptr<scalar_t>();
   const scalar_t* v_data = v_cache.data_ptr<scalar_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = lengths.data_ptr<int64_t>();
   scalar_t* out_data = out.data_ptr<scalar_t>();
-  constexpr int64_t kAhead = 2;  // blocks prefetched ahead of the one in use
 
   at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> queries(group * dim), acc(group * dim), buffer(block_elems), probs(group * block_size);
-    std::vector<float> running_max(group), running_sum(group);
+    AttentionScratch scratch(group, dim, block_size);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / kv_heads, head = item % kv_heads, len = lens[seq];
-      const int64_t* table = tables + seq * width;
-      const scalar_t* k_head = k_data + head * num_blocks * block_elems;
-      const scalar_t* v_head = v_data + head * num_blocks * block_elems;
-      const int64_t blocks = (len + block_size - 1) / block_size;
-      for (int64_t b = 0; b < std::min(kAhead, blocks); ++b) {
-        prefetch(k_head + table[b] * block_elems, block_elems);
-        prefetch(v_head + table[b] * block_elems, block_elems);
-      }
-      at::vec::convert(q_data + (seq * heads + head * group) * dim, queries.data(), group * dim);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(running_max.begin(), running_max.end(), -std::numeric_limits<float>::infinity());
-      std::fill(running_sum.begin(), running_sum.end(), 0.f);
-
-      for (int64_t b = 0; b < blocks; ++b) {
-        if (b + kAhead < blocks) {
-          prefetch(k_head + table[b + kAhead] * block_elems, block_elems);
-          prefetch(v_head + table[b + kAhead] * block_elems, block_elems);
-        }
-        const int64_t rows = std::min(block_size, len - b * block_size);
-        const float* keys = as_float(k_head + table[b] * block_elems, buffer.data(), rows * dim);
-        for (int64_t g = 0; g < group; ++g) {
-          key_scores(queries.data() + g * dim, keys, rows, dim, static_cast<float>(scale), probs.data() + g * block_size);
-        }
-        const float* values = as_float(v_head + table[b] * block_elems, buffer.data(), rows * dim);
-        for (int64_t g = 0; g < group; ++g) {
-          float* p = probs.data() + g * block_size;
-          const float block_max =
-              at::vec::reduce_all<float>([](Vec x, Vec y) { return at::vec::maximum(x, y); }, p, rows);
-          const float new_max = std::max(running_max[g], block_max);
-          const float rescale = std::exp(running_max[g] - new_max);  // 0 before the first block
-          at::vec::map([new_max](Vec x) { return (x - Vec(new_max)).exp(); }, p, p, rows);
-          running_sum[g] = running_sum[g] * rescale +
-                           at::vec::reduce_all<float>([](Vec x, Vec y) { return x + y; }, p, rows);
-          running_max[g] = new_max;
-          scale_add_rows(acc.data() + g * dim, rescale, p, values, rows, dim);
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        const float inv = 1.f / running_sum[g];
-        float* a = acc.data() + g * dim;
-        at::vec::map([inv](Vec x) { return x * Vec(inv); }, a, a, dim);
-        at::vec::convert(a, out_data + (seq * heads + head * group + g) * dim, dim);
-      }
+      const int64_t seq = item / kv_heads, head = item % kv_heads, first = (seq * heads + head * group) * dim;
+      attend(q_data + first, k_data + head * head_elems, v_data + head * head_elems, tables + seq * width, lens[seq],
+             block_size, dim, group, static_cast<float>(scale), out_data + first, scratch);
     }
   });
 }
@@ -188,25 +206,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
               "q and the caches must share a dtype");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong &&
-                  block_tables.is_contiguous() && lengths.is_contiguous(),
-              "block_tables and lengths must be contiguous int64");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && lengths.numel() == q.size(0),
-              "one block table row and one length per query token");
+  TORCH_CHECK(lengths.numel() == q.size(0), "one block table row and one length per query token");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
                   block_tables.device().is_cpu() && lengths.device().is_cpu(),
               "all inputs must be on the CPU");
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = lengths.data_ptr<int64_t>();
-  const int64_t width = block_tables.size(1), block_size = k_cache.size(2), num_blocks = k_cache.size(1);
-  for (int64_t i = 0; i < lengths.numel(); ++i) {  // every block read below must lie inside the cache
-    TORCH_CHECK(lens[i] >= 1 && lens[i] <= width * block_size, "length ", lens[i], " of row ", i,
-                " is outside 1..", width * block_size, " (its block table's capacity)");
-    for (int64_t b = 0; b < (lens[i] + block_size - 1) / block_size; ++b) {
-      TORCH_CHECK(tables[i * width + b] >= 0 && tables[i * width + b] < num_blocks, "block ",
-                  tables[i * width + b], " of row ", i, " is outside the cache's ", num_blocks, " blocks");
-    }
-  }
+  lmgate::check_decode_tables(block_tables, lengths, k_cache.size(2), k_cache.size(1));
   at::Tensor out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     decode_attention<scalar_t>(q, k_cache, v_cache, block_tables, lengths, scale, out);
@@ -215,6 +219,36 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 }
 
 }  // namespace
+
+namespace lmgate {
+
+// Every block a decode row's length reaches must lie inside the cache: the kernels read them unchecked.
+void check_decode_tables(const at::Tensor& block_tables, const at::Tensor& lengths, int64_t block_size,
+                         int64_t num_blocks) {
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong &&
+                  block_tables.is_contiguous() && lengths.is_contiguous() && block_tables.dim() == 2 &&
+                  block_tables.size(0) == lengths.numel(),
+              "block_tables and lengths must be contiguous int64, one table row per length");
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = lengths.data_ptr<int64_t>();
+  const int64_t width = block_tables.size(1);
+  for (int64_t i = 0; i < lengths.numel(); ++i) {
+    TORCH_CHECK(lens[i] >= 1 && lens[i] <= width * block_size, "length ", lens[i], " of row ", i,
+                " is outside 1..", width * block_size, " (its block table's capacity)");
+    for (int64_t b = 0; b < (lens[i] + block_size - 1) / block_size; ++b) {
+      TORCH_CHECK(tables[i * width + b] >= 0 && tables[i * width + b] < num_blocks, "block ",
+                  tables[i * width + b], " of row ", i, " is outside the cache's ", num_blocks, " blocks");
+    }
+  }
+}
+
+void attend_group(const float* q, const float* k_head, const float* v_head, const int64_t* table, int64_t len,
+                  int64_t block_size, int64_t dim, int64_t group, float scale, float* out) {
+  AttentionScratch scratch(group, dim, block_size);
+  attend(q, k_head, v_head, table, len, block_size, dim, group, scale, out, scratch);
+}
+
+}  // namespace lmgate
 
 TORCH_LIBRARY(lmgate, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor lengths, "

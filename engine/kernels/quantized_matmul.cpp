@@ -26,6 +26,11 @@
 #include <immintrin.h>
 #endif
 
+namespace lmgate {
+void gguf_matvec_range(int64_t type, int64_t rows, const float* x, int64_t k, const uint8_t* w, int64_t row_bytes,
+                       int64_t n_begin, int64_t n_end, float* out, int64_t out_stride);
+}
+
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
@@ -358,6 +363,65 @@ void matvec_rows_fused(const float* x, int64_t k, const uint8_t* w, int64_t row_
     for (int64_t m = 0; m < ROWS; ++m) out[m * out_stride + n] = hsum(acc[m]) + offsets[m];
   }
 }
+
+// The 32 unsigned bytes of `q` (nibbles already masked) as four vectors of floats.
+inline void bytes_as_floats(__m256i q, __m256 out[4]) {
+  const __m128i low = _mm256_castsi256_si128(q), high = _mm256_extracti128_si256(q, 1);
+  out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low));
+  out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(low, 8)));
+  out[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high));
+  out[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(high, 8)));
+}
+
+// matvec_rows for Q4_K the same way: each sub-block of 32 weights is d * scale * q - dmin * min, so its dot
+// with x is d * scale * (q . x) - dmin * min * sum(x).
+template <int64_t ROWS>
+void matvec_rows_q4_k(const float* x, int64_t k, const uint8_t* w, int64_t row_bytes, int64_t n_begin,
+                      int64_t n_end, float* out, int64_t out_stride) {
+  const int64_t subs = k / 32;
+  std::vector<float> xsum(ROWS * subs);
+  for (int64_t i = 0; i < ROWS * subs; ++i) {
+    xsum[i] = hsum(_mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(x + i * 32), _mm256_loadu_ps(x + i * 32 + 8)),
+                                 _mm256_add_ps(_mm256_loadu_ps(x + i * 32 + 16), _mm256_loadu_ps(x + i * 32 + 24))));
+  }
+  const __m256i mask = _mm256_set1_epi8(0xF);
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    __m256 acc[ROWS];
+    float offsets[ROWS];
+    for (int64_t m = 0; m < ROWS; ++m) {
+      acc[m] = _mm256_setzero_ps();
+      offsets[m] = 0.f;
+    }
+    const uint8_t* row = w + n * row_bytes;
+    for (int64_t b = 0; b < k / 256; ++b) {
+      const uint8_t* block = row + b * 144;
+      const float d = half_at(block), dmin = half_at(block + 2);
+      for (int pair = 0; pair < 4; ++pair) {
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16 + 32 * pair));
+        const __m256i halves[2] = {_mm256_and_si256(q, mask), _mm256_and_si256(_mm256_srli_epi16(q, 4), mask)};
+        for (int h = 0; h < 2; ++h) {
+          const int64_t sub = 8 * b + 2 * pair + h;
+          float sc, mn;
+          scale_min(block + 4, 2 * pair + h, &sc, &mn);
+          __m256 qf[4];
+          bytes_as_floats(halves[h], qf);
+          const __m256 scale = _mm256_set1_ps(d * sc);
+          const float offset = -dmin * mn;
+          for (int64_t m = 0; m < ROWS; ++m) {
+            const float* xm = x + m * k + sub * 32;
+            __m256 t = _mm256_mul_ps(qf[0], _mm256_loadu_ps(xm));
+            t = _mm256_fmadd_ps(qf[1], _mm256_loadu_ps(xm + 8), t);
+            t = _mm256_fmadd_ps(qf[2], _mm256_loadu_ps(xm + 16), t);
+            t = _mm256_fmadd_ps(qf[3], _mm256_loadu_ps(xm + 24), t);
+            acc[m] = _mm256_fmadd_ps(t, scale, acc[m]);
+            offsets[m] += offset * xsum[m * subs + sub];
+          }
+        }
+      }
+    }
+    for (int64_t m = 0; m < ROWS; ++m) out[m * out_stride + n] = hsum(acc[m]) + offsets[m];
+  }
+}
 #endif
 
 // matvec_rows for a row count known only at run time: 1 .. MAX_ROWS.
@@ -368,6 +432,9 @@ void matvec_any_rows(int64_t rows, const float* x, int64_t k, const uint8_t* w, 
 #if defined(__AVX2__) && defined(__FMA__)
     if constexpr (small_blocks(TYPE)) {
       matvec_rows_fused<ROWS, TYPE>(x, k, w, row_bytes, n_begin, n_end, out, out_stride);
+      return;
+    } else if constexpr (TYPE == Q4_K) {
+      matvec_rows_q4_k<ROWS>(x, k, w, row_bytes, n_begin, n_end, out, out_stride);
       return;
     }
 #endif
@@ -388,13 +455,8 @@ at::Tensor gguf_matvec(const at::Tensor& x_in, const at::Tensor& blocks, int64_t
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   const int64_t row_bytes = blocks.size(1);
-  with_type(type, [&](auto t) {
-    at::parallel_for(0, n_rows, 8, [&](int64_t begin, int64_t end) {
-      for (int64_t m0 = 0; m0 < m_rows; m0 += MAX_ROWS) {
-        matvec_any_rows<decltype(t)::value>(std::min(MAX_ROWS, m_rows - m0), xp + m0 * k, k, w, row_bytes, begin,
-                                            end, op + m0 * n_rows, n_rows);
-      }
-    });
+  at::parallel_for(0, n_rows, 8, [&](int64_t begin, int64_t end) {
+    lmgate::gguf_matvec_range(type, m_rows, xp, k, w, row_bytes, begin, end, op, n_rows);
   });
   return out;
 }
@@ -473,6 +535,24 @@ at::Tensor gguf_matmul(const at::Tensor& x_in, const at::Tensor& blocks, int64_t
 }
 
 }  // namespace
+
+namespace lmgate {
+
+void check_gguf_blocks(const at::Tensor& blocks, int64_t type, int64_t k) { check_blocks(blocks, type, k); }
+
+// out[m, n] = x[m] . W[n] for rows n_begin .. n_end of W and all `rows` (any number) rows of x; the caller
+// parallelizes (decode_layers.cpp splits W's rows over its threads).
+void gguf_matvec_range(int64_t type, int64_t rows, const float* x, int64_t k, const uint8_t* w, int64_t row_bytes,
+                       int64_t n_begin, int64_t n_end, float* out, int64_t out_stride) {
+  with_type(type, [&](auto t) {
+    for (int64_t m0 = 0; m0 < rows; m0 += MAX_ROWS) {
+      matvec_any_rows<decltype(t)::value>(std::min(MAX_ROWS, rows - m0), x + m0 * k, k, w, row_bytes, n_begin, n_end,
+                                          out + m0 * out_stride, out_stride);
+    }
+  });
+}
+
+}  // namespace lmgate
 
 TORCH_LIBRARY_FRAGMENT(lmgate, m) {
   m.def("gguf_dequantize(Tensor blocks, int type, Tensor(a!) out) -> ()");

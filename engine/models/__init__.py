@@ -6,6 +6,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..errors import UnsupportedModel
+from .fused_decode import FusedDecode
 from .llama import LlamaForCausalLM, RotaryEmbedding, pack_weights
 from .packed_linear import pack_linears, packed_bytes
 from .quantized_linear import GGUFBlocks, QuantizedEmbedding, QuantizedLinear
@@ -26,7 +27,8 @@ def build_model(
 ) -> LlamaForCausalLM:
     """`instantiate`, then on the device in the dtype; on the CPU the linear layers' weights are then packed for
     oneDNN (`packed_linear.py`). `quantized`: GGUF blocks stay blocks (`quantized_linear.py`; the caller
-    checked the kernels run here), else they are expanded to float first."""
+    checked the kernels run here), and decode steps of few rows run all layers in one call
+    (`fused_decode.py`); else the blocks are expanded to float first."""
     if not quantized:
         weights = expand_blocks(weights)
     model = instantiate(cfg, weights)
@@ -34,6 +36,8 @@ def build_model(
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     if device.type == "cpu":
         pack_linears(model, batch_hint)
+    if quantized:
+        model.fused_decode = FusedDecode.build(model)
     return model
 
 

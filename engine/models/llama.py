@@ -11,6 +11,7 @@ from torch import nn
 
 from ..attention import AttentionMetadata, paged_attention
 from ..config import ModelConfig
+from .fused_decode import FusedDecode
 from .quantized_linear import GGUFBlocks, cat_rows
 
 
@@ -122,6 +123,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = LlamaModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.fused_decode: FusedDecode | None = None  # set by build_model for quantized weights (fused_decode.py)
 
     def forward(
         self,
@@ -132,6 +134,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         rope = self.model.rotary_emb.tables(positions, x.dtype)
+        if self.fused_decode is not None and self.fused_decode.serves(x.shape[0], meta):
+            return self.model.norm(self.fused_decode(x, rope, kv_caches, meta))
         for layer, kv in zip(self.model.layers, kv_caches):
             x = layer(x, rope, kv, meta)
         return self.model.norm(x)

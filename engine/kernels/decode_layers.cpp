@@ -1,0 +1,294 @@
+// Every decoder layer of a Llama-family model with GGUF-quantized linear layers, for a decode step of a few
+// rows, in one call and one parallel region.
+//
+// Run as torch ops, one decoded token of the embedded model is some 450 small ops and 121 quantized matvecs:
+// each op pays the dispatcher and each parallel op wakes the OpenMP team (sleeping waiters, engine/__init__.py),
+// and together they took more time than reading the weights. Here the team starts once per step; between
+// the phases of a layer the threads meet at a spinning barrier, and every phase splits its work by rows of
+// W (or by (row, KV head) for attention) so that no thread waits on another inside a phase.
+//
+// Per layer: h = rms_norm(x) (each thread its own copy); qkv = h Wqkv^T (+ bias); per (row, KV head):
+// q/k norm (Qwen3), rotary, K/V stored at the row's slot, attention over the row's blocks; x += attn Wo^T;
+// h = rms_norm(x); act = silu(h Wgate^T) * h Wup^T (a thread owns both halves of its rows); x += act Wdown^T.
+// fp32 throughout, the same arithmetic as the torch path up to the order of sums.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <omp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace lmgate {
+// paged_attention.cpp
+void check_decode_tables(const at::Tensor& block_tables, const at::Tensor& lengths, int64_t block_size,
+                         int64_t num_blocks);
+void attend_group(const float* q, const float* k_head, const float* v_head, const int64_t* table, int64_t len,
+                  int64_t block_size, int64_t dim, int64_t group, float scale, float* out);
+// quantized_matmul.cpp
+void check_gguf_blocks(const at::Tensor& blocks, int64_t type, int64_t k);
+void gguf_matvec_range(int64_t type, int64_t rows, const float* x, int64_t k, const uint8_t* w, int64_t row_bytes,
+                       int64_t n_begin, int64_t n_end, float* out, int64_t out_stride);
+}  // namespace lmgate
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+
+constexpr int64_t MAX_ROWS = 8;  // quantized_matmul.cpp's matvec serves this many rows in one pass over W
+
+// The team's meeting point between phases. Threads spin (a phase lasts microseconds, far less than a
+// sleep and a wake-up), then yield, so that a thread displaced by a neighbour gets its core back.
+class SpinBarrier {
+ public:
+  explicit SpinBarrier(int threads) : threads_(threads) {}
+
+  void wait() {
+    const int generation = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == threads_ - 1) {
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.fetch_add(1, std::memory_order_release);
+      return;
+    }
+    for (int spins = 0; generation_.load(std::memory_order_acquire) == generation; ++spins) {
+      if (spins < 20000) {
+#if defined(__x86_64__)
+        _mm_pause();
+#endif
+      } else {
+        std::this_thread::yield();
+      }
+    }
+  }
+
+ private:
+  const int threads_;
+  std::atomic<int> arrived_{0};
+  std::atomic<int> generation_{0};
+};
+
+struct Range {
+  int64_t begin, end;
+};
+
+// This thread's share of `total` items, in multiples of `align` where it can.
+Range share(int64_t total, int thread, int threads, int64_t align) {
+  const int64_t units = (total + align - 1) / align;
+  const int64_t begin = units * thread / threads * align, end = units * (thread + 1) / threads * align;
+  return {std::min(begin, total), std::min(end, total)};
+}
+
+// out[m] = x[m] * rsqrt(mean(x[m]^2) + eps) * weight, for `rows` rows of `n`.
+void rms_norm(const float* x, const float* weight, int64_t rows, int64_t n, float eps, float* out) {
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* xm = x + m * n;
+    const float sum = at::vec::map_reduce_all<float>([](Vec v) { return v * v; },
+                                                     [](Vec a, Vec b) { return a + b; }, xm, n);
+    const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+    at::vec::map2([inv](Vec v, Vec w) { return w * (v * Vec(inv)); }, out + m * n, xm, weight, n);
+  }
+}
+
+// Hugging Face's rotate-half rotary embedding of one head in place; `sin` carries rotate_half's sign.
+void rotate(float* x, const float* cos, const float* sin, int64_t dim) {
+  const int64_t half = dim / 2;
+  for (int64_t d = 0; d < half; ++d) {
+    const float a = x[d], b = x[d + half];
+    x[d] = a * cos[d] + b * sin[d];
+    x[d + half] = b * cos[d + half] + a * sin[d + half];
+  }
+}
+
+struct Linear {
+  const uint8_t* blocks;
+  int64_t type, rows, row_bytes;
+};
+
+struct Layer {
+  const float *input_norm, *post_norm, *q_norm, *k_norm, *qkv_bias;  // q_norm, k_norm, qkv_bias may be null
+  Linear qkv, o, gate_up, down;
+  float *k_cache, *v_cache;
+};
+
+Linear linear(const at::Tensor& blocks, int64_t type, int64_t k, int64_t rows) {
+  lmgate::check_gguf_blocks(blocks, type, k);
+  TORCH_CHECK(blocks.size(0) == rows, "a quantized matrix has ", blocks.size(0), " rows, expected ", rows);
+  return {blocks.data_ptr<uint8_t>(), type, rows, blocks.size(1)};
+}
+
+const float* vector_of(const at::Tensor& t, int64_t n, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == n, what,
+              " must be a contiguous float32 tensor of ", n, " elements");
+  return t.data_ptr<float>();
+}
+
+// x: [M, hidden] float32, the residual stream, updated in place. Per layer i: norms[i * per_layer ...] are
+// input_layernorm, post_attention_layernorm (then q_norm, k_norm when there are four); weights[4 i ...] are
+// the blocks of qkv_proj, o_proj, gate_up_proj, down_proj and types[4 i ...] their GGUF types; qkv_bias is
+// empty or one per layer. cos, sin: [M, head_dim]; caches: [kv_heads, blocks, block_size, head_dim] float32;
+// slots: [M] each row's slot for this step's K/V; block_tables [M, width] and lengths [M] as in
+// paged_decode_attention (lengths count this step's token).
+void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, at::IntArrayRef types,
+                   at::TensorList qkv_bias, const at::Tensor& cos, const at::Tensor& sin, at::TensorList k_caches,
+                   at::TensorList v_caches, const at::Tensor& slots, const at::Tensor& block_tables,
+                   const at::Tensor& lengths, int64_t num_heads, int64_t num_kv_heads, double eps, double scale) {
+  const int64_t num_layers = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, H]");
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  TORCH_CHECK(rows >= 1 && rows <= MAX_ROWS, "decode_layers serves 1..", MAX_ROWS, " rows, got ", rows);
+  TORCH_CHECK(num_layers >= 1 && v_caches.size() == k_caches.size() && weights.size() == 4 * k_caches.size() &&
+                  types.size() == weights.size() && (norms.size() == 2 * k_caches.size() || norms.size() == 4 * k_caches.size()) &&
+                  (qkv_bias.empty() || qkv_bias.size() == k_caches.size()),
+              "decode_layers: per layer 2 or 4 norms, 4 matrices with their types, 0 or 1 bias and 2 caches");
+  const at::Tensor& cache0 = k_caches[0];
+  TORCH_CHECK(cache0.dim() == 4 && cache0.size(0) == num_kv_heads && num_heads % num_kv_heads == 0,
+              "caches must be [kv_heads, blocks, block_size, head_dim]");
+  const int64_t num_blocks = cache0.size(1), block_size = cache0.size(2), dim = cache0.size(3);
+  const int64_t group = num_heads / num_kv_heads, q_size = num_heads * dim, kv_size = num_kv_heads * dim;
+  const int64_t qkv_rows = q_size + 2 * kv_size, per_layer_norms = static_cast<int64_t>(norms.size()) / num_layers;
+  TORCH_CHECK(dim % 2 == 0 && cos.sizes() == at::IntArrayRef({rows, dim}) && sin.sizes() == cos.sizes() &&
+                  cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous(),
+              "cos and sin must be contiguous float32 [M, head_dim]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == rows,
+              "slots must be contiguous int64 [M]");
+  TORCH_CHECK(block_tables.size(0) == rows, "one block table row and one length per row of x");
+  lmgate::check_decode_tables(block_tables, lengths, block_size, num_blocks);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t m = 0; m < rows; ++m) {
+    TORCH_CHECK(slot[m] >= 0 && slot[m] < num_blocks * block_size, "slot ", slot[m], " of row ", m,
+                " is outside the cache");
+  }
+  const int64_t intermediate = weights[2].size(0) / 2;
+  std::vector<Layer> layers(num_layers);
+  for (int64_t i = 0; i < num_layers; ++i) {
+    Layer& l = layers[i];
+    const at::Tensor* n = norms.data() + i * per_layer_norms;
+    l.input_norm = vector_of(n[0], hidden, "input_layernorm");
+    l.post_norm = vector_of(n[1], hidden, "post_attention_layernorm");
+    l.q_norm = per_layer_norms == 4 ? vector_of(n[2], dim, "q_norm") : nullptr;
+    l.k_norm = per_layer_norms == 4 ? vector_of(n[3], dim, "k_norm") : nullptr;
+    l.qkv_bias = qkv_bias.empty() ? nullptr : vector_of(qkv_bias[i], qkv_rows, "qkv bias");
+    l.qkv = linear(weights[4 * i], types[4 * i], hidden, qkv_rows);
+    l.o = linear(weights[4 * i + 1], types[4 * i + 1], q_size, hidden);
+    l.gate_up = linear(weights[4 * i + 2], types[4 * i + 2], hidden, 2 * intermediate);
+    l.down = linear(weights[4 * i + 3], types[4 * i + 3], intermediate, hidden);
+    for (const at::Tensor* c : {&k_caches[i], &v_caches[i]}) {
+      TORCH_CHECK(c->sizes() == cache0.sizes() && c->scalar_type() == at::kFloat && c->is_contiguous(),
+                  "every cache must be a contiguous float32 tensor of the first one's shape");
+    }
+    l.k_cache = k_caches[i].data_ptr<float>();
+    l.v_cache = v_caches[i].data_ptr<float>();
+  }
+
+  // Shared between the phases: each is written by its owners and read after the next barrier.
+  std::vector<float> qkv(rows * qkv_rows), attn(rows * q_size), delta(rows * hidden), gate_up(rows * 2 * intermediate),
+      act(rows * intermediate);
+  float* xs = x.data_ptr<float>();
+  const float* cos_data = cos.data_ptr<float>();
+  const float* sin_data = sin.data_ptr<float>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = lengths.data_ptr<int64_t>();
+  const int64_t width = block_tables.size(1), head_elems = num_blocks * block_size * dim;
+  const int threads = std::max(1, at::get_num_threads());
+  std::unique_ptr<SpinBarrier> barrier;
+
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp single
+    barrier = std::make_unique<SpinBarrier>(omp_get_num_threads());  // the team may be smaller than asked
+    const int t = omp_get_thread_num(), team = omp_get_num_threads();
+    std::vector<float> h(rows * hidden);
+    const Range hr = share(hidden, t, team, 8), qr = share(qkv_rows, t, team, 8);
+    const Range ir = share(intermediate, t, team, 8), ar = share(rows * num_kv_heads, t, team, 1);
+    const int64_t h0 = hr.begin, h1 = hr.end, q0 = qr.begin, q1 = qr.end, i0 = ir.begin, i1 = ir.end;
+    // x[:, h0:h1] += delta[:, h0:h1], where this thread wrote delta's columns.
+    auto add_residual = [&] {
+      for (int64_t m = 0; m < rows; ++m) {
+        for (int64_t c = h0; c < h1; ++c) xs[m * hidden + c] += delta[m * hidden + c];
+      }
+    };
+
+    for (const Layer& l : layers) {
+      rms_norm(xs, l.input_norm, rows, hidden, static_cast<float>(eps), h.data());
+      lmgate::gguf_matvec_range(l.qkv.type, rows, h.data(), hidden, l.qkv.blocks, l.qkv.row_bytes, q0, q1, qkv.data(),
+                                qkv_rows);
+      if (l.qkv_bias != nullptr) {
+        for (int64_t m = 0; m < rows; ++m) {
+          for (int64_t c = q0; c < q1; ++c) qkv[m * qkv_rows + c] += l.qkv_bias[c];
+        }
+      }
+      barrier->wait();
+
+      for (int64_t item = ar.begin; item < ar.end; ++item) {
+        const int64_t m = item / num_kv_heads, g = item % num_kv_heads;
+        float* row = qkv.data() + m * qkv_rows;
+        float* k = row + q_size + g * dim;
+        const float* v = row + q_size + kv_size + g * dim;
+        const float* c = cos_data + m * dim;
+        const float* s = sin_data + m * dim;
+        for (int64_t head = g * group; head < (g + 1) * group; ++head) {
+          float* q = row + head * dim;
+          if (l.q_norm != nullptr) rms_norm(q, l.q_norm, 1, dim, static_cast<float>(eps), q);
+          rotate(q, c, s, dim);
+        }
+        if (l.k_norm != nullptr) rms_norm(k, l.k_norm, 1, dim, static_cast<float>(eps), k);
+        rotate(k, c, s, dim);
+        std::copy(k, k + dim, l.k_cache + g * head_elems + slot[m] * dim);
+        std::copy(v, v + dim, l.v_cache + g * head_elems + slot[m] * dim);
+        lmgate::attend_group(row + g * group * dim, l.k_cache + g * head_elems, l.v_cache + g * head_elems,
+                             tables + m * width, lens[m], block_size, dim, group, static_cast<float>(scale),
+                             attn.data() + m * q_size + g * group * dim);
+      }
+      barrier->wait();
+
+      lmgate::gguf_matvec_range(l.o.type, rows, attn.data(), q_size, l.o.blocks, l.o.row_bytes, h0, h1, delta.data(),
+                                hidden);
+      add_residual();
+      barrier->wait();
+
+      rms_norm(xs, l.post_norm, rows, hidden, static_cast<float>(eps), h.data());
+      const Linear& gu = l.gate_up;
+      lmgate::gguf_matvec_range(gu.type, rows, h.data(), hidden, gu.blocks, gu.row_bytes, i0, i1, gate_up.data(),
+                                2 * intermediate);
+      lmgate::gguf_matvec_range(gu.type, rows, h.data(), hidden, gu.blocks, gu.row_bytes, intermediate + i0,
+                                intermediate + i1, gate_up.data(), 2 * intermediate);
+      for (int64_t m = 0; m < rows; ++m) {
+        const float* gate = gate_up.data() + m * 2 * intermediate;
+        const float* up = gate + intermediate;
+        float* out = act.data() + m * intermediate;
+        at::vec::map2([](Vec gv, Vec uv) { return gv / (Vec(1.f) + (Vec(0.f) - gv).exp()) * uv; }, out + i0, gate + i0,
+                      up + i0, i1 - i0);
+      }
+      barrier->wait();
+
+      lmgate::gguf_matvec_range(l.down.type, rows, act.data(), intermediate, l.down.blocks, l.down.row_bytes, h0, h1,
+                                delta.data(), hidden);
+      add_residual();
+      barrier->wait();
+    }
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(lmgate, m) {
+  m.def("decode_layers(Tensor(a!) x, Tensor[] norms, Tensor[] weights, int[] types, Tensor[] qkv_bias, Tensor cos, "
+        "Tensor sin, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor slots, Tensor block_tables, "
+        "Tensor lengths, int num_heads, int num_kv_heads, float eps, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(lmgate, CPU, m) {
+  m.impl("decode_layers", &decode_layers);
+}
