@@ -208,11 +208,13 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> None:
     print(f"lmgate serving {os.path.basename(engine.model_path)} on {args.host}:{server.port} "
           f"(ready in {time.perf_counter() - started:.1f}s)", flush=True)
     info = engine.info()
-    log.info("started: model %s (%s), dtype %s (%s), device %s, %d engine loop(s) as %s, tensor parallel %d, x %d torch threads, KV cache "
+    log.info("started: model %s (%s), dtype %s (%s), weights %.0f MiB (--weights %s), device %s, %d engine loop(s) as %s, tensor parallel %d, x %d torch threads, KV cache "
              "%d tokens (%.0f MiB), batches of %d sequences / %d tokens, context %d, gRPC port %d (%s), metrics port %s, "
              "replica %s",
              os.path.basename(engine.model_path), info.architecture, str(engine.dtype).removeprefix("torch."),
-             engine.dtype_reason, engine.device, info.engine_loops, "threads" if engine.loops else "processes", args.tensor_parallel, engine.threads_per_loop,
+             engine.dtype_reason, info.weights_bytes / 2**20,
+             engine.config.weights,
+             engine.device, info.engine_loops, "threads" if engine.loops else "processes", args.tensor_parallel, engine.threads_per_loop,
              info.kv_blocks_total * info.kv_block_size, info.kv_cache_bytes / 2**20, args.max_batch_size,
              args.max_batched_tokens, info.max_context_length, server.port,
              ("mutual TLS" if args.tls.client_ca else "TLS") if args.tls else "plaintext", args.metrics_port or "off",

@@ -4,6 +4,8 @@
 * paged_attention.cpp: CPU decode attention over the paged KV cache (`torch.ops.lmgate.paged_decode_attention`);
 * quantized_matmul.cpp: linear layers over GGUF's quantized blocks (`gguf_matvec`, `gguf_matmul`,
   `gguf_dequantize`);
+* layer_ops.cpp: a decoder layer's elementwise parts in one pass each over float32 rows (`rms_norm`,
+  `rotary`, `silu_and_mul`);
 * decode_layers.cpp: every decoder layer of a quantized model for a decode step of a few rows, in one call
   (`decode_layers`, read by engine/models/fused_decode.py).
 
@@ -26,7 +28,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [os.path.join(os.path.dirname(__file__), name) for name in ("paged_attention.cpp", "quantized_matmul.cpp", "decode_layers.cpp")]
+SOURCES = [os.path.join(os.path.dirname(__file__), name)
+           for name in ("paged_attention.cpp", "quantized_matmul.cpp", "layer_ops.cpp", "decode_layers.cpp")]
 
 # The flags torch builds its own kernels of each capability with, so that ATen's Vectorized takes the same
 # instructions; "DEFAULT" (and other architectures) get its portable version.

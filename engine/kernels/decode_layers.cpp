@@ -13,8 +13,6 @@
 // fp32 throughout, the same arithmetic as the torch path up to the order of sums.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <omp.h>
@@ -36,6 +34,10 @@ void check_decode_tables(const at::Tensor& block_tables, const at::Tensor& lengt
                          int64_t num_blocks);
 void attend_group(const float* q, const float* k_head, const float* v_head, const int64_t* table, int64_t len,
                   int64_t block_size, int64_t dim, int64_t group, float scale, float* out);
+// layer_ops.cpp
+void rms_norm_rows(const float* x, const float* weight, int64_t rows, int64_t n, float eps, float* out);
+void rotary_head(const float* x, const float* cos, const float* sin, int64_t dim, float* out);
+void silu_and_mul_row(const float* gate, const float* up, int64_t n, float* out);
 // quantized_matmul.cpp
 void check_gguf_blocks(const at::Tensor& blocks, int64_t type, int64_t k);
 void gguf_matvec_range(int64_t type, int64_t rows, const float* x, int64_t k, const uint8_t* w, int64_t row_bytes,
@@ -44,9 +46,11 @@ void gguf_matvec_range(int64_t type, int64_t rows, const float* x, int64_t k, co
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-
-constexpr int64_t MAX_ROWS = 8;  // quantized_matmul.cpp's matvec serves this many rows in one pass over W
+constexpr int64_t MAX_ROWS = 8;  // layer_ops.cpp
+void rms_norm_rows(const float* x, const float* weight, int64_t rows, int64_t n, float eps, float* out);
+void rotary_head(const float* x, const float* cos, const float* sin, int64_t dim, float* out);
+void silu_and_mul_row(const float* gate, const float* up, int64_t n, float* out);
+// quantized_matmul.cpp's matvec serves this many rows in one pass over W
 
 // The team's meeting point between phases. Threads spin (a phase lasts microseconds, far less than a
 // sleep and a wake-up), then yield, so that a thread displaced by a neighbour gets its core back.
@@ -87,27 +91,6 @@ Range share(int64_t total, int thread, int threads, int64_t align) {
   const int64_t units = (total + align - 1) / align;
   const int64_t begin = units * thread / threads * align, end = units * (thread + 1) / threads * align;
   return {std::min(begin, total), std::min(end, total)};
-}
-
-// out[m] = x[m] * rsqrt(mean(x[m]^2) + eps) * weight, for `rows` rows of `n`.
-void rms_norm(const float* x, const float* weight, int64_t rows, int64_t n, float eps, float* out) {
-  for (int64_t m = 0; m < rows; ++m) {
-    const float* xm = x + m * n;
-    const float sum = at::vec::map_reduce_all<float>([](Vec v) { return v * v; },
-                                                     [](Vec a, Vec b) { return a + b; }, xm, n);
-    const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
-    at::vec::map2([inv](Vec v, Vec w) { return w * (v * Vec(inv)); }, out + m * n, xm, weight, n);
-  }
-}
-
-// Hugging Face's rotate-half rotary embedding of one head in place; `sin` carries rotate_half's sign.
-void rotate(float* x, const float* cos, const float* sin, int64_t dim) {
-  const int64_t half = dim / 2;
-  for (int64_t d = 0; d < half; ++d) {
-    const float a = x[d], b = x[d + half];
-    x[d] = a * cos[d] + b * sin[d];
-    x[d + half] = b * cos[d + half] + a * sin[d + half];
-  }
 }
 
 struct Linear {
@@ -221,7 +204,7 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
     };
 
     for (const Layer& l : layers) {
-      rms_norm(xs, l.input_norm, rows, hidden, static_cast<float>(eps), h.data());
+      lmgate::rms_norm_rows(xs, l.input_norm, rows, hidden, static_cast<float>(eps), h.data());
       lmgate::gguf_matvec_range(l.qkv.type, rows, h.data(), hidden, l.qkv.blocks, l.qkv.row_bytes, q0, q1, qkv.data(),
                                 qkv_rows);
       if (l.qkv_bias != nullptr) {
@@ -240,11 +223,11 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
         const float* s = sin_data + m * dim;
         for (int64_t head = g * group; head < (g + 1) * group; ++head) {
           float* q = row + head * dim;
-          if (l.q_norm != nullptr) rms_norm(q, l.q_norm, 1, dim, static_cast<float>(eps), q);
-          rotate(q, c, s, dim);
+          if (l.q_norm != nullptr) lmgate::rms_norm_rows(q, l.q_norm, 1, dim, static_cast<float>(eps), q);
+          lmgate::rotary_head(q, c, s, dim, q);
         }
-        if (l.k_norm != nullptr) rms_norm(k, l.k_norm, 1, dim, static_cast<float>(eps), k);
-        rotate(k, c, s, dim);
+        if (l.k_norm != nullptr) lmgate::rms_norm_rows(k, l.k_norm, 1, dim, static_cast<float>(eps), k);
+        lmgate::rotary_head(k, c, s, dim, k);
         std::copy(k, k + dim, l.k_cache + g * head_elems + slot[m] * dim);
         std::copy(v, v + dim, l.v_cache + g * head_elems + slot[m] * dim);
         lmgate::attend_group(row + g * group * dim, l.k_cache + g * head_elems, l.v_cache + g * head_elems,
@@ -258,7 +241,7 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
       add_residual();
       barrier->wait();
 
-      rms_norm(xs, l.post_norm, rows, hidden, static_cast<float>(eps), h.data());
+      lmgate::rms_norm_rows(xs, l.post_norm, rows, hidden, static_cast<float>(eps), h.data());
       const Linear& gu = l.gate_up;
       lmgate::gguf_matvec_range(gu.type, rows, h.data(), hidden, gu.blocks, gu.row_bytes, i0, i1, gate_up.data(),
                                 2 * intermediate);
@@ -266,10 +249,7 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
                                 intermediate + i1, gate_up.data(), 2 * intermediate);
       for (int64_t m = 0; m < rows; ++m) {
         const float* gate = gate_up.data() + m * 2 * intermediate;
-        const float* up = gate + intermediate;
-        float* out = act.data() + m * intermediate;
-        at::vec::map2([](Vec gv, Vec uv) { return gv / (Vec(1.f) + (Vec(0.f) - gv).exp()) * uv; }, out + i0, gate + i0,
-                      up + i0, i1 - i0);
+        lmgate::silu_and_mul_row(gate + i0, gate + intermediate + i0, i1 - i0, act.data() + m * intermediate + i0);
       }
       barrier->wait();
 

@@ -11,6 +11,7 @@ from torch import nn
 
 from ..attention import AttentionMetadata, paged_attention
 from ..config import ModelConfig
+from ..kernels import load_cpu_kernels
 from .fused_decode import FusedDecode
 from .quantized_linear import GGUFBlocks, cat_rows
 
@@ -23,6 +24,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalized in fp32, scaled in the model's dtype, as Hugging Face's LlamaRMSNorm does."""
+        if layer_kernels(x):
+            return torch.ops.lmgate.rms_norm(x, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
@@ -49,7 +52,15 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, head_dim]."""
+    if layer_kernels(x):
+        return torch.ops.lmgate.rotary(x, cos, sin)
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+
+
+def layer_kernels(x: torch.Tensor) -> bool:
+    """Whether the C++ elementwise ops (engine/kernels/layer_ops.cpp) serve `x`: float32 on the CPU, where the
+    kernels were built. The torch expressions beside each call are the same arithmetic, in more passes."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and load_cpu_kernels()
 
 
 class Attention(nn.Module):
@@ -85,7 +96,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if layer_kernels(gate_up):
+            return self.down_proj(torch.ops.lmgate.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

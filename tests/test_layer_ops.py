@@ -1,0 +1,64 @@
+"""The C++ elementwise layer ops (engine/kernels/layer_ops.cpp) against the torch expressions they replace,
+on shapes with vector tails, single rows, many rows (split over threads) and strided views."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lmgate.engine.kernels import compiler_found, load_cpu_kernels
+from lmgate.engine.models.llama import RMSNorm, apply_rotary, layer_kernels
+
+pytestmark = pytest.mark.skipif(not (compiler_found() and load_cpu_kernels()), reason="no C++ compiler: the kernels cannot be built")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64, 300])
+@pytest.mark.parametrize("dim", [576, 64, 37])
+def test_rms_norm_matches_hugging_faces_formula(rows, dim):
+    g = torch.Generator().manual_seed(rows * dim)
+    x, w = torch.randn(rows, dim, generator=g) * 3, torch.randn(dim, generator=g)
+    want = w * (x * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5).float())
+    torch.testing.assert_close(torch.ops.lmgate.rms_norm(x, w, 1e-5), want, rtol=1e-5, atol=1e-5)
+    norm = RMSNorm(dim, 1e-5)
+    norm.weight.data.copy_(w)
+    assert layer_kernels(x)
+    torch.testing.assert_close(norm(x), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 200])
+@pytest.mark.parametrize("heads, dim", [(12, 64), (3, 6), (2, 128)])
+def test_rotary_matches_rotate_half_on_a_strided_view(tokens, heads, dim):
+    """The Q/K heads are a view of the fused QKV projection's rows: read in place, written contiguous."""
+    g = torch.Generator().manual_seed(tokens + heads)
+    qkv = torch.randn(tokens, (heads + 1) * dim, generator=g)
+    x = qkv[:, : heads * dim].view(tokens, heads, dim)
+    cos, sin = torch.randn(tokens, 1, dim, generator=g), torch.randn(tokens, 1, dim, generator=g)
+    want = x * cos + x.roll(dim // 2, dims=-1) * sin
+    got = torch.ops.lmgate.rotary(x, cos, sin)
+    assert got.is_contiguous()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(apply_rotary(x, cos, sin), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(1, 3072), (64, 3072), (7, 2, 18), (300, 22)])
+def test_silu_and_mul_matches_torch(shape):
+    gate_up = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[0])) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    got = torch.ops.lmgate.silu_and_mul(gate_up)
+    assert got.shape == (*shape[:-1], shape[-1] // 2)
+    torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_inputs_are_refused_and_other_dtypes_take_torch():
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.lmgate.rms_norm(torch.ones(2, 4, dtype=torch.float64), torch.ones(4, dtype=torch.float64), 1e-5)
+    with pytest.raises(RuntimeError, match="elements"):
+        torch.ops.lmgate.rms_norm(torch.ones(2, 4), torch.ones(5), 1e-5)
+    with pytest.raises(RuntimeError, match="even"):
+        torch.ops.lmgate.rotary(torch.ones(2, 1, 5), torch.ones(2, 1, 5), torch.ones(2, 1, 5))
+    with pytest.raises(RuntimeError, match="even"):
+        torch.ops.lmgate.silu_and_mul(torch.ones(2, 5))
+    assert not layer_kernels(torch.ones(2, dtype=torch.bfloat16))
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    norm = RMSNorm(8, 1e-5).to(torch.bfloat16)
+    torch.testing.assert_close(norm(x), norm.weight * F.rms_norm(x.float(), (8,), eps=1e-5).to(torch.bfloat16))
