@@ -8,18 +8,22 @@ eagerly. A graph holds the addresses of the weights, the KV cache and its own bu
 graphs when it frees the KV cache (Sleep), and `run` captures again when the model or its version changed
 (Wakeup, UpdateWeights), one bucket at a time as steps first need it.
 
+Block tables are not rebuilt per step: `TableStore` keeps a row per sequence, written as the sequence's
+table grows, and a step gathers its rows on the device.
+
 Without CUDA (`capture=False`, the tests on a CPU), the same buffers and padding run eagerly at every step.
 """
 from __future__ import annotations
 
 import bisect
+from collections import OrderedDict
 
 import torch
 
 from .attention import AttentionMetadata, DecodeTables
 from .models.llama import LlamaForCausalLM
 
-_INPUTS = 4  # token ids, positions, slots, KV lengths: one row each, then the block tables
+_INPUTS = 5  # token ids, positions, slots, KV lengths, rows of the table store: one row each
 
 
 def buckets(max_batch_size: int) -> list[int]:
@@ -32,6 +36,48 @@ def buckets(max_batch_size: int) -> list[int]:
     return sizes + [max_batch_size]
 
 
+class TableStore:
+    """Block tables kept from step to step, one row per sequence, on the host and mirrored on the device.
+
+    A row is keyed by the sequence's table list itself: a sequence's list only grows (blocks appended) until
+    the sequence is reset or its session truncated, which gives it a new list (sequence.py, engine_loop.py),
+    so a list seen before needs only its new entries written. The store holds every list it keys (so that no
+    id is reused while keyed) and recycles the least recently used rows; row 0 stays zeros, for padded rows.
+    """
+
+    def __init__(self, rows: int, width: int, device: torch.device, pin: bool) -> None:
+        self.host = torch.zeros(rows, width, dtype=torch.long)
+        if pin:
+            self.host = self.host.pin_memory()
+        self.device = torch.zeros_like(self.host, device=device)
+        self._rows: OrderedDict[int, tuple[list[int], int, int]] = OrderedDict()  # id -> (table, row, entries written)
+        self._free = list(range(rows - 1, 0, -1))
+
+    def rows_for(self, tables: list[list[int]]) -> list[int]:
+        """The store's row of each table, its new entries written to the host copy (the caller copies it over)."""
+        rows = []
+        for table in tables:
+            known = self._rows.pop(id(table), None)
+            if known is None or known[2] > len(table):
+                row, written = self._take_row() if known is None else known[1], 0
+                self.host[row].zero_()
+            else:
+                row, written = known[1], known[2]
+            if len(table) > written:
+                self.host[row, written : len(table)] = torch.tensor(table[written:], dtype=torch.long)
+            self._rows[id(table)] = (table, row, len(table))  # most recently used last
+            rows.append(row)
+        return rows
+
+    def _take_row(self) -> int:
+        """A free row, else the least recently used one (never one of this step's: the store holds twice the
+        largest step)."""
+        if self._free:
+            return self._free.pop()
+        _, (_, row, _) = self._rows.popitem(last=False)
+        return row
+
+
 class DecodeGraphs:
     """Owned by one model runner, on its loop's thread."""
 
@@ -40,13 +86,14 @@ class DecodeGraphs:
         self.max_blocks = max_blocks  # block-table width: a sequence at the context limit fills it
         self.capture = capture
         size = self.sizes[-1]
-        # One flat int64 buffer, so that a step's inputs cross to the device in a single copy.
-        self._host = torch.zeros(size * (_INPUTS + max_blocks), dtype=torch.long)
+        # One flat int64 buffer, so that a step's per-row inputs cross to the device in a single copy.
+        self._host = torch.zeros(_INPUTS * size, dtype=torch.long)
         if capture:
             self._host = self._host.pin_memory()
         self._device = torch.zeros_like(self._host, device=device)
-        self.input_ids, self.positions, self.slots, self.lengths = self._device[: _INPUTS * size].view(_INPUTS, size)
-        self.tables = self._device[_INPUTS * size :].view(size, max_blocks)
+        self.input_ids, self.positions, self.slots, self.lengths, self.table_rows = self._device.view(_INPUTS, size)
+        self.store = TableStore(2 * size + 1, max_blocks, device, pin=capture)
+        self.tables = torch.zeros(size, max_blocks, dtype=torch.long, device=device)  # the step's rows, gathered
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self._captured_for: tuple[int, int] | None = None  # (id of the model, its weights version)
@@ -61,19 +108,15 @@ class DecodeGraphs:
     def load(self, input_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
              lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """A decode step's inputs into the static buffers, padded to its bucket; returns the bucket's views.
-        Two copies: the per-row inputs of every row (a few KB) and the bucket's rows of the block tables."""
+        Two copies (the per-row inputs, a few KB, and the table store) and a gather of the step's table rows."""
         size, n, b = self.sizes[-1], len(input_ids), self.bucket(len(input_ids))
-        columns = self._host[: _INPUTS * size].view(_INPUTS, size)
-        columns.zero_()
-        columns[:, :n] = torch.tensor([input_ids, positions, slots, lengths])
+        columns = self._host.view(_INPUTS, size)
+        columns.zero_()  # padded rows: token 0 at position 0, no KV, table row 0 (zeros)
+        columns[:, :n] = torch.tensor([input_ids, positions, slots, lengths, self.store.rows_for(tables)])
         columns[2, n:] = -1  # padded rows store nothing
-        tables_end = _INPUTS * size + b * self.max_blocks
-        host_tables = self._host[_INPUTS * size : tables_end].view(b, self.max_blocks)
-        host_tables.zero_()
-        width = max(len(t) for t in tables)
-        host_tables[:n, :width] = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-        self._device[: _INPUTS * size].copy_(self._host[: _INPUTS * size], non_blocking=True)
-        self._device[_INPUTS * size : tables_end].copy_(self._host[_INPUTS * size : tables_end], non_blocking=True)
+        self._device.copy_(self._host, non_blocking=True)
+        self.store.device.copy_(self.store.host, non_blocking=True)
+        torch.index_select(self.store.device, 0, self.table_rows[:b], out=self.tables[:b])
         return self.views(b)
 
     def views(self, b: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

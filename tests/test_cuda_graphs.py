@@ -3,6 +3,8 @@ takes, what the padded rows hold, and which steps may run from a graph. The grap
 (tests/test_gpu.py); the engine through these buffers is in tests/test_triton_kernels.py."""
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -45,3 +47,41 @@ def test_padded_rows_store_nothing_and_read_nothing():
     assert meta.decode.lengths.tolist() == [4, 18, 34, 0]
     assert meta.decode.block_tables.tolist() == [[5, 0, 0, 0], [6, 2, 0, 0], [1, 4, 3, 0], [0, 0, 0, 0]]
     assert graphs.slots[4:].tolist() == [-1] * 4 and graphs.lengths[4:].tolist() == [0] * 4
+
+
+def test_table_rows_grow_in_place_and_a_new_list_gets_a_fresh_row():
+    """A sequence's table list only grows until it is reset with a new list: the growing list keeps its row
+    (only new entries are written), a new list starts from zeros, and a step sees exactly its tables."""
+    graphs = DecodeGraphs(4, 6, torch.device("cpu"), capture=False)
+    a, b = [3, 1], [7]
+    _, _, meta = graphs.load([1, 2], [17, 0], [50, 112], [a, b], [18, 1])
+    row_a = graphs.store.rows_for([a])[0]
+    a.append(9)
+    _, _, meta = graphs.load([1, 2], [32, 1], [144, 113], [a, b], [33, 2])
+    assert graphs.store.rows_for([a])[0] == row_a
+    assert meta.decode.block_tables.tolist() == [[3, 1, 9, 0, 0, 0], [7, 0, 0, 0, 0, 0]]
+    a_reset = [4]  # the same sequence after preemption: a new list
+    _, _, meta = graphs.load([5], [0], [64], [a_reset], [1])
+    assert meta.decode.block_tables.tolist() == [[4, 0, 0, 0, 0, 0]]
+
+
+def test_table_store_against_the_lists_over_many_steps():
+    """Random steps of growing, reset and truncated tables, more sequences than the store has rows: every
+    step's gathered tables equal its lists, zero-padded."""
+    rng = random.Random(0)
+    graphs = DecodeGraphs(4, 8, torch.device("cpu"), capture=False)
+    tables = [[rng.randrange(100)] for _ in range(20)]
+    for _ in range(300):
+        step = rng.sample(range(len(tables)), rng.randint(1, 4))
+        for i in step:
+            roll = rng.random()
+            if roll < 0.1:
+                tables[i] = [rng.randrange(100)]  # reset: a new list
+            elif roll < 0.15 and len(tables[i]) > 1:
+                tables[i] = tables[i][:-1]  # a session truncated: a new, shorter list
+            elif len(tables[i]) < 8:
+                tables[i].append(rng.randrange(100))
+        lists = [tables[i] for i in step]
+        _, _, meta = graphs.load([0] * len(step), [0] * len(step), [0] * len(step), lists, [1] * len(step))
+        got = meta.decode.block_tables.tolist()[: len(step)]
+        assert got == [t + [0] * (8 - len(t)) for t in lists]
