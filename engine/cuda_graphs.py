@@ -52,22 +52,32 @@ class TableStore:
         self.device = torch.zeros_like(self.host, device=device)
         self._rows: OrderedDict[int, tuple[list[int], int, int]] = OrderedDict()  # id -> (table, row, entries written)
         self._free = list(range(rows - 1, 0, -1))
+        self._dirty: set[int] = set()  # rows written on the host since the last `sync`
 
     def rows_for(self, tables: list[list[int]]) -> list[int]:
-        """The store's row of each table, its new entries written to the host copy (the caller copies it over)."""
+        """The store's row of each table, its new entries written to the host copy (`sync` copies them over)."""
         rows = []
         for table in tables:
             known = self._rows.pop(id(table), None)
             if known is None or known[2] > len(table):
                 row, written = self._take_row() if known is None else known[1], 0
                 self.host[row].zero_()
+                self._dirty.add(row)
             else:
                 row, written = known[1], known[2]
             if len(table) > written:
                 self.host[row, written : len(table)] = torch.tensor(table[written:], dtype=torch.long)
+                self._dirty.add(row)
             self._rows[id(table)] = (table, row, len(table))  # most recently used last
             rows.append(row)
         return rows
+
+    def sync(self) -> None:
+        """The rows written since the last call, copied to the device (a few per step: a sequence's table
+        grows by a block every block_size tokens)."""
+        for row in self._dirty:
+            self.device[row].copy_(self.host[row], non_blocking=True)
+        self._dirty.clear()
 
     def _take_row(self) -> int:
         """A free row, else the least recently used one (never one of this step's: the store holds twice the
@@ -108,14 +118,15 @@ class DecodeGraphs:
     def load(self, input_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
              lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """A decode step's inputs into the static buffers, padded to its bucket; returns the bucket's views.
-        Two copies (the per-row inputs, a few KB, and the table store) and a gather of the step's table rows."""
+        One copy of the per-row inputs (a few KB), one per table row written since the last step, and a gather
+        of the step's table rows on the device."""
         size, n, b = self.sizes[-1], len(input_ids), self.bucket(len(input_ids))
         columns = self._host.view(_INPUTS, size)
         columns.zero_()  # padded rows: token 0 at position 0, no KV, table row 0 (zeros)
         columns[:, :n] = torch.tensor([input_ids, positions, slots, lengths, self.store.rows_for(tables)])
         columns[2, n:] = -1  # padded rows store nothing
         self._device.copy_(self._host, non_blocking=True)
-        self.store.device.copy_(self.store.host, non_blocking=True)
+        self.store.sync()
         torch.index_select(self.store.device, 0, self.table_rows[:b], out=self.tables[:b])
         return self.views(b)
 

@@ -65,7 +65,9 @@ class Scheduler:
             self.running.append(seq)
             budget -= self._schedule_prefill(seq, budget)
         batch = [s for s in self.running if s.num_scheduled]
-        return sorted(batch, key=lambda s: s.num_scheduled > 1)
+        # A decode is one token that brings the KV to the sequence's end (ModelRunner.plan's test); a prefill
+        # chunk that got the last token of budget is one token too, and must not sit among the decodes.
+        return sorted(batch, key=lambda s: not (s.num_scheduled == 1 and s.num_uncomputed == 1))
 
     def _take_cached_prefix(self, seq: Sequence) -> None:
         """Blocks of the prompt's prefix already in the prefix cache are taken, not computed. Done once room

@@ -52,6 +52,12 @@ def load_cpu_kernels() -> bool:
         return _loaded
 
 
+def cpu_kernels_loaded() -> bool:
+    """Whether the kernels are loaded already: never builds and never waits, so a layer may ask at every call.
+    The engine loads them at start where it wants them (C++ attention, quantized weights)."""
+    return _loaded is True
+
+
 def compiler_found() -> bool:
     """Whether the C++ compiler torch's builder would run (`$CXX`, else `c++`) is on PATH."""
     return shutil.which(os.environ.get("CXX", "c++")) is not None

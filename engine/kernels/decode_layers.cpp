@@ -46,11 +46,8 @@ void gguf_matvec_range(int64_t type, int64_t rows, const float* x, int64_t k, co
 
 namespace {
 
-constexpr int64_t MAX_ROWS = 8;  // layer_ops.cpp
-void rms_norm_rows(const float* x, const float* weight, int64_t rows, int64_t n, float eps, float* out);
-void rotary_head(const float* x, const float* cos, const float* sin, int64_t dim, float* out);
-void silu_and_mul_row(const float* gate, const float* up, int64_t n, float* out);
-// quantized_matmul.cpp's matvec serves this many rows in one pass over W
+constexpr int64_t MAX_ROWS = 8;  // rows quantized_matmul.cpp's matvec serves in one pass over W (MATVEC_ROWS)
+constexpr int64_t ALIGN = 16;  // floats per share boundary: threads never write the same 64-byte line
 
 // The team's meeting point between phases. Threads spin for about 20 us (the threads of a phase finish
 // within microseconds of each other, far less than a sleep and a wake-up take), then yield, so that a thread
@@ -73,6 +70,7 @@ class SpinBarrier {
         _mm_pause();
 #endif
       } else {
+        spins = 1000;  // stays put: no overflow however long the wait
         std::this_thread::yield();
       }
     }
@@ -137,7 +135,7 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
                   (qkv_bias.empty() || qkv_bias.size() == k_caches.size()),
               "decode_layers: per layer 2 or 4 norms, 4 matrices with their types, 0 or 1 bias and 2 caches");
   const at::Tensor& cache0 = k_caches[0];
-  TORCH_CHECK(cache0.dim() == 4 && cache0.size(0) == num_kv_heads && num_heads % num_kv_heads == 0,
+  TORCH_CHECK(cache0.dim() == 4 && num_kv_heads >= 1 && cache0.size(0) == num_kv_heads && num_heads % num_kv_heads == 0,
               "caches must be [kv_heads, blocks, block_size, head_dim]");
   const int64_t num_blocks = cache0.size(1), block_size = cache0.size(2), dim = cache0.size(3);
   const int64_t group = num_heads / num_kv_heads, q_size = num_heads * dim, kv_size = num_kv_heads * dim;
@@ -195,8 +193,8 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
     barrier = std::make_unique<SpinBarrier>(omp_get_num_threads());  // the team may be smaller than asked
     const int t = omp_get_thread_num(), team = omp_get_num_threads();
     std::vector<float> h(rows * hidden);
-    const Range hr = share(hidden, t, team, 8), qr = share(qkv_rows, t, team, 8);
-    const Range ir = share(intermediate, t, team, 8), ar = share(rows * num_kv_heads, t, team, 1);
+    const Range hr = share(hidden, t, team, ALIGN), qr = share(qkv_rows, t, team, ALIGN);
+    const Range ir = share(intermediate, t, team, ALIGN), ar = share(rows * num_kv_heads, t, team, 1);
     const int64_t h0 = hr.begin, h1 = hr.end, q0 = qr.begin, q1 = qr.end, i0 = ir.begin, i1 = ir.end;
     // x[:, h0:h1] += delta[:, h0:h1], where this thread wrote delta's columns.
     auto add_residual = [&] {

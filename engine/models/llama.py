@@ -11,7 +11,7 @@ from torch import nn
 
 from ..attention import AttentionMetadata, paged_attention
 from ..config import ModelConfig
-from ..kernels import load_cpu_kernels
+from ..kernels import cpu_kernels_loaded
 from .fused_decode import FusedDecode
 from .quantized_linear import GGUFBlocks, cat_rows
 
@@ -59,8 +59,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 def layer_kernels(x: torch.Tensor) -> bool:
     """Whether the C++ elementwise ops (engine/kernels/layer_ops.cpp) serve `x`: float32 on the CPU, where the
-    kernels were built. The torch expressions beside each call are the same arithmetic, in more passes."""
-    return x.dtype == torch.float32 and x.device.type == "cpu" and load_cpu_kernels()
+    engine loaded the kernels (`--attention-kernel off` with float weights keeps every op in torch). The torch
+    expressions beside each call are the same arithmetic, in more passes."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and cpu_kernels_loaded()
 
 
 class Attention(nn.Module):
