@@ -17,7 +17,7 @@ from lmgate.engine.errors import UnsupportedModel
 from lmgate.engine.kernels import compiler_found, load_cpu_kernels
 from lmgate.engine.loader import load_checkpoint
 from lmgate.engine.models.fused_decode import FusedDecode
-from lmgate.engine.models.quantized_linear import GGUFBlocks, QuantizedEmbedding, QuantizedLinear
+from lmgate.engine.models.quantized_linear import GGUFBlocks, GGUFStack, QuantizedEmbedding, QuantizedLinear, cat_rows
 from lmgate.engine.sampling import SamplingParams
 from lmgate.engine.weights import keep_quantized
 from tests.test_engine import NEW, hf_greedy, hf_model, reference_prompts  # noqa: F401  (fixtures)
@@ -69,6 +69,24 @@ def test_quantized_linear_matches_float64(qtype, m):
     x = torch.randn(m, k)
     want = x.double() @ weight.T + bias.double()
     torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@kernels
+@pytest.mark.parametrize("m", [1, 64])
+def test_rows_of_different_types_stay_blocks(m):
+    """Q4_K rows over Q6_K rows (Q4_K_M's Q, K and V): stacked as they are, not expanded, and the layer over
+    the stack equals float64 over the stacked weights."""
+    k, rng = 256, np.random.default_rng(m)
+    parts = [(GGMLQuantizationType.Q4_K, 24), (GGMLQuantizationType.Q6_K, 8), (GGMLQuantizationType.Q4_K, 5)]
+    blocks = [GGUFBlocks(torch.from_numpy(blocks_for(rng.standard_normal((n, k)).astype(np.float32), t, seed=n)), int(t), k)
+              for t, n in parts]
+    stacked = cat_rows(blocks)
+    assert isinstance(stacked, GGUFStack) and stacked.shape == (37, k)
+    weight = torch.cat([torch.from_numpy(dequantize(b.blocks.numpy(), GGMLQuantizationType(b.qtype))) for b in blocks])
+    torch.testing.assert_close(stacked.dequantize(), weight.reshape(37, k))
+    x = torch.randn(m, k)
+    want = x.double() @ weight.reshape(37, k).double().T
+    torch.testing.assert_close(QuantizedLinear(stacked)(x).double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
 def random_tiny(name: str, config_class=transformers.LlamaConfig) -> TinyModel:
@@ -130,19 +148,29 @@ class CountingFusedDecode:
         return self.inner(*args)
 
 
+Q4_K, Q6_K = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K
+
+
+def q4_k_m(name: str) -> GGMLQuantizationType:
+    """llama.cpp's Q4_K_M mix: Q6_K for V and the down projection (in some layers; here all), Q4_K elsewhere."""
+    return Q6_K if name.endswith(("attn_v.weight", "ffn_down.weight")) else Q4_K
+
+
 @kernels
-@pytest.mark.parametrize("arch, config_class, qtype", [
-    ("llama", transformers.LlamaConfig, GGMLQuantizationType.Q4_K),
-    ("qwen2", transformers.Qwen2Config, GGMLQuantizationType.Q8_0),  # a bias on Q, K and V
-    ("qwen3", transformers.Qwen3Config, GGMLQuantizationType.Q4_1),  # RMSNorm on each Q and K head
-], ids=lambda v: v if isinstance(v, str) else "")
-def test_fused_decode_equals_the_layer_path(arch, config_class, qtype, tokenizer_fields, tmp_path, prompt_ids):
+@pytest.mark.parametrize("arch, config_class, type_of", [
+    ("llama", transformers.LlamaConfig, lambda name: GGMLQuantizationType.Q4_K),
+    ("qwen2", transformers.Qwen2Config, lambda name: GGMLQuantizationType.Q8_0),  # a bias on Q, K and V
+    ("qwen3", transformers.Qwen3Config, lambda name: GGMLQuantizationType.Q4_1),  # RMSNorm on each Q and K head
+    ("llama", transformers.LlamaConfig, q4_k_m),  # Q, K, V one projection of two types
+], ids=["llama-Q4_K", "qwen2-Q8_0", "qwen3-Q4_1", "llama-Q4_K_M"])
+def test_fused_decode_equals_the_layer_path(arch, config_class, type_of, tokenizer_fields, tmp_path, prompt_ids):
     """Decode steps of up to 8 rows run every layer in one C++ call (models/fused_decode.py). The same engine
     with it switched off runs the modules: the same tokens, logprobs up to the order of float32 sums, for
     batches shrinking from 8 rows to 1 at different context lengths."""
     path = str(tmp_path / f"{arch}.gguf")
     _write_gguf(random_tiny(arch, config_class), path, tokenizer_fields,
-                quantize=lambda name, data: (blocks_for(data, qtype, seed=len(name)), qtype) if data.ndim == 2 else None)
+                quantize=lambda name, data: (blocks_for(data, type_of(name), seed=len(name)), type_of(name))
+                if data.ndim == 2 else None)
     prompts = [prompt_ids[: 3 + 2 * i] * (1 + i % 3) for i in range(8)]
     runs = []
     with Engine(EngineConfig(dtype="float32", model=path, kv_cache_tokens=2048, weights="quantized")) as eng:
@@ -154,6 +182,7 @@ def test_fused_decode_equals_the_layer_path(arch, config_class, qtype, tokenizer
                        for i, ids in enumerate(prompts)]
             runs.append([o for s in streams for o in s])
     assert counting.calls >= 15  # 8 rows down to 1, over 18 tokens of the longest stream
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, QuantizedLinear)  # blocks kept, whatever the mix
     fused_out, layer_out = runs
     assert [o.token_ids for o in fused_out] == [o.token_ids for o in layer_out]
     for f, m in zip((lp for o in fused_out for lp in o.logprobs), (lp for o in layer_out for lp in o.logprobs)):

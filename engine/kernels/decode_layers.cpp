@@ -93,9 +93,27 @@ Range share(int64_t total, int thread, int threads, int64_t align) {
   return {std::min(begin, total), std::min(end, total)};
 }
 
-struct Linear {
+// A quantized matrix as parts of rows, each of its own GGUF type (one part, mostly; a Q4_K_M file's Q, K and V
+// projection can be Q4_K, Q4_K and Q6_K).
+struct Part {
   const uint8_t* blocks;
-  int64_t type, rows, row_bytes;
+  int64_t type, first, rows, row_bytes;
+};
+
+struct Linear {
+  std::vector<Part> parts;
+  int64_t rows = 0;
+
+  // out[m, n] = x[m] . W[n] for the rows n in [begin, end) of the whole matrix.
+  void matvec(int64_t m_rows, const float* x, int64_t k, int64_t begin, int64_t end, float* out, int64_t stride) const {
+    for (const Part& p : parts) {
+      const int64_t b = std::max(begin, p.first), e = std::min(end, p.first + p.rows);
+      if (b < e) {
+        lmgate::gguf_matvec_range(p.type, m_rows, x, k, p.blocks, p.row_bytes, b - p.first, e - p.first,
+                                  out + p.first, stride);
+      }
+    }
+  }
 };
 
 struct Layer {
@@ -104,10 +122,18 @@ struct Layer {
   float *k_cache, *v_cache;
 };
 
-Linear linear(const at::Tensor& blocks, int64_t type, int64_t k, int64_t rows) {
-  lmgate::check_gguf_blocks(blocks, type, k);
-  TORCH_CHECK(blocks.size(0) == rows, "a quantized matrix has ", blocks.size(0), " rows, expected ", rows);
-  return {blocks.data_ptr<uint8_t>(), type, rows, blocks.size(1)};
+// The next matrix of `weights` / `types`, `count` parts from `*next` on, K columns wide; `rows` < 0: any.
+Linear linear(at::TensorList weights, at::IntArrayRef types, int64_t* next, int64_t count, int64_t k, int64_t rows) {
+  TORCH_CHECK(count >= 1 && *next + count <= static_cast<int64_t>(weights.size()), "decode_layers: parts run past the weights");
+  Linear l;
+  for (int64_t i = *next; i < *next + count; ++i) {
+    lmgate::check_gguf_blocks(weights[i], types[i], k);
+    l.parts.push_back({weights[i].data_ptr<uint8_t>(), types[i], l.rows, weights[i].size(0), weights[i].size(1)});
+    l.rows += weights[i].size(0);
+  }
+  *next += count;
+  TORCH_CHECK(rows < 0 || l.rows == rows, "a quantized matrix has ", l.rows, " rows, expected ", rows);
+  return l;
 }
 
 const float* vector_of(const at::Tensor& t, int64_t n, const char* what) {
@@ -117,20 +143,21 @@ const float* vector_of(const at::Tensor& t, int64_t n, const char* what) {
 }
 
 // x: [M, hidden] float32, the residual stream, updated in place. Per layer i: norms[i * per_layer ...] are
-// input_layernorm, post_attention_layernorm (then q_norm, k_norm when there are four); weights[4 i ...] are
-// the blocks of qkv_proj, o_proj, gate_up_proj, down_proj and types[4 i ...] their GGUF types; qkv_bias is
+// input_layernorm, post_attention_layernorm (then q_norm, k_norm when there are four); parts[4 i ...] say how
+// many entries of weights (blocks) and types (their GGUF types) make qkv_proj, o_proj, gate_up_proj and
+// down_proj, taken in order; qkv_bias is
 // empty or one per layer. cos, sin: [M, head_dim]; caches: [kv_heads, blocks, block_size, head_dim] float32;
 // slots: [M] each row's slot for this step's K/V; block_tables [M, width] and lengths [M] as in
 // paged_decode_attention (lengths count this step's token).
 void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, at::IntArrayRef types,
-                   at::TensorList qkv_bias, const at::Tensor& cos, const at::Tensor& sin, at::TensorList k_caches,
+                   at::IntArrayRef parts, at::TensorList qkv_bias, const at::Tensor& cos, const at::Tensor& sin, at::TensorList k_caches,
                    at::TensorList v_caches, const at::Tensor& slots, const at::Tensor& block_tables,
                    const at::Tensor& lengths, int64_t num_heads, int64_t num_kv_heads, double eps, double scale) {
   const int64_t num_layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, H]");
   const int64_t rows = x.size(0), hidden = x.size(1);
   TORCH_CHECK(rows >= 1 && rows <= MAX_ROWS, "decode_layers serves 1..", MAX_ROWS, " rows, got ", rows);
-  TORCH_CHECK(num_layers >= 1 && v_caches.size() == k_caches.size() && weights.size() == 4 * k_caches.size() &&
+  TORCH_CHECK(num_layers >= 1 && v_caches.size() == k_caches.size() && parts.size() == 4 * k_caches.size() &&
                   types.size() == weights.size() && (norms.size() == 2 * k_caches.size() || norms.size() == 4 * k_caches.size()) &&
                   (qkv_bias.empty() || qkv_bias.size() == k_caches.size()),
               "decode_layers: per layer 2 or 4 norms, 4 matrices with their types, 0 or 1 bias and 2 caches");
@@ -153,8 +180,8 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
     TORCH_CHECK(slot[m] >= 0 && slot[m] < num_blocks * block_size, "slot ", slot[m], " of row ", m,
                 " is outside the cache");
   }
-  const int64_t intermediate = weights[2].size(0) / 2;
   std::vector<Layer> layers(num_layers);
+  int64_t next = 0, intermediate = 0;
   for (int64_t i = 0; i < num_layers; ++i) {
     Layer& l = layers[i];
     const at::Tensor* n = norms.data() + i * per_layer_norms;
@@ -163,10 +190,12 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
     l.q_norm = per_layer_norms == 4 ? vector_of(n[2], dim, "q_norm") : nullptr;
     l.k_norm = per_layer_norms == 4 ? vector_of(n[3], dim, "k_norm") : nullptr;
     l.qkv_bias = qkv_bias.empty() ? nullptr : vector_of(qkv_bias[i], qkv_rows, "qkv bias");
-    l.qkv = linear(weights[4 * i], types[4 * i], hidden, qkv_rows);
-    l.o = linear(weights[4 * i + 1], types[4 * i + 1], q_size, hidden);
-    l.gate_up = linear(weights[4 * i + 2], types[4 * i + 2], hidden, 2 * intermediate);
-    l.down = linear(weights[4 * i + 3], types[4 * i + 3], intermediate, hidden);
+    l.qkv = linear(weights, types, &next, parts[4 * i], hidden, qkv_rows);
+    l.o = linear(weights, types, &next, parts[4 * i + 1], q_size, hidden);
+    l.gate_up = linear(weights, types, &next, parts[4 * i + 2], hidden, i == 0 ? -1 : 2 * intermediate);
+    intermediate = l.gate_up.rows / 2;
+    TORCH_CHECK(l.gate_up.rows % 2 == 0, "gate_up_proj must have an even number of rows");
+    l.down = linear(weights, types, &next, parts[4 * i + 3], intermediate, hidden);
     for (const at::Tensor* c : {&k_caches[i], &v_caches[i]}) {
       TORCH_CHECK(c->sizes() == cache0.sizes() && c->scalar_type() == at::kFloat && c->is_contiguous(),
                   "every cache must be a contiguous float32 tensor of the first one's shape");
@@ -174,6 +203,8 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
     l.k_cache = k_caches[i].data_ptr<float>();
     l.v_cache = v_caches[i].data_ptr<float>();
   }
+  TORCH_CHECK(next == static_cast<int64_t>(weights.size()), "decode_layers: ", weights.size() - next,
+              " weights left over after the layers' parts");
 
   // Shared between the phases: each is written by its owners and read after the next barrier.
   std::vector<float> qkv(rows * qkv_rows), attn(rows * q_size), delta(rows * hidden), gate_up(rows * 2 * intermediate),
@@ -205,8 +236,7 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
 
     for (const Layer& l : layers) {
       lmgate::rms_norm_rows(xs, l.input_norm, rows, hidden, static_cast<float>(eps), h.data());
-      lmgate::gguf_matvec_range(l.qkv.type, rows, h.data(), hidden, l.qkv.blocks, l.qkv.row_bytes, q0, q1, qkv.data(),
-                                qkv_rows);
+      l.qkv.matvec(rows, h.data(), hidden, q0, q1, qkv.data(), qkv_rows);
       if (l.qkv_bias != nullptr) {
         for (int64_t m = 0; m < rows; ++m) {
           for (int64_t c = q0; c < q1; ++c) qkv[m * qkv_rows + c] += l.qkv_bias[c];
@@ -236,25 +266,20 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
       }
       barrier->wait();
 
-      lmgate::gguf_matvec_range(l.o.type, rows, attn.data(), q_size, l.o.blocks, l.o.row_bytes, h0, h1, delta.data(),
-                                hidden);
+      l.o.matvec(rows, attn.data(), q_size, h0, h1, delta.data(), hidden);
       add_residual();
       barrier->wait();
 
       lmgate::rms_norm_rows(xs, l.post_norm, rows, hidden, static_cast<float>(eps), h.data());
-      const Linear& gu = l.gate_up;
-      lmgate::gguf_matvec_range(gu.type, rows, h.data(), hidden, gu.blocks, gu.row_bytes, i0, i1, gate_up.data(),
-                                2 * intermediate);
-      lmgate::gguf_matvec_range(gu.type, rows, h.data(), hidden, gu.blocks, gu.row_bytes, intermediate + i0,
-                                intermediate + i1, gate_up.data(), 2 * intermediate);
+      l.gate_up.matvec(rows, h.data(), hidden, i0, i1, gate_up.data(), 2 * intermediate);
+      l.gate_up.matvec(rows, h.data(), hidden, intermediate + i0, intermediate + i1, gate_up.data(), 2 * intermediate);
       for (int64_t m = 0; m < rows; ++m) {
         const float* gate = gate_up.data() + m * 2 * intermediate;
         lmgate::silu_and_mul_row(gate + i0, gate + intermediate + i0, i1 - i0, act.data() + m * intermediate + i0);
       }
       barrier->wait();
 
-      lmgate::gguf_matvec_range(l.down.type, rows, act.data(), intermediate, l.down.blocks, l.down.row_bytes, h0, h1,
-                                delta.data(), hidden);
+      l.down.matvec(rows, act.data(), intermediate, h0, h1, delta.data(), hidden);
       add_residual();
       barrier->wait();
     }
@@ -264,8 +289,8 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(lmgate, m) {
-  m.def("decode_layers(Tensor(a!) x, Tensor[] norms, Tensor[] weights, int[] types, Tensor[] qkv_bias, Tensor cos, "
-        "Tensor sin, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor slots, Tensor block_tables, "
+  m.def("decode_layers(Tensor(a!) x, Tensor[] norms, Tensor[] weights, int[] types, int[] parts, Tensor[] qkv_bias, "
+        "Tensor cos, Tensor sin, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor slots, Tensor block_tables, "
         "Tensor lengths, int num_heads, int num_kv_heads, float eps, float scale) -> ()");
 }
 

@@ -9,9 +9,8 @@ from ..errors import UnsupportedModel
 from .fused_decode import FusedDecode
 from .llama import LlamaForCausalLM, RotaryEmbedding, pack_weights
 from .packed_linear import pack_linears, packed_bytes
-from .quantized_linear import GGUFBlocks, QuantizedEmbedding, QuantizedLinear
+from .quantized_linear import GGUFBlocks, GGUFStack, QuantizedEmbedding, QuantizedLinear
 
-QUANTIZED = (QuantizedLinear, QuantizedEmbedding)
 
 MODEL_CLASSES = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -52,13 +51,19 @@ def instantiate(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> LlamaForC
 def count_weight_bytes(model: LlamaForCausalLM) -> int:
     """Bytes the weights take: parameters (tied ones once), packed copies and quantized blocks (shared ones
     once)."""
-    blocks = {m.blocks.data_ptr(): m.blocks.nbytes for m in model.modules() if isinstance(m, QUANTIZED)}
+    blocks = {b.data_ptr(): b.nbytes for b in quantized_blocks(model)}
     return sum(p.numel() * p.element_size() for p in model.parameters()) + packed_bytes(model) + sum(blocks.values())
+
+
+def quantized_blocks(model: LlamaForCausalLM) -> list[torch.Tensor]:
+    """Every block tensor of the quantized layers (a tied head's are its embedding's)."""
+    return [p.blocks for m in model.modules() if isinstance(m, QuantizedLinear) for p in m.parts] + [
+        m.blocks for m in model.modules() if isinstance(m, QuantizedEmbedding)]
 
 
 def expand_blocks(weights: dict[str, torch.Tensor | GGUFBlocks]) -> dict[str, torch.Tensor]:
     """Every quantized matrix as float32 (a float model, tensor parallelism)."""
-    return {k: v.dequantize() if isinstance(v, GGUFBlocks) else v for k, v in weights.items()}
+    return {k: v.dequantize() if isinstance(v, (GGUFBlocks, GGUFStack)) else v for k, v in weights.items()}
 
 
 def load_weights(model: LlamaForCausalLM, weights: dict[str, torch.Tensor]) -> None:
@@ -77,7 +82,7 @@ def load_weights(model: LlamaForCausalLM, weights: dict[str, torch.Tensor]) -> N
             f"checkpoint does not fit {cfg.architecture}: missing {missing[:3]}, unexpected {unexpected[:3]}, "
             f"wrong shape {[(k, tuple(packed[k].shape), tuple(expected[k])) for k in wrong[:3]]}"
         )
-    for name in [k for k, v in packed.items() if isinstance(v, GGUFBlocks)]:
+    for name in [k for k, v in packed.items() if isinstance(v, (GGUFBlocks, GGUFStack))]:
         _quantize_module(model, name.removesuffix(".weight"), packed.pop(name), packed)
     ref = next(model.parameters())
     if ref.device.type != "meta":
@@ -90,7 +95,7 @@ def load_weights(model: LlamaForCausalLM, weights: dict[str, torch.Tensor]) -> N
         model.lm_head.weight = model.model.embed_tokens.weight
 
 
-def _quantize_module(model: LlamaForCausalLM, path: str, weight: GGUFBlocks, packed: dict) -> None:
+def _quantize_module(model: LlamaForCausalLM, path: str, weight: GGUFBlocks | GGUFStack, packed: dict) -> None:
     """The linear layer or embedding at `path` replaced by one over `weight`'s blocks (its bias taken along)."""
     parent_path, _, attr = path.rpartition(".")
     parent = model.get_submodule(parent_path)

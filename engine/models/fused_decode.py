@@ -22,8 +22,9 @@ class FusedDecode:
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
         self.eps, self.scale = cfg.rms_norm_eps, cfg.head_dim**-0.5
         self.norms: list[torch.Tensor] = []
-        self.weights: list[torch.Tensor] = []
-        self.types: list[int] = []
+        self.weights: list[torch.Tensor] = []  # every part of every matrix, in order
+        self.types: list[int] = []  # each part's GGUF type
+        self.parts: list[int] = []  # how many parts each matrix has (a Q4_K_M layer's Q4_K Q, K and Q6_K V: 3)
         self.qkv_bias: list[torch.Tensor] = []
         for layer in model.model.layers:
             attn = layer.self_attn
@@ -31,8 +32,9 @@ class FusedDecode:
             if attn.qk_norm:
                 self.norms += [attn.q_norm.weight, attn.k_norm.weight]
             for linear in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-                self.weights.append(linear.blocks)
-                self.types.append(linear.qtype)
+                self.weights += [p.blocks for p in linear.parts]
+                self.types += [p.qtype for p in linear.parts]
+                self.parts.append(len(linear.parts))
             if attn.qkv_proj.bias is not None:
                 self.qkv_bias.append(attn.qkv_proj.bias)
 
@@ -60,7 +62,7 @@ class FusedDecode:
         x = x.contiguous()
         cos, sin = (t.reshape(x.shape[0], -1).contiguous() for t in rope)
         torch.ops.lmgate.decode_layers(
-            x, self.norms, self.weights, self.types, self.qkv_bias, cos, sin, [k for k, _ in kv_caches],
+            x, self.norms, self.weights, self.types, self.parts, self.qkv_bias, cos, sin, [k for k, _ in kv_caches],
             [v for _, v in kv_caches], meta.slot_mapping, meta.decode.block_tables, meta.decode.lengths,
             self.num_heads, self.num_kv_heads, self.eps, self.scale)
         return x

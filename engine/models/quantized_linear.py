@@ -65,34 +65,53 @@ def gguf_blocks(data: np.ndarray, qtype: int, shape: tuple[int, int]) -> GGUFBlo
     return GGUFBlocks(torch.from_numpy(np.array(data, dtype=np.uint8)).view(rows, -1), qtype, cols)  # a copy: the file may close
 
 
-def cat_rows(parts: list) -> "GGUFBlocks | torch.Tensor":
-    """Matrices stacked by rows (Q, K, V into one projection): blocks stay blocks when all parts share a
-    type; otherwise every part is expanded to float32."""
-    if all(isinstance(p, GGUFBlocks) for p in parts) and len({(p.qtype, p.cols) for p in parts}) == 1:
-        return GGUFBlocks(torch.cat([p.blocks for p in parts]), parts[0].qtype, parts[0].cols)
-    return torch.cat([p.dequantize() if isinstance(p, GGUFBlocks) else p for p in parts])
+@dataclass(frozen=True, slots=True)
+class GGUFStack:
+    """Matrices of different GGUF types stacked by rows, each keeping its blocks: a Q4_K_M file stores some
+    layers' V projection as Q6_K under Q4_K Q and K, and Q, K, V are one projection here."""
+
+    parts: tuple[GGUFBlocks, ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(p.shape[0] for p in self.parts), self.parts[0].cols)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+
+def cat_rows(parts: list) -> "GGUFBlocks | GGUFStack | torch.Tensor":
+    """Matrices stacked by rows (Q, K, V into one projection): blocks stay blocks (one matrix where all parts
+    share a type, a `GGUFStack` where they do not); a float part makes every part float32."""
+    if all(isinstance(p, GGUFBlocks) for p in parts) and len({p.cols for p in parts}) == 1:
+        if len({p.qtype for p in parts}) == 1:
+            return GGUFBlocks(torch.cat([p.blocks for p in parts]), parts[0].qtype, parts[0].cols)
+        return GGUFStack(tuple(parts))
+    return torch.cat([p.dequantize() if isinstance(p, (GGUFBlocks, GGUFStack)) else p for p in parts])
 
 
 class QuantizedLinear(nn.Module):
-    """`y = x @ W.T + b` over GGUF blocks; read-only, so engine loops may share it."""
+    """`y = x @ W.T + b` over GGUF blocks, one or more parts of rows each of its own type; read-only, so
+    engine loops may share it."""
 
-    def __init__(self, weight: GGUFBlocks, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: GGUFBlocks | GGUFStack, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.qtype = weight.qtype
-        self.register_buffer("blocks", weight.blocks)
+        self.parts = list(weight.parts) if isinstance(weight, GGUFStack) else [weight]
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
         kernel = torch.ops.lmgate.gguf_matvec if rows.shape[0] <= MATVEC_ROWS else torch.ops.lmgate.gguf_matmul
-        y = kernel(rows, self.blocks, self.qtype)
+        outs = [kernel(rows, p.blocks, p.qtype) for p in self.parts]
+        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {TYPE_NAMES[self.qtype]}"
+        types = "+".join(TYPE_NAMES[p.qtype] for p in self.parts)
+        return f"in_features={self.in_features}, out_features={self.out_features}, {types}"
 
 
 class QuantizedEmbedding(nn.Module):
