@@ -323,6 +323,17 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 
+// The sum of each run of 32 floats of x, `count` runs: the offsets' share of a block's dot product. Each
+// thread computes its own, a few hundred adds against its rows of W.
+std::vector<float> sums_of_32(const float* x, int64_t count) {
+  std::vector<float> sums(count);
+  for (int64_t i = 0; i < count; ++i) {
+    sums[i] = hsum(_mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(x + i * 32), _mm256_loadu_ps(x + i * 32 + 8)),
+                                 _mm256_add_ps(_mm256_loadu_ps(x + i * 32 + 16), _mm256_loadu_ps(x + i * 32 + 24))));
+  }
+  return sums;
+}
+
 // matvec_rows for the 32-weight types without expanding W: a block's weights are scale * q + offset, so its
 // dot with x is scale * (q . x) + offset * sum(x), with the sums of x per block computed once per call.
 template <int64_t ROWS, int64_t TYPE>
@@ -330,11 +341,7 @@ void matvec_rows_fused(const float* x, int64_t k, const uint8_t* w, int64_t row_
                        int64_t n_end, float* out, int64_t out_stride) {
   constexpr int64_t BYTES = TYPE == Q4_0 ? 18 : TYPE == Q4_1 ? 20 : 34;
   const int64_t blocks = k / 32;
-  std::vector<float> xsum(ROWS * blocks);  // each thread's own: a few hundred adds against its rows of W
-  for (int64_t i = 0; i < ROWS * blocks; ++i) {
-    xsum[i] = hsum(_mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(x + i * 32), _mm256_loadu_ps(x + i * 32 + 8)),
-                                 _mm256_add_ps(_mm256_loadu_ps(x + i * 32 + 16), _mm256_loadu_ps(x + i * 32 + 24))));
-  }
+  const std::vector<float> xsum = sums_of_32(x, ROWS * blocks);
   for (int64_t n = n_begin; n < n_end; ++n) {
     __m256 acc[ROWS];
     float offsets[ROWS];
@@ -379,11 +386,7 @@ template <int64_t ROWS>
 void matvec_rows_q4_k(const float* x, int64_t k, const uint8_t* w, int64_t row_bytes, int64_t n_begin,
                       int64_t n_end, float* out, int64_t out_stride) {
   const int64_t subs = k / 32;
-  std::vector<float> xsum(ROWS * subs);
-  for (int64_t i = 0; i < ROWS * subs; ++i) {
-    xsum[i] = hsum(_mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(x + i * 32), _mm256_loadu_ps(x + i * 32 + 8)),
-                                 _mm256_add_ps(_mm256_loadu_ps(x + i * 32 + 16), _mm256_loadu_ps(x + i * 32 + 24))));
-  }
+  const std::vector<float> xsum = sums_of_32(x, ROWS * subs);
   const __m256i mask = _mm256_set1_epi8(0xF);
   for (int64_t n = n_begin; n < n_end; ++n) {
     __m256 acc[ROWS];
