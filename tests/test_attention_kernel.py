@@ -52,6 +52,7 @@ SHAPES = [  # heads, kv_heads, head_dim, block_size
     (9, 3, 64, 16),  # SmolLM2-135M
     (4, 4, 40, 5),  # no grouping; a head_dim that leaves a remainder after whole vector registers
     (8, 1, 128, 16),  # one KV head for all
+    (14, 2, 64, 16),  # Qwen2.5-0.5B: groups of 7, register tiles of 3, 3 and 1 heads
 ]
 LENGTHS = [1, 15, 16, 17, 64, 300]
 

@@ -1,10 +1,10 @@
 // Decode attention over the paged KV cache, reading each block where it lies.
 //
 // The torch path gathers every sequence's blocks into a padded copy and then reads the copy again in two
-// batched matmuls: three passes over the context through DRAM. Here each (sequence, KV head) pair walks its
-// blocks once, keys and values together, with an online softmax (running max and sum, as flash decoding
-// does), sharing each block across the query heads of its group. All arithmetic is fp32 whatever the cache's
-// dtype; the result is rounded to it once at the end.
+// batched matmuls: three passes over the context through DRAM. Here each (sequence, KV head) pair reads its
+// key blocks once, then its value blocks once, sharing each block across the query heads of its group (in
+// register tiles on AVX2). All arithmetic is fp32 whatever the cache's dtype; the result is rounded to it
+// once at the end.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -14,7 +14,12 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 namespace lmgate {
 void check_decode_tables(const at::Tensor& block_tables, const at::Tensor& lengths, int64_t block_size,
@@ -92,12 +97,12 @@ void key_scores(const float* query, const float* keys, int64_t rows, int64_t n, 
   }
 }
 
-// out[0:n] = out * scale + sum over rows t of weights[t] * x[t, 0:n]. Four accumulators per register's
-// worth of columns, so that consecutive rows' multiply-adds do not wait on each other.
-void scale_add_rows(float* out, float scale, const float* weights, const float* x, int64_t rows, int64_t n) {
+// out[0:n] += sum over rows t of weights[t] * x[t, 0:n]. Four accumulators per register's worth of columns,
+// so that consecutive rows' multiply-adds do not wait on each other.
+void add_rows(float* out, const float* weights, const float* x, int64_t rows, int64_t n) {
   int64_t d = 0;
   for (; d + Vec::size() <= n; d += Vec::size()) {
-    Vec acc0 = Vec::loadu(out + d) * Vec(scale), acc1(0.f), acc2(0.f), acc3(0.f);
+    Vec acc0 = Vec::loadu(out + d), acc1(0.f), acc2(0.f), acc3(0.f);
     int64_t t = 0;
     for (; t + 4 <= rows; t += 4) {
       acc0 = at::vec::fmadd(Vec(weights[t]), Vec::loadu(x + t * n + d), acc0);
@@ -111,7 +116,7 @@ void scale_add_rows(float* out, float scale, const float* weights, const float* 
     ((acc0 + acc1) + (acc2 + acc3)).store(out + d);
   }
   for (; d < n; ++d) {
-    float acc = out[d] * scale;
+    float acc = out[d];
     for (int64_t t = 0; t < rows; ++t) {
       acc += weights[t] * x[t * n + d];
     }
@@ -119,58 +124,153 @@ void scale_add_rows(float* out, float scale, const float* weights, const float* 
   }
 }
 
-// Per-thread buffers of `attend_group`, sized once for a group of query heads.
+// Per-thread buffers of `attend_group`; `probs` grows to the longest context seen.
 struct AttentionScratch {
-  std::vector<float> queries, acc, buffer, probs, running_max, running_sum;
+  std::vector<float> queries, acc, buffer, inv_sums, probs;
   AttentionScratch(int64_t group, int64_t dim, int64_t block_size)
-      : queries(group * dim), acc(group * dim), buffer(block_size * dim), probs(group * block_size),
-        running_max(group), running_sum(group) {}
+      : queries(group * dim), acc(group * dim), buffer(block_size * dim), inv_sums(group) {}
 };
 
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr int kTileHeads = 3;  // query heads per register tile: 3 x 4 accumulators of the 16 vector registers
+
+// The four sums of a0 .. a3's lanes, in order (a horizontal sum each would cost four times the shuffles).
+inline __m128 sum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// scores[g * stride + t] = scale * (q[g] . keys[t]) for G query heads and `rows` keys of `dim` (a multiple of
+// 32) elements, G x 4 sums at a time: each key is loaded once for the G heads.
+template <int G>
+void tile_scores(const float* q, const float* keys, int64_t rows, int64_t dim, float scale, float* scores,
+                 int64_t stride) {
+  for (int64_t t = 0; t < rows; t += 4) {
+    const int64_t n = std::min<int64_t>(4, rows - t);
+    const float* k[4];
+    for (int64_t i = 0; i < 4; ++i) k[i] = keys + (t + std::min(i, n - 1)) * dim;  // short tail: repeat the last
+    __m256 acc[G][4];
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < 4; ++i) acc[g][i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < dim; d += 8) {
+      const __m256 k0 = _mm256_loadu_ps(k[0] + d), k1 = _mm256_loadu_ps(k[1] + d), k2 = _mm256_loadu_ps(k[2] + d),
+                   k3 = _mm256_loadu_ps(k[3] + d);
+      for (int g = 0; g < G; ++g) {
+        const __m256 x = _mm256_loadu_ps(q + g * dim + d);
+        acc[g][0] = _mm256_fmadd_ps(x, k0, acc[g][0]);
+        acc[g][1] = _mm256_fmadd_ps(x, k1, acc[g][1]);
+        acc[g][2] = _mm256_fmadd_ps(x, k2, acc[g][2]);
+        acc[g][3] = _mm256_fmadd_ps(x, k3, acc[g][3]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      alignas(16) float sums[4];
+      _mm_store_ps(sums, _mm_mul_ps(sum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), _mm_set1_ps(scale)));
+      std::copy(sums, sums + n, scores + g * stride + t);
+    }
+  }
+}
+
+// acc[g] += sum over rows t of p[g * stride + t] * values[t] for G heads, 32 columns at a time: each value row
+// is loaded once for the G heads.
+template <int G>
+void tile_values(const float* p, int64_t stride, const float* values, int64_t rows, int64_t dim, float* acc) {
+  for (int64_t d = 0; d < dim; d += 32) {
+    __m256 a[G][4];
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < 4; ++i) a[g][i] = _mm256_loadu_ps(acc + g * dim + d + 8 * i);
+    for (int64_t t = 0; t < rows; ++t) {
+      const float* v = values + t * dim + d;
+      const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8), v2 = _mm256_loadu_ps(v + 16),
+                   v3 = _mm256_loadu_ps(v + 24);
+      for (int g = 0; g < G; ++g) {
+        const __m256 w = _mm256_broadcast_ss(p + g * stride + t);
+        a[g][0] = _mm256_fmadd_ps(w, v0, a[g][0]);
+        a[g][1] = _mm256_fmadd_ps(w, v1, a[g][1]);
+        a[g][2] = _mm256_fmadd_ps(w, v2, a[g][2]);
+        a[g][3] = _mm256_fmadd_ps(w, v3, a[g][3]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(acc + g * dim + d + 8 * i, a[g][i]);
+  }
+}
+
+// `fn<G>(g)` for the group's heads in tiles of kTileHeads (the last tile smaller).
+template <typename F>
+void over_tiles(int64_t group, F&& fn) {
+  int64_t g = 0;
+  for (; g + kTileHeads <= group; g += kTileHeads) fn(std::integral_constant<int, kTileHeads>{}, g);
+  if (group - g == 2) fn(std::integral_constant<int, 2>{}, g);
+  if (group - g == 1) fn(std::integral_constant<int, 1>{}, g);
+}
+#endif
+
+// scores[g * stride + t] = scale * (q[g] . keys[t]) for the group's heads and `rows` keys.
+void group_scores(const float* q, const float* keys, int64_t rows, int64_t dim, int64_t group, float scale,
+                  float* scores, int64_t stride) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (dim % 32 == 0) {
+    over_tiles(group, [&](auto G, int64_t g) {
+      tile_scores<decltype(G)::value>(q + g * dim, keys, rows, dim, scale, scores + g * stride, stride);
+    });
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < group; ++g) key_scores(q + g * dim, keys, rows, dim, scale, scores + g * stride);
+}
+
+// acc[g] += sum over rows t of p[g * stride + t] * values[t] for the group's heads.
+void group_values(const float* p, int64_t stride, const float* values, int64_t rows, int64_t dim, int64_t group,
+                  float* acc) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (dim % 32 == 0) {
+    over_tiles(group, [&](auto G, int64_t g) {
+      tile_values<decltype(G)::value>(p + g * stride, stride, values, rows, dim, acc + g * dim);
+    });
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < group; ++g) add_rows(acc + g * dim, p + g * stride, values, rows, dim);
+}
+
 // The `group` query heads `q` [group, dim] of one sequence against its `len` tokens of one KV head, whose
-// blocks `table` lists: out [group, dim] = softmax(scale * q K^T) V, walking the blocks once.
+// blocks `table` lists: out [group, dim] = softmax(scale * q K^T) V. Two passes, keys then values, each block
+// read once: one query's scores are only group x len floats, so they are kept whole (no running max and
+// rescaling per block, as an online softmax needs) and the exponentials run once over each row. On this
+// Zen 3, 55% faster than one pass with per-head dot products when the blocks are in cache.
 template <typename scalar_t>
 void attend(const scalar_t* q, const scalar_t* k_head, const scalar_t* v_head, const int64_t* table, int64_t len,
             int64_t block_size, int64_t dim, int64_t group, float scale, scalar_t* out, AttentionScratch& s) {
   constexpr int64_t kAhead = 2;  // blocks prefetched ahead of the one in use
   const int64_t block_elems = block_size * dim, blocks = (len + block_size - 1) / block_size;
-  for (int64_t b = 0; b < std::min(kAhead, blocks); ++b) {
-    prefetch(k_head + table[b] * block_elems, block_elems);
-    prefetch(v_head + table[b] * block_elems, block_elems);
-  }
+  const auto walk = [&](const scalar_t* head, auto&& use) {
+    for (int64_t b = 0; b < std::min(kAhead, blocks); ++b) prefetch(head + table[b] * block_elems, block_elems);
+    for (int64_t b = 0; b < blocks; ++b) {
+      if (b + kAhead < blocks) prefetch(head + table[b + kAhead] * block_elems, block_elems);
+      const int64_t rows = std::min(block_size, len - b * block_size);
+      use(b * block_size, rows, as_float(head + table[b] * block_elems, s.buffer.data(), rows * dim));
+    }
+  };
   at::vec::convert(q, s.queries.data(), group * dim);
-  std::fill(s.acc.begin(), s.acc.end(), 0.f);
-  std::fill(s.running_max.begin(), s.running_max.end(), -std::numeric_limits<float>::infinity());
-  std::fill(s.running_sum.begin(), s.running_sum.end(), 0.f);
-
-  for (int64_t b = 0; b < blocks; ++b) {
-    if (b + kAhead < blocks) {
-      prefetch(k_head + table[b + kAhead] * block_elems, block_elems);
-      prefetch(v_head + table[b + kAhead] * block_elems, block_elems);
-    }
-    const int64_t rows = std::min(block_size, len - b * block_size);
-    const float* keys = as_float(k_head + table[b] * block_elems, s.buffer.data(), rows * dim);
-    for (int64_t g = 0; g < group; ++g) {
-      key_scores(s.queries.data() + g * dim, keys, rows, dim, scale, s.probs.data() + g * block_size);
-    }
-    const float* values = as_float(v_head + table[b] * block_elems, s.buffer.data(), rows * dim);
-    for (int64_t g = 0; g < group; ++g) {
-      float* p = s.probs.data() + g * block_size;
-      const float block_max =
-          at::vec::reduce_all<float>([](Vec x, Vec y) { return at::vec::maximum(x, y); }, p, rows);
-      const float new_max = std::max(s.running_max[g], block_max);
-      const float rescale = std::exp(s.running_max[g] - new_max);  // 0 before the first block
-      at::vec::map([new_max](Vec x) { return (x - Vec(new_max)).exp(); }, p, p, rows);
-      s.running_sum[g] = s.running_sum[g] * rescale +
-                         at::vec::reduce_all<float>([](Vec x, Vec y) { return x + y; }, p, rows);
-      s.running_max[g] = new_max;
-      scale_add_rows(s.acc.data() + g * dim, rescale, p, values, rows, dim);
-    }
-  }
+  if (static_cast<int64_t>(s.probs.size()) < group * len) s.probs.resize(group * len);
+  float* probs = s.probs.data();
+  walk(k_head, [&](int64_t t, int64_t rows, const float* keys) {
+    group_scores(s.queries.data(), keys, rows, dim, group, scale, probs + t, len);
+  });
   for (int64_t g = 0; g < group; ++g) {
-    const float inv = 1.f / s.running_sum[g];
+    float* p = probs + g * len;
+    const float max = at::vec::reduce_all<float>([](Vec x, Vec y) { return at::vec::maximum(x, y); }, p, len);
+    at::vec::map([max](Vec x) { return (x - Vec(max)).exp(); }, p, p, len);
+    s.inv_sums[g] = 1.f / at::vec::reduce_all<float>([](Vec x, Vec y) { return x + y; }, p, len);
+  }
+  std::fill(s.acc.begin(), s.acc.end(), 0.f);
+  walk(v_head, [&](int64_t t, int64_t rows, const float* values) {
+    group_values(probs + t, len, values, rows, dim, group, s.acc.data());
+  });
+  for (int64_t g = 0; g < group; ++g) {
     float* a = s.acc.data() + g * dim;
-    at::vec::map([inv](Vec x) { return x * Vec(inv); }, a, a, dim);
+    at::vec::map([inv = s.inv_sums[g]](Vec v) { return v * Vec(inv); }, a, a, dim);
     at::vec::convert(a, out + g * dim, dim);
   }
 }

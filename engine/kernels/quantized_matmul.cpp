@@ -299,6 +299,10 @@ constexpr bool small_blocks(int64_t type) { return type == Q4_0 || type == Q4_1 
 #if defined(__AVX2__) && defined(__FMA__)
 
 // A 32-weight block's integers as four vectors of floats, unscaled (Q4_0 and Q4_1 unsigned, Q8_0 signed).
+// Q4_0 and Q4_1 keep weight i in the low nibble of byte i and weight i + 16 in its high nibble; widening bytes
+// to 32-bit lanes takes shuffles, which were the kernel's bottleneck. Instead each 32-bit word of nibbles is
+// broadcast to the eight lanes and shifted by 0, 4, .., 28, which yields the weights in the order 0, 16, 1,
+// 17, 2, 18, 3, 19, 4, 20, ...: x is put in that order once per call (`nibble_order`), 18% faster on Zen 3.
 template <int64_t TYPE>
 inline void block_ints(const uint8_t* b, __m256 q[4]) {
   if constexpr (TYPE == Q8_0) {
@@ -307,14 +311,27 @@ inline void block_ints(const uint8_t* b, __m256 q[4]) {
       q[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
     }
   } else {
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (TYPE == Q4_1 ? 4 : 2)));
-    const __m128i mask = _mm_set1_epi8(0xF);
-    const __m128i lo = _mm_and_si128(packed, mask), hi = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
-    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    const uint8_t* nibbles = b + (TYPE == Q4_1 ? 4 : 2);
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), mask = _mm256_set1_epi32(0xF);
+    for (int j = 0; j < 4; ++j) {
+      int32_t word;
+      std::memcpy(&word, nibbles + 4 * j, 4);
+      q[j] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), mask));
+    }
   }
+}
+
+// x's `count` runs of 32 in the order block_ints gives a Q4_0 or Q4_1 block's weights (a copy of x otherwise).
+template <int64_t TYPE>
+std::vector<float> nibble_order(const float* x, int64_t count) {
+  std::vector<float> out(x, x + count * 32);
+  if constexpr (TYPE == Q4_0 || TYPE == Q4_1) {
+    for (int64_t i = 0; i < count * 32; ++i) {
+      const int64_t lane = i % 8, byte = (i % 32) / 8 * 4 + lane / 2;
+      out[i] = x[i / 32 * 32 + byte + (lane % 2) * 16];
+    }
+  }
+  return out;
 }
 
 inline float hsum(__m256 v) {
@@ -341,7 +358,7 @@ void matvec_rows_fused(const float* x, int64_t k, const uint8_t* w, int64_t row_
                        int64_t n_end, float* out, int64_t out_stride) {
   constexpr int64_t BYTES = TYPE == Q4_0 ? 18 : TYPE == Q4_1 ? 20 : 34;
   const int64_t blocks = k / 32;
-  const std::vector<float> xsum = sums_of_32(x, ROWS * blocks);
+  const std::vector<float> xsum = sums_of_32(x, ROWS * blocks), xs = nibble_order<TYPE>(x, ROWS * blocks);
   for (int64_t n = n_begin; n < n_end; ++n) {
     __m256 acc[ROWS];
     float offsets[ROWS];
@@ -358,12 +375,10 @@ void matvec_rows_fused(const float* x, int64_t k, const uint8_t* w, int64_t row_
       block_ints<TYPE>(block, q);
       const __m256 scale = _mm256_set1_ps(d);
       for (int64_t m = 0; m < ROWS; ++m) {
-        const float* xm = x + m * k + b * 32;
-        __m256 t = _mm256_mul_ps(q[0], _mm256_loadu_ps(xm));
-        t = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xm + 8), t);
-        t = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xm + 16), t);
-        t = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xm + 24), t);
-        acc[m] = _mm256_fmadd_ps(t, scale, acc[m]);
+        const float* xm = xs.data() + m * k + b * 32;
+        const __m256 t0 = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xm + 16), _mm256_mul_ps(q[0], _mm256_loadu_ps(xm)));
+        const __m256 t1 = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xm + 24), _mm256_mul_ps(q[1], _mm256_loadu_ps(xm + 8)));
+        acc[m] = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), scale, acc[m]);
         if constexpr (TYPE != Q8_0) offsets[m] += offset * xsum[m * blocks + b];
       }
     }
