@@ -51,6 +51,7 @@ def _reference(q, k_cache, v_cache, tables, lengths, scale) -> torch.Tensor:
 SHAPES = [  # heads, kv_heads, head_dim, block_size
     (9, 3, 64, 16),  # SmolLM2-135M
     (4, 4, 40, 5),  # no grouping; a head_dim that leaves a remainder after whole vector registers
+    (6, 2, 40, 16),  # groups of 3 with that head_dim: the per-head path, not the register tiles
     (8, 1, 128, 16),  # one KV head for all
     (14, 2, 64, 16),  # Qwen2.5-0.5B: groups of 7, register tiles of 3, 3 and 1 heads
 ]

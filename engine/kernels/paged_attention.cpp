@@ -13,7 +13,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -132,7 +131,7 @@ struct AttentionScratch {
 };
 
 #if defined(__AVX2__) && defined(__FMA__)
-constexpr int kTileHeads = 3;  // query heads per register tile: 3 x 4 accumulators of the 16 vector registers
+constexpr int kTileHeads = 3;  // query heads per register tile: 3 x 4 accumulators, 12 of AVX2's 16 registers
 
 // The four sums of a0 .. a3's lanes, in order (a horizontal sum each would cost four times the shuffles).
 inline __m128 sum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {

@@ -321,14 +321,15 @@ inline void block_ints(const uint8_t* b, __m256 q[4]) {
   }
 }
 
-// x's `count` runs of 32 in the order block_ints gives a Q4_0 or Q4_1 block's weights (a copy of x otherwise).
-template <int64_t TYPE>
+// x's `count` runs of 32 in the order block_ints gives a Q4_0 or Q4_1 block's weights: each eight are four
+// of the run's first half interleaved with the four 16 places on.
 std::vector<float> nibble_order(const float* x, int64_t count) {
-  std::vector<float> out(x, x + count * 32);
-  if constexpr (TYPE == Q4_0 || TYPE == Q4_1) {
-    for (int64_t i = 0; i < count * 32; ++i) {
-      const int64_t lane = i % 8, byte = (i % 32) / 8 * 4 + lane / 2;
-      out[i] = x[i / 32 * 32 + byte + (lane % 2) * 16];
+  std::vector<float> out(count * 32);
+  for (int64_t i = 0; i < count; ++i) {
+    for (int j = 0; j < 4; ++j) {
+      const __m128 low = _mm_loadu_ps(x + i * 32 + 4 * j), high = _mm_loadu_ps(x + i * 32 + 16 + 4 * j);
+      _mm_storeu_ps(out.data() + i * 32 + 8 * j, _mm_unpacklo_ps(low, high));
+      _mm_storeu_ps(out.data() + i * 32 + 8 * j + 4, _mm_unpackhi_ps(low, high));
     }
   }
   return out;
@@ -358,7 +359,9 @@ void matvec_rows_fused(const float* x, int64_t k, const uint8_t* w, int64_t row_
                        int64_t n_end, float* out, int64_t out_stride) {
   constexpr int64_t BYTES = TYPE == Q4_0 ? 18 : TYPE == Q4_1 ? 20 : 34;
   const int64_t blocks = k / 32;
-  const std::vector<float> xsum = sums_of_32(x, ROWS * blocks), xs = nibble_order<TYPE>(x, ROWS * blocks);
+  const std::vector<float> xsum = sums_of_32(x, ROWS * blocks);
+  const std::vector<float> permuted = TYPE == Q8_0 ? std::vector<float>() : nibble_order(x, ROWS * blocks);
+  const float* xq = TYPE == Q8_0 ? x : permuted.data();
   for (int64_t n = n_begin; n < n_end; ++n) {
     __m256 acc[ROWS];
     float offsets[ROWS];
@@ -375,7 +378,7 @@ void matvec_rows_fused(const float* x, int64_t k, const uint8_t* w, int64_t row_
       block_ints<TYPE>(block, q);
       const __m256 scale = _mm256_set1_ps(d);
       for (int64_t m = 0; m < ROWS; ++m) {
-        const float* xm = xs.data() + m * k + b * 32;
+        const float* xm = xq + m * k + b * 32;
         const __m256 t0 = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xm + 16), _mm256_mul_ps(q[0], _mm256_loadu_ps(xm)));
         const __m256 t1 = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xm + 24), _mm256_mul_ps(q[1], _mm256_loadu_ps(xm + 8)));
         acc[m] = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), scale, acc[m]);
