@@ -139,6 +139,11 @@ inline __m128 sum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+// acc[i] += x * y[i] for four vectors: one operand of a tile shared by four independent chains.
+inline void fma4(__m256 x, const __m256 y[4], __m256 acc[4]) {
+  for (int i = 0; i < 4; ++i) acc[i] = _mm256_fmadd_ps(x, y[i], acc[i]);
+}
+
 // scores[g * stride + t] = scale * (q[g] . keys[t]) for G query heads and `rows` keys of `dim` (a multiple of
 // 32) elements, G x 4 sums at a time: each key is loaded once for the G heads.
 template <int G>
@@ -152,15 +157,9 @@ void tile_scores(const float* q, const float* keys, int64_t rows, int64_t dim, f
     for (int g = 0; g < G; ++g)
       for (int i = 0; i < 4; ++i) acc[g][i] = _mm256_setzero_ps();
     for (int64_t d = 0; d < dim; d += 8) {
-      const __m256 k0 = _mm256_loadu_ps(k[0] + d), k1 = _mm256_loadu_ps(k[1] + d), k2 = _mm256_loadu_ps(k[2] + d),
-                   k3 = _mm256_loadu_ps(k[3] + d);
-      for (int g = 0; g < G; ++g) {
-        const __m256 x = _mm256_loadu_ps(q + g * dim + d);
-        acc[g][0] = _mm256_fmadd_ps(x, k0, acc[g][0]);
-        acc[g][1] = _mm256_fmadd_ps(x, k1, acc[g][1]);
-        acc[g][2] = _mm256_fmadd_ps(x, k2, acc[g][2]);
-        acc[g][3] = _mm256_fmadd_ps(x, k3, acc[g][3]);
-      }
+      const __m256 kd[4] = {_mm256_loadu_ps(k[0] + d), _mm256_loadu_ps(k[1] + d), _mm256_loadu_ps(k[2] + d),
+                            _mm256_loadu_ps(k[3] + d)};
+      for (int g = 0; g < G; ++g) fma4(_mm256_loadu_ps(q + g * dim + d), kd, acc[g]);
     }
     for (int g = 0; g < G; ++g) {
       alignas(16) float sums[4];
@@ -180,15 +179,9 @@ void tile_values(const float* p, int64_t stride, const float* values, int64_t ro
       for (int i = 0; i < 4; ++i) a[g][i] = _mm256_loadu_ps(acc + g * dim + d + 8 * i);
     for (int64_t t = 0; t < rows; ++t) {
       const float* v = values + t * dim + d;
-      const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8), v2 = _mm256_loadu_ps(v + 16),
-                   v3 = _mm256_loadu_ps(v + 24);
-      for (int g = 0; g < G; ++g) {
-        const __m256 w = _mm256_broadcast_ss(p + g * stride + t);
-        a[g][0] = _mm256_fmadd_ps(w, v0, a[g][0]);
-        a[g][1] = _mm256_fmadd_ps(w, v1, a[g][1]);
-        a[g][2] = _mm256_fmadd_ps(w, v2, a[g][2]);
-        a[g][3] = _mm256_fmadd_ps(w, v3, a[g][3]);
-      }
+      const __m256 vt[4] = {_mm256_loadu_ps(v), _mm256_loadu_ps(v + 8), _mm256_loadu_ps(v + 16),
+                            _mm256_loadu_ps(v + 24)};
+      for (int g = 0; g < G; ++g) fma4(_mm256_broadcast_ss(p + g * stride + t), vt, a[g]);
     }
     for (int g = 0; g < G; ++g)
       for (int i = 0; i < 4; ++i) _mm256_storeu_ps(acc + g * dim + d + 8 * i, a[g][i]);
