@@ -2,6 +2,8 @@
 (in `~/.cache/torch_extensions`, or `$TORCH_EXTENSIONS_DIR`).
 
 * paged_attention.cpp: CPU decode attention over the paged KV cache (`torch.ops.lmgate.paged_decode_attention`);
+* gemm.cpp: float32 `x @ W.T` over W's rows where they lie (`linear`, the float path's linear layers), and
+  the GEMM loop `gguf_matmul` runs over expanded panels of quantized blocks;
 * quantized_matmul.cpp: linear layers over GGUF's quantized blocks (`gguf_matvec`, `gguf_matmul`,
   `gguf_dequantize`);
 * layer_ops.cpp: a decoder layer's elementwise parts in one pass each over float32 rows (`rms_norm`,
@@ -29,7 +31,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [os.path.join(os.path.dirname(__file__), name)
-           for name in ("paged_attention.cpp", "quantized_matmul.cpp", "layer_ops.cpp", "decode_layers.cpp")]
+           for name in ("paged_attention.cpp", "gemm.cpp", "quantized_matmul.cpp", "layer_ops.cpp", "decode_layers.cpp")]
 
 # The flags torch builds its own kernels of each capability with, so that ATen's Vectorized takes the same
 # instructions; "DEFAULT" (and other architectures) get its portable version.

@@ -5,8 +5,8 @@
 // `gguf_dequantize` writes rows out as fp32; `gguf_matvec` computes x @ W.T for a few rows of x without
 // ever writing W out: each block is expanded in registers (or a small buffer in L1) and multiplied into every
 // row of x while it is there, so W streams through memory once per call, at a fifth to an eighth of fp32's
-// bytes; `gguf_matmul`, for many rows, expands panels of W into L2 and runs a float32 GEMM's register tile
-// over them, so that each weight is expanded once for all the rows.
+// bytes; `gguf_matmul`, for many rows, expands panels of W into L2 for gemm.cpp's float32 GEMM, so that each
+// weight is expanded once for all the rows.
 // All arithmetic is fp32: the values are exactly those `gguf.quants.dequantize` gives, only the order of
 // the sums differs.
 #include <ATen/ATen.h>
@@ -21,6 +21,8 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+
+#include "gemm.h"
 
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -482,75 +484,28 @@ at::Tensor gguf_matvec(const at::Tensor& x_in, const at::Tensor& blocks, int64_t
   return out;
 }
 
-constexpr int64_t PANEL = 48;  // weight rows expanded at a time: 48 x K floats stay in L2 for every row of x
-constexpr int64_t TILE_M = 4, TILE_N = 3;  // the register tile: 12 accumulators of the 16 vector registers
-
-// out[m][n] = x[m] . panel[n] for a TILE_M x TILE_N tile (fewer at the edges), the sums running along K in
-// vectors and reduced once at the end.
-template <int64_t M, int64_t N>
-void dot_tile(const float* x, const float* panel, int64_t k, float* out, int64_t out_stride) {
-  Vec acc[M][N];
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t n = 0; n < N; ++n) acc[m][n] = Vec(0.f);
-  }
-  for (int64_t i = 0; i < k; i += Vec::size()) {
-    Vec b[N];
-    for (int64_t n = 0; n < N; ++n) b[n] = Vec::loadu(panel + n * k + i);
-    for (int64_t m = 0; m < M; ++m) {
-      const Vec a = Vec::loadu(x + m * k + i);
-      for (int64_t n = 0; n < N; ++n) acc[m][n] = at::vec::fmadd(a, b[n], acc[m][n]);
-    }
-  }
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t n = 0; n < N; ++n) {
-      out[m * out_stride + n] = at::vec::vec_reduce_all<float>([](Vec p, Vec q) { return p + q; }, acc[m][n]);
+// `count` rows of blocks written out as float32 rows of K: a panel of W for gemm.cpp's loop.
+template <int64_t TYPE>
+void expand_rows(const uint8_t* rows, int64_t count, int64_t row_bytes, int64_t k, float* out) {
+  const Layout l = layout_of(TYPE);
+  for (int64_t j = 0; j < count; ++j) {
+    for (int64_t b = 0; b < k / l.weights; ++b) {
+      dequantize_block<TYPE>(rows + j * row_bytes + b * l.bytes, out + j * k + b * l.weights);
     }
   }
 }
 
-template <int64_t M = TILE_M, int64_t N = TILE_N>
-void dot_any_tile(int64_t m, int64_t n, const float* x, const float* panel, int64_t k, float* out, int64_t out_stride) {
-  if (m == M && n == N) {
-    dot_tile<M, N>(x, panel, k, out, out_stride);
-  } else if constexpr (N > 1) {
-    dot_any_tile<M, N - 1>(m, n, x, panel, k, out, out_stride);
-  } else if constexpr (M > 1) {
-    dot_any_tile<M - 1, TILE_N>(m, n, x, panel, k, out, out_stride);
-  }
-}
-
-// x: [M, K] float32, many rows; blocks: [N, row_bytes]. x @ W.T as a float32 GEMM over panels of W expanded
-// as they are needed: each weight is expanded once per call and used by all M rows.
+// x: [M, K] float32, many rows; blocks: [N, row_bytes]. x @ W.T as gemm.cpp's float32 GEMM over panels of W
+// expanded as they are needed: each weight is expanded once per call and used by all M rows.
 at::Tensor gguf_matmul(const at::Tensor& x_in, const at::Tensor& blocks, int64_t type) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be a float32 [M, K] tensor");
   const at::Tensor x = x_in.contiguous();
   const int64_t m_rows = x.size(0), k = x.size(1), n_rows = blocks.size(0);
   check_blocks(blocks, type, k);
-  TORCH_CHECK(k % Vec::size() == 0, "K must be a multiple of ", Vec::size());
   at::Tensor out = at::empty({m_rows, n_rows}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const uint8_t* w = blocks.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
-  const int64_t row_bytes = blocks.size(1), panels = (n_rows + PANEL - 1) / PANEL;
-  const Layout l = layout_of(type);
   with_type(type, [&](auto t) {
-    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> panel(PANEL * k);
-      for (int64_t p = begin; p < end; ++p) {
-        const int64_t n0 = p * PANEL, cols = std::min(PANEL, n_rows - n0);
-        for (int64_t j = 0; j < cols; ++j) {
-          for (int64_t b = 0; b < k / l.weights; ++b) {
-            dequantize_block<decltype(t)::value>(w + (n0 + j) * row_bytes + b * l.bytes, panel.data() + j * k + b * l.weights);
-          }
-        }
-        for (int64_t m0 = 0; m0 < m_rows; m0 += TILE_M) {
-          for (int64_t j = 0; j < cols; j += TILE_N) {
-            dot_any_tile(std::min(TILE_M, m_rows - m0), std::min(TILE_N, cols - j), xp + m0 * k, panel.data() + j * k,
-                         k, op + m0 * n_rows + n0 + j, n_rows);
-          }
-        }
-      }
-    });
+    const lmgate::WeightRows rows{blocks.data_ptr<uint8_t>(), blocks.size(1), &expand_rows<decltype(t)::value>};
+    lmgate::panel_gemm(x.data_ptr<float>(), m_rows, k, n_rows, rows, out.data_ptr<float>());
   });
   return out;
 }

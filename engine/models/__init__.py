@@ -8,7 +8,8 @@ from ..config import ModelConfig
 from ..errors import UnsupportedModel
 from .fused_decode import FusedDecode
 from .llama import LlamaForCausalLM, RotaryEmbedding, pack_weights
-from .packed_linear import pack_linears, packed_bytes
+from .packed_linear import packed_bytes
+from .panel_linear import cpu_linears
 from .quantized_linear import GGUFBlocks, GGUFStack, QuantizedEmbedding, QuantizedLinear
 
 
@@ -24,9 +25,9 @@ def build_model(
     cfg: ModelConfig, weights: dict[str, torch.Tensor | GGUFBlocks], dtype: torch.dtype, device: torch.device,
     batch_hint: int = 256, quantized: bool = False,
 ) -> LlamaForCausalLM:
-    """`instantiate`, then on the device in the dtype; on the CPU the linear layers' weights are then packed for
-    oneDNN (`packed_linear.py`). `quantized`: GGUF blocks stay blocks (`quantized_linear.py`; the caller
-    checked the kernels run here), and decode steps of few rows run all layers in one call
+    """`instantiate`, then on the device in the dtype; on the CPU each linear layer then runs the fastest way
+    the machine has (`panel_linear.cpu_linears`). `quantized`: GGUF blocks stay blocks (`quantized_linear.py`;
+    the caller checked the kernels run here), and decode steps of few rows run all layers in one call
     (`fused_decode.py`); else the blocks are expanded to float first."""
     if not quantized:
         weights = expand_blocks(weights)
@@ -34,7 +35,7 @@ def build_model(
     model.model.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     if device.type == "cpu":
-        pack_linears(model, batch_hint)
+        cpu_linears(model, batch_hint)
     if quantized:
         model.fused_decode = FusedDecode.build(model)
     return model
