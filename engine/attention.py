@@ -6,6 +6,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .kernels import cpu_kernels_loaded
+
 
 @dataclass(slots=True)
 class PrefillChunk:
@@ -73,14 +75,23 @@ def paged_attention(
     """
     if meta.triton:
         return _triton_attention(q, k, v, k_cache, v_cache, meta, scale)
-    kvh, _, _, d = k_cache.shape
-    k_cache.view(kvh, -1, d).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-    v_cache.view(kvh, -1, d).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     parts = []
     if meta.num_decode:
         parts.append(_decode(q[: meta.num_decode], k_cache, v_cache, meta.decode, scale))
     parts.extend(_prefill(q[c.start : c.end], k_cache, v_cache, c, scale) for c in meta.prefills)
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """A step's keys and values [T, KVH, D] into their slots: in C++ (layer_ops.cpp) for float32 on the CPU where
+    the kernels are loaded, else with index_copy_."""
+    if k.dtype == torch.float32 and k.device.type == "cpu" and cpu_kernels_loaded():
+        torch.ops.lmgate.store_kv(k, v, k_cache, v_cache, slots)
+        return
+    kvh, _, _, d = k_cache.shape
+    k_cache.view(kvh, -1, d).index_copy_(1, slots, k.transpose(0, 1))
+    v_cache.view(kvh, -1, d).index_copy_(1, slots, v.transpose(0, 1))
 
 
 def _triton_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -62,3 +62,29 @@ def test_bad_inputs_are_refused_and_other_dtypes_take_torch():
     x = torch.randn(3, 8, dtype=torch.bfloat16)
     norm = RMSNorm(8, 1e-5).to(torch.bfloat16)
     torch.testing.assert_close(norm(x), norm.weight * F.rms_norm(x.float(), (8,), eps=1e-5).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+def test_store_kv_writes_strided_rows_into_their_slots(tokens):
+    """k and v as the model hands them over: views of one QKV projection, rows strided; the slots scattered
+    over the cache. Every other slot keeps what it held."""
+    torch.manual_seed(tokens)
+    kvh, blocks, block_size, d = 3, 40, 16, 64
+    qkv = torch.randn(tokens, (9 + 2 * kvh) * d)
+    k = qkv[:, 9 * d : (9 + kvh) * d].view(tokens, kvh, d)
+    v = qkv[:, (9 + kvh) * d :].view(tokens, kvh, d)
+    slots = torch.randperm(blocks * block_size)[:tokens]
+    k_cache, v_cache = torch.randn(kvh, blocks, block_size, d), torch.randn(kvh, blocks, block_size, d)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want_k.view(kvh, -1, d).index_copy_(1, slots, k.transpose(0, 1))
+    want_v.view(kvh, -1, d).index_copy_(1, slots, v.transpose(0, 1))
+    torch.ops.lmgate.store_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+def test_store_kv_refuses_a_slot_outside_the_cache_and_writes_nothing():
+    k = v = torch.randn(2, 1, 8)
+    k_cache, v_cache = torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8)
+    with pytest.raises(RuntimeError, match="outside"):
+        torch.ops.lmgate.store_kv(k, v, k_cache, v_cache, torch.tensor([3, 8]))
+    assert not k_cache.any() and not v_cache.any()

@@ -1,5 +1,5 @@
-// The elementwise parts of a decoder layer, one pass each over float32 rows: RMSNorm, rotary embedding and
-// SiLU-and-multiply.
+// The elementwise parts of a decoder layer, one pass each over float32 rows: RMSNorm, rotary embedding,
+// SiLU-and-multiply, and the store of a step's keys and values into the paged cache.
 //
 // As torch ops they are 2-6 ops apiece (RMSNorm alone: square, mean, add, rsqrt, two multiplies), each
 // reading and writing the whole batch and each a parallel region of its own; at 64 rows they took about an
@@ -130,16 +130,55 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up_in) {
   return out;
 }
 
+// A step's keys and values into their slots of the caches [kv_heads, blocks, block_size, dim]: k and v are
+// [T, kv_heads, dim] views of the QKV projection (rows strided). index_copy_ took about 45 us a call for
+// a 64-row decode step, most of it in dispatch and its general indexing; here a row is one copy.
+void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slots_in) {
+  check_float_cpu(k, "k");
+  check_float_cpu(v, "v");
+  check_float_cpu(k_cache, "k_cache");
+  check_float_cpu(v_cache, "v_cache");
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
+                  k.size(1) == k_cache.size(0) && k.size(2) == k_cache.size(3),
+              "k, v must be [tokens, kv_heads, dim] and the caches [kv_heads, blocks, block_size, dim]");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "rows of k and v, and the caches, must be contiguous");
+  const at::Tensor slots = slots_in.contiguous();
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == k.size(0), "one int64 slot per token");
+  const int64_t tokens = k.size(0), heads = k.size(1), dim = k.size(2);
+  const int64_t capacity = k_cache.size(1) * k_cache.size(2);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < capacity, "slot ", slot[t], " is outside the cache's ", capacity);
+  }
+  const float* ks = k.data_ptr<float>();
+  const float* vs = v.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  at::parallel_for(0, tokens, rows_per_share(2 * heads * dim), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t to = (h * capacity + slot[t]) * dim;
+        std::copy_n(ks + t * k.stride(0) + h * k.stride(1), dim, kc + to);
+        std::copy_n(vs + t * v.stride(0) + h * v.stride(1), dim, vc + to);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(lmgate, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(lmgate, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary", &rotary);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("store_kv", &store_kv);
 }
