@@ -84,14 +84,14 @@ def paged_attention(
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """A step's keys and values [T, KVH, D] into their slots: in C++ (layer_ops.cpp) for float32 on the CPU where
-    the kernels are loaded, else with index_copy_."""
+    """A step's keys and values [T, KVH, D] into their slots, rounded to the cache's dtype: in C++ (layer_ops.cpp)
+    for float32 on the CPU where the kernels are loaded, else with index_copy_."""
     if k.dtype == torch.float32 and k.device.type == "cpu" and cpu_kernels_loaded():
         torch.ops.lmgate.store_kv(k, v, k_cache, v_cache, slots)
         return
     kvh, _, _, d = k_cache.shape
-    k_cache.view(kvh, -1, d).index_copy_(1, slots, k.transpose(0, 1))
-    v_cache.view(kvh, -1, d).index_copy_(1, slots, v.transpose(0, 1))
+    k_cache.view(kvh, -1, d).index_copy_(1, slots, k.transpose(0, 1).to(k_cache.dtype))
+    v_cache.view(kvh, -1, d).index_copy_(1, slots, v.transpose(0, 1).to(v_cache.dtype))
 
 
 def _triton_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -123,10 +123,10 @@ def _gathered_decode(q, k_cache, v_cache, decode: GatheredDecode, scale: float) 
     before the matmuls read it again: the kernel's in-place reads are about twice as fast on a CPU."""
     n, h, d = q.shape
     kvh = k_cache.shape[0]
-    keys = _gather(k_cache, decode.rows).view(kvh * n, -1, d)  # [KVH * n, L, D]
-    values = _gather(v_cache, decode.rows).view(kvh * n, -1, d)
+    keys = _gather(k_cache, decode.rows, q.dtype).view(kvh * n, -1, d)  # [KVH * n, L, D]
+    values = _gather(v_cache, decode.rows, q.dtype).view(kvh * n, -1, d)
     q = q.view(n, kvh, h // kvh, d).transpose(0, 1).reshape(kvh * n, h // kvh, d)  # [KVH * n, G, D]
-    scores = torch.baddbmm(decode.mask, q, keys.transpose(1, 2), alpha=scale)  # [KVH * n, G, L]
+    scores = torch.baddbmm(decode.mask.to(q.dtype), q, keys.transpose(1, 2), alpha=scale)  # [KVH * n, G, L]
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
     return torch.bmm(probs, values).view(kvh, n, h // kvh, d).transpose(0, 1).reshape(n, h, d)
 
@@ -135,8 +135,8 @@ def _prefill(q, k_cache, v_cache, chunk: PrefillChunk, scale: float) -> torch.Te
     """A chunk of queries against its sequence's whole context, causal within the chunk."""
     n = q.shape[0]
     kvh, _, _, d = k_cache.shape
-    keys = _gather(k_cache, chunk.rows).view(kvh, -1, d)[:, : chunk.context_len]
-    values = _gather(v_cache, chunk.rows).view(kvh, -1, d)[:, : chunk.context_len]
+    keys = _gather(k_cache, chunk.rows, q.dtype).view(kvh, -1, d)[:, : chunk.context_len]
+    values = _gather(v_cache, chunk.rows, q.dtype).view(kvh, -1, d)[:, : chunk.context_len]
     prefix = chunk.context_len - n
     # A leading batch dimension of one takes torch's flash kernel on the CPU; 3-d inputs fall back to the
     # math path, 2-3x slower for a 128-512 token chunk.
@@ -150,10 +150,11 @@ def _prefill(q, k_cache, v_cache, chunk: PrefillChunk, scale: float) -> torch.Te
     return out[0].transpose(0, 1)
 
 
-def _gather(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Whole blocks, one contiguous [block_size * D] row each, picked from the [KVH * blocks] view."""
+def _gather(cache: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Whole blocks, one contiguous [block_size * D] row each, picked from the [KVH * blocks] view, in the
+    queries' dtype (a 16-bit cache under float32 is widened here)."""
     kvh, blocks, block_size, d = cache.shape
-    return cache.view(kvh * blocks, block_size * d).index_select(0, rows)
+    return cache.view(kvh * blocks, block_size * d).index_select(0, rows).to(dtype)
 
 
 def gather_rows(block_tables: torch.Tensor, kv_heads: int, num_blocks: int) -> torch.Tensor:

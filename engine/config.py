@@ -8,6 +8,7 @@ from .errors import InvalidRequest, UnsupportedModel
 
 DP_BACKENDS = ("thread", "process")
 WEIGHT_MODES = ("auto", "quantized", "float")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
@@ -73,6 +74,7 @@ class EngineConfig:
     dtype: str = "auto"  # hardware.choose_dtype: bfloat16 where the device computes it natively, else float32
     device: str = "cpu"
     kv_cache_tokens: int = 32768
+    kv_cache_dtype: str = "auto"  # of KV_CACHE_DTYPES: auto keeps the model's dtype (kv_cache.kv_cache_dtype)
     block_size: int = 16
     max_batch_size: int = 64
     max_batched_tokens: int = 256
@@ -109,6 +111,8 @@ class EngineConfig:
                 raise InvalidRequest(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.weights not in WEIGHT_MODES:
             raise InvalidRequest(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {self.weights!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidRequest(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.dp_backend not in DP_BACKENDS:
             raise InvalidRequest(f"dp_backend must be one of {', '.join(DP_BACKENDS)}, got {self.dp_backend!r}")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:

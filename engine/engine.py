@@ -19,7 +19,7 @@ from .models.tensor_parallel import shard_of
 from .errors import ContextOverflow, InvalidRequest, Unavailable, UnsupportedModel
 from .gateway import Gateway
 from .hardware import choose_dtype, cpu_features, matmul_gflops
-from .kv_cache import kv_bytes_per_token
+from .kv_cache import kv_bytes_per_token, kv_cache_dtype
 from .loader import Checkpoint, load_checkpoint, read_config
 from .memory import keep_freed_memory, release_host_memory
 from .request import Request, RequestKind, RequestOutput
@@ -96,6 +96,7 @@ class Engine:
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
         self._warn_emulated_bf16()
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         processes = config.rank_processes
         ckpt = checkpoint or on_fresh_thread(lambda: load_checkpoint(config.model, weights=not processes))
         self.model_path, self.model_config, self.tokenizer = ckpt.path, ckpt.config, ckpt.tokenizer
@@ -108,7 +109,7 @@ class Engine:
             ckpt.config.max_position_embeddings,
             config.kv_cache_tokens // config.block_size * config.block_size,
         )
-        self.kv_bytes_per_token = kv_bytes_per_token(ckpt.config, self.dtype)
+        self.kv_bytes_per_token = kv_bytes_per_token(ckpt.config, self.kv_dtype)
         # Loops step in parallel: sharing the CPUs beats each loop's pool competing for all of them.
         self.num_threads = config.threads or available_cpus()
         self.threads_per_loop = max(1, self.num_threads * config.nnodes // config.world_size)  # this node's share

@@ -18,7 +18,7 @@ from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs
 from .kernels import load_cpu_kernels
 from .kernels.triton import available as triton_available
-from .kv_cache import allocate_kv_cache
+from .kv_cache import allocate_kv_cache, kv_cache_dtype
 from .model_runner import ModelRunner
 from .request import CancelFlag, FinishReason, Request, RequestKind, RequestOutput, TokenLogprob, Usage
 from .scheduler import Scheduler
@@ -52,13 +52,14 @@ class LoopStats:
 def build_runner(weights: LocalWeights, config: EngineConfig, max_context_length: int) -> ModelRunner:
     """A runner over `weights`' model (a tensor-parallel shard's included) with a KV cache of its own."""
     num_blocks = config.kv_cache_tokens // config.block_size
+    kv_dtype = kv_cache_dtype(config.kv_cache_dtype, weights.dtype, weights.device)
     attention = attention_path(weights.device, config.attention_kernel)
     graphs = None
     if config.cuda_graphs and attention == "triton" and config.tensor_parallel == 1:
         graphs = DecodeGraphs(config.max_batch_size, -(-max_context_length // config.block_size), weights.device)
     runner = ModelRunner(
         weights.model,
-        lambda: allocate_kv_cache(weights.config, num_blocks, config.block_size, weights.dtype, weights.device),
+        lambda: allocate_kv_cache(weights.config, num_blocks, config.block_size, kv_dtype, weights.device),
         config.block_size, weights.device, attention, graphs,
     )
     weights.runners.append(runner)

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 from prometheus_client import start_http_server
 
-from lmgate.engine.config import DP_BACKENDS, WEIGHT_MODES, EngineConfig
+from lmgate.engine.config import DP_BACKENDS, KV_CACHE_DTYPES, WEIGHT_MODES, EngineConfig
 from lmgate.engine.distributed.node import run_node
 from lmgate.engine.engine import Engine
 from lmgate.engine.errors import EngineError
@@ -94,6 +94,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-batch-size", type=COUNT, default=_env("MAX_BATCH_SIZE", 64), help="sequences per engine step [LMGATE_MAX_BATCH_SIZE]")
     ap.add_argument("--max-batched-tokens", type=COUNT, default=_env("MAX_BATCHED_TOKENS", 512), help="tokens per engine step; long prompts are prefilled in chunks of this [LMGATE_MAX_BATCHED_TOKENS]")
     ap.add_argument("--kv-cache-tokens", type=COUNT, default=_env("KV_CACHE_TOKENS", 32768), help="KV cache size per engine loop, in tokens; also caps the context [LMGATE_KV_CACHE_TOKENS]")
+    ap.add_argument("--kv-cache-dtype", default=_env("KV_CACHE_DTYPE", "auto"), type=_one_of(*KV_CACHE_DTYPES), metavar="{" + ",".join(KV_CACHE_DTYPES) + "}", help="KV cache dtype; auto: the model's. float16 or bfloat16 under float32 on the CPU halve the cache's memory and the bytes decode attention reads, rounding keys and values once [LMGATE_KV_CACHE_DTYPE]")
     ap.add_argument("--max-context-length", type=_ranged(int, 0), default=_env("MAX_CONTEXT_LENGTH", 0), help="cap on prompt + output tokens; 0: the model's [LMGATE_MAX_CONTEXT_LENGTH]")
     ap.add_argument("--max-queued-requests", type=COUNT, default=_env("MAX_QUEUED_REQUESTS", 1024), help="requests waiting per engine loop before new ones get RESOURCE_EXHAUSTED [LMGATE_MAX_QUEUED_REQUESTS]")
     ap.add_argument("--dtype", default=_env("DTYPE", "auto"), type=_one_of(*DTYPE_CHOICES), metavar="{" + ",".join(DTYPE_CHOICES) + "}", help="weights and KV dtype; auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, else float32 [LMGATE_DTYPE]")
@@ -146,6 +147,7 @@ def check_settings(args: argparse.Namespace) -> EngineConfig:
             read_config(args.model)
         return EngineConfig(
             model=args.model, dtype=args.dtype, device=args.device, kv_cache_tokens=args.kv_cache_tokens,
+            kv_cache_dtype=args.kv_cache_dtype,
             max_batch_size=args.max_batch_size, max_batched_tokens=args.max_batched_tokens,
             max_context_length=args.max_context_length or None, engine_loops=args.engine_loops, dp_backend=args.dp_backend,
             tensor_parallel=args.tensor_parallel, nnodes=args.nnodes, node_rank=args.node_rank,
@@ -209,13 +211,14 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> None:
           f"(ready in {time.perf_counter() - started:.1f}s)", flush=True)
     info = engine.info()
     log.info("started: model %s (%s), dtype %s (%s), weights %.0f MiB (--weights %s), device %s, %d engine loop(s) as %s, tensor parallel %d, x %d torch threads, KV cache "
-             "%d tokens (%.0f MiB), batches of %d sequences / %d tokens, context %d, gRPC port %d (%s), metrics port %s, "
+             "%d tokens of %s (%.0f MiB), batches of %d sequences / %d tokens, context %d, gRPC port %d (%s), metrics port %s, "
              "replica %s",
              os.path.basename(engine.model_path), info.architecture, str(engine.dtype).removeprefix("torch."),
              engine.dtype_reason, info.weights_bytes / 2**20,
              engine.config.weights,
              engine.device, info.engine_loops, "threads" if engine.loops else "processes", args.tensor_parallel, engine.threads_per_loop,
-             info.kv_blocks_total * info.kv_block_size, info.kv_cache_bytes / 2**20, args.max_batch_size,
+             info.kv_blocks_total * info.kv_block_size, str(engine.kv_dtype).removeprefix("torch."),
+             info.kv_cache_bytes / 2**20, args.max_batch_size,
              args.max_batched_tokens, info.max_context_length, server.port,
              ("mutual TLS" if args.tls.client_ca else "TLS") if args.tls else "plaintext", args.metrics_port or "off",
              server.replica_id)

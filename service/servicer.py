@@ -142,6 +142,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             kv_cache_bytes=i.kv_cache_bytes,
             dtype=str(self.engine.dtype).removeprefix("torch."),
             dtype_reason=self.engine.dtype_reason,
+            kv_cache_dtype=str(self.engine.kv_dtype).removeprefix("torch."),
             prefix_cache_queried_tokens=i.prefix_cache_queried_tokens,
             prefix_cache_hit_tokens=i.prefix_cache_hit_tokens,
             prefix_cache_hit_rate=i.prefix_cache_hit_tokens / max(i.prefix_cache_queried_tokens, 1),

@@ -22,7 +22,7 @@ import lmgate.engine  # noqa: F401  (before torch: it sets OpenMP's wait policy,
 import torch
 
 from lmgate.client.bench import random_prompts
-from lmgate.engine.config import EngineConfig
+from lmgate.engine.config import KV_CACHE_DTYPES, EngineConfig
 from lmgate.engine.engine import Engine
 from lmgate.engine.hardware import choose_dtype, cpu_features
 from lmgate.engine.models.packed_linear import pack_linears
@@ -100,7 +100,8 @@ class Figures:
 
 def measure_engine(args, dtype: str, prompts_for) -> tuple[Engine, float, float, float]:
     engine = Engine(EngineConfig(model=args.model, dtype=dtype, max_batched_tokens=args.max_batched_tokens,
-                                 max_batch_size=max(64, args.requests), weights=args.weights))
+                                 max_batch_size=max(64, args.requests), weights=args.weights,
+                                 kv_cache_dtype=args.kv_cache_dtype))
     prompts = prompts_for(engine)
     before = on_fresh_thread(lambda: matmul_flops(engine.dtype))  # see engine/threads.py: keep the main thread clear
     # Warm-up with one full-size wave: the first steps at each batch and context size allocate buffers and
@@ -168,7 +169,7 @@ def report(args, params: int, figures: dict[str, Figures]) -> None:
     print(f"cpu flags: {' '.join(sorted(f for f in cpu.flags if f.startswith(('avx', 'amx', 'fma', 'f16c'))))}")
     print(f"--dtype auto chooses {str(auto).removeprefix('torch.')} ({why})")
     print(f"workload: {args.requests} requests x {args.input_len} prompt + {args.output_len} new tokens, ignore_eos, "
-          f"greedy; threads {torch.get_num_threads()}; {params / 1e6:.1f}M params")
+          f"greedy; threads {torch.get_num_threads()}; {params / 1e6:.1f}M params; KV cache {args.kv_cache_dtype}")
     for dtype, f in figures.items():
         limit = gemm_bound(args, params, f.matmul_flops)
         print(f"\n== lmgate {dtype} (best linear M=256,K=576,N=1536: {f.matmul_flops / 1e9:.1f} GFLOP/s, "
@@ -194,6 +195,8 @@ def main() -> None:
     ap.add_argument("--max-batched-tokens", type=int, default=512)
     ap.add_argument("--weights", default="float", choices=["float", "quantized", "auto"],
                     help="float: a GGUF expanded at load, the GEMM-bound limit's own path; quantized: kept as blocks")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                    help="auto: the model's dtype; float16 or bfloat16: a 16-bit cache under float32 (rounds K and V)")
     ap.add_argument("--hf-sample", type=int, default=4, help="requests that measure transformers one at a time")
     ap.add_argument("--noisy-neighbour", action="store_true", help="also run lmgate with one busy process beside it")
     ap.add_argument("--hf-batch", type=int, default=0, help="padded batch size for transformers (0: all requests)")

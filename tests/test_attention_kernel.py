@@ -127,3 +127,28 @@ def test_a_build_lock_left_by_a_killed_build_is_cleared(tmp_path):
     (tmp_path / "lock").write_text("")
     with _builder_lock(str(tmp_path)):
         assert not (tmp_path / "lock").exists()
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}-kv{}-d{}-bs{}".format(*s))
+def test_float32_queries_over_a_16_bit_cache(kernel, shape, cache_dtype):
+    """`--kv-cache-dtype`: the kernel widens each block as it reads it, so the result is float32 attention over
+    the cache's (rounded) values, as tight as a float32 cache's; the torch path computes the same."""
+    heads, kv_heads, dim, block_size = shape
+    q, k_cache, v_cache, tables, lengths = _case(heads, kv_heads, dim, block_size, LENGTHS, torch.float32, seed=2)
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+    out = _decode(q, k_cache, v_cache, DecodeTables(tables, lengths), dim**-0.5)
+    assert out.dtype == torch.float32
+    ref = _reference(q, k_cache, v_cache, tables, lengths, dim**-0.5)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+    gathered = GatheredDecode(gather_rows(tables, kv_heads, k_cache.shape[1]),
+                              decode_mask(lengths, tables.shape[1] * block_size, k_cache))
+    torch.testing.assert_close(_decode(q, k_cache, v_cache, gathered, dim**-0.5), out, atol=2e-5, rtol=2e-5)
+
+
+def test_kernel_refuses_a_cache_dtype_it_cannot_read_under_q(kernel):
+    q, k_cache, v_cache, tables, lengths = _case(9, 3, 64, 16, [5], torch.float16)
+    with pytest.raises(RuntimeError, match="dtype"):  # float16 queries over a float32 cache: not a configuration
+        kernel(q, k_cache.float(), v_cache.float(), tables, lengths, 0.125)
+    with pytest.raises(RuntimeError, match="dtype"):
+        kernel(q.float(), k_cache.double(), v_cache.double(), tables, lengths, 0.125)

@@ -88,3 +88,13 @@ def test_store_kv_refuses_a_slot_outside_the_cache_and_writes_nothing():
     with pytest.raises(RuntimeError, match="outside"):
         torch.ops.lmgate.store_kv(k, v, k_cache, v_cache, torch.tensor([3, 8]))
     assert not k_cache.any() and not v_cache.any()
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_store_kv_rounds_into_a_16_bit_cache(cache_dtype):
+    k, v = torch.randn(5, 2, 64), torch.randn(5, 2, 64)
+    k_cache, v_cache = torch.zeros(2, 4, 16, 64, dtype=cache_dtype), torch.zeros(2, 4, 16, 64, dtype=cache_dtype)
+    slots = torch.tensor([0, 17, 33, 63, 5])
+    torch.ops.lmgate.store_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache.view(2, -1, 64)[:, slots], k.transpose(0, 1).to(cache_dtype))
+    assert torch.equal(v_cache.view(2, -1, 64)[:, slots], v.transpose(0, 1).to(cache_dtype))

@@ -140,8 +140,8 @@ class CountingFusedDecode:
     def __init__(self, inner: FusedDecode) -> None:
         self.inner, self.calls = inner, 0
 
-    def serves(self, rows, meta) -> bool:
-        return self.inner.serves(rows, meta)
+    def serves(self, *args) -> bool:
+        return self.inner.serves(*args)
 
     def __call__(self, *args):
         self.calls += 1

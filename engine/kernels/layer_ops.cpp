@@ -131,14 +131,36 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up_in) {
 }
 
 // A step's keys and values into their slots of the caches [kv_heads, blocks, block_size, dim]: k and v are
-// [T, kv_heads, dim] views of the QKV projection (rows strided). index_copy_ took about 45 us a call for
-// a 64-row decode step, most of it in dispatch and its general indexing; here a row is one copy.
+// [T, kv_heads, dim] float32 views of the QKV projection (rows strided); a 16-bit cache gets them rounded
+// (`--kv-cache-dtype`). index_copy_ took about 45 us a call for a 64-row decode step, most of it in dispatch
+// and its general indexing; here a row is one copy.
+template <typename cache_t>
+void store_rows(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+                const int64_t* slot) {
+  const int64_t tokens = k.size(0), heads = k.size(1), dim = k.size(2), capacity = k_cache.size(1) * k_cache.size(2);
+  const float* ks = k.data_ptr<float>();
+  const float* vs = v.data_ptr<float>();
+  cache_t* kc = k_cache.data_ptr<cache_t>();
+  cache_t* vc = v_cache.data_ptr<cache_t>();
+  at::parallel_for(0, tokens, rows_per_share(2 * heads * dim), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t to = (h * capacity + slot[t]) * dim;
+        at::vec::convert(ks + t * k.stride(0) + h * k.stride(1), kc + to, dim);
+        at::vec::convert(vs + t * v.stride(0) + h * v.stride(1), vc + to, dim);
+      }
+    }
+  });
+}
+
 void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
               const at::Tensor& slots_in) {
   check_float_cpu(k, "k");
   check_float_cpu(v, "v");
-  check_float_cpu(k_cache, "k_cache");
-  check_float_cpu(v_cache, "v_cache");
+  const at::ScalarType cache_type = k_cache.scalar_type();
+  TORCH_CHECK(k_cache.device().is_cpu() && v_cache.scalar_type() == cache_type &&
+                  (cache_type == at::kFloat || cache_type == at::kHalf || cache_type == at::kBFloat16),
+              "the caches must be CPU tensors of one dtype: float32, float16 or bfloat16");
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
                   k.size(1) == k_cache.size(0) && k.size(2) == k_cache.size(3),
               "k, v must be [tokens, kv_heads, dim] and the caches [kv_heads, blocks, block_size, dim]");
@@ -146,24 +168,13 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
               "rows of k and v, and the caches, must be contiguous");
   const at::Tensor slots = slots_in.contiguous();
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == k.size(0), "one int64 slot per token");
-  const int64_t tokens = k.size(0), heads = k.size(1), dim = k.size(2);
   const int64_t capacity = k_cache.size(1) * k_cache.size(2);
   const int64_t* slot = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < tokens; ++t) {
+  for (int64_t t = 0; t < k.size(0); ++t) {
     TORCH_CHECK(slot[t] >= 0 && slot[t] < capacity, "slot ", slot[t], " is outside the cache's ", capacity);
   }
-  const float* ks = k.data_ptr<float>();
-  const float* vs = v.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
-  at::parallel_for(0, tokens, rows_per_share(2 * heads * dim), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      for (int64_t h = 0; h < heads; ++h) {
-        const int64_t to = (h * capacity + slot[t]) * dim;
-        std::copy_n(ks + t * k.stride(0) + h * k.stride(1), dim, kc + to);
-        std::copy_n(vs + t * v.stride(0) + h * v.stride(1), dim, vc + to);
-      }
-    }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, cache_type, "store_kv", [&] {
+    store_rows<scalar_t>(k, v, k_cache, v_cache, slot);
   });
 }
 

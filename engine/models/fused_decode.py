@@ -51,10 +51,11 @@ class FusedDecode:
         return FusedDecode(model)  # only qkv_proj has a bias in this family (Qwen2), which the kernel adds
 
     @staticmethod
-    def serves(rows: int, meta: AttentionMetadata) -> bool:
-        """A step of only decodes, few enough for one pass over the weights, on the C++ attention path."""
+    def serves(rows: int, meta: AttentionMetadata, kv_dtype: torch.dtype) -> bool:
+        """A step of only decodes, few enough for one pass over the weights, on the C++ attention path, over a
+        float32 KV cache (a 16-bit one takes the module path, whose kernels convert it)."""
         return (rows <= MATVEC_ROWS and meta.num_decode == rows and isinstance(meta.decode, DecodeTables)
-                and not meta.triton)
+                and not meta.triton and kv_dtype == torch.float32)
 
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:

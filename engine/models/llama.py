@@ -149,7 +149,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         rope = self.model.rotary_emb.tables(positions, x.dtype)
-        if self.fused_decode is not None and self.fused_decode.serves(x.shape[0], meta):
+        if self.fused_decode is not None and self.fused_decode.serves(x.shape[0], meta, kv_caches[0][0].dtype):
             return self.model.norm(self.fused_decode(x, rope, kv_caches, meta))
         for layer, kv in zip(self.model.layers, kv_caches):
             x = layer(x, rope, kv, meta)
