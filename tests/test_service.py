@@ -90,6 +90,7 @@ def test_chat_session_turns_equal_stateless_conversation(served):
 def test_info_says_dtype_and_why(server):
     info = server.info()
     assert info.dtype == "float32" and info.dtype_reason == "asked for float32"
+    assert info.kv_cache_dtype == "float32"  # auto: the model's
 
 
 def test_cancel_mid_stream_keeps_history(served):

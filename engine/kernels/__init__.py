@@ -7,12 +7,13 @@
 * quantized_matmul.cpp: linear layers over GGUF's quantized blocks (`gguf_matvec`, `gguf_matmul`,
   `gguf_dequantize`);
 * layer_ops.cpp: a decoder layer's elementwise parts in one pass each over float32 rows (`rms_norm`,
-  `rotary`, `silu_and_mul`);
+  `rotary`, `silu_and_mul`), and a step's keys and values into their cache slots (`store_kv`);
 * decode_layers.cpp: every decoder layer of a quantized model for a decode step of a few rows, in one call
   (`decode_layers`, read by engine/models/fused_decode.py).
 
 Where no compiler is found, or the build fails, `load_cpu_kernels` says so once in the log and returns
-False; the engine then runs attention with torch ops and expands GGUF weights to float at load.
+False; the engine then runs attention with torch ops, linear layers on oneDNN, and expands GGUF weights to
+float at load.
 """
 from __future__ import annotations
 
@@ -82,8 +83,8 @@ def _build() -> bool:
                  extra_cflags=["-O3", "-fopenmp", *CAPABILITY_FLAGS.get(capability, [])])
     except Exception as exc:  # no compiler, ninja or setuptools, or a failed build: the torch path still works
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        log.warning("CPU kernels unavailable (%s): decode attention runs on torch ops, GGUF weights are expanded "
-                    "to float", first_line)
+        log.warning("CPU kernels unavailable (%s): decode attention runs on torch ops, linear layers on oneDNN, "
+                    "GGUF weights are expanded to float", first_line)
         return False
     log.info("CPU kernels %s ready in %.1fs", name, time.perf_counter() - start)
     return True
