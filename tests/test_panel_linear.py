@@ -14,12 +14,13 @@ pytestmark = pytest.mark.skipif(not (compiler_found() and load_cpu_kernels()),
                                 reason="no C++ compiler: gemm.cpp cannot be built")
 
 
-@pytest.mark.parametrize("m", [1, 3, 4, 5, 16, 64, 300])
+@pytest.mark.parametrize("m", [0, 1, 3, 4, 5, 16, 64, 300])
 @pytest.mark.parametrize("n", [1, 2, 3, 47, 48, 49, 97, 160])
 @pytest.mark.parametrize("k", [16, 64, 576])
 def test_linear_matches_float64(m, n, k):
     """Every tile shape at the edges: rows of x not a multiple of 4, rows of W not a multiple of 3 or of
-    the 48-row panel, one panel per thread or several."""
+    the 48-row panel, one panel per thread or several; and no rows at all (the LM head of a step in which
+    no sequence samples)."""
     torch.manual_seed(m * 1000 + n + k)
     x, w = torch.randn(m, k), torch.randn(n, k)
     got = torch.ops.lmgate.linear(x, w)
@@ -73,3 +74,18 @@ def test_cpu_linears_leaves_other_dtypes_to_onednn():
     model = nn.Sequential(nn.Linear(32, 16)).to(torch.bfloat16)
     cpu_linears(model, batch_hint=8)
     assert not isinstance(model[0], PanelLinear)
+
+
+def test_a_long_prompt_alone_prefills_in_chunks_that_sample_nothing(checkpoint, tokenizer):
+    """Chunks of a prompt longer than the step budget, with nothing else running: steps whose LM head gets no
+    rows (the float32 head runs on gemm.cpp)."""
+    from lmgate.engine.config import EngineConfig
+    from lmgate.engine.engine import Engine
+    from lmgate.engine.sampling import SamplingParams
+
+    prompt = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 12)
+    config = EngineConfig(dtype="float32", weights="float", max_batched_tokens=32, kv_cache_tokens=1024)
+    with Engine(config, checkpoint=checkpoint) as engine:
+        assert isinstance(engine.loops[0].runner.model.lm_head, PanelLinear)
+        out = engine.generate(prompt, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert len(prompt) > 3 * 32 and len(out.token_ids) == 4

@@ -37,7 +37,7 @@ SOURCES = [os.path.join(os.path.dirname(__file__), name)
 # The flags torch builds its own kernels of each capability with, so that ATen's Vectorized takes the same
 # instructions; "DEFAULT" (and other architectures) get its portable version.
 CAPABILITY_FLAGS = {
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
                "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"],
     "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
 }

@@ -19,7 +19,7 @@
 
 #include "gemm.h"
 
-#if defined(__AVX2__)
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
 #endif
 
@@ -34,7 +34,7 @@ constexpr int64_t LINE = 64;
 // out[m * stride] = the sum of acc[m]'s lanes, for the four rows of one column of a tile: two rounds of
 // pairwise adds reduce all four at once, where one at a time took as many instructions each.
 inline void store_sums4(const Vec acc[4], float* out, int64_t stride) {
-#if defined(__AVX2__)
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
   __m256 v[4];
   for (int i = 0; i < 4; ++i) {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -112,6 +112,7 @@ namespace lmgate {
 // next of its own, a few lines per tile, so that the panel's first pass does not wait on memory.
 void panel_gemm(const float* x, int64_t m_rows, int64_t k, int64_t n_rows, const WeightRows& w, float* out) {
   TORCH_CHECK(k % Vec::size() == 0, "K must be a multiple of ", Vec::size());
+  if (m_rows == 0 || n_rows == 0) return;  // a step in which no row samples asks the LM head for none
   const int64_t panels = (n_rows + PANEL - 1) / PANEL;
   const int64_t tiles = (m_rows + TILE_M - 1) / TILE_M * ((PANEL + TILE_N - 1) / TILE_N);
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {

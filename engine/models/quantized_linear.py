@@ -3,8 +3,8 @@
 `GGUFBlocks` is a quantized matrix as the loader hands it over (rows of blocks, in the row order of the
 Hugging Face layout). `QuantizedLinear` computes `x @ W.T` from the blocks with the C++ kernels of
 engine/kernels (quantized_matmul.cpp): a step of few rows (decoding) reads the blocks once and never
-writes W out; a step of many rows (prefill, big batches) runs a float32 GEMM over panels of W expanded in
-L2, at about the rate of the float path's oneDNN matmul. An embedding over blocks expands only the rows
+writes W out; a step of many rows (prefill, big batches) runs the float path's own float32 GEMM
+(kernels/gemm.cpp) over panels of W expanded in L2. An embedding over blocks expands only the rows
 it looks up.
 """
 from __future__ import annotations
