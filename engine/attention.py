@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .kernels import cpu_kernels_loaded
+from .kernels import layer_kernels
 
 
 @dataclass(slots=True)
@@ -86,7 +86,7 @@ def paged_attention(
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
     """A step's keys and values [T, KVH, D] into their slots, rounded to the cache's dtype: in C++ (layer_ops.cpp)
     for float32 on the CPU where the kernels are loaded, else with index_copy_."""
-    if k.dtype == torch.float32 and k.device.type == "cpu" and cpu_kernels_loaded():
+    if layer_kernels(k):
         torch.ops.lmgate.store_kv(k, v, k_cache, v_cache, slots)
         return
     kvh, _, _, d = k_cache.shape

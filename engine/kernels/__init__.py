@@ -55,6 +55,13 @@ def load_cpu_kernels() -> bool:
         return _loaded
 
 
+def layer_kernels(x: torch.Tensor) -> bool:
+    """Whether the C++ elementwise ops (layer_ops.cpp: norms, rotary, SiLU, KV stores) serve `x`: float32 on the
+    CPU, where the kernels are loaded (a float32 model's linear layers load them, whatever
+    `--attention-kernel` says). The torch expressions beside each call are the same arithmetic, in more passes."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and cpu_kernels_loaded()
+
+
 def cpu_kernels_loaded() -> bool:
     """Whether the kernels are loaded already: never builds and never waits, so a layer may ask at every call.
     The engine loads them at start where it wants them (C++ attention, quantized weights)."""

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..attention import AttentionMetadata, paged_attention
 from ..config import ModelConfig
-from ..kernels import cpu_kernels_loaded
+from ..kernels import layer_kernels
 from .fused_decode import FusedDecode
 from .quantized_linear import GGUFBlocks, cat_rows
 
@@ -55,13 +55,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     if layer_kernels(x):
         return torch.ops.lmgate.rotary(x, cos, sin)
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
-
-
-def layer_kernels(x: torch.Tensor) -> bool:
-    """Whether the C++ elementwise ops (engine/kernels/layer_ops.cpp) serve `x`: float32 on the CPU, where the
-    engine loaded the kernels (`--attention-kernel off` with float weights keeps every op in torch). The torch
-    expressions beside each call are the same arithmetic, in more passes."""
-    return x.dtype == torch.float32 and x.device.type == "cpu" and cpu_kernels_loaded()
 
 
 class Attention(nn.Module):
