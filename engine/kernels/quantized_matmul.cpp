@@ -236,23 +236,30 @@ void with_type(int64_t type, F&& f) {
   TORCH_CHECK(false, "unsupported GGUF quantization type ", type);
 }
 
+// `count` rows of blocks written out as float32 rows of K: all of W (`gguf_dequantize`), or a panel of it
+// for gemm.cpp's loop (`gguf_matmul`).
+template <int64_t TYPE>
+void expand_rows(const uint8_t* rows, int64_t count, int64_t row_bytes, int64_t k, float* out) {
+  const Layout l = layout_of(TYPE);
+  for (int64_t j = 0; j < count; ++j) {
+    for (int64_t b = 0; b < k / l.weights; ++b) {
+      dequantize_block<TYPE>(rows + j * row_bytes + b * l.bytes, out + j * k + b * l.weights);
+    }
+  }
+}
+
 // out[n, :] = the K weights of row n, for every row.
 void gguf_dequantize(const at::Tensor& blocks, int64_t type, at::Tensor& out) {
   const int64_t n_rows = out.size(0), k = out.size(1);
   check_blocks(blocks, type, k);
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && blocks.size(0) == n_rows,
               "out must be a contiguous float32 [N, K] tensor");
-  const Layout l = layout_of(type);
   const uint8_t* src = blocks.data_ptr<uint8_t>();
   float* dst = out.data_ptr<float>();
-  const int64_t row_bytes = blocks.size(1), per_row = k / l.weights;
+  const int64_t row_bytes = blocks.size(1);
   with_type(type, [&](auto t) {
     at::parallel_for(0, n_rows, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t n = begin; n < end; ++n) {
-        for (int64_t b = 0; b < per_row; ++b) {
-          dequantize_block<decltype(t)::value>(src + n * row_bytes + b * l.bytes, dst + n * k + b * l.weights);
-        }
-      }
+      expand_rows<decltype(t)::value>(src + begin * row_bytes, end - begin, row_bytes, k, dst + begin * k);
     });
   });
 }
@@ -482,17 +489,6 @@ at::Tensor gguf_matvec(const at::Tensor& x_in, const at::Tensor& blocks, int64_t
     lmgate::gguf_matvec_range(type, m_rows, xp, k, w, row_bytes, begin, end, op, n_rows);
   });
   return out;
-}
-
-// `count` rows of blocks written out as float32 rows of K: a panel of W for gemm.cpp's loop.
-template <int64_t TYPE>
-void expand_rows(const uint8_t* rows, int64_t count, int64_t row_bytes, int64_t k, float* out) {
-  const Layout l = layout_of(TYPE);
-  for (int64_t j = 0; j < count; ++j) {
-    for (int64_t b = 0; b < k / l.weights; ++b) {
-      dequantize_block<TYPE>(rows + j * row_bytes + b * l.bytes, out + j * k + b * l.weights);
-    }
-  }
 }
 
 // x: [M, K] float32, many rows; blocks: [N, row_bytes]. x @ W.T as gemm.cpp's float32 GEMM over panels of W
