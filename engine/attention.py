@@ -21,7 +21,7 @@ class PrefillChunk:
 
 @dataclass(slots=True)
 class PrefillTables:
-    """The prefill chunks as the Triton kernel reads them: per chunk, its rows (counted from the first
+    """The prefill chunks as the Triton and C++ kernels read them: per chunk, its rows (counted from the first
     prefill row), its context and its block table."""
 
     block_tables: torch.Tensor  # [chunks, width] int64, padded with block 0
@@ -79,7 +79,11 @@ def paged_attention(
     parts = []
     if meta.num_decode:
         parts.append(_decode(q[: meta.num_decode], k_cache, v_cache, meta.decode, scale))
-    parts.extend(_prefill(q[c.start : c.end], k_cache, v_cache, c, scale) for c in meta.prefills)
+    if isinstance(meta.prefills, PrefillTables):  # the C++ kernel's form: every chunk in one call
+        if meta.prefills.max_q_len:
+            parts.append(_prefill_kernel(q[meta.num_decode :], k_cache, v_cache, meta.prefills, scale))
+    else:
+        parts.extend(_prefill(q[c.start : c.end], k_cache, v_cache, c, scale) for c in meta.prefills)
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -113,7 +117,7 @@ def _triton_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale:
 def _decode(q, k_cache, v_cache, decode: DecodeTables | GatheredDecode, scale: float) -> torch.Tensor:
     if isinstance(decode, DecodeTables):
         return torch.ops.lmgate.paged_decode_attention(
-            q.contiguous(), k_cache, v_cache, decode.block_tables, decode.lengths, scale)
+            q, k_cache, v_cache, decode.block_tables, decode.lengths, scale)
     return _gathered_decode(q, k_cache, v_cache, decode, scale)
 
 
@@ -129,6 +133,13 @@ def _gathered_decode(q, k_cache, v_cache, decode: GatheredDecode, scale: float) 
     scores = torch.baddbmm(decode.mask.to(q.dtype), q, keys.transpose(1, 2), alpha=scale)  # [KVH * n, G, L]
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
     return torch.bmm(probs, values).view(kvh, n, h // kvh, d).transpose(0, 1).reshape(n, h, d)
+
+
+def _prefill_kernel(q, k_cache, v_cache, chunks: PrefillTables, scale: float) -> torch.Tensor:
+    """The prefill chunks read in place by the C++ kernel: causal, each block read once per tile of 16
+    queries. torch's flash kernel, on gathered copies, computed the masked half of a 128-token chunk too."""
+    return torch.ops.lmgate.paged_prefill_attention(q, k_cache, v_cache, chunks.block_tables, chunks.q_starts,
+                                                    chunks.q_lens, chunks.context_lens, scale)
 
 
 def _prefill(q, k_cache, v_cache, chunk: PrefillChunk, scale: float) -> torch.Tensor:

@@ -151,7 +151,7 @@ class ModelRunner:
             # Every decode samples, in order: the logits are the bucket's first rows (only their count is read).
             return StepInputs(input_ids, positions, meta, torch.arange(len(plan.logit_rows)), plan.sample_rows,
                               bucket=meta.num_decode)
-        if self.attention == "triton":
+        if self.attention in ("triton", "cpu"):
             prefills = self._prefill_tables(plan.prefills)
         else:
             prefills = [PrefillChunk(start, end, context, self._rows(torch.tensor(table, dtype=torch.long)))

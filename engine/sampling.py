@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import InvalidRequest
+from .kernels import layer_kernels
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -105,7 +106,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
     seeded request gives the same tokens whatever else shares its batch."""
     raw = logits
     logits = _apply_penalties(logits, rows)
-    tokens = logits.argmax(dim=-1)
+    tokens = torch.ops.lmgate.argmax_rows(logits) if layer_kernels(logits) else logits.argmax(dim=-1)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled:
         idx = torch.tensor(sampled, device=logits.device)

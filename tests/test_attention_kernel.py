@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmgate.engine.attention import DecodeTables, GatheredDecode, _decode, decode_mask, gather_rows
+from lmgate.engine.attention import (DecodeTables, GatheredDecode, PrefillChunk, PrefillTables, _decode, _prefill,
+                                     _prefill_kernel, decode_mask, gather_rows)
 from lmgate.engine.kernels import _builder_lock, compiler_found, load_cpu_kernels
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -82,6 +83,17 @@ def test_kernel_and_torch_path_agree(kernel, shape):
     torch.testing.assert_close(by_kernel, by_torch, atol=2e-5, rtol=2e-5)
 
 
+def test_kernel_reads_queries_whose_rows_are_strided(kernel):
+    """The engine's queries are the first heads of the rotated Q and K heads: a view, read in place."""
+    q, k_cache, v_cache, tables, lengths = _case(9, 3, 64, 16, LENGTHS, torch.float32, seed=2)
+    qk = torch.cat([q, torch.randn(q.shape[0], 3, 64)], dim=1)
+    view = qk[:, :9]
+    assert not view.is_contiguous()
+    out = kernel(view, k_cache, v_cache, tables, lengths, 0.125)
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, kernel(q, k_cache, v_cache, tables, lengths, 0.125), rtol=0, atol=0)
+
+
 def test_kernel_handles_an_empty_batch(kernel):
     q, k_cache, v_cache, _, _ = _case(9, 3, 64, 16, [5], torch.float32)
     out = kernel(q[:0], k_cache, v_cache, torch.zeros(0, 1, dtype=torch.long), torch.zeros(0, dtype=torch.long), 0.125)
@@ -152,3 +164,87 @@ def test_kernel_refuses_a_cache_dtype_it_cannot_read_under_q(kernel):
         kernel(q, k_cache.float(), v_cache.float(), tables, lengths, 0.125)
     with pytest.raises(RuntimeError, match="dtype"):
         kernel(q.float(), k_cache.double(), v_cache.double(), tables, lengths, 0.125)
+
+
+CHUNKS = [(1, 1), (15, 15), (16, 16), (17, 40), (40, 40), (3, 300), (33, 33)]  # (queries, context): a prefix when they differ
+
+
+def _prefill_case(heads, kv_heads, dim, block_size, chunks, dtype, q_dtype=None, seed=0):
+    """Prefill chunks in one batch of rows, their blocks scattered over the cache like _case's."""
+    q, k_cache, v_cache, tables, _ = _case(heads, kv_heads, dim, block_size, [c for _, c in chunks], dtype, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    rows = sum(n for n, _ in chunks)
+    q = torch.randn(rows, heads, dim, generator=g).to(q_dtype or dtype)
+    starts = torch.tensor([0, *torch.tensor([n for n, _ in chunks]).cumsum(0).tolist()][:-1])
+    return q, k_cache, v_cache, PrefillTables(tables, starts, torch.tensor([n for n, _ in chunks]),
+                                              torch.tensor([c for _, c in chunks]), max(n for n, _ in chunks))
+
+
+def _prefill_reference(q, k_cache, v_cache, chunks: PrefillTables, scale) -> torch.Tensor:
+    """Each query on its own, in float64, against the keys up to and including its own position."""
+    kv_heads, _, _, dim = k_cache.shape
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for c in range(len(chunks.q_lens)):
+        start, n, context = int(chunks.q_starts[c]), int(chunks.q_lens[c]), int(chunks.context_lens[c])
+        keys = k_cache[:, chunks.block_tables[c]].flatten(1, 2)[:, :context].double()
+        values = v_cache[:, chunks.block_tables[c]].flatten(1, 2)[:, :context].double()
+        for i in range(n):
+            seen = context - n + 1 + i
+            qi = q[start + i].double().view(kv_heads, -1, dim)
+            probs = torch.softmax(qi @ keys[:, :seen].transpose(1, 2) * scale, dim=-1)
+            out[start + i] = (probs @ values[:, :seen]).reshape(-1, dim)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}-kv{}-d{}-bs{}".format(*s))
+def test_prefill_kernel_matches_reference(kernel, shape, dtype):
+    """Causal within each chunk, the prefix in full, tiles of 16 queries with short tails, any grouping."""
+    heads, kv_heads, dim, block_size = shape
+    q, k_cache, v_cache, chunks = _prefill_case(heads, kv_heads, dim, block_size, CHUNKS, dtype)
+    out = _prefill_kernel(q, k_cache, v_cache, chunks, dim**-0.5)
+    assert out.dtype == dtype and out.shape == q.shape
+    ref = _prefill_reference(q, k_cache, v_cache, chunks, dim**-0.5)
+    torch.testing.assert_close(out.double(), ref, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_prefill_kernel_reads_a_16_bit_cache_under_float32(kernel, cache_dtype):
+    q, k_cache, v_cache, chunks = _prefill_case(9, 3, 64, 16, CHUNKS, cache_dtype, q_dtype=torch.float32)
+    out = _prefill_kernel(q, k_cache, v_cache, chunks, 0.125)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), _prefill_reference(q, k_cache, v_cache, chunks, 0.125), atol=2e-5, rtol=2e-5)
+
+
+def test_prefill_kernel_and_torch_path_agree_on_strided_queries(kernel):
+    """The engine's queries are a view of the rotated Q and K heads; torch's path reads gathered copies."""
+    q, k_cache, v_cache, chunks = _prefill_case(9, 3, 64, 16, CHUNKS, torch.float32, seed=3)
+    view = torch.cat([q, torch.randn(q.shape[0], 3, 64)], dim=1)[:, :9]
+    by_kernel = _prefill_kernel(view, k_cache, v_cache, chunks, 0.125)
+    for c in range(len(chunks.q_lens)):
+        start, n = int(chunks.q_starts[c]), int(chunks.q_lens[c])
+        chunk = PrefillChunk(start, start + n, int(chunks.context_lens[c]),
+                             gather_rows(chunks.block_tables[c], 3, k_cache.shape[1]))
+        torch.testing.assert_close(by_kernel[start : start + n], _prefill(q[start : start + n], k_cache, v_cache, chunk, 0.125),
+                                   atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("what", ["a gap between chunks", "more queries than context", "rows left over",
+                                  "context past its table", "block outside the cache"])
+def test_prefill_kernel_refuses_bad_chunks(kernel, what):
+    q, k_cache, v_cache, chunks = _prefill_case(9, 3, 64, 16, [(5, 20), (7, 7)], torch.float32)
+    starts, lens, contexts, tables = (t.clone() for t in (chunks.q_starts, chunks.q_lens, chunks.context_lens, chunks.block_tables))
+    if what == "a gap between chunks":
+        starts[1] += 1
+    elif what == "more queries than context":
+        lens[1], starts[1] = 21, 5
+        q = torch.randn(26, 9, 64)
+        contexts[1] = 20
+    elif what == "rows left over":
+        q = torch.randn(13, 9, 64)
+    elif what == "context past its table":
+        contexts[1] = tables.shape[1] * 16 + 1
+    elif what == "block outside the cache":
+        tables[0, 0] = k_cache.shape[1]
+    with pytest.raises(RuntimeError):
+        torch.ops.lmgate.paged_prefill_attention(q, k_cache, v_cache, tables, starts, lens, contexts, 0.125)

@@ -25,6 +25,41 @@ def test_rms_norm_matches_hugging_faces_formula(rows, dim):
     torch.testing.assert_close(norm(x), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 64, 300])
+@pytest.mark.parametrize("dim", [576, 37])
+def test_add_rms_norm_adds_in_place_then_normalizes(rows, dim):
+    """A decoder layer's residual add inside the norm that reads the sum: x becomes x + delta, in place, and
+    the result equals rms_norm of that sum, in C++ and on torch's path (a dtype the kernels do not take)."""
+    g = torch.Generator().manual_seed(rows + dim)
+    x, delta, w = torch.randn(rows, dim, generator=g), torch.randn(rows, dim, generator=g), torch.randn(dim, generator=g)
+    total = x + delta
+    want = torch.ops.lmgate.rms_norm(total, w, 1e-5)
+    got = torch.ops.lmgate.add_rms_norm(x, delta, w, 1e-5)
+    assert torch.equal(x, total)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    norm = RMSNorm(dim, 1e-5)
+    norm.weight.data.copy_(w)
+    x64 = total.double() - delta.double()
+    torch.testing.assert_close(norm.double()(x64, delta.double()), want.double(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x64, total.double())
+    with pytest.raises(RuntimeError, match="shape"):
+        torch.ops.lmgate.add_rms_norm(x, delta[:, :-1], w, 1e-5)
+
+
+@pytest.mark.parametrize("rows, vocab", [(1, 49152), (64, 49152), (5, 13), (3, 1)])
+def test_argmax_rows_matches_torch_with_ties_and_nans(rows, vocab):
+    """Greedy sampling's argmax: the first of equal maxima, a NaN wins (torch's rule), tails of any length."""
+    g = torch.Generator().manual_seed(rows * vocab)
+    logits = torch.randn(rows, vocab, generator=g)
+    logits[0, vocab // 2 :] = 50.0  # a tie: the first index of it wins
+    if rows > 2:
+        logits[1, vocab - 1] = 60.0  # the maximum in the last lane of a tail
+        logits[2, max(vocab - 3, 0)] = float("nan")
+    assert torch.equal(torch.ops.lmgate.argmax_rows(logits), logits.argmax(dim=-1))
+    with pytest.raises(RuntimeError, match="vocab"):
+        torch.ops.lmgate.argmax_rows(torch.ones(2, 0))
+
+
 @pytest.mark.parametrize("tokens", [1, 5, 200])
 @pytest.mark.parametrize("heads, dim", [(12, 64), (3, 6), (2, 128)])
 def test_rotary_matches_rotate_half_on_a_strided_view(tokens, heads, dim):

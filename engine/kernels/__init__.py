@@ -1,13 +1,14 @@
 """C++ CPU kernels, compiled on first use with torch's extension builder and cached across runs
 (in `~/.cache/torch_extensions`, or `$TORCH_EXTENSIONS_DIR`).
 
-* paged_attention.cpp: CPU decode attention over the paged KV cache (`torch.ops.lmgate.paged_decode_attention`);
+* paged_attention.cpp: CPU attention over the paged KV cache (`paged_decode_attention`, `paged_prefill_attention`);
 * gemm.cpp: float32 `x @ W.T` over W's rows where they lie (`linear`, the float path's linear layers), and
   the GEMM loop `gguf_matmul` runs over expanded panels of quantized blocks;
 * quantized_matmul.cpp: linear layers over GGUF's quantized blocks (`gguf_matvec`, `gguf_matmul`,
   `gguf_dequantize`);
 * layer_ops.cpp: a decoder layer's elementwise parts in one pass each over float32 rows (`rms_norm`,
-  `rotary`, `silu_and_mul`), and a step's keys and values into their cache slots (`store_kv`);
+  `add_rms_norm`, `rotary`, `silu_and_mul`), a step's keys and values into their cache slots (`store_kv`),
+  and greedy sampling's `argmax_rows`;
 * decode_layers.cpp: every decoder layer of a quantized model for a decode step of a few rows, in one call
   (`decode_layers`, read by engine/models/fused_decode.py).
 

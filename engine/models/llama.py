@@ -22,10 +22,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalized in fp32, scaled in the model's dtype, as Hugging Face's LlamaRMSNorm does."""
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """Normalized in fp32, scaled in the model's dtype, as Hugging Face's LlamaRMSNorm does. With `delta`,
+        the residual add comes first, in place: `x += delta` (one C++ pass with the norm where it can)."""
         if layer_kernels(x):
+            if delta is not None:
+                return torch.ops.lmgate.add_rms_norm(x, delta, self.weight, self.eps)
             return torch.ops.lmgate.rms_norm(x, self.weight, self.eps)
+        if delta is not None:
+            x.add_(delta)
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
@@ -109,9 +114,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rope, kv, meta):
-        x = x + self.reduce(self.self_attn(self.input_layernorm(x), rope, kv, meta))
-        return x + self.reduce(self.mlp(self.post_attention_layernorm(x)))
+    def forward(self, x, delta, rope, kv, meta):
+        """The residual stream `x` (updated in place) and the previous layer's output `delta`, not yet added:
+        each residual add runs inside the norm that reads its sum, as vLLM's fused add-and-norm does."""
+        attn = self.reduce(self.self_attn(self.input_layernorm(x, delta), rope, kv, meta))
+        return self.reduce(self.mlp(self.post_attention_layernorm(x, attn)))
 
 
 class LlamaModel(nn.Module):
@@ -144,9 +151,10 @@ class LlamaForCausalLM(nn.Module):
         rope = self.model.rotary_emb.tables(positions, x.dtype)
         if self.fused_decode is not None and self.fused_decode.serves(x.shape[0], meta, kv_caches[0][0].dtype):
             return self.model.norm(self.fused_decode(x, rope, kv_caches, meta))
+        delta = None
         for layer, kv in zip(self.model.layers, kv_caches):
-            x = layer(x, rope, kv, meta)
-        return self.model.norm(x)
+            delta = layer(x, delta, rope, kv, meta)
+        return self.model.norm(x, delta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
