@@ -58,7 +58,9 @@ const float* as_float<c10::Half>(const c10::Half* src, float* buffer, int64_t n)
 #endif
 
 // Blocks lie scattered over the cache, so the hardware prefetcher, which stops at page boundaries, cannot
-// see the next one coming; asking for it early hides most of the DRAM latency.
+// see the next one coming; asking for it early hides most of the DRAM latency. Where a sequence's blocks
+// follow one another (a prompt's, allocated together) the hardware does better alone: asking for them too
+// took decode attention over in-order blocks from 21.6 to 16.5 GB/s on a 2-core Zen 3.
 template <typename scalar_t>
 void prefetch(const scalar_t* block, int64_t elems) {
   const char* bytes = reinterpret_cast<const char*>(block);
@@ -270,7 +272,8 @@ void attend(const q_t* q, int64_t q_row, int64_t rows, const cache_t* k_head, co
   const auto walk = [&](const cache_t* head, auto&& use) {
     for (int64_t b = 0; b < std::min(kAhead, blocks); ++b) prefetch(head + table[b] * block_elems, block_elems);
     for (int64_t b = 0; b < blocks; ++b) {
-      if (b + kAhead < blocks) prefetch(head + table[b + kAhead] * block_elems, block_elems);
+      const int64_t next = b + kAhead;  // asked for only where the blocks jump: the hardware follows a run
+      if (next < blocks && table[next] != table[next - 1] + 1) prefetch(head + table[next] * block_elems, block_elems);
       const int64_t n = std::min(block_size, len - b * block_size);
       use(b * block_size, n, as_float(head + table[b] * block_elems, s.buffer.data(), n * dim));
     }
