@@ -188,9 +188,14 @@ void tile_scores(const float* q, const float* keys, int64_t rows, int64_t dim, f
       for (int g = 0; g < G; ++g) fma4(_mm256_loadu_ps(q + g * dim + d), kd, acc[g]);
     }
     for (int g = 0; g < G; ++g) {
-      alignas(16) float sums[4];
-      _mm_store_ps(sums, _mm_mul_ps(sum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), _mm_set1_ps(scale)));
-      std::copy(sums, sums + n, scores + g * stride + t);
+      const __m128 sums = _mm_mul_ps(sum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]), _mm_set1_ps(scale));
+      if (n == 4) {
+        _mm_storeu_ps(scores + g * stride + t, sums);
+      } else {
+        alignas(16) float tail[4];
+        _mm_store_ps(tail, sums);
+        std::copy(tail, tail + n, scores + g * stride + t);
+      }
     }
   }
 }
