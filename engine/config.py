@@ -88,7 +88,7 @@ class EngineConfig:
     master_port: int = 0  # node 0's rendezvous (TCPStore) port; 0: any free one, on one node only
     default_max_new_tokens: int = 256
     max_queued_requests: int = 1024  # per engine loop; a generate beyond it is RESOURCE_EXHAUSTED
-    attention_kernel: bool = True  # CPU decode attention in C++ (built on first use), else torch ops
+    attention_kernel: bool = True  # CPU decode and prefill attention in C++ (built on first use), else torch ops
     weights: str = "auto"  # of WEIGHT_MODES: a GGUF's quantized matrices kept as blocks on the CPU (weights.keep_quantized)
     cuda_graphs: bool = True  # CUDA: decode steps replayed from graphs per batch-size bucket (not under tensor parallelism)
     prefix_caching: bool = True  # full KV blocks shared by prompts that start with the same tokens
