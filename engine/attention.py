@@ -39,7 +39,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [tokens], index into the flattened [blocks * block_size] cache
     num_decode: int  # the first num_decode tokens are one-token decodes
     decode: DecodeTables | GatheredDecode | None
-    prefills: list[PrefillChunk] | PrefillTables  # PrefillTables on the Triton path
+    prefills: list[PrefillChunk] | PrefillTables  # PrefillTables on the Triton and C++ paths
     triton: bool = False  # the Triton kernels store the KV and read it (engine/kernels/triton)
 
 

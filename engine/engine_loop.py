@@ -67,8 +67,8 @@ def build_runner(weights: LocalWeights, config: EngineConfig, max_context_length
 
 
 def attention_path(device: torch.device, kernel: bool) -> str:
-    """Triton on CUDA (torch ops without Triton); on the CPU the C++ decode kernel unless it is off or could
-    not be built."""
+    """Triton on CUDA (torch ops without Triton); on the CPU the C++ attention kernels unless they are off or
+    could not be built."""
     if device.type == "cuda":
         return "triton" if triton_available() else "torch"
     return "cpu" if kernel and load_cpu_kernels() else "torch"

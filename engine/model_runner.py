@@ -46,7 +46,7 @@ class StepInputs:
     bucket: int = 0  # a decode step replayed from the CUDA graph of this batch size (cuda_graphs.py); 0: eager
 
 
-# How attention reads the paged cache: torch ops (gather, then matmuls), the C++ CPU decode kernel
+# How attention reads the paged cache: torch ops (gather, then matmuls), the C++ CPU attention kernels
 # (engine/kernels), or the Triton kernels (engine/kernels/triton, the CUDA path).
 ATTENTION_PATHS = ("torch", "cpu", "triton")
 

@@ -15,7 +15,7 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 def kernel():
     """The kernel is built wherever a C++ compiler is found; without one the engine uses the torch path."""
     if not compiler_found():
-        pytest.skip("no C++ compiler: the engine runs decode attention on torch ops")
+        pytest.skip("no C++ compiler: the engine runs attention on torch ops")
     assert load_cpu_kernels()
     return torch.ops.lmgate.paged_decode_attention
 
@@ -229,9 +229,11 @@ def test_prefill_kernel_and_torch_path_agree_on_strided_queries(kernel):
                                    atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("what", ["a gap between chunks", "more queries than context", "rows left over",
-                                  "context past its table", "block outside the cache"])
-def test_prefill_kernel_refuses_bad_chunks(kernel, what):
+@pytest.mark.parametrize("what, message", [("a gap between chunks", "does not follow"),
+                                           ("more queries than context", "inside its context"),
+                                           ("rows left over", "cover"), ("context past its table", "capacity"),
+                                           ("block outside the cache", "outside the cache")])
+def test_prefill_kernel_refuses_bad_chunks(kernel, what, message):
     q, k_cache, v_cache, chunks = _prefill_case(9, 3, 64, 16, [(5, 20), (7, 7)], torch.float32)
     starts, lens, contexts, tables = (t.clone() for t in (chunks.q_starts, chunks.q_lens, chunks.context_lens, chunks.block_tables))
     if what == "a gap between chunks":
@@ -246,5 +248,5 @@ def test_prefill_kernel_refuses_bad_chunks(kernel, what):
         contexts[1] = tables.shape[1] * 16 + 1
     elif what == "block outside the cache":
         tables[0, 0] = k_cache.shape[1]
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match=message):
         torch.ops.lmgate.paged_prefill_attention(q, k_cache, v_cache, tables, starts, lens, contexts, 0.125)

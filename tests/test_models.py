@@ -22,7 +22,8 @@ import pytest
 import torch
 import transformers
 
-from lmgate.engine.attention import AttentionMetadata, DecodeTables, GatheredDecode, PrefillChunk, decode_mask, gather_rows
+from lmgate.engine.attention import (AttentionMetadata, DecodeTables, GatheredDecode, PrefillChunk, PrefillTables, decode_mask,
+                                     gather_rows)
 from lmgate.engine.config import EngineConfig, ModelConfig
 from lmgate.engine.engine import Engine
 from lmgate.engine.errors import UnsupportedModel
@@ -197,18 +198,18 @@ def _meta(kv, slots: list[int], prefills=(), decodes=None, kernel: bool = False)
     """Attention metadata as the model runner builds it.
 
     prefills: (start, end, context_len, block_table) per chunk; decodes: (block_tables, lengths), the
-    tables padded with block 0, read in place by the C++ kernel or gathered by the torch path.
+    tables padded with block 0. The C++ kernels read both in place (tables); the torch path gathers them.
     """
     kvh, num_blocks, block_size = kv[0][0].shape[:3]
-    meta = AttentionMetadata(
-        slot_mapping=_ids(slots),
-        num_decode=0,
-        decode=None,
-        prefills=[
-            PrefillChunk(start, end, ctx, gather_rows(torch.tensor(table[: -(-ctx // block_size)]), kvh, num_blocks))
-            for start, end, ctx, table in prefills
-        ],
-    )
+    chunks = [PrefillChunk(start, end, ctx, gather_rows(torch.tensor(table[: -(-ctx // block_size)]), kvh, num_blocks))
+              for start, end, ctx, table in prefills]
+    if kernel and prefills:
+        width = max(len(table) for *_, table in prefills)
+        first = prefills[0][0]
+        chunks = PrefillTables(torch.tensor([table + [0] * (width - len(table)) for *_, table in prefills]),
+                               _ids([start - first for start, *_ in prefills]), _ids([end - start for start, end, *_ in prefills]),
+                               _ids([ctx for _, _, ctx, _ in prefills]), max(end - start for start, end, *_ in prefills))
+    meta = AttentionMetadata(slot_mapping=_ids(slots), num_decode=0, decode=None, prefills=chunks)
     if decodes is not None:
         block_tables, lengths = decodes
         width = max(len(t) for t in block_tables)
@@ -223,7 +224,7 @@ def _meta(kv, slots: list[int], prefills=(), decodes=None, kernel: bool = False)
 
 
 def _decode_paths() -> list:
-    """The torch path always; the C++ kernel where it could be built (tests/test_attention_kernel.py says
+    """The torch path always; the C++ kernels where they could be built (tests/test_attention_kernel.py says
     why it could not)."""
     kernel = pytest.param(True, id="kernel", marks=pytest.mark.skipif(
         not compiler_found(), reason="no C++ compiler"))
@@ -264,8 +265,10 @@ def test_model_prefill_logits_match_transformers(tiny, prompt_ids):
     assert ref.std() > 3
 
 
-def test_model_chunked_prefill_matches_transformers(tiny, prompt_ids):
-    """A second prefill chunk attends to the prefix already in the cache (the masked-SDPA path)."""
+@pytest.mark.parametrize("kernel", _decode_paths())
+def test_model_chunked_prefill_matches_transformers(tiny, prompt_ids, kernel):
+    """A second prefill chunk attends to the prefix already in the cache (masked SDPA, or the C++ kernel)."""
+    assert not kernel or load_cpu_kernels()
     ckpt, model = tiny.ours()
     n, split, bs = len(prompt_ids), 11, 4
     table = [5, 2, 7, 0, 3, 1]  # non-contiguous blocks
@@ -274,7 +277,7 @@ def test_model_chunked_prefill_matches_transformers(tiny, prompt_ids):
     outs = []
     with torch.inference_mode():
         for start, end in ((0, split), (split, n)):
-            meta = _meta(kv, _slots(table, range(start, end), bs), prefills=[(0, end - start, end, table)])
+            meta = _meta(kv, _slots(table, range(start, end), bs), prefills=[(0, end - start, end, table)], kernel=kernel)
             hidden = model(_ids(prompt_ids[start:end]), torch.arange(start, end), kv, meta)
             outs.append(model.compute_logits(hidden))
     torch.testing.assert_close(torch.cat(outs), tiny.hf_logits(prompt_ids), atol=ATOL, rtol=RTOL)
@@ -295,6 +298,7 @@ def test_model_batched_decode_matches_transformers(tiny, prompt_ids, prompt_b_id
             kv,
             _slots(table_a, range(len(a)), bs) + _slots(table_b, range(len(b)), bs),
             prefills=[(0, len(a), len(a), table_a), (len(a), len(a) + len(b), len(b), table_b)],
+            kernel=kernel,
         )
         prefill = model.compute_logits(model(_ids(a + b), _ids(list(range(len(a))) + list(range(len(b)))), kv, meta))
         next_a, next_b = int(prefill[len(a) - 1].argmax()), int(prefill[-1].argmax())

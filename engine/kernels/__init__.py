@@ -91,7 +91,7 @@ def _build() -> bool:
                  extra_cflags=["-O3", "-fopenmp", *CAPABILITY_FLAGS.get(capability, [])])
     except Exception as exc:  # no compiler, ninja or setuptools, or a failed build: the torch path still works
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        log.warning("CPU kernels unavailable (%s): decode attention runs on torch ops, linear layers on oneDNN, "
+        log.warning("CPU kernels unavailable (%s): attention runs on torch ops, linear layers on oneDNN, "
                     "GGUF weights are expanded to float", first_line)
         return False
     log.info("CPU kernels %s ready in %.1fs", name, time.perf_counter() - start)

@@ -123,11 +123,11 @@ at::Tensor argmax_rows(const at::Tensor& logits_in) {
       const float best = at::vec::reduce_all<float>([](Vec a, Vec b) { return at::vec::maximum(a, b); }, x, n);
       int64_t i = 0;
       if (std::isnan(best)) {
-        while (!std::isnan(x[i])) ++i;
+        while (i < n - 1 && !std::isnan(x[i])) ++i;
       } else {
         constexpr int none_equal = (1 << Vec::size()) - 1;  // zero_mask of a comparison with no lane equal
         while (i + Vec::size() <= n && (Vec::loadu(x + i) == Vec(best)).zero_mask() == none_equal) i += Vec::size();
-        while (x[i] != best) ++i;
+        while (i < n - 1 && x[i] != best) ++i;  // best is one of the row's values: stops at it
       }
       os[r] = i;
     }
