@@ -16,11 +16,11 @@ pytestmark = pytest.mark.skipif(not (compiler_found() and load_cpu_kernels()),
 
 @pytest.mark.parametrize("m", [0, 1, 3, 4, 5, 16, 64, 300])
 @pytest.mark.parametrize("n", [1, 2, 3, 47, 48, 49, 97, 160])
-@pytest.mark.parametrize("k", [16, 64, 576])
+@pytest.mark.parametrize("k", [16, 64, 576, 1536, 2080])
 def test_linear_matches_float64(m, n, k):
     """Every tile shape at the edges: rows of x not a multiple of 4, rows of W not a multiple of 3 or of
     the 48-row panel, one panel per thread or several; and no rows at all (the LM head of a step in which
-    no sequence samples)."""
+    no sequence samples). K past 768 runs in chunks: two equal ones (1536), or three, the last shorter (2080)."""
     torch.manual_seed(m * 1000 + n + k)
     x, w = torch.randn(m, k), torch.randn(n, k)
     got = torch.ops.lmgate.linear(x, w)
