@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 
-from lmgate.engine.distributed import CommAborted, HostComm, RedOp, ThreadComm
+from lmgate.engine.distributed import CommAborted, HostComm, RedOp, ThreadComm, gloo_comm
 from lmgate.engine.distributed.gloo_comm import GlooComm
 
 SIZES = [1, 2, 4]
@@ -419,4 +419,19 @@ def _abort_reaches_peers(c: HostComm) -> str:
 @pytest.mark.parametrize("size", [2, 4])
 def test_gloo_abort_reaches_peers_waiting_in_a_collective(on_ranks, size: int) -> None:
     assert on_ranks("gloo", size, _abort_reaches_peers) == ["aborted"] + ["raised"] * (size - 1)
+
+
+def _abort_then_close_reaches_peers(c: HostComm) -> str:
+    """As above, but the peers look at the store only after rank 0 has dropped its group and closed its
+    connections: what they see first is a closed connection, and the abort is still the cause they report."""
+    poll, gloo_comm.ABORT_POLL = gloo_comm.ABORT_POLL, 60.0  # the rank processes are kept: put it back
+    try:
+        return _abort_reaches_peers(c)
+    finally:
+        gloo_comm.ABORT_POLL = poll
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_gloo_abort_then_closed_connection_still_reports_the_abort(on_ranks, size: int) -> None:
+    assert on_ranks("gloo", size, _abort_then_close_reaches_peers) == ["aborted"] + ["raised"] * (size - 1)
 

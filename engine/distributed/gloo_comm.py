@@ -185,7 +185,12 @@ class GlooComm(HostComm):
         try:
             work.wait()
         except RuntimeError as exc:
+            # A peer that aborted and then dropped its groups closes its connections before this rank's next
+            # look at the store: its abort, set before it closed them, is the cause to report.
+            by_peer = self._peer_aborted()
             self.abort()
+            if by_peer:
+                raise CommAborted("host communicator aborted by a peer") from exc
             raise CommAborted(f"a collective failed: {str(exc).splitlines()[0]}") from exc
 
     def _peer_aborted(self) -> bool:
