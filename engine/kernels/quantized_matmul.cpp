@@ -163,25 +163,75 @@ inline void q8_0_avx2(const uint8_t* b, float* out) {
   }
 }
 
-// Q4_K: per 64 weights, 32 bytes whose low nibbles are one sub-block and high nibbles the next.
-inline void q4_k_avx2(const uint8_t* b, float* out) {
-  const float d = half_at(b), dmin = half_at(b + 2);
+// The 32 bytes of `q` as four vectors of floats: unsigned (Q4_K, Q5_K) or signed (Q6_K).
+template <bool SIGNED>
+inline void bytes_as_floats(__m256i q, __m256 out[4]) {
+  const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+  for (int h = 0; h < 2; ++h) {
+    for (int j = 0; j < 2; ++j) {
+      const __m128i bytes = j ? _mm_srli_si128(halves[h], 8) : halves[h];
+      out[2 * h + j] = _mm256_cvtepi32_ps(SIGNED ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
+    }
+  }
+}
+
+// Q4_K / Q5_K, weights 64 * pair .. 64 * pair + 63 of a block as two vectors of 32 integers: the low nibbles of
+// 32 bytes are one sub-block, their high nibbles the next; Q5_K adds bit 2 * pair (and 2 * pair + 1) of each
+// byte of qh as the fifth bit.
+template <bool FIVE_BITS>
+inline void k_quant_ints(const uint8_t* b, int pair, __m256i out[2]) {
   const __m256i mask = _mm256_set1_epi8(0xF);
-  for (int pair = 0; pair < 4; ++pair) {
-    float s0, m0, s1, m1;
-    scale_min(b + 4, 2 * pair, &s0, &m0);
-    scale_min(b + 4, 2 * pair + 1, &s1, &m1);
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * pair));
-    const __m256i halves[2] = {_mm256_and_si256(q, mask), _mm256_and_si256(_mm256_srli_epi16(q, 4), mask)};
-    const __m256 scales[2] = {_mm256_set1_ps(d * s0), _mm256_set1_ps(d * s1)};
-    const __m256 offsets[2] = {_mm256_set1_ps(-dmin * m0), _mm256_set1_ps(-dmin * m1)};
+  const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (FIVE_BITS ? 48 : 16) + 32 * pair));
+  out[0] = _mm256_and_si256(q, mask);
+  out[1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
+  if constexpr (FIVE_BITS) {
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
     for (int h = 0; h < 2; ++h) {
-      float* y = out + 64 * pair + 32 * h;
-      const __m128i low = _mm256_castsi256_si128(halves[h]), high = _mm256_extracti128_si256(halves[h], 1);
-      _mm256_storeu_ps(y, u8x8(low, scales[h], offsets[h]));
-      _mm256_storeu_ps(y + 8, u8x8(_mm_srli_si128(low, 8), scales[h], offsets[h]));
-      _mm256_storeu_ps(y + 16, u8x8(high, scales[h], offsets[h]));
-      _mm256_storeu_ps(y + 24, u8x8(_mm_srli_si128(high, 8), scales[h], offsets[h]));
+      const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << (2 * pair + h)));
+      const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
+      out[h] = _mm256_or_si256(out[h], _mm256_and_si256(set, _mm256_set1_epi8(16)));
+    }
+  }
+}
+
+// Q6_K, weights 128 * half + 32 * quarter .. + 31 as 32 signed integers: 4 low bits from ql, 2 high bits
+// from qh, less 32. Each 16 share an int8 scale: sc[8 * half + 2 * quarter] and the next.
+inline __m256i q6_k_ints(const uint8_t* b, int half, int quarter) {
+  const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * half + 32 * (quarter & 1)));
+  const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * half));
+  const __m256i four = _mm256_and_si256(_mm256_srli_epi16(low, 4 * (quarter >> 1)), _mm256_set1_epi8(0xF));
+  const __m256i two = _mm256_and_si256(_mm256_srli_epi16(high, 2 * quarter), _mm256_set1_epi8(3));
+  return _mm256_sub_epi8(_mm256_or_si256(four, _mm256_slli_epi16(two, 4)), _mm256_set1_epi8(32));
+}
+
+template <bool FIVE_BITS>
+inline void k_quant_avx2(const uint8_t* b, float* out) {
+  const float d = half_at(b), dmin = half_at(b + 2);
+  for (int pair = 0; pair < 4; ++pair) {
+    __m256i ints[2];
+    k_quant_ints<FIVE_BITS>(b, pair, ints);
+    for (int h = 0; h < 2; ++h) {
+      float sc, mn;
+      scale_min(b + 4, 2 * pair + h, &sc, &mn);
+      const __m256 scale = _mm256_set1_ps(d * sc), offset = _mm256_set1_ps(-dmin * mn);
+      __m256 q[4];
+      bytes_as_floats<false>(ints[h], q);
+      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + 64 * pair + 32 * h + 8 * j, _mm256_fmadd_ps(q[j], scale, offset));
+    }
+  }
+}
+
+inline void q6_k_avx2(const uint8_t* b, float* out) {
+  const float d = half_at(b + 208);
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  for (int half = 0; half < 2; ++half) {
+    for (int quarter = 0; quarter < 4; ++quarter) {
+      __m256 q[4];
+      bytes_as_floats<true>(q6_k_ints(b, half, quarter), q);
+      const int s = 8 * half + 2 * quarter;
+      for (int j = 0; j < 4; ++j) {
+        _mm256_storeu_ps(out + 128 * half + 32 * quarter + 8 * j, _mm256_mul_ps(q[j], _mm256_set1_ps(d * sc[s + j / 2])));
+      }
     }
   }
 }
@@ -194,7 +244,9 @@ inline void dequantize_block(const uint8_t* b, float* out) {
     case Q4_0: nibbles_avx2(b + 2, half_at(b), -8.f * half_at(b), out); return;
     case Q4_1: nibbles_avx2(b + 4, half_at(b), half_at(b + 2), out); return;
     case Q8_0: q8_0_avx2(b, out); return;
-    case Q4_K: q4_k_avx2(b, out); return;
+    case Q4_K: k_quant_avx2<false>(b, out); return;
+    case Q5_K: k_quant_avx2<true>(b, out); return;
+    case Q6_K: q6_k_avx2(b, out); return;
   }
 #endif
   switch (TYPE) {
@@ -398,23 +450,14 @@ void matvec_rows_fused(const float* x, int64_t k, const uint8_t* w, int64_t row_
   }
 }
 
-// The 32 unsigned bytes of `q` (nibbles already masked) as four vectors of floats.
-inline void bytes_as_floats(__m256i q, __m256 out[4]) {
-  const __m128i low = _mm256_castsi256_si128(q), high = _mm256_extracti128_si256(q, 1);
-  out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low));
-  out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(low, 8)));
-  out[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high));
-  out[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(high, 8)));
-}
-
-// matvec_rows for Q4_K the same way: each sub-block of 32 weights is d * scale * q - dmin * min, so its dot
-// with x is d * scale * (q . x) - dmin * min * sum(x).
-template <int64_t ROWS>
-void matvec_rows_q4_k(const float* x, int64_t k, const uint8_t* w, int64_t row_bytes, int64_t n_begin,
-                      int64_t n_end, float* out, int64_t out_stride) {
+// matvec_rows for Q4_K and Q5_K the same way: each sub-block of 32 weights is d * scale * q - dmin * min, so
+// its dot with x is d * scale * (q . x) - dmin * min * sum(x).
+template <int64_t ROWS, bool FIVE_BITS>
+void matvec_rows_k_quant(const float* x, int64_t k, const uint8_t* w, int64_t row_bytes, int64_t n_begin,
+                         int64_t n_end, float* out, int64_t out_stride) {
+  constexpr int64_t BYTES = FIVE_BITS ? 176 : 144;
   const int64_t subs = k / 32;
   const std::vector<float> xsum = sums_of_32(x, ROWS * subs);
-  const __m256i mask = _mm256_set1_epi8(0xF);
   for (int64_t n = n_begin; n < n_end; ++n) {
     __m256 acc[ROWS];
     float offsets[ROWS];
@@ -424,17 +467,17 @@ void matvec_rows_q4_k(const float* x, int64_t k, const uint8_t* w, int64_t row_b
     }
     const uint8_t* row = w + n * row_bytes;
     for (int64_t b = 0; b < k / 256; ++b) {
-      const uint8_t* block = row + b * 144;
+      const uint8_t* block = row + b * BYTES;
       const float d = half_at(block), dmin = half_at(block + 2);
       for (int pair = 0; pair < 4; ++pair) {
-        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16 + 32 * pair));
-        const __m256i halves[2] = {_mm256_and_si256(q, mask), _mm256_and_si256(_mm256_srli_epi16(q, 4), mask)};
+        __m256i ints[2];
+        k_quant_ints<FIVE_BITS>(block, pair, ints);
         for (int h = 0; h < 2; ++h) {
           const int64_t sub = 8 * b + 2 * pair + h;
           float sc, mn;
           scale_min(block + 4, 2 * pair + h, &sc, &mn);
           __m256 qf[4];
-          bytes_as_floats(halves[h], qf);
+          bytes_as_floats<false>(ints[h], qf);
           const __m256 scale = _mm256_set1_ps(d * sc);
           const float offset = -dmin * mn;
           for (int64_t m = 0; m < ROWS; ++m) {
@@ -452,6 +495,37 @@ void matvec_rows_q4_k(const float* x, int64_t k, const uint8_t* w, int64_t row_b
     for (int64_t m = 0; m < ROWS; ++m) out[m * out_stride + n] = hsum(acc[m]) + offsets[m];
   }
 }
+
+// matvec_rows for Q6_K: each 16 weights are d * scale * q, so their dot with x is d * scale * (q . x).
+template <int64_t ROWS>
+void matvec_rows_q6_k(const float* x, int64_t k, const uint8_t* w, int64_t row_bytes, int64_t n_begin,
+                      int64_t n_end, float* out, int64_t out_stride) {
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    __m256 acc[ROWS];
+    for (int64_t m = 0; m < ROWS; ++m) acc[m] = _mm256_setzero_ps();
+    const uint8_t* row = w + n * row_bytes;
+    for (int64_t b = 0; b < k / 256; ++b) {
+      const uint8_t* block = row + b * 210;
+      const float d = half_at(block + 208);
+      const int8_t* sc = reinterpret_cast<const int8_t*>(block + 192);
+      for (int half = 0; half < 2; ++half) {
+        for (int quarter = 0; quarter < 4; ++quarter) {
+          __m256 qf[4];
+          bytes_as_floats<true>(q6_k_ints(block, half, quarter), qf);
+          const int s = 8 * half + 2 * quarter;
+          const __m256 first = _mm256_set1_ps(d * sc[s]), second = _mm256_set1_ps(d * sc[s + 1]);
+          for (int64_t m = 0; m < ROWS; ++m) {
+            const float* xm = x + m * k + 256 * b + 128 * half + 32 * quarter;
+            const __m256 t0 = _mm256_fmadd_ps(qf[1], _mm256_loadu_ps(xm + 8), _mm256_mul_ps(qf[0], _mm256_loadu_ps(xm)));
+            const __m256 t1 = _mm256_fmadd_ps(qf[3], _mm256_loadu_ps(xm + 24), _mm256_mul_ps(qf[2], _mm256_loadu_ps(xm + 16)));
+            acc[m] = _mm256_fmadd_ps(t1, second, _mm256_fmadd_ps(t0, first, acc[m]));
+          }
+        }
+      }
+    }
+    for (int64_t m = 0; m < ROWS; ++m) out[m * out_stride + n] = hsum(acc[m]);
+  }
+}
 #endif
 
 // matvec_rows for a row count known only at run time: 1 .. MAX_ROWS.
@@ -463,8 +537,11 @@ void matvec_any_rows(int64_t rows, const float* x, int64_t k, const uint8_t* w, 
     if constexpr (small_blocks(TYPE)) {
       matvec_rows_fused<ROWS, TYPE>(x, k, w, row_bytes, n_begin, n_end, out, out_stride);
       return;
-    } else if constexpr (TYPE == Q4_K) {
-      matvec_rows_q4_k<ROWS>(x, k, w, row_bytes, n_begin, n_end, out, out_stride);
+    } else if constexpr (TYPE == Q4_K || TYPE == Q5_K) {
+      matvec_rows_k_quant<ROWS, TYPE == Q5_K>(x, k, w, row_bytes, n_begin, n_end, out, out_stride);
+      return;
+    } else if constexpr (TYPE == Q6_K) {
+      matvec_rows_q6_k<ROWS>(x, k, w, row_bytes, n_begin, n_end, out, out_stride);
       return;
     }
 #endif
