@@ -422,9 +422,10 @@ def test_gloo_abort_reaches_peers_waiting_in_a_collective(on_ranks, size: int) -
 
 
 def _abort_then_close_reaches_peers(c: HostComm) -> str:
-    """As above, but the peers look at the store only after rank 0 has dropped its group and closed its
-    connections: what they see first is a closed connection, and the abort is still the cause they report."""
-    poll, gloo_comm.ABORT_POLL = gloo_comm.ABORT_POLL, 60.0  # the rank processes are kept: put it back
+    """As above, but the peers look at the store only every 2 s, long after rank 0 has dropped its group and
+    closed its connections: what its neighbours see first is a closed connection, and the abort is still the
+    cause they report. (Ranks not connected to rank 0 wait for a neighbour to give up, or for their next look.)"""
+    poll, gloo_comm.ABORT_POLL = gloo_comm.ABORT_POLL, 2.0  # the rank processes are kept: put it back
     try:
         return _abort_reaches_peers(c)
     finally:
