@@ -90,6 +90,7 @@ class EngineConfig:
     max_queued_requests: int = 1024  # per engine loop; a generate beyond it is RESOURCE_EXHAUSTED
     attention_kernel: bool = True  # CPU decode and prefill attention in C++ (built on first use), else torch ops
     weights: str = "auto"  # of WEIGHT_MODES: a GGUF's quantized matrices kept as blocks on the CPU (weights.keep_quantized)
+    int8_activations: bool = False  # quantized weights: steps of many rows round x to int8 (changes the numbers)
     cuda_graphs: bool = True  # CUDA: decode steps replayed from graphs per batch-size bucket (not under tensor parallelism)
     prefix_caching: bool = True  # full KV blocks shared by prompts that start with the same tokens
     threads: int = 0  # torch threads over all engine loops; 0: the CPUs this process may use (threads.py)
@@ -111,6 +112,8 @@ class EngineConfig:
                 raise InvalidRequest(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.weights not in WEIGHT_MODES:
             raise InvalidRequest(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {self.weights!r}")
+        if self.int8_activations and self.weights == "float":
+            raise InvalidRequest("int8 activations run on quantized weights: they cannot be had with weights float")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidRequest(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.dp_backend not in DP_BACKENDS:

@@ -31,12 +31,13 @@ def keep_quantized(config: EngineConfig, dtype: torch.dtype, device: torch.devic
     """`--weights`: a GGUF file's quantized matrices stay quantized where the CPU kernels read them (float32
     activations, no tensor parallelism, a compiler found). `auto` asks for it where it can be had, `quantized`
     says once when it cannot, `float` never asks."""
-    if config.weights == "float":
-        return False
-    if device.type == "cpu" and dtype == torch.float32 and config.tensor_parallel == 1 and load_cpu_kernels():
-        return True
-    if config.weights == "quantized":
-        log.warning("--weights quantized needs the CPU kernels, float32 and no tensor parallelism: weights are float")
+    if config.weights != "float":
+        if device.type == "cpu" and dtype == torch.float32 and config.tensor_parallel == 1 and load_cpu_kernels():
+            return True
+        if config.weights == "quantized":
+            log.warning("--weights quantized needs the CPU kernels, float32 and no tensor parallelism: weights are float")
+    if config.int8_activations:
+        log.warning("--int8-activations needs weights kept quantized (--weights): activations stay float32")
     return False
 
 
@@ -51,9 +52,10 @@ class LocalWeights:
     """
 
     def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, batch_hint: int,
-                 tp: TensorParallel | None = None, quantized: bool = False) -> None:
+                 tp: TensorParallel | None = None, quantized: bool = False, int8_activations: bool = False) -> None:
         self.dtype, self.device, self.batch_hint = dtype, device, batch_hint
         self.quantized = quantized and tp is None  # GGUF blocks kept as blocks (`keep_quantized`)
+        self.int8_activations = int8_activations and self.quantized  # many-row steps round x to int8
         self.path = ckpt.path  # where a dropped model is loaded again from; follows `load`
         self.tp = tp
         self.config = shard_config(ckpt.config, tp.shard) if tp else ckpt.config  # the model this process runs
@@ -118,7 +120,7 @@ class LocalWeights:
         shard, whose decoder layers sum their row-parallel outputs over the group."""
         weights = shard_weights(expand_blocks(ckpt.weights), ckpt.config, self.tp.shard) if self.tp else ckpt.weights
         model = on_fresh_thread(lambda: build_model(self.config, weights, self.dtype, self.device, self.batch_hint,
-                                                    self.quantized))
+                                                    self.quantized, self.int8_activations))
         if self.tp:
             for layer in model.model.layers:
                 layer.reduce = self.tp.all_reduce

@@ -100,6 +100,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dtype", default=_env("DTYPE", "auto"), type=_one_of(*DTYPE_CHOICES), metavar="{" + ",".join(DTYPE_CHOICES) + "}", help="weights dtype, and the KV cache's unless --kv-cache-dtype says otherwise; auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, else float32 [LMGATE_DTYPE]")
     ap.add_argument("--attention-kernel", default=_env("ATTENTION_KERNEL", "on"), type=ON_OFF, metavar="{on,off}", help="on: CPU decode and prefill attention in C++, compiled once on first use (torch ops if that fails); off: torch ops [LMGATE_ATTENTION_KERNEL]")
     ap.add_argument("--weights", default=_env("WEIGHTS", "auto"), choices=WEIGHT_MODES, help="auto: a GGUF's quantized matrices kept as the file's blocks where the CPU kernels run them (a C++ compiler, float32, no tensor parallelism), else float; quantized: the same, with a warning where they cannot; float: expanded to float at load [LMGATE_WEIGHTS]")
+    ap.add_argument("--int8-activations", default=_env("INT8_ACTIVATIONS", "off"), type=ON_OFF, metavar="{on,off}", help="on: with quantized weights, steps of many rows (prefill, big batches) round activations to int8 per block of 32 for Q4_0, Q4_1, Q4_K and Q5_K matrices, as llama.cpp does: faster where compute binds, but not the float model (measured by perplexity; greedy tokens may differ) [LMGATE_INT8_ACTIVATIONS]")
     ap.add_argument("--cuda-graphs", default=_env("CUDA_GRAPHS", "on"), type=ON_OFF, metavar="{on,off}", help="on: with --device cuda, decode steps replay CUDA graphs captured per batch-size bucket (not under --tensor-parallel); off: every step eager [LMGATE_CUDA_GRAPHS]")
     ap.add_argument("--prefix-caching", default=_env("PREFIX_CACHING", "on"), type=ON_OFF, metavar="{on,off}", help="on: prompts that start with the same tokens (a system prompt, a few-shot preamble, a retry) share their full KV blocks [LMGATE_PREFIX_CACHING]")
     ap.add_argument("--threads", type=_ranged(int, 0), default=_env("THREADS", 0), help="torch threads, split between engine loops; 0: the CPUs this process may use (affinity and cgroup quota) [LMGATE_THREADS]")
@@ -152,7 +153,7 @@ def check_settings(args: argparse.Namespace) -> EngineConfig:
             max_context_length=args.max_context_length or None, engine_loops=args.engine_loops, dp_backend=args.dp_backend,
             tensor_parallel=args.tensor_parallel, nnodes=args.nnodes, node_rank=args.node_rank,
             master_addr=args.master_addr, master_port=args.master_port, max_queued_requests=args.max_queued_requests, attention_kernel=args.attention_kernel == "on",
-            cuda_graphs=args.cuda_graphs == "on", weights=args.weights,
+            cuda_graphs=args.cuda_graphs == "on", weights=args.weights, int8_activations=args.int8_activations == "on",
             prefix_caching=args.prefix_caching == "on", threads=args.threads,
         )
     except EngineError as exc:
@@ -210,12 +211,12 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> None:
     print(f"lmgate serving {os.path.basename(engine.model_path)} on {args.host}:{server.port} "
           f"(ready in {time.perf_counter() - started:.1f}s)", flush=True)
     info = engine.info()
-    log.info("started: model %s (%s), dtype %s (%s), weights %.0f MiB (--weights %s), device %s, %d engine loop(s) as %s, tensor parallel %d, x %d torch threads, KV cache "
+    log.info("started: model %s (%s), dtype %s (%s), weights %.0f MiB (--weights %s, int8 activations %s), device %s, %d engine loop(s) as %s, tensor parallel %d, x %d torch threads, KV cache "
              "%d tokens of %s (%.0f MiB), batches of %d sequences / %d tokens, context %d, gRPC port %d (%s), metrics port %s, "
              "replica %s",
              os.path.basename(engine.model_path), info.architecture, str(engine.dtype).removeprefix("torch."),
              engine.dtype_reason, info.weights_bytes / 2**20,
-             engine.config.weights,
+             engine.config.weights, "on" if engine.config.int8_activations else "off",
              engine.device, info.engine_loops, "threads" if engine.loops else "processes", args.tensor_parallel, engine.threads_per_loop,
              info.kv_blocks_total * info.kv_block_size, str(engine.kv_dtype).removeprefix("torch."),
              info.kv_cache_bytes / 2**20, args.max_batch_size,

@@ -3,8 +3,9 @@
 
     make bench-quant ARGS="--requests 64 --input-len 128 --output-len 128"
 
-For the embedded SmolLM2 (Q4_1 and Q8_0 blocks): the weights' resident bytes, single-stream decode and the
-throughput of all requests at once, for lmgate with `--weights quantized` and `--weights float`, and for
+For the embedded SmolLM2 (Q4_1 and Q8_0 blocks): the weights' resident bytes, single-stream decode, the
+throughput of all requests at once and the perplexity of a passage (tests/perplexity.py), for lmgate with
+`--weights quantized` (with and without `--int8-activations on`) and `--weights float`, and for
 llama.cpp through llama-cpp-python where it is installed (`pip install llama-cpp-python` builds it on the
 machine). The memory-bound limit of a single stream is the quantized weights' bytes per token over the copy
 bandwidth measured in the same run.
@@ -36,6 +37,7 @@ from lmgate.engine.loader import embedded_model_path
 from lmgate.engine.sampling import SamplingParams
 from lmgate.engine.threads import available_cpus, on_fresh_thread
 from bench_engine import engine_single_stream, run_engine  # beside this file: all run as scripts
+from perplexity import PASSAGE, perplexity
 
 VOCAB = 49152  # the embedded tokenizer's
 
@@ -52,15 +54,18 @@ def copy_bandwidth(nbytes: int = 1 << 28) -> float:
     return nbytes * runs / (time.perf_counter() - start)
 
 
-def measure_lmgate(args, weights: str) -> tuple[float, float, float]:
-    """Weights' bytes, single-stream decode tok/s, and all requests at once in tok/s."""
-    with Engine(EngineConfig(dtype="float32", weights=weights, max_batch_size=max(64, args.requests))) as engine:
+def measure_lmgate(args, weights: str, int8: bool = False) -> tuple[float, float, float, float]:
+    """Weights' bytes, single-stream decode tok/s, all requests at once in tok/s, and perplexity over the
+    passage of tests/perplexity.py."""
+    config = EngineConfig(dtype="float32", weights=weights, int8_activations=int8, max_batch_size=max(64, args.requests))
+    with Engine(config) as engine:
         prompts, warmup = (random_prompts(random.Random(seed), args.requests, args.input_len, engine.vocab_size)
                            for seed in (0, 1))
         run_engine(engine, warmup, args.output_len)  # other prompts: the prefix cache must not serve the measured
         batch = run_engine(engine, prompts, args.output_len)
         single = engine_single_stream(engine, prompts[0], args.output_len)
-        return engine.weights_bytes, single, batch
+        ppl = perplexity(engine.loops[0].runner.model, engine.tokenizer.encode(PASSAGE))
+        return engine.weights_bytes, single, batch, ppl
 
 
 SERIAL_SAMPLE = 4  # requests llama-cpp-python serves one after another (each takes as long as the others)
@@ -243,30 +248,36 @@ def main() -> None:
     print(f"cpu: {cpu.name} ({cpu.vector_isa}), {available_cpus()} threads; copy bandwidth {bandwidth / 1e9:.1f} GB/s; "
           f"workload: {args.requests} x ({args.input_len} prompt + {args.output_len} new), greedy, ignore_eos", flush=True)
     rows = {}
-    for weights in ("quantized", "float"):
-        rows[f"lmgate --weights {weights}"] = measure_lmgate(args, weights)
-        print(f"lmgate --weights {weights}: {rows[f'lmgate --weights {weights}']}", flush=True)
+    for name, weights, int8 in (("lmgate --weights quantized", "quantized", False),
+                                ("lmgate --weights quantized --int8-activations on", "quantized", True),
+                                ("lmgate --weights float", "float", False)):
+        rows[name] = measure_lmgate(args, weights, int8)
+        print(f"{name}: {rows[name]}", flush=True)
     quant_bytes = rows["lmgate --weights quantized"][0]
     limit = bandwidth / quant_bytes
     llama = measure_llama_cpp(args, path)
     print(f"\nsingle-stream limit: {quant_bytes / 1e6:.1f} MB of weights per token at {bandwidth / 1e9:.1f} GB/s "
           f"= {limit:.1f} tok/s\n")
-    print("| engine | weights MB | 1 stream tok/s | of limit | all at once tok/s |")
-    print("|---|---|---|---|---|")
-    for name, (nbytes, single, batch) in rows.items():
-        print(f"| {name} | {nbytes / 1e6:.0f} | {single:.1f} | {single / limit:.0%} | {batch:.1f} |")
+    print("| engine | weights MB | 1 stream tok/s | of limit | all at once tok/s | perplexity |")
+    print("|---|---|---|---|---|---|")
+    for name, (nbytes, single, batch, ppl) in rows.items():
+        print(f"| {name} | {nbytes / 1e6:.0f} | {single:.1f} | {single / limit:.0%} | {batch:.1f} | {ppl:.2f} |")
     if llama is None:
-        print("| llama.cpp | — | not installed (pip install llama-cpp-python) | | |")
+        print("| llama.cpp | — | not installed (pip install llama-cpp-python) | | | |")
     else:
         quant = rows["lmgate --weights quantized"]
         single, serial, batched = llama
         print(f"| llama.cpp (llama-cpp-python {llama_cpp_version()}), one request at a time | the file's | {single:.1f} | "
-              f"{single / limit:.0%} | {serial:.1f} |")
-        print(f"| llama.cpp, all requests in one batch (its C API) | the file's | | | {batched:.1f} |")
+              f"{single / limit:.0%} | {serial:.1f} | |")
+        print(f"| llama.cpp, all requests in one batch (its C API) | the file's | | | {batched:.1f} | |")
         print(f"\nlmgate quantized against llama.cpp: single stream {quant[1]:.1f} / {single:.1f} = "
               f"{quant[1] / single:.2f}x (goal 1.2x); all at once against one at a time {quant[2]:.1f} / {serial:.1f} = "
               f"{quant[2] / serial:.2f}x, against its batch {quant[2]:.1f} / {batched:.1f} = {quant[2] / batched:.2f}x "
               "(goal 3x)")
+        int8 = rows["lmgate --weights quantized --int8-activations on"]
+        print(f"with --int8-activations on: all at once against llama.cpp's batch {int8[2]:.1f} / {batched:.1f} = "
+              f"{int8[2] / batched:.2f}x (goal 3x); perplexity {int8[3]:.2f} against {quant[3]:.2f} with float "
+              "activations")
     big = [name for name in args.big.split(",") if name]
     if big:
         print(f"\n| Llama shape, Q4_K random weights | file GB | load s | weights GB | resident GB (peak) | 1 stream tok/s |")

@@ -173,7 +173,8 @@ class RankProcess:
             group = DeviceGroup(world.store, f"tp-device/{spec.dp_rank}", spec.tp_rank, spec.tp_size, device,
                                 world.hostname)
             tp = TensorParallel(shard_of(ckpt.config, spec.tp_rank, spec.tp_size), group.all_reduce)
-        self.weights = LocalWeights(ckpt, dtype, device, c.max_batched_tokens, tp, keep_quantized(c, dtype, device))
+        self.weights = LocalWeights(ckpt, dtype, device, c.max_batched_tokens, tp, keep_quantized(c, dtype, device),
+                                    c.int8_activations)
         self.gateway = RankGateway(spec.dp_rank, spec.size // spec.tp_size, c.max_queued_requests, outbox)
         self.loop: EngineLoop | None = None
         if spec.tp_rank == 0:

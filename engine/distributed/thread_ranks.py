@@ -26,7 +26,8 @@ class ThreadRanks(Ranks):
         self.tokenizer = ckpt.tokenizer  # not the checkpoint: it holds the raw weights
         device = torch.device(config.device)
         self.weights = LocalWeights(ckpt, dtype, device, config.max_batched_tokens,
-                                    quantized=keep_quantized(config, dtype, device))
+                                    quantized=keep_quantized(config, dtype, device),
+                                    int8_activations=config.int8_activations)
         self.max_context_length = max_context_length
         self.threads_per_loop = threads_per_loop
         self.queues = [RequestQueue(config.max_queued_requests) for _ in range(config.engine_loops)]

@@ -5,7 +5,8 @@
 * gemm.cpp: float32 `x @ W.T` over W's rows where they lie (`linear`, the float path's linear layers), and
   the GEMM loop `gguf_matmul` runs over expanded panels of quantized blocks;
 * quantized_matmul.cpp: linear layers over GGUF's quantized blocks (`gguf_matvec`, `gguf_matmul`,
-  `gguf_dequantize`);
+  `gguf_dequantize`); int8_matmul.cpp: the same for many rows with x rounded to int8 (`gguf_matmul_int8`,
+  `--int8-activations`); gguf_blocks.h: the block layouts both read;
 * layer_ops.cpp: a decoder layer's elementwise parts in one pass each over float32 rows (`rms_norm`,
   `add_rms_norm`, `rotary`, `silu_and_mul`), a step's keys and values into their cache slots (`store_kv`),
   and greedy sampling's `argmax_rows`;
@@ -33,7 +34,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [os.path.join(os.path.dirname(__file__), name)
-           for name in ("paged_attention.cpp", "gemm.cpp", "quantized_matmul.cpp", "layer_ops.cpp", "decode_layers.cpp")]
+           for name in ("paged_attention.cpp", "gemm.cpp", "quantized_matmul.cpp", "int8_matmul.cpp", "layer_ops.cpp",
+                         "decode_layers.cpp")]
 
 # The flags torch builds its own kernels of each capability with, so that ATen's Vectorized takes the same
 # instructions; "DEFAULT" (and other architectures) get its portable version.

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "gemm.h"
+#include "gguf_blocks.h"
 
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -35,54 +36,14 @@ void gguf_matvec_range(int64_t type, int64_t rows, const float* x, int64_t k, co
 
 namespace {
 
+using namespace lmgate;
 using Vec = at::vec::Vectorized<float>;
-
-// ggml's type numbers (gguf.GGMLQuantizationType).
-enum QuantType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
-
-struct Layout {
-  int64_t weights;  // per block
-  int64_t bytes;    // per block
-};
-
-Layout layout_of(int64_t type) {
-  switch (type) {
-    case Q4_0: return {32, 18};
-    case Q4_1: return {32, 20};
-    case Q8_0: return {32, 34};
-    case Q4_K: return {256, 144};
-    case Q5_K: return {256, 176};
-    case Q6_K: return {256, 210};
-  }
-  TORCH_CHECK(false, "unsupported GGUF quantization type ", type);
-}
-
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-#if defined(__F16C__)
-  return _cvtsh_ss(bits);
-#else
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-#endif
-}
 
 // Low nibbles are the block's first 16 weights, high nibbles the next 16 (Q4_0 and Q4_1).
 void nibbles(const uint8_t* qs, float scale, float offset, float* out) {
   for (int j = 0; j < 16; ++j) {
     out[j] = static_cast<float>(qs[j] & 0xF) * scale + offset;
     out[j + 16] = static_cast<float>(qs[j] >> 4) * scale + offset;
-  }
-}
-
-// The 6-bit scale and minimum of sub-block j of a Q4_K / Q5_K block, packed into 12 bytes.
-void scale_min(const uint8_t* s, int j, float* scale, float* min) {
-  if (j < 4) {
-    *scale = static_cast<float>(s[j] & 63);
-    *min = static_cast<float>(s[j + 4] & 63);
-  } else {
-    *scale = static_cast<float>((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4));
-    *min = static_cast<float>((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
   }
 }
 
@@ -175,25 +136,6 @@ inline void bytes_as_floats(__m256i q, __m256 out[4]) {
   }
 }
 
-// Q4_K / Q5_K, weights 64 * pair .. 64 * pair + 63 of a block as two vectors of 32 integers: the low nibbles of
-// 32 bytes are one sub-block, their high nibbles the next; Q5_K adds bit 2 * pair (and 2 * pair + 1) of each
-// byte of qh as the fifth bit.
-template <bool FIVE_BITS>
-inline void k_quant_ints(const uint8_t* b, int pair, __m256i out[2]) {
-  const __m256i mask = _mm256_set1_epi8(0xF);
-  const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (FIVE_BITS ? 48 : 16) + 32 * pair));
-  out[0] = _mm256_and_si256(q, mask);
-  out[1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
-  if constexpr (FIVE_BITS) {
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
-    for (int h = 0; h < 2; ++h) {
-      const __m256i bit = _mm256_set1_epi8(static_cast<char>(1 << (2 * pair + h)));
-      const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
-      out[h] = _mm256_or_si256(out[h], _mm256_and_si256(set, _mm256_set1_epi8(16)));
-    }
-  }
-}
-
 // Q6_K, weights 128 * half + 32 * quarter .. + 31 as 32 signed integers: 4 low bits from ql, 2 high bits
 // from qh, less 32. Each 16 share an int8 scale: sc[8 * half + 2 * quarter] and the next.
 inline __m256i q6_k_ints(const uint8_t* b, int half, int quarter) {
@@ -264,15 +206,6 @@ inline void dequantize_block(const uint8_t* b, float* out) {
   }
 }
 
-void check_blocks(const at::Tensor& blocks, int64_t type, int64_t k) {
-  const Layout l = layout_of(type);
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
-              "blocks must be a contiguous uint8 [N, row_bytes] tensor");
-  TORCH_CHECK(k % l.weights == 0 && blocks.size(1) == k / l.weights * l.bytes,
-              "a row of ", k, " weights of type ", type, " takes ", k / l.weights * l.bytes, " bytes, got ",
-              blocks.size(1));
-}
-
 // f(std::integral_constant<int64_t, TYPE>{}): the type becomes a template argument once per call, so that
 // no block pays for a switch.
 template <typename F>
@@ -303,7 +236,7 @@ void expand_rows(const uint8_t* rows, int64_t count, int64_t row_bytes, int64_t 
 // out[n, :] = the K weights of row n, for every row.
 void gguf_dequantize(const at::Tensor& blocks, int64_t type, at::Tensor& out) {
   const int64_t n_rows = out.size(0), k = out.size(1);
-  check_blocks(blocks, type, k);
+  check_gguf_blocks(blocks, type, k);
   TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && blocks.size(0) == n_rows,
               "out must be a contiguous float32 [N, K] tensor");
   const uint8_t* src = blocks.data_ptr<uint8_t>();
@@ -556,7 +489,7 @@ at::Tensor gguf_matvec(const at::Tensor& x_in, const at::Tensor& blocks, int64_t
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be a float32 [M, K] tensor");
   const at::Tensor x = x_in.contiguous();
   const int64_t m_rows = x.size(0), k = x.size(1), n_rows = blocks.size(0);
-  check_blocks(blocks, type, k);
+  check_gguf_blocks(blocks, type, k);
   at::Tensor out = at::empty({m_rows, n_rows}, x.options());
   const float* xp = x.data_ptr<float>();
   const uint8_t* w = blocks.data_ptr<uint8_t>();
@@ -574,7 +507,7 @@ at::Tensor gguf_matmul(const at::Tensor& x_in, const at::Tensor& blocks, int64_t
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be a float32 [M, K] tensor");
   const at::Tensor x = x_in.contiguous();
   const int64_t m_rows = x.size(0), k = x.size(1), n_rows = blocks.size(0);
-  check_blocks(blocks, type, k);
+  check_gguf_blocks(blocks, type, k);
   at::Tensor out = at::empty({m_rows, n_rows}, x.options());
   with_type(type, [&](auto t) {
     const lmgate::WeightRows rows{blocks.data_ptr<uint8_t>(), blocks.size(1), &expand_rows<decltype(t)::value>};
@@ -587,7 +520,14 @@ at::Tensor gguf_matmul(const at::Tensor& x_in, const at::Tensor& blocks, int64_t
 
 namespace lmgate {
 
-void check_gguf_blocks(const at::Tensor& blocks, int64_t type, int64_t k) { check_blocks(blocks, type, k); }
+void check_gguf_blocks(const at::Tensor& blocks, int64_t type, int64_t k) {
+  const Layout l = layout_of(type);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
+              "blocks must be a contiguous uint8 [N, row_bytes] tensor");
+  TORCH_CHECK(k % l.weights == 0 && blocks.size(1) == k / l.weights * l.bytes,
+              "a row of ", k, " weights of type ", type, " takes ", k / l.weights * l.bytes, " bytes, got ",
+              blocks.size(1));
+}
 
 // out[m, n] = x[m] . W[n] for rows n_begin .. n_end of W and all `rows` (any number) rows of x; the caller
 // parallelizes (decode_layers.cpp splits W's rows over its threads).

@@ -1,6 +1,8 @@
 """Model classes by Hugging Face architecture name, and building one from a checkpoint's weights."""
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -12,6 +14,7 @@ from .packed_linear import packed_bytes
 from .panel_linear import cpu_linears
 from .quantized_linear import GGUFBlocks, GGUFStack, QuantizedEmbedding, QuantizedLinear
 
+log = logging.getLogger(__name__)
 
 MODEL_CLASSES = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -23,12 +26,13 @@ MODEL_CLASSES = {
 
 def build_model(
     cfg: ModelConfig, weights: dict[str, torch.Tensor | GGUFBlocks], dtype: torch.dtype, device: torch.device,
-    batch_hint: int = 256, quantized: bool = False,
+    batch_hint: int = 256, quantized: bool = False, int8_activations: bool = False,
 ) -> LlamaForCausalLM:
     """`instantiate`, then on the device in the dtype; on the CPU each linear layer then runs the fastest way
     the machine has (`panel_linear.cpu_linears`). `quantized`: GGUF blocks stay blocks (`quantized_linear.py`;
     the caller checked the kernels run here), and decode steps of few rows run all layers in one call
-    (`fused_decode.py`); else the blocks are expanded to float first."""
+    (`fused_decode.py`); else the blocks are expanded to float first. `int8_activations`: steps of many rows
+    round x to int8 for the layers whose blocks allow it (`QuantizedLinear`)."""
     if not quantized:
         weights = expand_blocks(weights)
     model = instantiate(cfg, weights)
@@ -38,6 +42,11 @@ def build_model(
         cpu_linears(model, batch_hint)
     if quantized:
         model.fused_decode = FusedDecode.build(model)
+        layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+        for layer in layers:
+            layer.int8_activations = int8_activations
+        if int8_activations and not layers:
+            log.warning("--int8-activations: this model has no quantized matrices, activations stay float32")
     return model
 
 

@@ -24,6 +24,7 @@ BLOCK_LAYOUTS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256
 TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 
 MATVEC_ROWS = 8  # up to this many rows the blocks stream through registers; beyond, a GEMM over expanded panels
+INT8_TYPES = {2, 3, 12, 13}  # Q4_0, Q4_1, Q4_K, Q5_K: unsigned integers of at most 5 bits (int8_matmul.cpp)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,26 +93,37 @@ def cat_rows(parts: list) -> "GGUFBlocks | GGUFStack | torch.Tensor":
 
 class QuantizedLinear(nn.Module):
     """`y = x @ W.T + b` over GGUF blocks, one or more parts of rows each of its own type; read-only, so
-    engine loops may share it."""
+    engine loops may share it. With `int8_activations`, a step of many rows rounds x to int8 for the parts whose
+    type allows it (llama.cpp's way on the CPU: faster where compute binds, and not the float model: tokens may
+    differ); few rows are bound by reading the blocks, and stay float32."""
 
-    def __init__(self, weight: GGUFBlocks | GGUFStack, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: GGUFBlocks | GGUFStack, bias: torch.Tensor | None = None,
+                 int8_activations: bool = False) -> None:
         super().__init__()
+        self.int8_activations = int8_activations
         self.out_features, self.in_features = weight.shape
         self.parts = list(weight.parts) if isinstance(weight, GGUFStack) else [weight]
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
-        kernel = torch.ops.lmgate.gguf_matvec if rows.shape[0] <= MATVEC_ROWS else torch.ops.lmgate.gguf_matmul
-        outs = [kernel(rows, p.blocks, p.qtype) for p in self.parts]
+        outs = [self._kernel(rows.shape[0], p.qtype)(rows, p.blocks, p.qtype) for p in self.parts]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
+    def _kernel(self, rows: int, qtype: int):
+        if rows <= MATVEC_ROWS:
+            return torch.ops.lmgate.gguf_matvec
+        if self.int8_activations and qtype in INT8_TYPES:
+            return torch.ops.lmgate.gguf_matmul_int8
+        return torch.ops.lmgate.gguf_matmul
+
     def extra_repr(self) -> str:
         types = "+".join(TYPE_NAMES[p.qtype] for p in self.parts)
-        return f"in_features={self.in_features}, out_features={self.out_features}, {types}"
+        int8 = ", int8 activations" if self.int8_activations else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, {types}{int8}"
 
 
 class QuantizedEmbedding(nn.Module):
