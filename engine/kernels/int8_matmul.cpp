@@ -4,16 +4,17 @@
 // reaches about 80% of it, and one FMA instruction is 8 multiply-adds. AVX2's vpmaddubsw multiplies 32 pairs of
 // bytes (unsigned by signed) and adds neighbours into int16 in one instruction: with x rounded to int8 and W's
 // own 4- or 5-bit unsigned integers, a block of 32 weights sums in int16 without overflow (8 x 2 x 15 x 127 <
-// 32767 for 4 bits; 5 bits widen to int32 every 4 steps), and the float scales are applied once per block. On
-// a 2-core Zen 3 a 64-row Q4_1 step ran about 1.8x the float32 GEMM's rate in the same run.
+// 32767 for 4 bits; 5 bits widen to int32 every 4 steps), and the float scales are applied once per block.
+// Q8_0's signed integers go in as |w| times x with w's sign (vpsignb), widened at every step.
 //
 // x is rounded per block of 32 (one scale each, as llama.cpp's Q8_0 activations): q = round(x * 127 / max|x|).
 // W's rows are taken 8 at a time, "a group": its panel holds, for every 4 consecutive K, the 4 integers of each
 // of the 8 rows side by side (32 bytes), so that one vpmaddubsw against 4 bytes of x broadcast gives the 8 rows'
 // partial sums in its lanes, and no horizontal sums are needed. Each block of 32 has a scale and a minimum per row
 // (w = scale * q + min); the minimum multiplies the sum of x's rounded block. The result is x rounded, exactly
-// as rounded, times W: only the summation order differs from float64 over the same two. Types: Q4_0, Q4_1, Q4_K, Q5_K (the
-// types whose integers are unsigned and at most 5 bits); the caller runs the others with float32 activations.
+// as rounded, times W: only the summation order differs from float64 over the same two. Types: Q4_0, Q4_1,
+// Q8_0, Q4_K, Q5_K (blocks of 32 with one scale each); the caller runs Q6_K (scales per 16) with float32
+// activations.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -37,10 +38,14 @@ constexpr int64_t STEPS = BLOCK / 4;  // broadcasts of 4 bytes of x per block
 constexpr int64_t PANEL_GROUPS = 8;   // groups expanded at a time: 64 rows of W, K x 64 bytes, stay in L2
 constexpr int TILE_ROWS = 4;          // rows of x per tile, against two groups: 8 int16 and 8 float accumulators
 
-bool supported(int64_t type) { return type == Q4_0 || type == Q4_1 || type == Q4_K || type == Q5_K; }
+bool supported(int64_t type) { return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q5_K; }
 
-// Steps of int16 sums before they are widened to int32: 4-bit integers never overflow a block; 5-bit ones would.
-constexpr int widen_steps(int64_t type) { return type == Q5_K ? 4 : STEPS; }
+// Q8_0's integers are signed, and vpmaddubsw wants one operand unsigned: |w| times x with w's sign.
+constexpr bool signed_ints(int64_t type) { return type == Q8_0; }
+
+// Steps of int16 sums before they are widened to int32: 4-bit integers never overflow a block; 5-bit ones would
+// after 4 steps, and one step of 8-bit ones comes near the limit (2 x 128 x 127).
+constexpr int widen_steps(int64_t type) { return type == Q5_K ? 4 : type == Q8_0 ? 1 : STEPS; }
 
 // x as int8 per block of 32: q = round(x / scale). `sum` is the block's sum as rounded, scale * sum(q), which
 // the weights' minimums multiply: with x's own sum the two parts of w = scale * q + min would see different x, and
@@ -100,10 +105,15 @@ Int8Rows quantize_rows(const float* x, int64_t m, int64_t k) {
   return rows;
 }
 
-// Block j (of 32 weights) of a row as 32 unsigned integers, with the scale and minimum they share.
+// Block j (of 32 weights) of a row as 32 integers (unsigned but Q8_0's), with the scale and minimum they share.
 template <int64_t TYPE>
 void block_ints(const uint8_t* row, int64_t j, uint8_t q[BLOCK], float* scale, float* min) {
-  if constexpr (TYPE == Q4_0 || TYPE == Q4_1) {
+  if constexpr (TYPE == Q8_0) {
+    const uint8_t* b = row + j * layout_of(TYPE).bytes;
+    *scale = half_at(b);
+    *min = 0.f;
+    std::memcpy(q, b + 2, BLOCK);  // int8 as bytes
+  } else if constexpr (TYPE == Q4_0 || TYPE == Q4_1) {
     const uint8_t* b = row + j * layout_of(TYPE).bytes;
     const uint8_t* qs = b + (TYPE == Q4_0 ? 2 : 4);
     *scale = half_at(b);
@@ -130,7 +140,12 @@ void block_ints(const uint8_t* row, int64_t j, uint8_t q[BLOCK], float* scale, f
 #if defined(__AVX2__)
 template <int64_t TYPE>
 __m256i block_ints_avx2(const uint8_t* row, int64_t j, float* scale, float* min) {
-  if constexpr (TYPE == Q4_0 || TYPE == Q4_1) {
+  if constexpr (TYPE == Q8_0) {
+    const uint8_t* b = row + j * layout_of(TYPE).bytes;
+    *scale = half_at(b);
+    *min = 0.f;
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+  } else if constexpr (TYPE == Q4_0 || TYPE == Q4_1) {
     const uint8_t* b = row + j * layout_of(TYPE).bytes;
     const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (TYPE == Q4_0 ? 2 : 4)));
     const __m128i mask = _mm_set1_epi8(0xF);
@@ -222,8 +237,9 @@ struct Tile {
   int64_t cols;
 };
 
-template <int R, int C, int WIDEN>
+template <int R, int C, int64_t TYPE>
 void tile(const Tile& t) {
+  constexpr int WIDEN = widen_steps(TYPE);
   const int64_t blocks = t.k / BLOCK;
   alignas(32) float sums[R][C * GROUP];
 #if defined(__AVX2__) && defined(__FMA__)
@@ -240,15 +256,20 @@ void tile(const Tile& t) {
     }
 #pragma GCC unroll 1
     for (int s = 0; s < STEPS; ++s) {
-      __m256i w[C];
+      __m256i w[C], magnitude[C];
       for (int c = 0; c < C; ++c) {
         w[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.group.q + c * t.group_bytes + (b * STEPS + s) * 32));
+        if constexpr (signed_ints(TYPE)) magnitude[c] = _mm256_abs_epi8(w[c]);
       }
       for (int r = 0; r < R; ++r) {
         int32_t four;
         std::memcpy(&four, t.xq + r * t.k + b * BLOCK + s * 4, 4);
         const __m256i x = _mm256_set1_epi32(four);
-        for (int c = 0; c < C; ++c) part[r][c] = _mm256_add_epi16(part[r][c], _mm256_maddubs_epi16(w[c], x));
+        for (int c = 0; c < C; ++c) {
+          const __m256i product = signed_ints(TYPE) ? _mm256_maddubs_epi16(magnitude[c], _mm256_sign_epi8(x, w[c]))
+                                                    : _mm256_maddubs_epi16(w[c], x);
+          part[r][c] = _mm256_add_epi16(part[r][c], product);
+        }
       }
       if (WIDEN < STEPS && (s + 1) % WIDEN == 0) {
         for (int r = 0; r < R; ++r) {
@@ -279,7 +300,11 @@ void tile(const Tile& t) {
       float total = 0.f;
       for (int64_t b = 0; b < blocks; ++b) {
         int32_t dot = 0;
-        for (int64_t i = 0; i < BLOCK; ++i) dot += q[(b * STEPS + i / 4) * 32 + i % 4] * t.xq[r * t.k + b * BLOCK + i];
+        for (int64_t i = 0; i < BLOCK; ++i) {
+          const uint8_t byte = q[(b * STEPS + i / 4) * 32 + i % 4];
+          const int32_t wi = signed_ints(TYPE) ? static_cast<int8_t>(byte) : byte;
+          dot += wi * t.xq[r * t.k + b * BLOCK + i];
+        }
         const int64_t at = c * t.group_blocks + b * GROUP + lane;
         total += static_cast<float>(dot) * (t.group.scale[at] * t.xscale[r * blocks + b]) + t.group.min[at] * t.xsum[r * blocks + b];
       }
@@ -290,12 +315,12 @@ void tile(const Tile& t) {
   for (int r = 0; r < R; ++r) std::memcpy(t.out + r * t.out_stride, sums[r], t.cols * sizeof(float));
 }
 
-template <int WIDEN, int R = TILE_ROWS>
+template <int64_t TYPE, int R = TILE_ROWS>
 void any_tile(int64_t rows, int64_t groups, const Tile& t) {
   if (rows == R) {
-    groups == 2 ? tile<R, 2, WIDEN>(t) : tile<R, 1, WIDEN>(t);
+    groups == 2 ? tile<R, 2, TYPE>(t) : tile<R, 1, TYPE>(t);
   } else if constexpr (R > 1) {
-    any_tile<WIDEN, R - 1>(rows, groups, t);
+    any_tile<TYPE, R - 1>(rows, groups, t);
   }
 }
 
@@ -321,7 +346,7 @@ void matmul_int8(const float* x, int64_t m_rows, int64_t k, const uint8_t* w, in
           const int64_t n0 = (g0 + i) * GROUP, pair = std::min<int64_t>(2, count - i);
           const Tile t{xq.q.data() + m0 * k, xq.scale.data() + m0 * blocks, xq.sum.data() + m0 * blocks, k, view(i),
                        k * GROUP, blocks * GROUP, out + m0 * n_rows + n0, n_rows, std::min(pair * GROUP, n_rows - n0)};
-          any_tile<widen_steps(TYPE)>(std::min<int64_t>(TILE_ROWS, m_rows - m0), pair, t);
+          any_tile<TYPE>(std::min<int64_t>(TILE_ROWS, m_rows - m0), pair, t);
         }
       }
     }
@@ -331,7 +356,7 @@ void matmul_int8(const float* x, int64_t m_rows, int64_t k, const uint8_t* w, in
 // x: [M, K] float32; blocks: [N, row_bytes] of a type `supported` takes. x @ W.T with x rounded to int8.
 at::Tensor gguf_matmul_int8(const at::Tensor& x_in, const at::Tensor& blocks, int64_t type) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be a float32 [M, K] tensor");
-  TORCH_CHECK(supported(type), "int8 activations need Q4_0, Q4_1, Q4_K or Q5_K weights, got type ", type);
+  TORCH_CHECK(supported(type), "int8 activations need Q4_0, Q4_1, Q8_0, Q4_K or Q5_K weights, got type ", type);
   const at::Tensor x = x_in.contiguous();
   const int64_t m_rows = x.size(0), k = x.size(1), n_rows = blocks.size(0);
   check_gguf_blocks(blocks, type, k);
@@ -344,6 +369,7 @@ at::Tensor gguf_matmul_int8(const at::Tensor& x_in, const at::Tensor& blocks, in
   switch (type) {
     case Q4_0: run(std::integral_constant<int64_t, Q4_0>{}); break;
     case Q4_1: run(std::integral_constant<int64_t, Q4_1>{}); break;
+    case Q8_0: run(std::integral_constant<int64_t, Q8_0>{}); break;
     case Q4_K: run(std::integral_constant<int64_t, Q4_K>{}); break;
     case Q5_K: run(std::integral_constant<int64_t, Q5_K>{}); break;
   }

@@ -24,7 +24,7 @@ BLOCK_LAYOUTS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256
 TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 
 MATVEC_ROWS = 8  # up to this many rows the blocks stream through registers; beyond, a GEMM over expanded panels
-INT8_TYPES = {2, 3, 12, 13}  # Q4_0, Q4_1, Q4_K, Q5_K: unsigned integers of at most 5 bits (int8_matmul.cpp)
+INT8_TYPES = {2, 3, 8, 12, 13}  # Q4_0, Q4_1, Q8_0, Q4_K, Q5_K: one scale per 32 weights (int8_matmul.cpp)
 
 
 @dataclass(frozen=True, slots=True)
