@@ -5,7 +5,8 @@
 
 For the embedded SmolLM2 (Q4_1 and Q8_0 blocks): the weights' resident bytes, single-stream decode, the
 throughput of all requests at once and the perplexity of a passage (tests/perplexity.py), for lmgate with
-`--weights quantized` (with and without `--int8-activations on`) and `--weights float`, and for
+`--weights quantized` (alone, with `--int8-activations on`, and with a float16 KV cache as well: what llama.cpp
+does by default) and `--weights float`, and for
 llama.cpp through llama-cpp-python where it is installed (`pip install llama-cpp-python` builds it on the
 machine). The memory-bound limit of a single stream is the quantized weights' bytes per token over the copy
 bandwidth measured in the same run.
@@ -40,6 +41,8 @@ from bench_engine import engine_single_stream, run_engine  # beside this file: a
 from perplexity import PASSAGE, perplexity
 
 VOCAB = 49152  # the embedded tokenizer's
+INT8_ROW = "lmgate --weights quantized --int8-activations on"
+INT8_F16_ROW = INT8_ROW + " --kv-cache-dtype float16"  # llama.cpp's own defaults: int8 activations, an f16 KV cache
 
 
 def copy_bandwidth(nbytes: int = 1 << 28) -> float:
@@ -54,17 +57,18 @@ def copy_bandwidth(nbytes: int = 1 << 28) -> float:
     return nbytes * runs / (time.perf_counter() - start)
 
 
-def measure_lmgate(args, weights: str, int8: bool = False) -> tuple[float, float, float, float]:
+def measure_lmgate(args, weights: str, int8: bool = False, kv: str = "auto") -> tuple[float, float, float, float]:
     """Weights' bytes, single-stream decode tok/s, all requests at once in tok/s, and perplexity over the
-    passage of tests/perplexity.py."""
-    config = EngineConfig(dtype="float32", weights=weights, int8_activations=int8, max_batch_size=max(64, args.requests))
+    passage of tests/perplexity.py (its KV cache of the engine's dtype)."""
+    config = EngineConfig(dtype="float32", weights=weights, int8_activations=int8, kv_cache_dtype=kv,
+                          max_batch_size=max(64, args.requests), max_batched_tokens=args.max_batched_tokens)
     with Engine(config) as engine:
         prompts, warmup = (random_prompts(random.Random(seed), args.requests, args.input_len, engine.vocab_size)
                            for seed in (0, 1))
         run_engine(engine, warmup, args.output_len)  # other prompts: the prefix cache must not serve the measured
         batch = run_engine(engine, prompts, args.output_len)
         single = engine_single_stream(engine, prompts[0], args.output_len)
-        ppl = perplexity(engine.loops[0].runner.model, engine.tokenizer.encode(PASSAGE))
+        ppl = perplexity(engine.loops[0].runner.model, engine.tokenizer.encode(PASSAGE), kv_dtype=engine.kv_dtype)
         return engine.weights_bytes, single, batch, ppl
 
 
@@ -234,6 +238,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--max-batched-tokens", type=int, default=512, help="tokens per step (lmgate serve's default)")
     ap.add_argument("--big", default="1B,8B", help="Llama shapes written as Q4_K GGUF files and served ('' for none)")
     ap.add_argument("--big-dir", default=tempfile.gettempdir(), help="where the big files are written (and removed)")
     ap.add_argument("--one-big", help=argparse.SUPPRESS)  # a child process measuring one file
@@ -248,10 +253,11 @@ def main() -> None:
     print(f"cpu: {cpu.name} ({cpu.vector_isa}), {available_cpus()} threads; copy bandwidth {bandwidth / 1e9:.1f} GB/s; "
           f"workload: {args.requests} x ({args.input_len} prompt + {args.output_len} new), greedy, ignore_eos", flush=True)
     rows = {}
-    for name, weights, int8 in (("lmgate --weights quantized", "quantized", False),
-                                ("lmgate --weights quantized --int8-activations on", "quantized", True),
-                                ("lmgate --weights float", "float", False)):
-        rows[name] = measure_lmgate(args, weights, int8)
+    for name, weights, int8, kv in (("lmgate --weights quantized", "quantized", False, "auto"),
+                                    (INT8_ROW, "quantized", True, "auto"),
+                                    (INT8_F16_ROW, "quantized", True, "float16"),
+                                    ("lmgate --weights float", "float", False, "auto")):
+        rows[name] = measure_lmgate(args, weights, int8, kv)
         print(f"{name}: {rows[name]}", flush=True)
     quant_bytes = rows["lmgate --weights quantized"][0]
     limit = bandwidth / quant_bytes
@@ -274,10 +280,10 @@ def main() -> None:
               f"{quant[1] / single:.2f}x (goal 1.2x); all at once against one at a time {quant[2]:.1f} / {serial:.1f} = "
               f"{quant[2] / serial:.2f}x, against its batch {quant[2]:.1f} / {batched:.1f} = {quant[2] / batched:.2f}x "
               "(goal 3x)")
-        int8 = rows["lmgate --weights quantized --int8-activations on"]
-        print(f"with --int8-activations on: all at once against llama.cpp's batch {int8[2]:.1f} / {batched:.1f} = "
-              f"{int8[2] / batched:.2f}x (goal 3x); perplexity {int8[3]:.2f} against {quant[3]:.2f} with float "
-              "activations")
+        for name in (INT8_ROW, INT8_F16_ROW):
+            print(f"{name.removeprefix('lmgate --weights quantized ')}: all at once against llama.cpp's batch "
+                  f"{rows[name][2]:.1f} / {batched:.1f} = {rows[name][2] / batched:.2f}x (goal 3x); perplexity "
+                  f"{rows[name][3]:.2f} against {quant[3]:.2f} with float activations")
     big = [name for name in args.big.split(",") if name]
     if big:
         print(f"\n| Llama shape, Q4_K random weights | file GB | load s | weights GB | resident GB (peak) | 1 stream tok/s |")

@@ -25,12 +25,12 @@ PASSAGE = (
 )
 
 
-def perplexity(model, ids: list[int], block_size: int = 16) -> float:
+def perplexity(model, ids: list[int], kv_dtype: torch.dtype = torch.float32, block_size: int = 16) -> float:
     """exp of the mean negative log-likelihood of every token of `ids` after the first, as one prefill chunk over
-    a fresh KV cache (many rows at once: the case the int8 kernels serve)."""
+    a fresh KV cache of `kv_dtype` (many rows at once: the case the int8 kernels serve)."""
     n = len(ids)
     blocks = -(-n // block_size)
-    kv = allocate_kv_cache(model.config, blocks, block_size, torch.float32, torch.device("cpu"))
+    kv = allocate_kv_cache(model.config, blocks, block_size, kv_dtype, torch.device("cpu"))
     chunk = PrefillTables(torch.arange(blocks).view(1, -1), torch.tensor([0]), torch.tensor([n]), torch.tensor([n]), n)
     meta = AttentionMetadata(slot_mapping=torch.arange(n), num_decode=0, decode=None, prefills=chunk)
     with torch.inference_mode():

@@ -36,7 +36,8 @@ constexpr int64_t BLOCK = 32;         // weights (and activations) per scale
 constexpr int64_t GROUP = 8;          // rows of W whose sums share a vector
 constexpr int64_t STEPS = BLOCK / 4;  // broadcasts of 4 bytes of x per block
 constexpr int64_t PANEL_GROUPS = 8;   // groups expanded at a time: 64 rows of W, K x 64 bytes, stay in L2
-constexpr int TILE_ROWS = 4;          // rows of x per tile, against two groups: 8 int16 and 8 float accumulators
+constexpr int TILE_ROWS = 4;          // rows of x per tile, against two groups: 8 int16 accumulators
+constexpr int64_t LINE = 64;
 
 bool supported(int64_t type) { return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q5_K; }
 
@@ -341,8 +342,18 @@ void matmul_int8(const float* x, int64_t m_rows, int64_t k, const uint8_t* w, in
         const int64_t n0 = (g0 + i) * GROUP;
         expand_group<TYPE>(w + n0 * row_bytes, row_bytes, std::min(GROUP, n_rows - n0), k, view(i));
       }
+      // The next panel's blocks are fetched a few lines per tile while this one's tiles run: at 64 rows, waiting
+      // for them at the next expansion took a tenth of the call.
+      const int64_t next_n0 = (g0 + count) * GROUP;
+      const int64_t next_rows = g0 + count < end ? std::min(std::min(PANEL_GROUPS, end - g0 - count) * GROUP, n_rows - next_n0) : 0;
+      const char* next = reinterpret_cast<const char*>(w + next_n0 * row_bytes);
+      const int64_t lines = next_rows * row_bytes / LINE;
+      const int64_t per_tile = (lines + (m_rows + TILE_ROWS - 1) / TILE_ROWS * ((count + 1) / 2) - 1) /
+                               ((m_rows + TILE_ROWS - 1) / TILE_ROWS * ((count + 1) / 2));
+      int64_t fetched = 0;
       for (int64_t m0 = 0; m0 < m_rows; m0 += TILE_ROWS) {
         for (int64_t i = 0; i < count; i += 2) {
+          for (int64_t l = 0; l < per_tile && fetched < lines; ++l, ++fetched) __builtin_prefetch(next + fetched * LINE);
           const int64_t n0 = (g0 + i) * GROUP, pair = std::min<int64_t>(2, count - i);
           const Tile t{xq.q.data() + m0 * k, xq.scale.data() + m0 * blocks, xq.sum.data() + m0 * blocks, k, view(i),
                        k * GROUP, blocks * GROUP, out + m0 * n_rows + n0, n_rows, std::min(pair * GROUP, n_rows - n0)};
