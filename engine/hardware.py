@@ -1,6 +1,7 @@
 """What this machine can do, read in one place: the CPU's features, and the dtype that follows from them.
 
-Every CPU-dependent choice (the `auto` dtype, whether oneDNN may pack bf16 weights) asks `cpu_features()`,
+Every CPU-dependent choice (the `auto` dtype, whether oneDNN may pack bf16 weights, the int8 kernel's
+dot-product instruction) asks `cpu_features()`,
 never the CPU itself, so one value decides and tests can set it. `LMGATE_CPU_FLAGS` (flags as
 /proc/cpuinfo names them, separated by spaces or commas) replaces what the CPU reports: with
 `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` beside it, an AVX-512 machine takes an AVX2 one's paths.
@@ -40,6 +41,12 @@ class CpuFeatures:
         if self.arch in ("aarch64", "arm64"):
             return "bf16" in self.flags
         return "avx_ne_convert" in self.flags or {"avx512bw", "avx512vl", "avx512dq"} <= self.flags
+
+    @property
+    def int8_vnni(self) -> bool:
+        """AVX512-VNNI with 256-bit forms (Ice Lake, Sapphire Rapids, Zen 4 and later): the int8 kernel's
+        vpdpbusd, one instruction where AVX2 takes two and a widening step."""
+        return {"avx512_vnni", "avx512vl"} <= self.flags
 
     @property
     def vector_isa(self) -> str:

@@ -27,6 +27,7 @@ import time
 import gguf
 import numpy as np
 
+USER_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY")  # before lmgate.engine sets its own
 import lmgate.engine  # noqa: F401  (before torch: it sets OpenMP's wait policy, engine/__init__.py)
 import torch
 
@@ -72,79 +73,22 @@ def measure_lmgate(args, weights: str, int8: bool = False, kv: str = "auto") -> 
         return engine.weights_bytes, single, batch, ppl
 
 
-SERIAL_SAMPLE = 4  # requests llama-cpp-python serves one after another (each takes as long as the others)
-
-
-def measure_llama_cpp(args, path: str) -> tuple[float, float, float] | None:
-    """llama.cpp's single-stream decode tok/s, its output tok/s serving requests one at a time as
-    llama-cpp-python's `Llama` does (prefill included), and with every request in one batch through its C
-    API; None where llama-cpp-python is not installed."""
-    try:
-        import llama_cpp
-    except ImportError:
+def measure_llama_cpp(args, path: str) -> dict | None:
+    """llama.cpp's figures (tests/llama_cpp_bench.py), measured in a child process with llama.cpp's own OpenMP
+    defaults: this process's `OMP_WAIT_POLICY=PASSIVE` (engine/__init__.py) put its threads to sleep at each of
+    its many barriers a token, and cut its single stream from 99 to 39 tok/s on a Zen 4. None where
+    llama-cpp-python is not installed."""
+    env = dict(os.environ)
+    if USER_WAIT_POLICY is None:
+        env.pop("OMP_WAIT_POLICY", None)
+    child = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "llama_cpp_bench.py"), path,
+                            str(args.requests), str(args.input_len), str(args.output_len), str(available_cpus())],
+                           capture_output=True, text=True, env=env)
+    if child.returncode != 0:
+        print(child.stderr.strip().splitlines()[-1] if child.stderr.strip() else f"llama.cpp: exit {child.returncode}")
         return None
-    threads = available_cpus()
-    llm = llama_cpp.Llama(path, n_ctx=args.input_len + args.output_len, n_threads=threads, n_threads_batch=threads,
-                          verbose=False)
-    prompts = random_prompts(random.Random(0), args.requests, args.input_len, llm.n_vocab())
-    llm.eval(prompts[1])  # a warm-up
-    stamps = []
-    for token in llm.generate(prompts[0], temp=0.0, reset=True):
-        stamps.append(time.perf_counter())
-        if len(stamps) == args.output_len:
-            break
-    single = (len(stamps) - 1) / (stamps[-1] - stamps[0])
-    start = time.perf_counter()
-    for prompt in prompts[:SERIAL_SAMPLE]:
-        for count, _ in enumerate(llm.generate(prompt, temp=0.0, reset=True), start=1):
-            if count == args.output_len:
-                break
-    serial = SERIAL_SAMPLE * args.output_len / (time.perf_counter() - start)
-    batched = llama_cpp_batched(llama_cpp, llm, prompts, args.output_len, threads)
-    del llm
-    return single, serial, batched
-
-
-def llama_cpp_batched(llama_cpp, llm, prompts: list[list[int]], output_len: int, threads: int) -> float:
-    """Output tok/s of llama.cpp decoding every prompt at once, greedy, through its C API: one context with a
-    sequence per prompt, the prompts prefilled in batches of up to 2,048 tokens, then one token of every
-    sequence per `llama_decode` (what llama-server's parallel slots do; the Python `Llama` object serves one
-    sequence)."""
-    params = llama_cpp.llama_context_default_params()
-    params.n_seq_max = len(prompts)
-    params.n_ctx = len(prompts) * (max(map(len, prompts)) + output_len)
-    params.n_batch, params.n_ubatch = 2048, 512
-    params.n_threads = params.n_threads_batch = threads
-    ctx = llama_cpp.llama_init_from_model(llm.model, params)
-    batch = llama_cpp.llama_batch_init(params.n_batch, 0, len(prompts))
-    vocab = llm.n_vocab()
-
-    def decode(entries: list[tuple[int, int, int, bool]]) -> None:  # (token, position, sequence, wants logits)
-        for i, (token, pos, seq, logits) in enumerate(entries):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, 1, logits
-            batch.seq_id[i][0] = seq
-        batch.n_tokens = len(entries)
-        assert llama_cpp.llama_decode(ctx, batch) == 0
-
-    def next_tokens(rows: list[int]) -> list[int]:  # greedy, at these rows of the last decode's batch
-        return [int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(vocab,)).argmax())
-                for i in rows]
-
-    start = time.perf_counter()
-    entries = [(t, pos, seq, pos == len(p) - 1) for seq, p in enumerate(prompts) for pos, t in enumerate(p)]
-    last = []
-    for i in range(0, len(entries), params.n_batch):
-        chunk = entries[i : i + params.n_batch]
-        decode(chunk)
-        last += next_tokens([row for row, e in enumerate(chunk) if e[3]])
-    lengths = [len(p) for p in prompts]
-    for step in range(output_len - 1):
-        decode([(t, lengths[seq] + step, seq, True) for seq, t in enumerate(last)])
-        last = next_tokens(list(range(len(prompts))))
-    elapsed = time.perf_counter() - start
-    llama_cpp.llama_batch_free(batch)
-    llama_cpp.llama_free(ctx)
-    return len(prompts) * output_len / elapsed
+    result = json.loads(child.stdout.strip().splitlines()[-1])
+    return result or None
 
 
 # Llama-3.2-1B and Llama-3.1-8B as llama.cpp's Q4_K_M files lay them out (Q4_K matrices, a Q6_K embedding
@@ -227,12 +171,6 @@ def resident_bytes() -> int:
         return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
 
 
-def llama_cpp_version() -> str:
-    import llama_cpp
-
-    return llama_cpp.__version__
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--requests", type=int, default=64)
@@ -250,7 +188,9 @@ def main() -> None:
     path = path_of_embedded = embedded_model_path()
     bandwidth = on_fresh_thread(copy_bandwidth)
     cpu = cpu_features()
-    print(f"cpu: {cpu.name} ({cpu.vector_isa}), {available_cpus()} threads; copy bandwidth {bandwidth / 1e9:.1f} GB/s; "
+    dot = "vpdpbusd (AVX512-VNNI)" if cpu.int8_vnni else "vpmaddubsw (AVX2)"
+    print(f"cpu: {cpu.name} ({cpu.vector_isa}; int8 dot products by {dot}), {available_cpus()} threads; "
+          f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; "
           f"workload: {args.requests} x ({args.input_len} prompt + {args.output_len} new), greedy, ignore_eos", flush=True)
     rows = {}
     for name, weights, int8, kv in (("lmgate --weights quantized", "quantized", False, "auto"),
@@ -272,8 +212,8 @@ def main() -> None:
         print("| llama.cpp | — | not installed (pip install llama-cpp-python) | | | |")
     else:
         quant = rows["lmgate --weights quantized"]
-        single, serial, batched = llama
-        print(f"| llama.cpp (llama-cpp-python {llama_cpp_version()}), one request at a time | the file's | {single:.1f} | "
+        single, serial, batched = llama["single"], llama["serial"], llama["batched"]
+        print(f"| llama.cpp (llama-cpp-python {llama['version']}), one request at a time | the file's | {single:.1f} | "
               f"{single / limit:.0%} | {serial:.1f} | |")
         print(f"| llama.cpp, all requests in one batch (its C API) | the file's | | | {batched:.1f} | |")
         print(f"\nlmgate quantized against llama.cpp: single stream {quant[1]:.1f} / {single:.1f} = "

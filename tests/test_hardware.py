@@ -66,6 +66,13 @@ def test_onednn_bf16_needs_avx512_bw_vl_dq_or_avx_ne_convert():
     assert x86(AVX2 + " avx_ne_convert").onednn_bf16  # Arrow Lake, Sierra Forest
 
 
+def test_int8_kernel_takes_vpdpbusd_only_with_avx512_vnni_and_vl():
+    assert not x86(AVX2).int8_vnni
+    assert not x86(AVX2 + " avx_vnni").int8_vnni  # Alder Lake's VEX form is another instruction
+    assert not x86(AVX2 + " avx512_vnni").int8_vnni
+    assert x86(AVX512 + " avx512_vnni").int8_vnni
+
+
 def test_cpu_flags_override_is_the_one_value_code_reads(cpu_flags):
     real = cpu_features()
     assert real.name and real.arch

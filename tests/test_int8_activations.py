@@ -15,6 +15,7 @@ from gguf.quants import dequantize
 from lmgate.engine.config import EngineConfig
 from lmgate.engine.engine import Engine
 from lmgate.engine.errors import InvalidRequest
+from lmgate.engine.hardware import cpu_features
 from lmgate.engine.kernels import compiler_found, load_cpu_kernels
 from lmgate.engine.models import build_model
 from lmgate.engine.models.quantized_linear import INT8_TYPES, MATVEC_ROWS, GGUFBlocks, QuantizedLinear
@@ -36,22 +37,49 @@ def rounded(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(blocks * inv).double() * (amax / 127).double()).view_as(x)
 
 
+def weights_and_x(qtype: GGMLQuantizationType, m: int) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+    """37 rows of W (four full groups of 8, a partial one, an odd count of groups) as blocks and as float64,
+    three blocks of K, and m rows of x whose first block is zeros (a block of zeros has no scale)."""
+    n, k = 37, 3 * GGML_QUANT_SIZES[qtype][0]
+    rng = np.random.default_rng(m)
+    raw = blocks_for(rng.standard_normal((n, k)).astype(np.float32), qtype, seed=m)
+    x = torch.randn(m, k)
+    x[0, :32] = 0
+    return raw, torch.from_numpy(dequantize(raw, qtype).reshape(n, k)).double(), x
+
+
 @kernels
 @pytest.mark.parametrize("qtype", INT8, ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 3, 10, 64, 300])
 def test_int8_kernel_is_rounded_x_times_the_weights(qtype, m):
-    """37 rows of W (four full groups of 8, a partial one, an odd count of groups), three blocks of K."""
-    n, k = 37, 3 * GGML_QUANT_SIZES[qtype][0]
-    rng = np.random.default_rng(m)
-    raw = blocks_for(rng.standard_normal((n, k)).astype(np.float32), qtype, seed=m)
-    weight = torch.from_numpy(dequantize(raw, qtype).reshape(n, k)).double()
-    x = torch.randn(m, k)
-    x[0, :32] = 0  # a block of zeros has no scale
+    raw, weight, x = weights_and_x(qtype, m)
     got = torch.ops.lmgate.gguf_matmul_int8(x, torch.from_numpy(raw), int(qtype)).double()
     want = rounded(x) @ weight.T
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     exact = x.double() @ weight.T
     assert 1e-4 < ((got - exact).norm() / exact.norm()).item() < 0.05  # rounded, and by little
+
+
+@kernels
+@pytest.mark.skipif(not cpu_features().int8_vnni, reason="this CPU has no AVX512-VNNI: its vpdpbusd path cannot run here")
+@pytest.mark.parametrize("qtype", INT8, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [3, 64, 300])
+def test_vnni_kernel_gives_the_same_bits_as_avx2(qtype, m):
+    """vpdpbusd and vpmaddubsw sum the same integers exactly (Q5_K's near the int16 limit, Q8_0's signed ones),
+    and the float steps after them are the same."""
+    raw, _, x = weights_and_x(qtype, m)
+    x[1:, 32:64] = x[1:, 32:64].sign() * 10  # |x| at its block's maximum: every rounded value is +-127
+    blocks = torch.from_numpy(raw)
+    assert torch.equal(torch.ops.lmgate.gguf_matmul_int8(x, blocks, int(qtype), True),
+                       torch.ops.lmgate.gguf_matmul_int8(x, blocks, int(qtype), False))
+
+
+@kernels
+@pytest.mark.skipif(cpu_features().int8_vnni, reason="this CPU has AVX512-VNNI: the refusal is for CPUs without it")
+def test_vnni_kernel_refused_on_a_cpu_without_it():
+    raw, _, x = weights_and_x(GGMLQuantizationType.Q4_0, 16)
+    with pytest.raises(RuntimeError, match="without AVX512-VNNI"):
+        torch.ops.lmgate.gguf_matmul_int8(x, torch.from_numpy(raw), int(GGMLQuantizationType.Q4_0), True)
 
 
 @kernels

@@ -29,8 +29,8 @@ def test_auto_keeps_the_models_dtype_and_other_choices_are_checked():
 
 @pytest.fixture(scope="module")
 def runs(checkpoint, tokenizer) -> dict:
-    """The same prompts through float32 weights over each KV cache dtype, and quantized weights (whose fused
-    decode reads only a float32 cache, so a 16-bit one takes the module path) over float16."""
+    """The same prompts through float32 weights over each KV cache dtype, and quantized weights (whose decode
+    steps run in one C++ call, tests/test_quantized.py) over float16."""
     prompts = [tokenizer.encode(t) for t in ("The capital of France is", "Once upon a time, there was a little",
                                              "def fibonacci(n):\n    ")]
     out = {}

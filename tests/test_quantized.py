@@ -157,23 +157,27 @@ def q4_k_m(name: str) -> GGMLQuantizationType:
 
 
 @kernels
-@pytest.mark.parametrize("arch, config_class, type_of", [
-    ("llama", transformers.LlamaConfig, lambda name: GGMLQuantizationType.Q4_K),
-    ("qwen2", transformers.Qwen2Config, lambda name: GGMLQuantizationType.Q8_0),  # a bias on Q, K and V
-    ("qwen3", transformers.Qwen3Config, lambda name: GGMLQuantizationType.Q4_1),  # RMSNorm on each Q and K head
-    ("llama", transformers.LlamaConfig, q4_k_m),  # Q, K, V one projection of two types
-], ids=["llama-Q4_K", "qwen2-Q8_0", "qwen3-Q4_1", "llama-Q4_K_M"])
-def test_fused_decode_equals_the_layer_path(arch, config_class, type_of, tokenizer_fields, tmp_path, prompt_ids):
+@pytest.mark.parametrize("arch, config_class, type_of, kv", [
+    ("llama", transformers.LlamaConfig, lambda name: GGMLQuantizationType.Q4_K, "float32"),
+    ("qwen2", transformers.Qwen2Config, lambda name: GGMLQuantizationType.Q8_0, "float32"),  # a bias on Q, K and V
+    ("qwen3", transformers.Qwen3Config, lambda name: GGMLQuantizationType.Q4_1, "float32"),  # RMSNorm on Q, K heads
+    ("llama", transformers.LlamaConfig, q4_k_m, "float32"),  # Q, K, V one projection of two types
+    ("llama", transformers.LlamaConfig, lambda name: GGMLQuantizationType.Q4_1, "float16"),
+    ("qwen3", transformers.Qwen3Config, lambda name: GGMLQuantizationType.Q4_K, "bfloat16"),
+], ids=["llama-Q4_K", "qwen2-Q8_0", "qwen3-Q4_1", "llama-Q4_K_M", "llama-Q4_1-f16-kv", "qwen3-Q4_K-bf16-kv"])
+def test_fused_decode_equals_the_layer_path(arch, config_class, type_of, kv, tokenizer_fields, tmp_path, prompt_ids):
     """Decode steps of up to 8 rows run every layer in one C++ call (models/fused_decode.py). The same engine
     with it switched off runs the modules: the same tokens, logprobs up to the order of float32 sums, for
-    batches shrinking from 8 rows to 1 at different context lengths."""
+    batches shrinking from 8 rows to 1 at different context lengths, over a 32- or 16-bit KV cache (both paths
+    round keys and values into it alike)."""
     path = str(tmp_path / f"{arch}.gguf")
     _write_gguf(random_tiny(arch, config_class), path, tokenizer_fields,
                 quantize=lambda name, data: (blocks_for(data, type_of(name), seed=len(name)), type_of(name))
                 if data.ndim == 2 else None)
     prompts = [prompt_ids[: 3 + 2 * i] * (1 + i % 3) for i in range(8)]
     runs = []
-    with Engine(EngineConfig(dtype="float32", model=path, kv_cache_tokens=2048, weights="quantized")) as eng:
+    config = EngineConfig(dtype="float32", model=path, kv_cache_tokens=2048, weights="quantized", kv_cache_dtype=kv)
+    with Engine(config) as eng:
         model = eng.loops[0].runner.model
         counting = model.fused_decode = CountingFusedDecode(model.fused_decode)
         for fused in (counting, None):

@@ -10,9 +10,11 @@
 // Per layer: h = rms_norm(x) (each thread its own copy); qkv = h Wqkv^T (+ bias); per (row, KV head):
 // q/k norm (Qwen3), rotary, K/V stored at the row's slot, attention over the row's blocks; x += attn Wo^T;
 // h = rms_norm(x); act = silu(h Wgate^T) * h Wup^T (a thread owns both halves of its rows); x += act Wdown^T.
-// fp32 throughout, the same arithmetic as the torch path up to the order of sums.
+// fp32 throughout (a 16-bit KV cache is converted as it is stored and read), the same arithmetic as the torch
+// path up to the order of sums.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <omp.h>
@@ -32,8 +34,9 @@ namespace lmgate {
 // paged_attention.cpp
 void check_decode_tables(const at::Tensor& block_tables, const at::Tensor& lengths, int64_t block_size,
                          int64_t num_blocks);
-void attend_group(const float* q, const float* k_head, const float* v_head, const int64_t* table, int64_t len,
-                  int64_t block_size, int64_t dim, int64_t group, float scale, float* out);
+void attend_group(const float* q, const void* k_head, const void* v_head, at::ScalarType cache_type,
+                  const int64_t* table, int64_t len, int64_t block_size, int64_t dim, int64_t group, float scale,
+                  float* out);
 // layer_ops.cpp
 void rms_norm_rows(const float* x, const float* weight, int64_t rows, int64_t n, float eps, float* out);
 void rotary_head(const float* x, const float* cos, const float* sin, int64_t dim, float* out);
@@ -119,8 +122,15 @@ struct Linear {
 struct Layer {
   const float *input_norm, *post_norm, *q_norm, *k_norm, *qkv_bias;  // q_norm, k_norm, qkv_bias may be null
   Linear qkv, o, gate_up, down;
-  float *k_cache, *v_cache;
+  void *k_cache, *v_cache;  // of the step's cache dtype
 };
+
+// n floats into a cache of `type` from element `offset` on, rounded as store_kv (layer_ops.cpp) rounds them.
+void store(const float* src, int64_t n, at::ScalarType type, void* cache, int64_t offset) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, type, "decode_layers store", [&] {
+    at::vec::convert(src, static_cast<scalar_t*>(cache) + offset, n);
+  });
+}
 
 // The next matrix of `weights` / `types`, `count` parts from `*next` on, K columns wide; `rows` < 0: any.
 Linear linear(at::TensorList weights, at::IntArrayRef types, int64_t* next, int64_t count, int64_t k, int64_t rows) {
@@ -146,7 +156,8 @@ const float* vector_of(const at::Tensor& t, int64_t n, const char* what) {
 // input_layernorm, post_attention_layernorm (then q_norm, k_norm when there are four); parts[4 i ...] say how
 // many entries of weights (blocks) and types (their GGUF types) make qkv_proj, o_proj, gate_up_proj and
 // down_proj, taken in order; qkv_bias is
-// empty or one per layer. cos, sin: [M, head_dim]; caches: [kv_heads, blocks, block_size, head_dim] float32;
+// empty or one per layer. cos, sin: [M, head_dim]; caches: [kv_heads, blocks, block_size, head_dim], all
+// float32, float16 or bfloat16;
 // slots: [M] each row's slot for this step's K/V; block_tables [M, width] and lengths [M] as in
 // paged_decode_attention (lengths count this step's token).
 void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, at::IntArrayRef types,
@@ -165,6 +176,9 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
   TORCH_CHECK(cache0.dim() == 4 && num_kv_heads >= 1 && cache0.size(0) == num_kv_heads && num_heads % num_kv_heads == 0,
               "caches must be [kv_heads, blocks, block_size, head_dim]");
   const int64_t num_blocks = cache0.size(1), block_size = cache0.size(2), dim = cache0.size(3);
+  const at::ScalarType cache_type = cache0.scalar_type();
+  TORCH_CHECK(cache_type == at::kFloat || cache_type == at::kHalf || cache_type == at::kBFloat16,
+              "the caches must be float32, float16 or bfloat16");
   const int64_t group = num_heads / num_kv_heads, q_size = num_heads * dim, kv_size = num_kv_heads * dim;
   const int64_t qkv_rows = q_size + 2 * kv_size, per_layer_norms = static_cast<int64_t>(norms.size()) / num_layers;
   TORCH_CHECK(dim % 2 == 0 && cos.sizes() == at::IntArrayRef({rows, dim}) && sin.sizes() == cos.sizes() &&
@@ -197,11 +211,11 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
     TORCH_CHECK(l.gate_up.rows % 2 == 0, "gate_up_proj must have an even number of rows");
     l.down = linear(weights, types, &next, parts[4 * i + 3], intermediate, hidden);
     for (const at::Tensor* c : {&k_caches[i], &v_caches[i]}) {
-      TORCH_CHECK(c->sizes() == cache0.sizes() && c->scalar_type() == at::kFloat && c->is_contiguous(),
-                  "every cache must be a contiguous float32 tensor of the first one's shape");
+      TORCH_CHECK(c->sizes() == cache0.sizes() && c->scalar_type() == cache_type && c->is_contiguous(),
+                  "every cache must be a contiguous tensor of the first one's shape and dtype");
     }
-    l.k_cache = k_caches[i].data_ptr<float>();
-    l.v_cache = v_caches[i].data_ptr<float>();
+    l.k_cache = k_caches[i].data_ptr();
+    l.v_cache = v_caches[i].data_ptr();
   }
   TORCH_CHECK(next == static_cast<int64_t>(weights.size()), "decode_layers: ", weights.size() - next,
               " weights left over after the layers' parts");
@@ -215,6 +229,7 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = lengths.data_ptr<int64_t>();
   const int64_t width = block_tables.size(1), head_elems = num_blocks * block_size * dim;
+  const int64_t head_bytes = head_elems * static_cast<int64_t>(c10::elementSize(cache_type));
   const int threads = std::max(1, at::get_num_threads());
   std::unique_ptr<SpinBarrier> barrier;
 
@@ -258,10 +273,11 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
         }
         if (l.k_norm != nullptr) lmgate::rms_norm_rows(k, l.k_norm, 1, dim, static_cast<float>(eps), k);
         lmgate::rotary_head(k, c, s, dim, k);
-        std::copy(k, k + dim, l.k_cache + g * head_elems + slot[m] * dim);
-        std::copy(v, v + dim, l.v_cache + g * head_elems + slot[m] * dim);
-        lmgate::attend_group(row + g * group * dim, l.k_cache + g * head_elems, l.v_cache + g * head_elems,
-                             tables + m * width, lens[m], block_size, dim, group, static_cast<float>(scale),
+        store(k, dim, cache_type, l.k_cache, g * head_elems + slot[m] * dim);
+        store(v, dim, cache_type, l.v_cache, g * head_elems + slot[m] * dim);
+        lmgate::attend_group(row + g * group * dim, static_cast<const char*>(l.k_cache) + g * head_bytes,
+                             static_cast<const char*>(l.v_cache) + g * head_bytes, cache_type, tables + m * width,
+                             lens[m], block_size, dim, group, static_cast<float>(scale),
                              attn.data() + m * q_size + g * group * dim);
       }
       barrier->wait();

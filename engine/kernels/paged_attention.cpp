@@ -484,10 +484,14 @@ void check_decode_tables(const at::Tensor& block_tables, const at::Tensor& lengt
   }
 }
 
-void attend_group(const float* q, const float* k_head, const float* v_head, const int64_t* table, int64_t len,
-                  int64_t block_size, int64_t dim, int64_t group, float scale, float* out) {
+void attend_group(const float* q, const void* k_head, const void* v_head, at::ScalarType cache_type,
+                  const int64_t* table, int64_t len, int64_t block_size, int64_t dim, int64_t group, float scale,
+                  float* out) {
   AttentionScratch scratch;
-  attend(q, 0, 1, k_head, v_head, table, len, block_size, dim, group, scale, out, 0, scratch);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, cache_type, "attend_group", [&] {
+    attend(q, 0, 1, static_cast<const scalar_t*>(k_head), static_cast<const scalar_t*>(v_head), table, len,
+           block_size, dim, group, scale, out, 0, scratch);
+  });
 }
 
 }  // namespace lmgate

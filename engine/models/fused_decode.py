@@ -52,10 +52,10 @@ class FusedDecode:
 
     @staticmethod
     def serves(rows: int, meta: AttentionMetadata, kv_dtype: torch.dtype) -> bool:
-        """A step of only decodes, few enough for one pass over the weights, on the C++ attention path, over a
-        float32 KV cache (a 16-bit one takes the module path, whose kernels convert it)."""
+        """A step of only decodes, few enough for one pass over the weights, on the C++ attention path (over a
+        float32, float16 or bfloat16 KV cache: the kernel converts as the module path's kernels do)."""
         return (rows <= MATVEC_ROWS and meta.num_decode == rows and isinstance(meta.decode, DecodeTables)
-                and not meta.triton and kv_dtype == torch.float32)
+                and not meta.triton and kv_dtype in (torch.float32, torch.float16, torch.bfloat16))
 
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:

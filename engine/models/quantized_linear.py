@@ -17,6 +17,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from torch import nn
 
+from ..hardware import cpu_features
 from ..kernels import load_cpu_kernels
 
 # ggml type number -> (weights, bytes) per block, for the types kept quantized (gguf.GGMLQuantizationType).
@@ -107,18 +108,18 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
-        outs = [self._kernel(rows.shape[0], p.qtype)(rows, p.blocks, p.qtype) for p in self.parts]
+        outs = [self._matmul(rows, p) for p in self.parts]
         y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
-    def _kernel(self, rows: int, qtype: int):
-        if rows <= MATVEC_ROWS:
-            return torch.ops.lmgate.gguf_matvec
-        if self.int8_activations and qtype in INT8_TYPES:
-            return torch.ops.lmgate.gguf_matmul_int8
-        return torch.ops.lmgate.gguf_matmul
+    def _matmul(self, rows: torch.Tensor, part: GGUFBlocks) -> torch.Tensor:
+        if rows.shape[0] <= MATVEC_ROWS:
+            return torch.ops.lmgate.gguf_matvec(rows, part.blocks, part.qtype)
+        if self.int8_activations and part.qtype in INT8_TYPES:
+            return torch.ops.lmgate.gguf_matmul_int8(rows, part.blocks, part.qtype, cpu_features().int8_vnni)
+        return torch.ops.lmgate.gguf_matmul(rows, part.blocks, part.qtype)
 
     def extra_repr(self) -> str:
         types = "+".join(TYPE_NAMES[p.qtype] for p in self.parts)
