@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
 import sys
 import time
 
@@ -15,6 +16,7 @@ import numpy as np
 
 from lmgate.client.bench import random_prompts
 
+SINGLE_RUNS = 3  # single-stream decodes measured, the median kept (as bench_quant does for lmgate)
 SERIAL_SAMPLE = 4  # requests llama-cpp-python serves one after another (each takes as long as the others)
 
 
@@ -30,12 +32,15 @@ def measure(path: str, requests: int, input_len: int, output_len: int, threads: 
                           verbose=False)
     prompts = random_prompts(random.Random(0), requests, input_len, llm.n_vocab())
     llm.eval(prompts[1])  # a warm-up
-    stamps = []
-    for token in llm.generate(prompts[0], temp=0.0, reset=True):
-        stamps.append(time.perf_counter())
-        if len(stamps) == output_len:
-            break
-    single = (len(stamps) - 1) / (stamps[-1] - stamps[0])
+    singles = []
+    for prompt in prompts[:SINGLE_RUNS]:
+        stamps = []
+        for token in llm.generate(prompt, temp=0.0, reset=True):
+            stamps.append(time.perf_counter())
+            if len(stamps) == output_len:
+                break
+        singles.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
+    single = statistics.median(singles)
     start = time.perf_counter()
     for prompt in prompts[:SERIAL_SAMPLE]:
         for count, _ in enumerate(llm.generate(prompt, temp=0.0, reset=True), start=1):

@@ -383,6 +383,56 @@ void matvec_rows_fused(const float* x, int64_t k, const uint8_t* w, int64_t row_
   }
 }
 
+#if defined(__AVX512F__)
+// matvec_rows for Q4_0 and Q4_1 with AVX-512, where converting each nibble to a float bound the AVX2 loop
+// (15 billion weights a second on a Zen 4, a third of what memory delivers): a block's 16 values
+// scale * i + offset are one vector, and vpermps looks each weight up in it by the low 4 bits of its lane. The
+// block's 16 bytes widened to 16 lanes hold weights 0..15 in their low nibbles and 16..31 in their high ones,
+// so x is read in its own order. The weights are those the float path expands (one rounding of the same FMA).
+template <int64_t ROWS, int64_t TYPE>
+void matvec_rows_nibbles_avx512(const float* x, int64_t k, const uint8_t* w, int64_t row_bytes, int64_t n_begin,
+                                int64_t n_end, float* out, int64_t out_stride) {
+  constexpr int64_t BYTES = TYPE == Q4_0 ? 18 : 20;
+  constexpr int64_t CHAINS = ROWS <= 2 ? 2 : 1;  // blocks whose sums go to separate accumulators
+  const int64_t blocks = k / 32;
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const auto block_weights = [&](const uint8_t* block, __m512* low, __m512* high) {
+    const float d = half_at(block);
+    const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(d),
+                                         _mm512_set1_ps(TYPE == Q4_1 ? half_at(block + 2) : -8.f * d));
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + BYTES - 16)));
+    *low = _mm512_permutexvar_ps(bytes, table);
+    *high = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+  };
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    __m512 acc[ROWS][2 * CHAINS];
+    for (int64_t m = 0; m < ROWS; ++m) {
+      for (int64_t c = 0; c < 2 * CHAINS; ++c) acc[m][c] = _mm512_setzero_ps();
+    }
+    const uint8_t* row = w + n * row_bytes;
+    const auto step = [&](int64_t b, int64_t chain) {
+      __m512 low, high;
+      block_weights(row + b * BYTES, &low, &high);
+      for (int64_t m = 0; m < ROWS; ++m) {
+        const float* xm = x + m * k + b * 32;
+        acc[m][2 * chain] = _mm512_fmadd_ps(low, _mm512_loadu_ps(xm), acc[m][2 * chain]);
+        acc[m][2 * chain + 1] = _mm512_fmadd_ps(high, _mm512_loadu_ps(xm + 16), acc[m][2 * chain + 1]);
+      }
+    };
+    int64_t b = 0;
+    for (; b + CHAINS <= blocks; b += CHAINS) {
+      for (int64_t c = 0; c < CHAINS; ++c) step(b + c, c);
+    }
+    for (; b < blocks; ++b) step(b, 0);
+    for (int64_t m = 0; m < ROWS; ++m) {
+      __m512 sum = _mm512_add_ps(acc[m][0], acc[m][1]);
+      for (int64_t c = 2; c < 2 * CHAINS; ++c) sum = _mm512_add_ps(sum, acc[m][c]);
+      out[m * out_stride + n] = _mm512_reduce_add_ps(sum);
+    }
+  }
+}
+#endif
+
 // matvec_rows for Q4_K and Q5_K the same way: each sub-block of 32 weights is d * scale * q - dmin * min, so
 // its dot with x is d * scale * (q . x) - dmin * min * sum(x).
 template <int64_t ROWS, bool FIVE_BITS>
@@ -468,6 +518,12 @@ void matvec_any_rows(int64_t rows, const float* x, int64_t k, const uint8_t* w, 
   if (rows == ROWS) {
 #if defined(__AVX2__) && defined(__FMA__)
     if constexpr (small_blocks(TYPE)) {
+#if defined(__AVX512F__)
+      if constexpr (TYPE != Q8_0) {
+        matvec_rows_nibbles_avx512<ROWS, TYPE>(x, k, w, row_bytes, n_begin, n_end, out, out_stride);
+        return;
+      }
+#endif
       matvec_rows_fused<ROWS, TYPE>(x, k, w, row_bytes, n_begin, n_end, out, out_stride);
       return;
     } else if constexpr (TYPE == Q4_K || TYPE == Q5_K) {
