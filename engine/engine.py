@@ -20,11 +20,12 @@ from .errors import ContextOverflow, InvalidRequest, Unavailable, UnsupportedMod
 from .gateway import Gateway
 from .hardware import choose_dtype, cpu_features, matmul_gflops
 from .kv_cache import kv_bytes_per_token, kv_cache_dtype
-from .loader import Checkpoint, load_checkpoint, read_config
+from .loader import Checkpoint, embedded_model_path, load_checkpoint, read_config
 from .memory import keep_freed_memory, release_host_memory
 from .request import Request, RequestKind, RequestOutput
 from .sampling import SamplingParams
 from .threads import available_cpus, on_fresh_thread
+from .weights import quantized_gguf
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +92,10 @@ class Engine:
         self.config = config = config or EngineConfig()
         keep_freed_memory()
         self.device = torch.device(config.device)
+        path = checkpoint.path if checkpoint else config.model or embedded_model_path()
         try:
-            self.dtype, self.dtype_reason = choose_dtype(config.dtype, self.device)
+            self.dtype, self.dtype_reason = choose_dtype(config.dtype, self.device,
+                                                         quantized_weights=quantized_gguf(config, path, self.device))
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
         self._warn_emulated_bf16()

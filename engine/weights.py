@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from .config import EngineConfig
-from .kernels import load_cpu_kernels
+from .kernels import compiler_found, load_cpu_kernels
 from .loader import Checkpoint, load_checkpoint
 from .model_runner import ModelRunner
 from .models import build_model, count_weight_bytes, expand_blocks
@@ -25,6 +25,14 @@ class TensorParallel:
 
     shard: Shard
     all_reduce: Callable[[torch.Tensor], torch.Tensor]
+
+
+def quantized_gguf(config: EngineConfig, path: str, device: torch.device) -> bool:
+    """Whether `--weights` would keep this model's quantized matrices as blocks, given float32: a GGUF file on
+    the CPU, one rank per model, a compiler for the kernels. `--dtype auto` then chooses float32
+    (hardware.choose_dtype). Asked before anything is loaded or built, so bad settings are refused first."""
+    return (config.weights != "float" and path.lower().endswith(".gguf") and device.type == "cpu"
+            and config.tensor_parallel == 1 and compiler_found())
 
 
 def keep_quantized(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> bool:

@@ -14,6 +14,7 @@ from lmgate.engine.engine import Engine
 from lmgate.engine.errors import InvalidRequest
 from lmgate.engine.sampling import SamplingParams
 from lmgate.engine.hardware import FLAGS_ENV, CpuFeatures, choose_dtype, cpu_features
+from lmgate.engine.kernels import compiler_found, load_cpu_kernels
 from lmgate.engine.threads import available_cpus, cgroup_cpu_quota
 from tests.test_models import hf_tokenizer_dir, tiny_models  # noqa: F401  (fixtures)
 
@@ -94,6 +95,22 @@ def test_engine_auto_dtype_and_bf16_warning_on_emulating_cpu(cpu_flags, tiny_mod
             assert eng.generate("Hello", SamplingParams(max_new_tokens=4)).token_ids  # slower, but it works
     warnings = [r for r in caplog.records if "no bf16 arithmetic in hardware" in r.getMessage()]
     assert len(warnings) == 1 and "GFLOP/s" in warnings[0].getMessage()
+
+
+def test_auto_dtype_keeps_float32_where_gguf_weights_stay_quantized(cpu_flags, checkpoint):
+    """On a bf16 CPU, the embedded GGUF stays quantized in float32 (bfloat16 would expand its blocks); an
+    explicit --dtype bfloat16, or --weights float, still gets bfloat16."""
+    assert choose_dtype("auto", CPU, x86(AVX512 + " avx512_bf16"), quantized_weights=True)[0] == torch.float32
+    assert choose_dtype("bfloat16", CPU, x86(AVX2), quantized_weights=True)[0] == torch.bfloat16
+    cpu_flags(AVX512 + " avx512_bf16")
+    with Engine(EngineConfig(kv_cache_tokens=256), checkpoint=checkpoint) as eng:
+        quantized = compiler_found()  # where the kernels can be built
+        assert eng.dtype == (torch.float32 if quantized else torch.bfloat16)
+        assert ("quantized weights" in eng.dtype_reason) == quantized
+        if quantized and load_cpu_kernels():
+            assert eng.weights_bytes < 110e6  # the blocks, not bfloat16 copies of them
+    with Engine(EngineConfig(kv_cache_tokens=256, weights="float"), checkpoint=checkpoint) as eng:
+        assert eng.dtype == torch.bfloat16 and "bf16 arithmetic in hardware" in eng.dtype_reason
 
 
 def test_engine_refuses_unknown_dtype(tiny_models):

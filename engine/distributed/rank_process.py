@@ -49,7 +49,7 @@ from ..memory import keep_freed_memory, release_host_memory
 from ..request import FinishReason, Request, RequestKind, RequestOutput
 from ..threads import on_fresh_thread
 from ..models.tensor_parallel import shard_of
-from ..weights import LocalWeights, TensorParallel, keep_quantized
+from ..weights import LocalWeights, TensorParallel, keep_quantized, quantized_gguf
 from .device_group import DeviceGroup
 from .gloo_comm import GlooComm
 from .host_comm import CommAborted
@@ -163,11 +163,11 @@ class RankProcess:
         self.spec = spec
         keep_freed_memory()
         device = torch.device(c.device)
-        dtype, _ = choose_dtype(c.dtype, device)
         world = GlooComm.connect(spec.store_host, spec.store_port, spec.rank, spec.size)
         dp_comm = world.split(color=spec.tp_rank, key=spec.dp_rank)  # the leaders' group agrees in `pop`
         self.tp_comm = world.split(color=spec.dp_rank, key=spec.tp_rank)
         ckpt = on_fresh_thread(lambda: load_checkpoint(spec.model_path))
+        dtype, _ = choose_dtype(c.dtype, device, quantized_weights=quantized_gguf(c, ckpt.path, device))  # the front's
         tp = None
         if spec.tp_size > 1:
             group = DeviceGroup(world.store, f"tp-device/{spec.dp_rank}", spec.tp_rank, spec.tp_size, device,
