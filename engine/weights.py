@@ -27,12 +27,17 @@ class TensorParallel:
     all_reduce: Callable[[torch.Tensor], torch.Tensor]
 
 
+def _blocks_allowed(config: EngineConfig, device: torch.device) -> bool:
+    """What `--weights` and the layout ask of quantized blocks, whatever the model: not `float`, the CPU, one
+    rank per model."""
+    return config.weights != "float" and device.type == "cpu" and config.tensor_parallel == 1
+
+
 def quantized_gguf(config: EngineConfig, path: str, device: torch.device) -> bool:
-    """Whether `--weights` would keep this model's quantized matrices as blocks, given float32: a GGUF file on
-    the CPU, one rank per model, a compiler for the kernels. `--dtype auto` then chooses float32
-    (hardware.choose_dtype). Asked before anything is loaded or built, so bad settings are refused first."""
-    return (config.weights != "float" and path.lower().endswith(".gguf") and device.type == "cpu"
-            and config.tensor_parallel == 1 and compiler_found())
+    """Whether `--weights` would keep this model's quantized matrices as blocks, given float32: a GGUF file,
+    blocks allowed, a compiler for the kernels. `--dtype auto` then chooses float32 (hardware.choose_dtype).
+    Asked before anything is loaded or built, so bad settings are refused first."""
+    return path.lower().endswith(".gguf") and _blocks_allowed(config, device) and compiler_found()
 
 
 def keep_quantized(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> bool:
@@ -40,7 +45,7 @@ def keep_quantized(config: EngineConfig, dtype: torch.dtype, device: torch.devic
     activations, no tensor parallelism, a compiler found). `auto` asks for it where it can be had, `quantized`
     says once when it cannot, `float` never asks."""
     if config.weights != "float":
-        if device.type == "cpu" and dtype == torch.float32 and config.tensor_parallel == 1 and load_cpu_kernels():
+        if _blocks_allowed(config, device) and dtype == torch.float32 and load_cpu_kernels():
             return True
         if config.weights == "quantized":
             log.warning("--weights quantized needs the CPU kernels, float32 and no tensor parallelism: weights are float")

@@ -167,7 +167,7 @@ class RankProcess:
         dp_comm = world.split(color=spec.tp_rank, key=spec.dp_rank)  # the leaders' group agrees in `pop`
         self.tp_comm = world.split(color=spec.dp_rank, key=spec.tp_rank)
         ckpt = on_fresh_thread(lambda: load_checkpoint(spec.model_path))
-        dtype, _ = choose_dtype(c.dtype, device, quantized_weights=quantized_gguf(c, ckpt.path, device))  # the front's
+        dtype, _ = choose_dtype(c.dtype, device, quantized_weights=quantized_gguf(c, ckpt.path, device))  # as the front end chose
         tp = None
         if spec.tp_size > 1:
             group = DeviceGroup(world.store, f"tp-device/{spec.dp_rank}", spec.tp_rank, spec.tp_size, device,

@@ -257,7 +257,8 @@ inline __m256i dot_vnni(__m256i acc, __m256i w, __m256i x) {
 
 template <int R, int C, int64_t TYPE, Dot DOT>
 void tile(const Tile& t) {
-  constexpr int WIDEN = DOT == Dot::VNNI ? 1 : widen_steps(TYPE);
+  constexpr int WIDEN = widen_steps(TYPE);
+  constexpr bool IN_WHOLE = DOT == Dot::VNNI || WIDEN < STEPS;  // a block's sums end in `whole`, else in `part`
   const int64_t blocks = t.k / BLOCK;
   alignas(32) float sums[R][C * GROUP];
 #if defined(__AVX2__) && defined(__FMA__)
@@ -306,7 +307,7 @@ void tile(const Tile& t) {
       const __m256 scale = _mm256_loadu_ps(t.group.scale + c * t.group_blocks + b * GROUP);
       const __m256 min = _mm256_loadu_ps(t.group.min + c * t.group_blocks + b * GROUP);
       for (int r = 0; r < R; ++r) {
-        const __m256i ints = WIDEN < STEPS ? whole[r][c] : _mm256_madd_epi16(part[r][c], ones);
+        const __m256i ints = IN_WHOLE ? whole[r][c] : _mm256_madd_epi16(part[r][c], ones);
         float* acc = sums[r] + c * GROUP;
         __m256 sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), _mm256_mul_ps(scale, _mm256_set1_ps(t.xscale[r * blocks + b])),
                                      _mm256_load_ps(acc));
