@@ -43,6 +43,12 @@ class CpuFeatures:
         return "avx_ne_convert" in self.flags or {"avx512bw", "avx512vl", "avx512dq"} <= self.flags
 
     @property
+    def onednn_avx512(self) -> bool:
+        """oneDNN's AVX-512 float32 kernels (its avx512_core: F, BW, VL and DQ), which run a float32 model's
+        linear layers faster than gemm.cpp does (panel_linear.py has the figures)."""
+        return {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= self.flags
+
+    @property
     def int8_vnni(self) -> bool:
         """AVX512-VNNI with 256-bit forms (Ice Lake, Sapphire Rapids, Zen 4 and later): the int8 kernel's
         vpdpbusd, one instruction where AVX2 takes two and a widening step."""

@@ -4,6 +4,11 @@
 
 Each dtype runs lmgate and transformers on the same prompts; the ratios are printed against transformers in
 the same dtype and, for other dtypes, against transformers' float32 (its default on a CPU).
+
+lmgate's throughput is set against two limits measured in the same run: the GEMM-bound one (every token's
+matmuls at the best linear layer's FLOP/s) and the GEMM + KV-read bound, which adds the time decode attention
+needs to read every sequence's K and V once a layer at the memory's read rate (a float32 cache at 64 streams
+reads about 70 GB in this workload: seconds that no FLOP rate shortens).
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from lmgate.client.bench import random_prompts
 from lmgate.engine.config import KV_CACHE_DTYPES, EngineConfig
 from lmgate.engine.engine import Engine
 from lmgate.engine.hardware import choose_dtype, cpu_features
+from lmgate.engine.kv_cache import kv_bytes_per_token
 from lmgate.engine.models.packed_linear import pack_linears
 from lmgate.engine.models.panel_linear import cpu_linears
 from lmgate.engine.sampling import SamplingParams
@@ -46,6 +52,17 @@ def matmul_flops(dtype: torch.dtype) -> tuple[float, float]:
             holder(a)
         rates.append(2 * 256 * 576 * 1536 * n / (time.perf_counter() - start))
     return rates[0], rates[1]
+
+
+def read_bandwidth(nbytes: int = 1 << 29) -> float:
+    """Bytes per second a sum over a tensor far larger than the caches reads on this thread's pool: the rate
+    that bounds decode attention, which reads every sequence's K and V once a layer."""
+    data = torch.ones(nbytes // 4)
+    data.sum()
+    runs, start = 5, time.perf_counter()
+    for _ in range(runs):
+        data.sum()
+    return nbytes * runs / (time.perf_counter() - start)
 
 
 def run_engine(engine: Engine, prompts: list[list[int]], output_len: int, concurrency: int = 0) -> float:
@@ -96,9 +113,11 @@ class Figures:
     hf_single: float
     hf_batch: float
     matmul_flops: float
+    read_bandwidth: float
+    kv_bytes_per_token: int
 
 
-def measure_engine(args, dtype: str, prompts_for) -> tuple[Engine, float, float, float]:
+def measure_engine(args, dtype: str, prompts_for) -> tuple[Engine, float, float, float, float]:
     engine = Engine(EngineConfig(model=args.model, dtype=dtype, max_batched_tokens=args.max_batched_tokens,
                                  max_batch_size=max(64, args.requests), weights=args.weights,
                                  kv_cache_dtype=args.kv_cache_dtype))
@@ -112,16 +131,18 @@ def measure_engine(args, dtype: str, prompts_for) -> tuple[Engine, float, float,
     # wave of the engine 199 and 259 tok/s): both sides of the share are the best the machine showed, the
     # limit measured before and after every wave, the engine over `--waves` waves of fresh prompts (fresh, so
     # that the prefix cache serves none of their prefills).
-    waves, rates = [], [before]
+    waves, rates, reads = [], [before], [on_fresh_thread(read_bandwidth)]
     for wave in range(args.waves):
         waves.append(run_engine(engine, prompts if wave == 0 else prompts_for(engine, seed=wave + 1), args.output_len))
         rates.append(on_fresh_thread(lambda: matmul_flops(engine.dtype)))
+        reads.append(on_fresh_thread(read_bandwidth))
     tps = max(waves)
     single = engine_single_stream(engine, prompts[0], args.output_len)
     flops = max(max(r) for r in rates)
     print(f"{dtype}: lmgate waves {', '.join(f'{w:.1f}' for w in waves)} tok/s; linear M=256 before and after each "
           f"wave {', '.join(f'{r[0] / 1e9:.1f}' for r in rates)} GFLOP/s (the engine's layer), "
-          f"{', '.join(f'{r[1] / 1e9:.1f}' for r in rates)} (oneDNN packed)", flush=True)
+          f"{', '.join(f'{r[1] / 1e9:.1f}' for r in rates)} (oneDNN packed); memory read "
+          f"{', '.join(f'{r / 1e9:.1f}' for r in reads)} GB/s", flush=True)
     if args.noisy_neighbour:
         with busy_neighbour():
             noisy, noisy_single = run_engine(engine, prompts, args.output_len), engine_single_stream(engine, prompts[0], args.output_len)
@@ -129,7 +150,7 @@ def measure_engine(args, dtype: str, prompts_for) -> tuple[Engine, float, float,
               f"{noisy_single:.1f} (alone {single:.1f}); {engine.num_threads} threads, "
               f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}", flush=True)
     engine.shutdown()
-    return engine, tps, single, flops
+    return engine, tps, single, flops, max(reads)
 
 
 @contextlib.contextmanager
@@ -166,6 +187,22 @@ def gemm_bound(args, params: int, flops: float) -> float:
     return flops / (2 * params) * args.output_len / (args.input_len + args.output_len)
 
 
+def decode_kv_bytes(args, kv_bytes_per_token: int) -> int:
+    """K and V bytes the workload's decode steps read: the step that makes output token i (from the second
+    on) reads input_len + i - 1 tokens of every layer, once."""
+    tokens = sum(args.input_len + i - 1 for i in range(2, args.output_len + 1))
+    return args.requests * tokens * kv_bytes_per_token
+
+
+def gemm_and_kv_bound(args, params: int, f: Figures) -> tuple[float, float, float]:
+    """Output tokens/s of an engine that runs each step's matmuls at `f.matmul_flops` and then its decode
+    attention at the memory's read rate, the two in turn as every lmgate step does (one that overlapped them
+    could pass it; none can pass `gemm_bound`); with the seconds of each part."""
+    gemm = args.requests * (args.input_len + args.output_len) * 2 * params / f.matmul_flops
+    kv = decode_kv_bytes(args, f.kv_bytes_per_token) / f.read_bandwidth
+    return args.requests * args.output_len / (gemm + kv), gemm, kv
+
+
 def report(args, params: int, figures: dict[str, Figures]) -> None:
     base = figures.get("float32") or next(iter(figures.values()))
     cpu = cpu_features()
@@ -180,8 +217,12 @@ def report(args, params: int, figures: dict[str, Figures]) -> None:
         limit = gemm_bound(args, params, f.matmul_flops)
         print(f"\n== lmgate {dtype} (best linear M=256,K=576,N=1536: {f.matmul_flops / 1e9:.1f} GFLOP/s, "
               f"so at most {limit:.1f} output tok/s on this workload)")
+        both, gemm, kv = gemm_and_kv_bound(args, params, f)
+        print(f"GEMM + KV-read bound: {both:.1f} output tok/s ({gemm:.1f} s of matmuls, then "
+              f"{decode_kv_bytes(args, f.kv_bytes_per_token) / 1e9:.1f} GB of K and V read by decode attention at "
+              f"{f.read_bandwidth / 1e9:.1f} GB/s: {kv:.1f} s)")
         print(f"lmgate engine, all {args.requests} at once (best of {args.waves} waves):  {f.engine:8.1f} tok/s   "
-              f"{f.engine / limit:.1%} of the GEMM-bound limit")
+              f"{f.engine / limit:.1%} of the GEMM-bound limit, {f.engine / both:.1%} of the GEMM + KV-read bound")
         print(f"lmgate single-stream decode:       {f.engine_single:8.1f} tok/s")
         for label, ref in [(f"transformers {dtype}", f)] + ([("transformers float32", base)] if f is not base else []):
             print(f"  vs {label}: one at a time ({args.hf_sample} sampled) {ref.hf_serial:6.1f} tok/s -> "
@@ -214,11 +255,12 @@ def main() -> None:
 
     figures: dict[str, Figures] = {}
     for dtype in args.dtypes.split(","):
-        engine, tps, single, flops = measure_engine(args, dtype, prompts_for)
+        engine, tps, single, flops, read = measure_engine(args, dtype, prompts_for)
         # Off the main thread, like all torch work here: an OpenMP pool left on a live thread slows the next engine.
         serial, hf_single, batch = on_fresh_thread(
             lambda: measure_transformers(args, engine.model_path, engine.dtype, prompts_for(engine)))
-        figures[dtype] = Figures(tps, single, serial, hf_single, batch, flops)
+        figures[dtype] = Figures(tps, single, serial, hf_single, batch, flops, read,
+                                 kv_bytes_per_token(engine.model_config, engine.kv_dtype))
         print(f"{dtype}: lmgate {tps:.1f} tok/s, transformers one at a time {serial:.1f}, padded {batch:.1f}", flush=True)
     print(f"\nmodel {os.path.basename(engine.model_path)}")
     report(args, engine.model_config.num_params, figures)

@@ -11,8 +11,25 @@ if not torch.cuda.is_available():  # the Triton kernels run in Triton's interpre
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from lmgate.engine.config import DP_BACKENDS
+from lmgate.engine.hardware import FLAGS_ENV, cpu_features
 from lmgate.engine.loader import embedded_model_path
 from lmgate.engine.tokenizer import Tokenizer
+
+# CPU flags as /proc/cpuinfo names them, for tests that stand for a kind of CPU (`cpu_flags`).
+AVX2 = "sse4_2 avx fma f16c avx2"  # AMD Zen 3, Intel Haswell .. Alder Lake
+AVX512 = AVX2 + " avx512f avx512bw avx512vl avx512dq"  # Skylake-X and later, Zen 4 and later
+
+
+@pytest.fixture
+def cpu_flags(monkeypatch):
+    """Sets `LMGATE_CPU_FLAGS` for the test; the cached features are read again before and after."""
+    def set_flags(flags: str) -> None:
+        monkeypatch.setenv(FLAGS_ENV, flags)
+        cpu_features.cache_clear()
+
+    yield set_flags
+    monkeypatch.undo()
+    cpu_features.cache_clear()
 
 
 @pytest.fixture(scope="session")

@@ -13,30 +13,17 @@ from lmgate.engine.config import EngineConfig
 from lmgate.engine.engine import Engine
 from lmgate.engine.errors import InvalidRequest
 from lmgate.engine.sampling import SamplingParams
-from lmgate.engine.hardware import FLAGS_ENV, CpuFeatures, choose_dtype, cpu_features
+from lmgate.engine.hardware import CpuFeatures, choose_dtype, cpu_features
 from lmgate.engine.kernels import compiler_found, load_cpu_kernels
 from lmgate.engine.threads import available_cpus, cgroup_cpu_quota
+from tests.conftest import AVX2, AVX512
 from tests.test_models import hf_tokenizer_dir, tiny_models  # noqa: F401  (fixtures)
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
-AVX2 = "sse4_2 avx fma f16c avx2"
-AVX512 = AVX2 + " avx512f avx512bw avx512vl avx512dq"
 
 
 def x86(flags: str) -> CpuFeatures:
     return CpuFeatures("test cpu", "x86_64", frozenset(flags.split()))
-
-
-@pytest.fixture
-def cpu_flags(monkeypatch):
-    """Sets `LMGATE_CPU_FLAGS` for the test; the cached features are read again before and after."""
-    def set_flags(flags: str) -> None:
-        monkeypatch.setenv(FLAGS_ENV, flags)
-        cpu_features.cache_clear()
-
-    yield set_flags
-    monkeypatch.undo()
-    cpu_features.cache_clear()
 
 
 @pytest.mark.parametrize("arch,flags,want", [

@@ -27,6 +27,7 @@ from lmgate.engine.attention import (AttentionMetadata, DecodeTables, GatheredDe
 from lmgate.engine.config import EngineConfig, ModelConfig
 from lmgate.engine.engine import Engine
 from lmgate.engine.errors import UnsupportedModel
+from lmgate.engine.hardware import cpu_features
 from lmgate.engine.kernels import compiler_found, load_cpu_kernels
 from lmgate.engine.kv_cache import allocate_kv_cache
 from lmgate.engine.loader import load_checkpoint, read_config
@@ -558,10 +559,11 @@ def test_config_default_rope_accepted(key, tiny_models):
 
 
 def test_build_model_swaps_every_linear_layer_on_cpu(tiny):
-    """float32 layers run on gemm.cpp where the kernels build, else on oneDNN's packed matmul; a tied head
-    shares its embedding's weight."""
+    """float32 layers run on gemm.cpp where the kernels build and oneDNN has no AVX-512 kernels, else on
+    oneDNN's packed matmul; a tied head on gemm.cpp shares its embedding's weight."""
     _, model = _ours(tiny.path)
-    kind = PanelLinear if load_cpu_kernels() else PackedLinear
+    onednn_first = cpu_features().onednn_avx512 and torch.backends.mkldnn.is_available()
+    kind = PanelLinear if load_cpu_kernels() and not onednn_first else PackedLinear
     if kind is PanelLinear or torch.backends.mkldnn.is_available():
         assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
         assert sum(isinstance(m, kind) for m in model.modules()) == 4 * model.config.num_layers + 1

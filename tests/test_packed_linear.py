@@ -6,22 +6,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmgate.engine.hardware import FLAGS_ENV, cpu_features
+from lmgate.engine.hardware import cpu_features
 from lmgate.engine.models.packed_linear import PackedLinear, pack_linears, packed_bytes
+from tests.conftest import AVX2
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
-
-AVX2_ONLY = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx fma f16c avx2"
-
-
-@pytest.fixture
-def avx2_only(monkeypatch):
-    """The CPU features of an AVX2 machine without AVX-512, on whatever CPU runs the test."""
-    monkeypatch.setenv(FLAGS_ENV, AVX2_ONLY)
-    cpu_features.cache_clear()
-    yield
-    monkeypatch.undo()
-    cpu_features.cache_clear()
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -44,7 +33,8 @@ def test_packed_linear_matches_f_linear(dtype, tol, tokens, bias):
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
-def test_pack_linears_keeps_bf16_unpacked_where_onednn_cannot(avx2_only):
+def test_pack_linears_keeps_bf16_unpacked_where_onednn_cannot(cpu_flags):
+    cpu_flags(AVX2)  # an AVX2 machine without AVX-512, on whatever CPU runs the test
     model = nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 16)).to(torch.bfloat16)
     x = torch.randn(5, 32, dtype=torch.bfloat16)
     with torch.inference_mode():

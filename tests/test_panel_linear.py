@@ -9,6 +9,7 @@ from torch import nn
 from lmgate.engine.kernels import compiler_found, load_cpu_kernels
 from lmgate.engine.models.packed_linear import PackedLinear
 from lmgate.engine.models.panel_linear import PanelLinear, cpu_linears
+from tests.conftest import AVX2, AVX512
 
 pytestmark = pytest.mark.skipif(not (compiler_found() and load_cpu_kernels()),
                                 reason="no C++ compiler: gemm.cpp cannot be built")
@@ -55,11 +56,18 @@ def test_panel_linear_matches_f_linear_on_any_leading_shape(bias):
     assert got.shape == (2, 7, 50)
 
 
-def test_cpu_linears_gives_float32_layers_the_panel_gemm_and_keeps_a_tied_head_tied():
+def tied_model() -> nn.ModuleDict:
     embed = nn.Embedding(50, 32)
     model = nn.ModuleDict({"embed": embed, "proj": nn.Linear(32, 64), "odd": nn.Linear(24, 8),
                            "head": nn.Linear(32, 50, bias=False)})
     model["head"].weight = embed.weight
+    return model
+
+
+def test_cpu_linears_gives_float32_layers_the_panel_gemm_and_keeps_a_tied_head_tied(cpu_flags):
+    cpu_flags(AVX2)
+    model = tied_model()
+    embed = model["embed"]
     cpu_linears(model, batch_hint=16)
     assert isinstance(model["proj"], PanelLinear) and isinstance(model["head"], PanelLinear)
     assert model["head"].weight is embed.weight  # no copy of the embedding
@@ -70,15 +78,29 @@ def test_cpu_linears_gives_float32_layers_the_panel_gemm_and_keeps_a_tied_head_t
         torch.testing.assert_close(model["head"](embed(ids)), embed(ids) @ embed.weight.T)
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_cpu_linears_gives_every_layer_to_onednn_where_it_has_avx512(cpu_flags):
+    """oneDNN's AVX-512 kernels run float32 faster than gemm.cpp: every layer packed, the tied head a copy."""
+    cpu_flags(AVX512)
+    model = tied_model()
+    embed = model["embed"]
+    cpu_linears(model, batch_hint=16)
+    assert all(isinstance(model[name], PackedLinear) for name in ("proj", "odd", "head"))
+    ids = torch.tensor([3, 7])
+    with torch.inference_mode():
+        torch.testing.assert_close(model["head"](embed(ids)), embed(ids) @ embed.weight.T, rtol=1e-5, atol=1e-5)
+
+
 def test_cpu_linears_leaves_other_dtypes_to_onednn():
     model = nn.Sequential(nn.Linear(32, 16)).to(torch.bfloat16)
     cpu_linears(model, batch_hint=8)
     assert not isinstance(model[0], PanelLinear)
 
 
-def test_a_long_prompt_alone_prefills_in_chunks_that_sample_nothing(checkpoint, tokenizer):
+def test_a_long_prompt_alone_prefills_in_chunks_that_sample_nothing(checkpoint, tokenizer, cpu_flags):
     """Chunks of a prompt longer than the step budget, with nothing else running: steps whose LM head gets no
-    rows (the float32 head runs on gemm.cpp)."""
+    rows (the float32 head runs on gemm.cpp, as on an AVX2 CPU)."""
+    cpu_flags(AVX2)
     from lmgate.engine.config import EngineConfig
     from lmgate.engine.engine import Engine
     from lmgate.engine.sampling import SamplingParams

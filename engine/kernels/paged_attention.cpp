@@ -57,9 +57,11 @@ const float* as_float<c10::Half>(const c10::Half* src, float* buffer, int64_t n)
 }
 #endif
 
-// Asks for the cache lines of bytes [from, to) of `block`.
+// Asks for the cache lines of bytes [from, to) of `block`, into L2 (prefetcht1): requests into L1 hold its few
+// miss buffers, which the loads of the block in use need too. A 64-sequence decode over 30 layers' caches on a
+// 2-core Zen 4 read 14-20 GB/s with prefetcht0 and 22-29 with prefetcht1 (a sum over memory: 28).
 void prefetch(const void* block, int64_t from, int64_t to) {
-  for (int64_t off = from; off < to; off += 64) __builtin_prefetch(static_cast<const char*>(block) + off);
+  for (int64_t off = from; off < to; off += 64) __builtin_prefetch(static_cast<const char*>(block) + off, 0, 2);
 }
 
 float reduce_sum(Vec x) {
