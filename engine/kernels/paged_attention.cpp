@@ -22,6 +22,11 @@
 #include <immintrin.h>
 #endif
 
+// The register tiles below: AVX2 with FMA, and F16C to widen a float16 cache as it is loaded.
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define LMGATE_ATTENTION_TILES 1
+#endif
+
 namespace lmgate {
 void check_decode_tables(const at::Tensor& block_tables, const at::Tensor& lengths, int64_t block_size,
                          int64_t num_blocks);
@@ -31,9 +36,11 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 
-// A part of a block's rows as fp32: in place for a float cache, converted into `buffer` otherwise. A part at
-// a time, as it is used, so that a 16-bit cache's reads interleave with the next block's prefetches as a
-// float32 cache's do: widening whole blocks first, a float16 decode read 11 GB/s (2-core Zen 4), in parts 15.5.
+// A part of a block's rows as fp32, for the loops that read only float32 (the register tiles widen a 16-bit
+// cache as they load it, `load8`): in place for a float cache, converted into `buffer` otherwise. A part at a
+// time, as it is used, so that the reads interleave with the next block's prefetches. A float16 decode over
+// 64 sequences x 192 tokens on a 2-core Zen 4 read 11 GB/s widening whole blocks into the buffer, 15.5 in
+// parts, 17.5 with the tiles loading the cache itself.
 template <typename scalar_t>
 const float* as_float(const scalar_t* src, float* buffer, int64_t n) {
   at::vec::convert(src, buffer, n);
@@ -153,13 +160,24 @@ struct AttentionScratch {
   }
 };
 
-#if defined(__AVX2__) && defined(__FMA__)
+#ifdef LMGATE_ATTENTION_TILES
 constexpr int kTileHeads = 3;  // query heads per register tile: 3 x 4 accumulators, 12 of AVX2's 16 registers
 
 // The four sums of a0 .. a3's lanes, in order (a horizontal sum each would cost four times the shuffles).
 inline __m128 sum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// Eight of a cache's values as fp32 in a register: a 16-bit cache is widened as it is loaded (float16 by
+// F16C, bfloat16 by a shift), with no pass through a buffer.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
 
 // acc[i] += x * y[i] for four vectors: one operand of a tile shared by four independent chains.
@@ -171,15 +189,14 @@ inline void fma4(__m256 x, const __m256 y[4], __m256 acc[4]) {
 // vector is loaded once for the G heads, and the G x 4 sums are reduced together. Four key pointers, not a
 // base and a count, keep the tile's accumulators in registers: an array of pointers clamped to a short tail
 // made GCC keep them on the stack (130 against 95 ns for 16 keys x 3 heads on a Zen 3).
-template <int G>
-inline void score_tile(const float* q, const float* k0, const float* k1, const float* k2, const float* k3,
-                       int64_t dim, float scale, float* scores, int64_t stride) {
+template <int G, typename T>
+inline void score_tile(const float* q, const T* k0, const T* k1, const T* k2, const T* k3, int64_t dim, float scale,
+                       float* scores, int64_t stride) {
   __m256 acc[G][4];
   for (int g = 0; g < G; ++g)
     for (int i = 0; i < 4; ++i) acc[g][i] = _mm256_setzero_ps();
   for (int64_t d = 0; d < dim; d += 8) {
-    const __m256 kd[4] = {_mm256_loadu_ps(k0 + d), _mm256_loadu_ps(k1 + d), _mm256_loadu_ps(k2 + d),
-                          _mm256_loadu_ps(k3 + d)};
+    const __m256 kd[4] = {load8(k0 + d), load8(k1 + d), load8(k2 + d), load8(k3 + d)};
     for (int g = 0; g < G; ++g) fma4(_mm256_loadu_ps(q + g * dim + d), kd, acc[g]);
   }
   const __m128 s = _mm_set1_ps(scale);
@@ -190,16 +207,15 @@ inline void score_tile(const float* q, const float* k0, const float* k1, const f
 
 // scores[g * stride + t] = scale * (q[g] . keys[t]) for G query heads and `rows` keys of `dim` (a multiple of
 // 32) elements, four keys at a time; a short last tile repeats its last key and keeps only its own sums.
-template <int G>
-void tile_scores(const float* q, const float* keys, int64_t rows, int64_t dim, float scale, float* scores,
-                 int64_t stride) {
+template <int G, typename T>
+void tile_scores(const float* q, const T* keys, int64_t rows, int64_t dim, float scale, float* scores, int64_t stride) {
   int64_t t = 0;
   for (; t + 4 <= rows; t += 4) {
-    const float* k = keys + t * dim;
+    const T* k = keys + t * dim;
     score_tile<G>(q, k, k + dim, k + 2 * dim, k + 3 * dim, dim, scale, scores + t, stride);
   }
   if (t == rows) return;
-  const float* k[4];
+  const T* k[4];
   for (int64_t i = 0; i < 4; ++i) k[i] = keys + std::min(t + i, rows - 1) * dim;
   float tail[G * 4];
   score_tile<G>(q, k[0], k[1], k[2], k[3], dim, scale, tail, 4);
@@ -208,16 +224,15 @@ void tile_scores(const float* q, const float* keys, int64_t rows, int64_t dim, f
 
 // acc[g] += sum over rows t of p[g * stride + t] * values[t] for G heads, 32 columns at a time: each value row
 // is loaded once for the G heads.
-template <int G>
-void tile_values(const float* p, int64_t stride, const float* values, int64_t rows, int64_t dim, float* acc) {
+template <int G, typename T>
+void tile_values(const float* p, int64_t stride, const T* values, int64_t rows, int64_t dim, float* acc) {
   for (int64_t d = 0; d < dim; d += 32) {
     __m256 a[G][4];
     for (int g = 0; g < G; ++g)
       for (int i = 0; i < 4; ++i) a[g][i] = _mm256_loadu_ps(acc + g * dim + d + 8 * i);
     for (int64_t t = 0; t < rows; ++t) {
-      const float* v = values + t * dim + d;
-      const __m256 vt[4] = {_mm256_loadu_ps(v), _mm256_loadu_ps(v + 8), _mm256_loadu_ps(v + 16),
-                            _mm256_loadu_ps(v + 24)};
+      const T* v = values + t * dim + d;
+      const __m256 vt[4] = {load8(v), load8(v + 8), load8(v + 16), load8(v + 24)};
       for (int g = 0; g < G; ++g) fma4(_mm256_broadcast_ss(p + g * stride + t), vt, a[g]);
     }
     for (int g = 0; g < G; ++g)
@@ -235,32 +250,57 @@ void over_tiles(int64_t group, F&& fn) {
 }
 #endif
 
-// scores[g * stride + t] = scale * (q[g] . keys[t]) for the group's heads and `rows` keys.
-void group_scores(const float* q, const float* keys, int64_t rows, int64_t dim, int64_t group, float scale,
+// Whether the register tiles run for rows of `dim` elements: they take 32 columns at a time.
+constexpr bool tiles_take(int64_t dim) {
+#ifdef LMGATE_ATTENTION_TILES
+  return dim % 32 == 0;
+#else
+  return false;
+#endif
+}
+
+// Whether `attend` hands a block's rows to the arithmetic where they lie: a float32 cache always, a 16-bit
+// one where the tiles widen it as they load; else its rows are widened into a buffer first (`as_float`).
+template <typename cache_t>
+constexpr bool read_in_place(int64_t dim) {
+  if constexpr (std::is_same_v<cache_t, float>) return true;
+  return (std::is_same_v<cache_t, c10::Half> || std::is_same_v<cache_t, c10::BFloat16>) && tiles_take(dim);
+}
+
+// scores[g * stride + t] = scale * (q[g] . keys[t]) for the group's heads and `rows` keys; keys of a 16-bit
+// cache only where `tiles_take(dim)`.
+template <typename T>
+void group_scores(const float* q, const T* keys, int64_t rows, int64_t dim, int64_t group, float scale,
                   float* scores, int64_t stride) {
-#if defined(__AVX2__) && defined(__FMA__)
-  if (dim % 32 == 0) {
+#ifdef LMGATE_ATTENTION_TILES
+  if (tiles_take(dim)) {
     over_tiles(group, [&](auto G, int64_t g) {
       tile_scores<decltype(G)::value>(q + g * dim, keys, rows, dim, scale, scores + g * stride, stride);
     });
     return;
   }
 #endif
-  for (int64_t g = 0; g < group; ++g) key_scores(q + g * dim, keys, rows, dim, scale, scores + g * stride);
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t g = 0; g < group; ++g) key_scores(q + g * dim, keys, rows, dim, scale, scores + g * stride);
+  }
 }
 
-// acc[g] += sum over rows t of p[g * stride + t] * values[t] for the group's heads.
-void group_values(const float* p, int64_t stride, const float* values, int64_t rows, int64_t dim, int64_t group,
+// acc[g] += sum over rows t of p[g * stride + t] * values[t] for the group's heads; values of a 16-bit cache
+// only where `tiles_take(dim)`.
+template <typename T>
+void group_values(const float* p, int64_t stride, const T* values, int64_t rows, int64_t dim, int64_t group,
                   float* acc) {
-#if defined(__AVX2__) && defined(__FMA__)
-  if (dim % 32 == 0) {
+#ifdef LMGATE_ATTENTION_TILES
+  if (tiles_take(dim)) {
     over_tiles(group, [&](auto G, int64_t g) {
       tile_values<decltype(G)::value>(p + g * stride, stride, values, rows, dim, acc + g * dim);
     });
     return;
   }
 #endif
-  for (int64_t g = 0; g < group; ++g) add_rows(acc + g * dim, p + g * stride, values, rows, dim);
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t g = 0; g < group; ++g) add_rows(acc + g * dim, p + g * stride, values, rows, dim);
+  }
 }
 
 // A tile of `rows` consecutive query tokens of one sequence, each with the `group` query heads of one KV head,
@@ -298,7 +338,14 @@ void attend(const q_t* q, int64_t q_row, int64_t rows, const cache_t* k_head, co
       for (int64_t i = 0; i < parts; ++i) {
         if (next != nullptr) prefetch(next, block_bytes * i / parts, block_bytes * (i + 1) / parts);
         const int64_t m = std::min(part, n - i * part);
-        use(b * block_size + i * part, m, as_float(block + i * part * dim, s.buffer.data(), m * dim));
+        const cache_t* rows_of_part = block + i * part * dim;
+        if constexpr (read_in_place<cache_t>(32)) {  // a type the tiles load
+          if (read_in_place<cache_t>(dim)) {
+            use(b * block_size + i * part, m, rows_of_part);
+            continue;
+          }
+        }
+        use(b * block_size + i * part, m, as_float(rows_of_part, s.buffer.data(), m * dim));
       }
     }
   };
@@ -306,7 +353,7 @@ void attend(const q_t* q, int64_t q_row, int64_t rows, const cache_t* k_head, co
   prefetch(k_head + table[0] * block_elems, 0, block_bytes);
   for (int64_t r = 0; r < rows; ++r) at::vec::convert(q + r * q_row, s.queries.data() + r * group * dim, group * dim);
   float* probs = s.probs.data();
-  walk(k_head, v_head, [&](int64_t t, int64_t n, const float* keys) {
+  walk(k_head, v_head, [&](int64_t t, int64_t n, const auto* keys) {
     group_scores(s.queries.data(), keys, n, dim, vectors, scale, probs + t, len);
   });
   for (int64_t v = 0; v < vectors; ++v) {
@@ -318,7 +365,7 @@ void attend(const q_t* q, int64_t q_row, int64_t rows, const cache_t* k_head, co
     std::fill(p + seen, p + len, 0.f);
   }
   std::fill(s.acc.begin(), s.acc.begin() + vectors * dim, 0.f);
-  walk(v_head, nullptr, [&](int64_t t, int64_t n, const float* values) {
+  walk(v_head, nullptr, [&](int64_t t, int64_t n, const auto* values) {
     group_values(probs + t, len, values, n, dim, vectors, s.acc.data());
   });
   for (int64_t v = 0; v < vectors; ++v) {
