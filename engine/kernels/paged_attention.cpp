@@ -259,13 +259,11 @@ constexpr bool tiles_take(int64_t dim) {
 #endif
 }
 
-// Whether `attend` hands a block's rows to the arithmetic where they lie: a float32 cache always, a 16-bit
-// one where the tiles widen it as they load; else its rows are widened into a buffer first (`as_float`).
+// The cache types the arithmetic may read where they lie: float32 (every loop reads it) and the 16-bit types
+// the register tiles widen as they load (`load8`). Other caches' rows are widened into a buffer (`as_float`).
 template <typename cache_t>
-constexpr bool read_in_place(int64_t dim) {
-  if constexpr (std::is_same_v<cache_t, float>) return true;
-  return (std::is_same_v<cache_t, c10::Half> || std::is_same_v<cache_t, c10::BFloat16>) && tiles_take(dim);
-}
+constexpr bool kReadInPlace =
+    std::is_same_v<cache_t, float> || std::is_same_v<cache_t, c10::Half> || std::is_same_v<cache_t, c10::BFloat16>;
 
 // scores[g * stride + t] = scale * (q[g] . keys[t]) for the group's heads and `rows` keys; keys of a 16-bit
 // cache only where `tiles_take(dim)`.
@@ -282,6 +280,8 @@ void group_scores(const float* q, const T* keys, int64_t rows, int64_t dim, int6
 #endif
   if constexpr (std::is_same_v<T, float>) {
     for (int64_t g = 0; g < group; ++g) key_scores(q + g * dim, keys, rows, dim, scale, scores + g * stride);
+  } else {
+    TORCH_INTERNAL_ASSERT(false, "a 16-bit cache read in place without the register tiles");
   }
 }
 
@@ -300,6 +300,8 @@ void group_values(const float* p, int64_t stride, const T* values, int64_t rows,
 #endif
   if constexpr (std::is_same_v<T, float>) {
     for (int64_t g = 0; g < group; ++g) add_rows(acc + g * dim, p + g * stride, values, rows, dim);
+  } else {
+    TORCH_INTERNAL_ASSERT(false, "a 16-bit cache read in place without the register tiles");
   }
 }
 
@@ -328,6 +330,7 @@ void attend(const q_t* q, int64_t q_row, int64_t rows, const cache_t* k_head, co
   const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(cache_t));
   const int64_t vectors = rows * group;  // query vectors of the tile, row-major: [rows, group, dim]
   const int64_t part = rows == 1 ? 4 : block_size;
+  const bool in_place = std::is_same_v<cache_t, float> || tiles_take(dim);  // else widened into s.buffer
   const auto walk = [&](const cache_t* head, const cache_t* then, auto&& use) {
     for (int64_t b = 0; b < blocks; ++b) {
       const cache_t* next = b + 1 < blocks ? head + table[b + 1] * block_elems
@@ -339,8 +342,8 @@ void attend(const q_t* q, int64_t q_row, int64_t rows, const cache_t* k_head, co
         if (next != nullptr) prefetch(next, block_bytes * i / parts, block_bytes * (i + 1) / parts);
         const int64_t m = std::min(part, n - i * part);
         const cache_t* rows_of_part = block + i * part * dim;
-        if constexpr (read_in_place<cache_t>(32)) {  // a type the tiles load
-          if (read_in_place<cache_t>(dim)) {
+        if constexpr (kReadInPlace<cache_t>) {
+          if (in_place) {
             use(b * block_size + i * part, m, rows_of_part);
             continue;
           }
