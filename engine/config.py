@@ -90,7 +90,7 @@ class EngineConfig:
     max_queued_requests: int = 1024  # per engine loop; a generate beyond it is RESOURCE_EXHAUSTED
     attention_kernel: bool = True  # CPU decode and prefill attention in C++ (built on first use), else torch ops
     weights: str = "auto"  # of WEIGHT_MODES: a GGUF's quantized matrices kept as blocks on the CPU (weights.keep_quantized)
-    int8_activations: bool = False  # quantized weights: steps of many rows round x to int8 (changes the numbers)
+    int8_activations: bool = False  # quantized weights: every step rounds x to int8 (changes the numbers)
     cuda_graphs: bool = True  # CUDA: decode steps replayed from graphs per batch-size bucket (not under tensor parallelism)
     prefix_caching: bool = True  # full KV blocks shared by prompts that start with the same tokens
     threads: int = 0  # torch threads over all engine loops; 0: the CPUs this process may use (threads.py)

@@ -68,7 +68,7 @@ class LocalWeights:
                  tp: TensorParallel | None = None, quantized: bool = False, int8_activations: bool = False) -> None:
         self.dtype, self.device, self.batch_hint = dtype, device, batch_hint
         self.quantized = quantized and tp is None  # GGUF blocks kept as blocks (`keep_quantized`)
-        self.int8_activations = int8_activations and self.quantized  # many-row steps round x to int8
+        self.int8_activations = int8_activations and self.quantized  # every step rounds x to int8
         self.path = ckpt.path  # where a dropped model is loaded again from; follows `load`
         self.tp = tp
         self.config = shard_config(ckpt.config, tp.shard) if tp else ckpt.config  # the model this process runs

@@ -9,7 +9,9 @@ throughput of all requests at once and the perplexity of a passage (tests/perple
 does by default) and `--weights float`, and for
 llama.cpp through llama-cpp-python where it is installed (`pip install llama-cpp-python` builds it on the
 machine). The memory-bound limit of a single stream is the quantized weights' bytes per token over the copy
-bandwidth measured in the same run.
+bandwidth measured in the same run (and, printed beside it, over the rate a sum reads a large tensor: decoding
+only reads the weights). Single streams are measured in rounds, every engine once a round, llama.cpp included:
+this machine's speed drifts by 10-20% within minutes, so each ratio is taken between samples seconds apart.
 """
 from __future__ import annotations
 
@@ -39,13 +41,19 @@ from lmgate.engine.hardware import cpu_features
 from lmgate.engine.loader import embedded_model_path
 from lmgate.engine.sampling import SamplingParams
 from lmgate.engine.threads import available_cpus, on_fresh_thread
-from bench_engine import engine_single_stream, run_engine  # beside this file: all run as scripts
+from bench_engine import engine_single_stream, read_bandwidth, run_engine  # beside this file: all run as scripts
 from perplexity import PASSAGE, perplexity
 
 VOCAB = 49152  # the embedded tokenizer's
-INT8_ROW = "lmgate --weights quantized --int8-activations on"
-SINGLE_RUNS = 3  # single-stream decodes measured, the median kept (llama.cpp's too): one varied by 10-20%
+QUANT_ROW = "lmgate --weights quantized"
+INT8_ROW = QUANT_ROW + " --int8-activations on"
 INT8_F16_ROW = INT8_ROW + " --kv-cache-dtype float16"  # llama.cpp's own defaults: int8 activations, an f16 KV cache
+FLOAT_ROW = "lmgate --weights float"
+ROWS = {QUANT_ROW: dict(weights="quantized"), INT8_ROW: dict(weights="quantized", int8_activations=True),
+        INT8_F16_ROW: dict(weights="quantized", int8_activations=True, kv_cache_dtype="float16"),
+        FLOAT_ROW: dict(weights="float")}
+LLAMA = "llama.cpp"
+SINGLE_ROUNDS = 5  # single-stream samples of each engine, one a round; the median kept
 
 
 def copy_bandwidth(nbytes: int = 1 << 28) -> float:
@@ -60,22 +68,42 @@ def copy_bandwidth(nbytes: int = 1 << 28) -> float:
     return nbytes * runs / (time.perf_counter() - start)
 
 
-def measure_lmgate(args, weights: str, int8: bool = False, kv: str = "auto") -> tuple[float, float, float, float]:
-    """Weights' bytes, single-stream decode tok/s, all requests at once in tok/s, and perplexity over the
-    passage of tests/perplexity.py (its KV cache of the engine's dtype)."""
-    config = EngineConfig(dtype="float32", weights=weights, int8_activations=int8, kv_cache_dtype=kv,
-                          max_batch_size=max(64, args.requests), max_batched_tokens=args.max_batched_tokens)
-    with Engine(config) as engine:
+def engine_of(args, row: str) -> Engine:
+    return Engine(EngineConfig(dtype="float32", max_batch_size=max(64, args.requests),
+                               max_batched_tokens=args.max_batched_tokens, **ROWS[row]))
+
+
+def measure_lmgate(args, row: str) -> tuple[float, float, float]:
+    """Weights' bytes, all requests at once in tok/s, and perplexity over the passage of tests/perplexity.py
+    (its KV cache of the engine's dtype)."""
+    with engine_of(args, row) as engine:
         prompts, warmup = (random_prompts(random.Random(seed), args.requests, args.input_len, engine.vocab_size)
                            for seed in (0, 1))
         run_engine(engine, warmup, args.output_len)  # other prompts: the prefix cache must not serve the measured
         batch = run_engine(engine, prompts, args.output_len)
-        single = statistics.median(engine_single_stream(engine, prompts[i], args.output_len) for i in range(SINGLE_RUNS))
         ppl = perplexity(engine.loops[0].runner.model, engine.tokenizer.encode(PASSAGE), kv_dtype=engine.kv_dtype)
-        return engine.weights_bytes, single, batch, ppl
+        return engine.weights_bytes, batch, ppl
 
 
-def measure_llama_cpp(args, path: str) -> dict | None:
+def single_streams(args, path: str) -> dict[str, list[float]]:
+    """One stream's decode tok/s, SINGLE_ROUNDS samples of every row and of llama.cpp (where installed), taken
+    in rounds: round r decodes prompt r on each engine in turn, a few seconds apart."""
+    samples: dict[str, list[float]] = {name: [] for name in (*ROWS, LLAMA)}
+    with contextlib.ExitStack() as stack:
+        engines = {row: stack.enter_context(engine_of(args, row)) for row in ROWS}
+        prompts = random_prompts(random.Random(0), SINGLE_ROUNDS, args.input_len, VOCAB)
+        for engine in engines.values():
+            engine_single_stream(engine, prompts[0][::-1], 8)  # a warm-up
+        for r, prompt in enumerate(prompts):
+            for row, engine in engines.items():
+                samples[row].append(engine_single_stream(engine, prompt, args.output_len))
+            llama = run_llama_cpp(args, path, "--single", str(r))
+            if llama is not None:
+                samples[LLAMA].append(llama["single"])
+    return samples
+
+
+def run_llama_cpp(args, path: str, *extra: str) -> dict | None:
     """llama.cpp's figures (tests/llama_cpp_bench.py), measured in a child process with llama.cpp's own OpenMP
     defaults: this process's `OMP_WAIT_POLICY=PASSIVE` (engine/__init__.py) put its threads to sleep at each of
     its many barriers a token, and cut its single stream from 99 to 39 tok/s on a Zen 4. None where
@@ -84,8 +112,8 @@ def measure_llama_cpp(args, path: str) -> dict | None:
     if USER_WAIT_POLICY is None:
         env.pop("OMP_WAIT_POLICY", None)
     child = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "llama_cpp_bench.py"), path,
-                            str(args.requests), str(args.input_len), str(args.output_len), str(available_cpus())],
-                           capture_output=True, text=True, env=env)
+                            str(args.requests), str(args.input_len), str(args.output_len), str(available_cpus()),
+                            *extra], capture_output=True, text=True, env=env)
     if child.returncode != 0:
         print(child.stderr.strip().splitlines()[-1] if child.stderr.strip() else f"llama.cpp: exit {child.returncode}")
         return None
@@ -188,44 +216,48 @@ def main() -> None:
         print(json.dumps(measure_big(args.one_big, args.output_len // 16)))
         return
     path = path_of_embedded = embedded_model_path()
-    bandwidth = on_fresh_thread(copy_bandwidth)
+    bandwidth, reading = on_fresh_thread(copy_bandwidth), on_fresh_thread(read_bandwidth)
     cpu = cpu_features()
     dot = "vpdpbusd (AVX512-VNNI)" if cpu.int8_vnni else "vpmaddubsw (AVX2)"
     print(f"cpu: {cpu.name} ({cpu.vector_isa}; int8 dot products by {dot}), {available_cpus()} threads; "
-          f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; "
+          f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, read {reading / 1e9:.1f} GB/s; "
           f"workload: {args.requests} x ({args.input_len} prompt + {args.output_len} new), greedy, ignore_eos", flush=True)
     rows = {}
-    for name, weights, int8, kv in (("lmgate --weights quantized", "quantized", False, "auto"),
-                                    (INT8_ROW, "quantized", True, "auto"),
-                                    (INT8_F16_ROW, "quantized", True, "float16"),
-                                    ("lmgate --weights float", "float", False, "auto")):
-        rows[name] = measure_lmgate(args, weights, int8, kv)
-        print(f"{name}: {rows[name]}", flush=True)
-    quant_bytes = rows["lmgate --weights quantized"][0]
+    for row in ROWS:
+        rows[row] = measure_lmgate(args, row)
+        print(f"{row}: {rows[row]}", flush=True)
+    singles = single_streams(args, path)
+    for name, samples in singles.items():
+        print(f"{name} single stream, round by round: {', '.join(f'{x:.1f}' for x in samples)}", flush=True)
+    single = {name: statistics.median(samples) for name, samples in singles.items() if samples}
+    quant_bytes = rows[QUANT_ROW][0]
     limit = bandwidth / quant_bytes
-    llama = measure_llama_cpp(args, path)
+    llama = run_llama_cpp(args, path)
     print(f"\nsingle-stream limit: {quant_bytes / 1e6:.1f} MB of weights per token at {bandwidth / 1e9:.1f} GB/s "
-          f"= {limit:.1f} tok/s\n")
-    print("| engine | weights MB | 1 stream tok/s | of limit | all at once tok/s | perplexity |")
+          f"= {limit:.1f} tok/s (at the read rate, {reading / 1e9:.1f} GB/s: {reading / quant_bytes:.1f} tok/s)\n")
+    print(f"| engine | weights MB | 1 stream tok/s (median of {SINGLE_ROUNDS}) | of limit | all at once tok/s | perplexity |")
     print("|---|---|---|---|---|---|")
-    for name, (nbytes, single, batch, ppl) in rows.items():
-        print(f"| {name} | {nbytes / 1e6:.0f} | {single:.1f} | {single / limit:.0%} | {batch:.1f} | {ppl:.2f} |")
+    for name, (nbytes, batch, ppl) in rows.items():
+        print(f"| {name} | {nbytes / 1e6:.0f} | {single[name]:.1f} | {single[name] / limit:.0%} | {batch:.1f} | {ppl:.2f} |")
     if llama is None:
         print("| llama.cpp | — | not installed (pip install llama-cpp-python) | | | |")
     else:
-        quant = rows["lmgate --weights quantized"]
-        single, serial, batched = llama["single"], llama["serial"], llama["batched"]
-        print(f"| llama.cpp (llama-cpp-python {llama['version']}), one request at a time | the file's | {single:.1f} | "
-              f"{single / limit:.0%} | {serial:.1f} | |")
+        serial, batched = llama["serial"], llama["batched"]
+        print(f"| llama.cpp (llama-cpp-python {llama['version']}), one request at a time | the file's | {single[LLAMA]:.1f} | "
+              f"{single[LLAMA] / limit:.0%} | {serial:.1f} | |")
         print(f"| llama.cpp, all requests in one batch (its C API) | the file's | | | {batched:.1f} | |")
-        print(f"\nlmgate quantized against llama.cpp: single stream {quant[1]:.1f} / {single:.1f} = "
-              f"{quant[1] / single:.2f}x (goal 1.2x); all at once against one at a time {quant[2]:.1f} / {serial:.1f} = "
-              f"{quant[2] / serial:.2f}x, against its batch {quant[2]:.1f} / {batched:.1f} = {quant[2] / batched:.2f}x "
-              "(goal 3x)")
+        print()
+        for name in (QUANT_ROW, INT8_ROW):
+            ratios = [ours / theirs for ours, theirs in zip(singles[name], singles[LLAMA])]
+            print(f"{name}: single stream against llama.cpp, round by round {', '.join(f'{r:.2f}' for r in ratios)}: "
+                  f"median {statistics.median(ratios):.2f}x (goal 1.2x)")
+        quant = rows[QUANT_ROW]
+        print(f"{QUANT_ROW}: all at once against one at a time {quant[1]:.1f} / {serial:.1f} = {quant[1] / serial:.2f}x, "
+              f"against its batch {quant[1]:.1f} / {batched:.1f} = {quant[1] / batched:.2f}x (goal 3x)")
         for name in (INT8_ROW, INT8_F16_ROW):
-            print(f"{name.removeprefix('lmgate --weights quantized ')}: all at once against llama.cpp's batch "
-                  f"{rows[name][2]:.1f} / {batched:.1f} = {rows[name][2] / batched:.2f}x (goal 3x); perplexity "
-                  f"{rows[name][3]:.2f} against {quant[3]:.2f} with float activations")
+            print(f"{name.removeprefix(QUANT_ROW + ' ')}: all at once against llama.cpp's batch "
+                  f"{rows[name][1]:.1f} / {batched:.1f} = {rows[name][1] / batched:.2f}x (goal 3x); perplexity "
+                  f"{rows[name][2]:.2f} against {quant[2]:.2f} with float activations")
     big = [name for name in args.big.split(",") if name]
     if big:
         print(f"\n| Llama shape, Q4_K random weights | file GB | load s | weights GB | resident GB (peak) | 1 stream tok/s |")

@@ -1,14 +1,14 @@
 """llama.cpp on a GGUF file, for bench-quant: run by it in a child process, so that llama.cpp's OpenMP threads
 keep their own defaults (lmgate's engine sets `OMP_WAIT_POLICY=PASSIVE`, which slows llama.cpp's many
-barriers a token more than twofold). Prints one JSON line.
+barriers a token more than twofold). Prints one JSON line: the throughputs, or with `--single I` one stream's
+decode of prompt I (bench-quant takes those in rounds with its own, so that each ratio is of samples seconds apart).
 
-    python tests/llama_cpp_bench.py FILE REQUESTS INPUT_LEN OUTPUT_LEN THREADS
+    python tests/llama_cpp_bench.py FILE REQUESTS INPUT_LEN OUTPUT_LEN THREADS [--single I]
 """
 from __future__ import annotations
 
 import json
 import random
-import statistics
 import sys
 import time
 
@@ -16,14 +16,13 @@ import numpy as np
 
 from lmgate.client.bench import random_prompts
 
-SINGLE_RUNS = 3  # single-stream decodes measured, the median kept (as bench_quant does for lmgate)
 SERIAL_SAMPLE = 4  # requests llama-cpp-python serves one after another (each takes as long as the others)
 
 
-def measure(path: str, requests: int, input_len: int, output_len: int, threads: int) -> dict:
-    """llama.cpp's single-stream decode tok/s, its output tok/s serving requests one at a time as
-    llama-cpp-python's `Llama` does (prefill included), and with every request in one batch through its C
-    API; {} where llama-cpp-python is not installed."""
+def measure(path: str, requests: int, input_len: int, output_len: int, threads: int, single: int | None) -> dict:
+    """llama.cpp's output tok/s serving requests one at a time as llama-cpp-python's `Llama` does (prefill
+    included) and with every request in one batch through its C API, or (`single`) one stream's decode tok/s of
+    that prompt, first token to last; {} where llama-cpp-python is not installed."""
     try:
         import llama_cpp
     except ImportError:
@@ -32,15 +31,13 @@ def measure(path: str, requests: int, input_len: int, output_len: int, threads: 
                           verbose=False)
     prompts = random_prompts(random.Random(0), requests, input_len, llm.n_vocab())
     llm.eval(prompts[1])  # a warm-up
-    singles = []
-    for prompt in prompts[:SINGLE_RUNS]:
+    if single is not None:
         stamps = []
-        for token in llm.generate(prompt, temp=0.0, reset=True):
+        for _ in llm.generate(prompts[single], temp=0.0, reset=True):
             stamps.append(time.perf_counter())
             if len(stamps) == output_len:
                 break
-        singles.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
-    single = statistics.median(singles)
+        return dict(single=(len(stamps) - 1) / (stamps[-1] - stamps[0]))
     start = time.perf_counter()
     for prompt in prompts[:SERIAL_SAMPLE]:
         for count, _ in enumerate(llm.generate(prompt, temp=0.0, reset=True), start=1):
@@ -49,7 +46,7 @@ def measure(path: str, requests: int, input_len: int, output_len: int, threads: 
     serial = SERIAL_SAMPLE * output_len / (time.perf_counter() - start)
     batched = llama_cpp_batched(llama_cpp, llm, prompts, output_len, threads)
     del llm
-    return dict(single=single, serial=serial, batched=batched, version=llama_cpp.__version__)
+    return dict(serial=serial, batched=batched, version=llama_cpp.__version__)
 
 
 def llama_cpp_batched(llama_cpp, llm, prompts: list[list[int]], output_len: int, threads: int) -> float:
@@ -96,4 +93,5 @@ def llama_cpp_batched(llama_cpp, llm, prompts: list[list[int]], output_len: int,
 
 if __name__ == "__main__":
     path, requests, input_len, output_len, threads = sys.argv[1], *map(int, sys.argv[2:6])
-    print(json.dumps(measure(path, requests, input_len, output_len, threads)))
+    single = int(sys.argv[7]) if sys.argv[6:7] == ["--single"] else None
+    print(json.dumps(measure(path, requests, input_len, output_len, threads, single)))

@@ -1,7 +1,8 @@
-"""`--int8-activations`: quantized layers round x to int8 per block of 32 for steps of many rows. The kernel
-against float64 over x rounded the same way (so only summation order may differ), the types it does not take
-left to the float32 kernels, and the embedded model's perplexity against the float-activation path (the issue's
-measure: tokens may differ). Skipped where no C++ compiler builds the kernels."""
+"""`--int8-activations`: quantized layers round x to int8 per block of 32. The kernels (a GEMM over expanded
+panels for many rows, a matvec over the blocks where they lie for few) against float64 over x rounded the same
+way (so only summation order may differ), the types they do not take left to the float32 kernels, and the
+embedded model's perplexity against the float-activation path (the issue's measure: tokens may differ). Skipped
+where no C++ compiler builds the kernels."""
 from __future__ import annotations
 
 import math
@@ -48,12 +49,16 @@ def weights_and_x(qtype: GGMLQuantizationType, m: int) -> tuple[np.ndarray, torc
     return raw, torch.from_numpy(dequantize(raw, qtype).reshape(n, k)).double(), x
 
 
+# (op, rows of x): the GEMM at any count, the matvec at 1 to 8 rows a pass (11: a pass of 8, one of 3)
+SHAPES = [("gguf_matmul_int8", m) for m in (1, 3, 10, 64, 300)] + [("gguf_matvec_int8", m) for m in (1, 3, 8, 11)]
+
+
 @kernels
 @pytest.mark.parametrize("qtype", INT8, ids=lambda t: t.name)
-@pytest.mark.parametrize("m", [1, 3, 10, 64, 300])
-def test_int8_kernel_is_rounded_x_times_the_weights(qtype, m):
+@pytest.mark.parametrize("op, m", SHAPES)
+def test_int8_kernel_is_rounded_x_times_the_weights(qtype, op, m):
     raw, weight, x = weights_and_x(qtype, m)
-    got = torch.ops.lmgate.gguf_matmul_int8(x, torch.from_numpy(raw), int(qtype)).double()
+    got = getattr(torch.ops.lmgate, op)(x, torch.from_numpy(raw), int(qtype)).double()
     want = rounded(x) @ weight.T
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     exact = x.double() @ weight.T
@@ -63,37 +68,39 @@ def test_int8_kernel_is_rounded_x_times_the_weights(qtype, m):
 @kernels
 @pytest.mark.skipif(not cpu_features().int8_vnni, reason="this CPU has no AVX512-VNNI: its vpdpbusd path cannot run here")
 @pytest.mark.parametrize("qtype", INT8, ids=lambda t: t.name)
-@pytest.mark.parametrize("m", [3, 64, 300])
-def test_vnni_kernel_gives_the_same_bits_as_avx2(qtype, m):
+@pytest.mark.parametrize("op, m", [("gguf_matmul_int8", 3), ("gguf_matmul_int8", 64), ("gguf_matmul_int8", 300),
+                                   ("gguf_matvec_int8", 1), ("gguf_matvec_int8", 5)])
+def test_vnni_kernel_gives_the_same_bits_as_avx2(qtype, op, m):
     """vpdpbusd and vpmaddubsw sum the same integers exactly (Q5_K's near the int16 limit, Q8_0's signed ones),
     and the float steps after them are the same."""
     raw, _, x = weights_and_x(qtype, m)
     x[1:, 32:64] = x[1:, 32:64].sign() * 10  # |x| at its block's maximum: every rounded value is +-127
-    blocks = torch.from_numpy(raw)
-    assert torch.equal(torch.ops.lmgate.gguf_matmul_int8(x, blocks, int(qtype), True),
-                       torch.ops.lmgate.gguf_matmul_int8(x, blocks, int(qtype), False))
+    x[0, 64:] = x[0, 64:].sign() * 10
+    blocks, kernel = torch.from_numpy(raw), getattr(torch.ops.lmgate, op)
+    assert torch.equal(kernel(x, blocks, int(qtype), True), kernel(x, blocks, int(qtype), False))
 
 
 @kernels
 @pytest.mark.skipif(CpuFeatures("", "x86_64", _read_cpuinfo()[1]).int8_vnni,  # the CPU's own, not LMGATE_CPU_FLAGS
                     reason="this CPU has AVX512-VNNI: the refusal is for CPUs without it")
-def test_vnni_kernel_refused_on_a_cpu_without_it():
+@pytest.mark.parametrize("op", ["gguf_matmul_int8", "gguf_matvec_int8"])
+def test_vnni_kernel_refused_on_a_cpu_without_it(op):
     raw, _, x = weights_and_x(GGMLQuantizationType.Q4_0, 16)
     with pytest.raises(RuntimeError, match="without AVX512-VNNI"):
-        torch.ops.lmgate.gguf_matmul_int8(x, torch.from_numpy(raw), int(GGMLQuantizationType.Q4_0), True)
+        getattr(torch.ops.lmgate, op)(x, torch.from_numpy(raw), int(GGMLQuantizationType.Q4_0), True)
 
 
 @kernels
 @pytest.mark.parametrize("qtype", INT8 + OTHERS, ids=lambda t: t.name)
-def test_layer_rounds_only_many_rows_of_the_types_the_kernel_takes(qtype):
-    """Few rows stream the blocks in float32 whatever the flag; Q6_K (a scale per 16 weights) stays float32."""
+def test_layer_rounds_x_for_the_types_the_kernels_take(qtype):
+    """Few rows (the matvec) and many (the GEMM) alike; Q6_K (a scale per 16 weights) stays float32."""
     n, k = 40, 2 * GGML_QUANT_SIZES[qtype][0]
     raw = blocks_for(np.random.default_rng(3).standard_normal((n, k)).astype(np.float32), qtype, seed=3)
     weight = torch.from_numpy(dequantize(raw, qtype).reshape(n, k)).double()
     layer = QuantizedLinear(GGUFBlocks(torch.from_numpy(raw), int(qtype), k), int8_activations=True)
-    for m in (MATVEC_ROWS, 64):
+    for m in (1, MATVEC_ROWS, 64):
         x = torch.randn(m, k)
-        int8 = m > MATVEC_ROWS and qtype in INT8
+        int8 = qtype in INT8
         want = (rounded(x) if int8 else x.double()) @ weight.T
         torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 

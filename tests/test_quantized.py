@@ -157,26 +157,33 @@ def q4_k_m(name: str) -> GGMLQuantizationType:
 
 
 @kernels
-@pytest.mark.parametrize("arch, config_class, type_of, kv", [
-    ("llama", transformers.LlamaConfig, lambda name: GGMLQuantizationType.Q4_K, "float32"),
-    ("qwen2", transformers.Qwen2Config, lambda name: GGMLQuantizationType.Q8_0, "float32"),  # a bias on Q, K and V
-    ("qwen3", transformers.Qwen3Config, lambda name: GGMLQuantizationType.Q4_1, "float32"),  # RMSNorm on Q, K heads
-    ("llama", transformers.LlamaConfig, q4_k_m, "float32"),  # Q, K, V one projection of two types
-    ("llama", transformers.LlamaConfig, lambda name: GGMLQuantizationType.Q4_1, "float16"),
-    ("qwen3", transformers.Qwen3Config, lambda name: GGMLQuantizationType.Q4_K, "bfloat16"),
-], ids=["llama-Q4_K", "qwen2-Q8_0", "qwen3-Q4_1", "llama-Q4_K_M", "llama-Q4_1-f16-kv", "qwen3-Q4_K-bf16-kv"])
-def test_fused_decode_equals_the_layer_path(arch, config_class, type_of, kv, tokenizer_fields, tmp_path, prompt_ids):
+@pytest.mark.parametrize("arch, config_class, type_of, kv, int8", [
+    ("llama", transformers.LlamaConfig, lambda name: GGMLQuantizationType.Q4_K, "float32", False),
+    ("qwen2", transformers.Qwen2Config, lambda name: GGMLQuantizationType.Q8_0, "float32", False),  # a bias on Q, K, V
+    ("qwen3", transformers.Qwen3Config, lambda name: GGMLQuantizationType.Q4_1, "float32", False),  # RMSNorm on heads
+    ("llama", transformers.LlamaConfig, q4_k_m, "float32", False),  # Q, K, V one projection of two types
+    ("llama", transformers.LlamaConfig, lambda name: GGMLQuantizationType.Q4_1, "float16", False),
+    ("qwen3", transformers.Qwen3Config, lambda name: GGMLQuantizationType.Q4_K, "bfloat16", False),
+    ("llama", transformers.LlamaConfig, q4_k_m, "float32", True),  # Q6_K parts stay float32 beside int8 ones
+    ("qwen2", transformers.Qwen2Config, lambda name: GGMLQuantizationType.Q8_0, "float32", True),  # signed integers
+    ("qwen3", transformers.Qwen3Config, lambda name: GGMLQuantizationType.Q4_1, "float16", True),
+], ids=["llama-Q4_K", "qwen2-Q8_0", "qwen3-Q4_1", "llama-Q4_K_M", "llama-Q4_1-f16-kv", "qwen3-Q4_K-bf16-kv",
+        "llama-Q4_K_M-int8", "qwen2-Q8_0-int8", "qwen3-Q4_1-f16-kv-int8"])
+def test_fused_decode_equals_the_layer_path(arch, config_class, type_of, kv, int8, tokenizer_fields, tmp_path,
+                                            prompt_ids):
     """Decode steps of up to 8 rows run every layer in one C++ call (models/fused_decode.py). The same engine
     with it switched off runs the modules: the same tokens, logprobs up to the order of float32 sums, for
     batches shrinking from 8 rows to 1 at different context lengths, over a 32- or 16-bit KV cache (both paths
-    round keys and values into it alike)."""
+    round keys and values into it alike), with float32 or int8 activations (both paths round each matrix's
+    input alike)."""
     path = str(tmp_path / f"{arch}.gguf")
     _write_gguf(random_tiny(arch, config_class), path, tokenizer_fields,
                 quantize=lambda name, data: (blocks_for(data, type_of(name), seed=len(name)), type_of(name))
                 if data.ndim == 2 else None)
     prompts = [prompt_ids[: 3 + 2 * i] * (1 + i % 3) for i in range(8)]
     runs = []
-    config = EngineConfig(dtype="float32", model=path, kv_cache_tokens=2048, weights="quantized", kv_cache_dtype=kv)
+    config = EngineConfig(dtype="float32", model=path, kv_cache_tokens=2048, weights="quantized", kv_cache_dtype=kv,
+                          int8_activations=int8)
     with Engine(config) as eng:
         model = eng.loops[0].runner.model
         counting = model.fused_decode = CountingFusedDecode(model.fused_decode)
@@ -187,6 +194,7 @@ def test_fused_decode_equals_the_layer_path(arch, config_class, type_of, kv, tok
             runs.append([o for s in streams for o in s])
     assert counting.calls >= 15  # 8 rows down to 1, over 18 tokens of the longest stream
     assert isinstance(model.model.layers[0].self_attn.qkv_proj, QuantizedLinear)  # blocks kept, whatever the mix
+    assert counting.inner.int8_activations == int8
     fused_out, layer_out = runs
     assert [o.token_ids for o in fused_out] == [o.token_ids for o in layer_out]
     for f, m in zip((lp for o in fused_out for lp in o.logprobs), (lp for o in layer_out for lp in o.logprobs)):

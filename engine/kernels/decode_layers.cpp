@@ -11,7 +11,9 @@
 // q/k norm (Qwen3), rotary, K/V stored at the row's slot, attention over the row's blocks; x += attn Wo^T;
 // h = rms_norm(x); act = silu(h Wgate^T) * h Wup^T (a thread owns both halves of its rows); x += act Wdown^T.
 // fp32 throughout (a 16-bit KV cache is converted as it is stored and read), the same arithmetic as the torch
-// path up to the order of sums.
+// path up to the order of sums; with int8 activations (`--int8-activations`) each matrix whose type allows it reads
+// its input rounded to int8 per block of 32, as the torch path's layers do (int8_matmul.cpp), each thread
+// rounding its own copy.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
@@ -45,6 +47,13 @@ void silu_and_mul_row(const float* gate, const float* up, int64_t n, float* out)
 void check_gguf_blocks(const at::Tensor& blocks, int64_t type, int64_t k);
 void gguf_matvec_range(int64_t type, int64_t rows, const float* x, int64_t k, const uint8_t* w, int64_t row_bytes,
                        int64_t n_begin, int64_t n_end, float* out, int64_t out_stride);
+// int8_matmul.cpp
+bool int8_type(int64_t type);
+bool vnni_runs();
+void quantize_int8(const float* x, int64_t rows, int64_t k, int8_t* q, float* scale_sum);
+void gguf_matvec_int8_range(int64_t type, int64_t rows, const int8_t* xq, const float* scale_sum, int64_t k,
+                            const uint8_t* w, int64_t row_bytes, int64_t n_begin, int64_t n_end, bool vnni, float* out,
+                            int64_t out_stride);
 }  // namespace lmgate
 
 namespace {
@@ -103,15 +112,28 @@ struct Part {
   int64_t type, first, rows, row_bytes;
 };
 
+// Rows of x rounded to int8 per block of 32 (int8_matmul.cpp's layout), for the parts whose type takes them.
+struct Int8Input {
+  const int8_t* q;
+  const float* scale_sum;
+  bool vnni;
+};
+
 struct Linear {
   std::vector<Part> parts;
   int64_t rows = 0;
 
-  // out[m, n] = x[m] . W[n] for the rows n in [begin, end) of the whole matrix.
-  void matvec(int64_t m_rows, const float* x, int64_t k, int64_t begin, int64_t end, float* out, int64_t stride) const {
+  // out[m, n] = x[m] . W[n] for the rows n in [begin, end) of the whole matrix; x as rounded (`x8`) where given
+  // and the part's type allows.
+  void matvec(int64_t m_rows, const float* x, const Int8Input* x8, int64_t k, int64_t begin, int64_t end, float* out,
+              int64_t stride) const {
     for (const Part& p : parts) {
       const int64_t b = std::max(begin, p.first), e = std::min(end, p.first + p.rows);
-      if (b < e) {
+      if (b >= e) continue;
+      if (x8 != nullptr && lmgate::int8_type(p.type)) {
+        lmgate::gguf_matvec_int8_range(p.type, m_rows, x8->q, x8->scale_sum, k, p.blocks, p.row_bytes, b - p.first,
+                                       e - p.first, x8->vnni, out + p.first, stride);
+      } else {
         lmgate::gguf_matvec_range(p.type, m_rows, x, k, p.blocks, p.row_bytes, b - p.first, e - p.first,
                                   out + p.first, stride);
       }
@@ -159,11 +181,13 @@ const float* vector_of(const at::Tensor& t, int64_t n, const char* what) {
 // empty or one per layer. cos, sin: [M, head_dim]; caches: [kv_heads, blocks, block_size, head_dim], all
 // float32, float16 or bfloat16;
 // slots: [M] each row's slot for this step's K/V; block_tables [M, width] and lengths [M] as in
-// paged_decode_attention (lengths count this step's token).
+// paged_decode_attention (lengths count this step's token). int8_activations: rounds each matrix's input to int8
+// for the types that allow it, vpdpbusd where `vnni`.
 void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, at::IntArrayRef types,
                    at::IntArrayRef parts, at::TensorList qkv_bias, const at::Tensor& cos, const at::Tensor& sin, at::TensorList k_caches,
                    at::TensorList v_caches, const at::Tensor& slots, const at::Tensor& block_tables,
-                   const at::Tensor& lengths, int64_t num_heads, int64_t num_kv_heads, double eps, double scale) {
+                   const at::Tensor& lengths, int64_t num_heads, int64_t num_kv_heads, double eps, double scale,
+                   bool int8_activations, bool vnni) {
   const int64_t num_layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, H]");
   const int64_t rows = x.size(0), hidden = x.size(1);
@@ -188,6 +212,7 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == rows,
               "slots must be contiguous int64 [M]");
   TORCH_CHECK(block_tables.size(0) == rows, "one block table row and one length per row of x");
+  TORCH_CHECK(!vnni || lmgate::vnni_runs(), "vnni asked for on a CPU without AVX512-VNNI");
   lmgate::check_decode_tables(block_tables, lengths, block_size, num_blocks);
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t m = 0; m < rows; ++m) {
@@ -239,6 +264,16 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
     barrier = std::make_unique<SpinBarrier>(omp_get_num_threads());  // the team may be smaller than asked
     const int t = omp_get_thread_num(), team = omp_get_num_threads();
     std::vector<float> h(rows * hidden);
+    // This thread's rounding of a matrix's input: null unless int8_activations.
+    const int64_t widest = std::max({hidden, q_size, intermediate});
+    std::vector<int8_t> x8(int8_activations ? rows * widest : 0);
+    std::vector<float> x8_scales(int8_activations ? rows * widest / 16 : 0);
+    const Int8Input input8{x8.data(), x8_scales.data(), vnni};
+    auto rounded = [&](const float* src, int64_t k) -> const Int8Input* {
+      if (!int8_activations) return nullptr;
+      lmgate::quantize_int8(src, rows, k, x8.data(), x8_scales.data());
+      return &input8;
+    };
     const Range hr = share(hidden, t, team, ALIGN), qr = share(qkv_rows, t, team, ALIGN);
     const Range ir = share(intermediate, t, team, ALIGN), ar = share(rows * num_kv_heads, t, team, 1);
     const int64_t h0 = hr.begin, h1 = hr.end, q0 = qr.begin, q1 = qr.end, i0 = ir.begin, i1 = ir.end;
@@ -251,7 +286,7 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
 
     for (const Layer& l : layers) {
       lmgate::rms_norm_rows(xs, l.input_norm, rows, hidden, static_cast<float>(eps), h.data());
-      l.qkv.matvec(rows, h.data(), hidden, q0, q1, qkv.data(), qkv_rows);
+      l.qkv.matvec(rows, h.data(), rounded(h.data(), hidden), hidden, q0, q1, qkv.data(), qkv_rows);
       if (l.qkv_bias != nullptr) {
         for (int64_t m = 0; m < rows; ++m) {
           for (int64_t c = q0; c < q1; ++c) qkv[m * qkv_rows + c] += l.qkv_bias[c];
@@ -282,20 +317,21 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
       }
       barrier->wait();
 
-      l.o.matvec(rows, attn.data(), q_size, h0, h1, delta.data(), hidden);
+      l.o.matvec(rows, attn.data(), rounded(attn.data(), q_size), q_size, h0, h1, delta.data(), hidden);
       add_residual();
       barrier->wait();
 
       lmgate::rms_norm_rows(xs, l.post_norm, rows, hidden, static_cast<float>(eps), h.data());
-      l.gate_up.matvec(rows, h.data(), hidden, i0, i1, gate_up.data(), 2 * intermediate);
-      l.gate_up.matvec(rows, h.data(), hidden, intermediate + i0, intermediate + i1, gate_up.data(), 2 * intermediate);
+      const Int8Input* h8 = rounded(h.data(), hidden);
+      l.gate_up.matvec(rows, h.data(), h8, hidden, i0, i1, gate_up.data(), 2 * intermediate);
+      l.gate_up.matvec(rows, h.data(), h8, hidden, intermediate + i0, intermediate + i1, gate_up.data(), 2 * intermediate);
       for (int64_t m = 0; m < rows; ++m) {
         const float* gate = gate_up.data() + m * 2 * intermediate;
         lmgate::silu_and_mul_row(gate + i0, gate + intermediate + i0, i1 - i0, act.data() + m * intermediate + i0);
       }
       barrier->wait();
 
-      l.down.matvec(rows, act.data(), intermediate, h0, h1, delta.data(), hidden);
+      l.down.matvec(rows, act.data(), rounded(act.data(), intermediate), intermediate, h0, h1, delta.data(), hidden);
       add_residual();
       barrier->wait();
     }
@@ -307,7 +343,8 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
 TORCH_LIBRARY_FRAGMENT(lmgate, m) {
   m.def("decode_layers(Tensor(a!) x, Tensor[] norms, Tensor[] weights, int[] types, int[] parts, Tensor[] qkv_bias, "
         "Tensor cos, Tensor sin, Tensor(b!)[] k_caches, Tensor(c!)[] v_caches, Tensor slots, Tensor block_tables, "
-        "Tensor lengths, int num_heads, int num_kv_heads, float eps, float scale) -> ()");
+        "Tensor lengths, int num_heads, int num_kv_heads, float eps, float scale, bool int8_activations=False, "
+        "bool vnni=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(lmgate, CPU, m) {

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
@@ -30,6 +31,21 @@ inline Layout layout_of(int64_t type) {
     case Q4_K: return {256, 144};
     case Q5_K: return {256, 176};
     case Q6_K: return {256, 210};
+  }
+  TORCH_CHECK(false, "unsupported GGUF quantization type ", type);
+}
+
+// f(std::integral_constant<int64_t, TYPE>{}): the type becomes a template argument once per call, so that
+// no block pays for a switch.
+template <typename F>
+void with_type(int64_t type, F&& f) {
+  switch (type) {
+    case Q4_0: return f(std::integral_constant<int64_t, Q4_0>{});
+    case Q4_1: return f(std::integral_constant<int64_t, Q4_1>{});
+    case Q8_0: return f(std::integral_constant<int64_t, Q8_0>{});
+    case Q4_K: return f(std::integral_constant<int64_t, Q4_K>{});
+    case Q5_K: return f(std::integral_constant<int64_t, Q5_K>{});
+    case Q6_K: return f(std::integral_constant<int64_t, Q6_K>{});
   }
   TORCH_CHECK(false, "unsupported GGUF quantization type ", type);
 }

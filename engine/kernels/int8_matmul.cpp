@@ -12,6 +12,9 @@
 // no int16 sums to widen, half the instructions per step.
 //
 // x is rounded per block of 32 (one scale each, as llama.cpp's Q8_0 activations): q = round(x * 127 / max|x|).
+// A step of few rows (decoding: `gguf_matvec_int8`, and decode_layers.cpp) reads W's blocks where they lie, one
+// row at a time: 32 weights widen to 32 bytes and one dot product per row of x sums them, against some 14
+// 256-bit operations per block for float32 x; on a Zen 4, 1.6 times the blocks per second.
 // W's rows are taken 8 at a time, "a group": its panel holds, for every 4 consecutive K, the 4 integers of each
 // of the 8 rows side by side (32 bytes), so that one vpmaddubsw against 4 bytes of x broadcast gives the 8 rows'
 // partial sums in its lanes, and no horizontal sums are needed. Each block of 32 has a scale and a minimum per row
@@ -32,6 +35,13 @@
 
 #include "gguf_blocks.h"
 
+namespace lmgate {
+bool vnni_runs();
+void gguf_matvec_int8_range(int64_t type, int64_t rows, const int8_t* xq, const float* scale_sum, int64_t k,
+                            const uint8_t* w, int64_t row_bytes, int64_t n_begin, int64_t n_end, bool vnni, float* out,
+                            int64_t out_stride);
+}  // namespace lmgate
+
 namespace {
 
 using namespace lmgate;
@@ -43,7 +53,7 @@ constexpr int64_t PANEL_GROUPS = 8;   // groups expanded at a time: 64 rows of W
 constexpr int TILE_ROWS = 4;          // rows of x per tile, against two groups: 8 int16 accumulators
 constexpr int64_t LINE = 64;
 
-bool supported(int64_t type) { return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q5_K; }
+constexpr bool supported(int64_t type) { return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q5_K; }
 
 // Q8_0's integers are signed, and vpmaddubsw wants one operand unsigned: |w| times x with w's sign.
 constexpr bool signed_ints(int64_t type) { return type == Q8_0; }
@@ -54,11 +64,11 @@ constexpr int widen_steps(int64_t type) { return type == Q5_K ? 4 : type == Q8_0
 
 // x as int8 per block of 32: q = round(x / scale). `sum` is the block's sum as rounded, scale * sum(q), which
 // the weights' minimums multiply: with x's own sum the two parts of w = scale * q + min would see different x, and
-// where they nearly cancel (Q4_0's q - 8) the error grew threefold.
+// where they nearly cancel (Q4_0's q - 8) the error grew threefold. Each block's scale and sum lie side by side
+// (`scale_sum`), so the matvec multiplies both by the weights' scale and minimum in one operation.
 struct Int8Rows {
-  std::vector<int8_t> q;     // [M, K]
-  std::vector<float> scale;  // [M, K / 32]
-  std::vector<float> sum;    // [M, K / 32]
+  std::vector<int8_t> q;         // [M, K]
+  std::vector<float> scale_sum;  // [M, K / 32, 2]
 };
 
 void quantize_block(const float* x, int8_t* q, float* scale, float* sum) {
@@ -101,10 +111,10 @@ void quantize_block(const float* x, int8_t* q, float* scale, float* sum) {
 
 Int8Rows quantize_rows(const float* x, int64_t m, int64_t k) {
   const int64_t blocks = k / BLOCK;
-  Int8Rows rows{std::vector<int8_t>(m * k), std::vector<float>(m * blocks), std::vector<float>(m * blocks)};
+  Int8Rows rows{std::vector<int8_t>(m * k), std::vector<float>(m * blocks * 2)};
   at::parallel_for(0, m * blocks, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      quantize_block(x + i * BLOCK, rows.q.data() + i * BLOCK, &rows.scale[i], &rows.sum[i]);
+      quantize_block(x + i * BLOCK, rows.q.data() + i * BLOCK, &rows.scale_sum[2 * i], &rows.scale_sum[2 * i + 1]);
     }
   });
   return rows;
@@ -144,29 +154,36 @@ void block_ints(const uint8_t* row, int64_t j, uint8_t q[BLOCK], float* scale, f
 
 #if defined(__AVX2__)
 template <int64_t TYPE>
-__m256i block_ints_avx2(const uint8_t* row, int64_t j, float* scale, float* min) {
+__m256i block_ints_avx2(const uint8_t* row, int64_t j) {
   if constexpr (TYPE == Q8_0) {
-    const uint8_t* b = row + j * layout_of(TYPE).bytes;
-    *scale = half_at(b);
-    *min = 0.f;
-    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + j * layout_of(TYPE).bytes + 2));
   } else if constexpr (TYPE == Q4_0 || TYPE == Q4_1) {
     const uint8_t* b = row + j * layout_of(TYPE).bytes;
     const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (TYPE == Q4_0 ? 2 : 4)));
     const __m128i mask = _mm_set1_epi8(0xF);
-    *scale = half_at(b);
-    *min = TYPE == Q4_0 ? -8.f * *scale : half_at(b + 2);
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), mask), _mm_and_si128(qs, mask));
   } else {
-    const uint8_t* b = row + j / 8 * layout_of(TYPE).bytes;
-    const int sub = static_cast<int>(j % 8);
-    float sc, mn;
-    scale_min(b + 4, sub, &sc, &mn);
-    *scale = half_at(b) * sc;
-    *min = -half_at(b + 2) * mn;
     __m256i ints[2];
-    k_quant_ints<TYPE == Q5_K>(b, sub / 2, ints);
-    return ints[sub % 2];
+    k_quant_ints<TYPE == Q5_K>(row + j / 8 * layout_of(TYPE).bytes, static_cast<int>(j % 8) / 2, ints);
+    return ints[j % 2];
+  }
+}
+
+// The scale and minimum that block j's integers share, in lanes 0 and 1 (Q4_1's two halves converted at once).
+template <int64_t TYPE>
+__m128 block_scale_min(const uint8_t* row, int64_t j) {
+  if constexpr (TYPE == Q4_1) {
+    int32_t both;
+    std::memcpy(&both, row + j * layout_of(TYPE).bytes, 4);
+    return _mm_cvtph_ps(_mm_cvtsi32_si128(both));
+  } else if constexpr (TYPE == Q4_0 || TYPE == Q8_0) {
+    const float d = half_at(row + j * layout_of(TYPE).bytes);
+    return _mm_setr_ps(d, TYPE == Q4_0 ? -8.f * d : 0.f, 0.f, 0.f);
+  } else {
+    const uint8_t* b = row + j / 8 * layout_of(TYPE).bytes;
+    float sc, mn;
+    scale_min(b + 4, static_cast<int>(j % 8), &sc, &mn);
+    return _mm_setr_ps(half_at(b) * sc, -half_at(b + 2) * mn, 0.f, 0.f);
   }
 }
 
@@ -207,8 +224,10 @@ void expand_group(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t k, 
 #if defined(__AVX2__)
     __m256i v[GROUP];
     for (int64_t r = 0; r < GROUP; ++r) {
-      v[r] = r < rows ? block_ints_avx2<TYPE>(w + r * row_bytes, j, scale + r, min + r) : _mm256_setzero_si256();
-      if (r >= rows) scale[r] = min[r] = 0.f;
+      const __m128 pair = r < rows ? block_scale_min<TYPE>(w + r * row_bytes, j) : _mm_setzero_ps();
+      v[r] = r < rows ? block_ints_avx2<TYPE>(w + r * row_bytes, j) : _mm256_setzero_si256();
+      scale[r] = _mm_cvtss_f32(pair);
+      min[r] = _mm_cvtss_f32(_mm_movehdup_ps(pair));
     }
     transpose8x8(v);
     for (int64_t s = 0; s < STEPS; ++s) _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + s * 32), v[s]);
@@ -231,8 +250,7 @@ void expand_group(const uint8_t* w, int64_t row_bytes, int64_t rows, int64_t k, 
 // One tile: R rows of x against C groups over all of K, into out (`cols` of the 8 * C columns are real).
 struct Tile {
   const int8_t* xq;      // R rows of K
-  const float* xscale;   // R rows of K / 32
-  const float* xsum;
+  const float* xscale_sum;  // R rows of K / 32 pairs
   int64_t k;
   GroupView group;       // the first group; the next is `group_bytes` / `group_blocks` further
   int64_t group_bytes;   // K * 8
@@ -309,9 +327,9 @@ void tile(const Tile& t) {
       for (int r = 0; r < R; ++r) {
         const __m256i ints = IN_WHOLE ? whole[r][c] : _mm256_madd_epi16(part[r][c], ones);
         float* acc = sums[r] + c * GROUP;
-        __m256 sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), _mm256_mul_ps(scale, _mm256_set1_ps(t.xscale[r * blocks + b])),
-                                     _mm256_load_ps(acc));
-        _mm256_store_ps(acc, _mm256_fmadd_ps(min, _mm256_set1_ps(t.xsum[r * blocks + b]), sum));
+        const float* xs = t.xscale_sum + 2 * (r * blocks + b);
+        __m256 sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), _mm256_mul_ps(scale, _mm256_set1_ps(xs[0])), _mm256_load_ps(acc));
+        _mm256_store_ps(acc, _mm256_fmadd_ps(min, _mm256_set1_ps(xs[1]), sum));
       }
     }
   }
@@ -329,7 +347,8 @@ void tile(const Tile& t) {
           dot += wi * t.xq[r * t.k + b * BLOCK + i];
         }
         const int64_t at = c * t.group_blocks + b * GROUP + lane;
-        total += static_cast<float>(dot) * (t.group.scale[at] * t.xscale[r * blocks + b]) + t.group.min[at] * t.xsum[r * blocks + b];
+        const float* xs = t.xscale_sum + 2 * (r * blocks + b);
+        total += static_cast<float>(dot) * (t.group.scale[at] * xs[0]) + t.group.min[at] * xs[1];
       }
       sums[r][n] = total;
     }
@@ -381,7 +400,7 @@ void matmul_int8(const float* x, int64_t m_rows, int64_t k, const uint8_t* w, in
         for (int64_t i = 0; i < count; i += 2) {
           for (int64_t l = 0; l < per_tile && fetched < lines; ++l, ++fetched) __builtin_prefetch(next + fetched * LINE);
           const int64_t n0 = (g0 + i) * GROUP, pair = std::min<int64_t>(2, count - i);
-          const Tile t{xq.q.data() + m0 * k, xq.scale.data() + m0 * blocks, xq.sum.data() + m0 * blocks, k, view(i),
+          const Tile t{xq.q.data() + m0 * k, xq.scale_sum.data() + 2 * m0 * blocks, k, view(i),
                        k * GROUP, blocks * GROUP, out + m0 * n_rows + n0, n_rows, std::min(pair * GROUP, n_rows - n0)};
           any_tile<TYPE>(std::min<int64_t>(TILE_ROWS, m_rows - m0), pair, vnni, t);
         }
@@ -390,40 +409,158 @@ void matmul_int8(const float* x, int64_t m_rows, int64_t k, const uint8_t* w, in
   });
 }
 
+constexpr int64_t MATVEC_ROWS = 8;  // rows of x one pass over W serves (quantized_matmul.cpp's MAX_ROWS)
+
+// out[m, n] = x[m] . W[n] for `ROWS` rows of x as rounded (`xq`, each block's scale and sum in `xss`) and rows
+// n_begin .. n_end of W, read one block at a time where it lies: its 32 integers meet each row's 32 bytes in one
+// dot product, and its scale and minimum multiply the row's scale and sum in one more. The same products as the
+// GEMM's tiles, summed in another order.
+template <int ROWS, int64_t TYPE, Dot DOT>
+void matvec_int8_rows(const int8_t* xq, const float* xss, int64_t k, const uint8_t* w, int64_t row_bytes,
+                      int64_t n_begin, int64_t n_end, float* out, int64_t out_stride) {
+  const int64_t blocks = k / BLOCK;
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 acc[ROWS];
+    __m128 offsets[ROWS];
+    for (int m = 0; m < ROWS; ++m) {
+      acc[m] = _mm256_setzero_ps();
+      offsets[m] = _mm_setzero_ps();
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
+      const __m256i wq = block_ints_avx2<TYPE>(row, b);
+      const __m256i wu = signed_ints(TYPE) ? _mm256_abs_epi8(wq) : wq;
+      const __m128 scale_min = block_scale_min<TYPE>(row, b);
+      for (int m = 0; m < ROWS; ++m) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * k + b * BLOCK));
+        const __m256i xs = signed_ints(TYPE) ? _mm256_sign_epi8(x, wq) : x;
+        const __m256i ints = DOT == Dot::VNNI ? dot_vnni(_mm256_setzero_si256(), wu, xs)
+                                              : _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xs), _mm256_set1_epi16(1));
+        // [scale * x's scale, min * x's sum]
+        const __m128 f = _mm_mul_ps(scale_min, _mm_castsi128_ps(_mm_loadl_epi64(
+                                                   reinterpret_cast<const __m128i*>(xss + 2 * (m * blocks + b)))));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), _mm256_broadcastss_ps(f), acc[m]);
+        offsets[m] = _mm_add_ps(offsets[m], f);
+      }
+    }
+    for (int m = 0; m < ROWS; ++m) {
+      const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
+      const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+      out[m * out_stride + n] = _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q))) +
+                                _mm_cvtss_f32(_mm_movehdup_ps(offsets[m]));
+    }
+#else
+    for (int m = 0; m < ROWS; ++m) {
+      float total = 0.f;
+      for (int64_t b = 0; b < blocks; ++b) {
+        uint8_t q[BLOCK];
+        float scale, min;
+        block_ints<TYPE>(row, b, q, &scale, &min);
+        int32_t dot = 0;
+        for (int64_t i = 0; i < BLOCK; ++i) {
+          dot += (signed_ints(TYPE) ? static_cast<int8_t>(q[i]) : q[i]) * xq[m * k + b * BLOCK + i];
+        }
+        const float* xs = xss + 2 * (m * blocks + b);
+        total += static_cast<float>(dot) * (scale * xs[0]) + min * xs[1];
+      }
+      out[m * out_stride + n] = total;
+    }
+#endif
+  }
+}
+
+template <int64_t TYPE, int ROWS = 1>
+void matvec_int8_any_rows(int64_t rows, bool vnni, const int8_t* xq, const float* xss, int64_t k, const uint8_t* w,
+                          int64_t row_bytes, int64_t n_begin, int64_t n_end, float* out, int64_t out_stride) {
+  if (rows == ROWS) {
+    (vnni ? matvec_int8_rows<ROWS, TYPE, Dot::VNNI> : matvec_int8_rows<ROWS, TYPE, Dot::MADDUBS>)(
+        xq, xss, k, w, row_bytes, n_begin, n_end, out, out_stride);
+  } else if constexpr (ROWS < MATVEC_ROWS) {
+    matvec_int8_any_rows<TYPE, ROWS + 1>(rows, vnni, xq, xss, k, w, row_bytes, n_begin, n_end, out, out_stride);
+  }
+}
+
+// The checks both ops make: float32 [M, K] x, blocks of a type the kernels take, vpdpbusd only where it runs.
+at::Tensor checked_x(const at::Tensor& x, const at::Tensor& blocks, int64_t type, bool vnni) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a float32 [M, K] tensor");
+  TORCH_CHECK(supported(type), "int8 activations need Q4_0, Q4_1, Q8_0, Q4_K or Q5_K weights, got type ", type);
+  TORCH_CHECK(!vnni || lmgate::vnni_runs(), "vnni asked for on a CPU without AVX512-VNNI");
+  check_gguf_blocks(blocks, type, x.size(1));
+  return x.contiguous();
+}
+
 // x: [M, K] float32; blocks: [N, row_bytes] of a type `supported` takes. x @ W.T with x rounded to int8, with
 // vpdpbusd where `vnni` (the same numbers: integer sums are exact either way).
 at::Tensor gguf_matmul_int8(const at::Tensor& x_in, const at::Tensor& blocks, int64_t type, bool vnni) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be a float32 [M, K] tensor");
-  TORCH_CHECK(supported(type), "int8 activations need Q4_0, Q4_1, Q8_0, Q4_K or Q5_K weights, got type ", type);
-#if defined(__x86_64__)
-  TORCH_CHECK(!vnni || (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")),
-              "vnni asked for on a CPU without AVX512-VNNI");
-#endif
-  const at::Tensor x = x_in.contiguous();
+  const at::Tensor x = checked_x(x_in, blocks, type, vnni);
   const int64_t m_rows = x.size(0), k = x.size(1), n_rows = blocks.size(0);
-  check_gguf_blocks(blocks, type, k);
   at::Tensor out = at::empty({m_rows, n_rows}, x.options());
   if (m_rows == 0 || n_rows == 0) return out;
-  const auto run = [&](auto t) {
-    matmul_int8<decltype(t)::value>(x.data_ptr<float>(), m_rows, k, blocks.data_ptr<uint8_t>(), blocks.size(1), n_rows,
-                                    vnni, out.data_ptr<float>());
-  };
-  switch (type) {
-    case Q4_0: run(std::integral_constant<int64_t, Q4_0>{}); break;
-    case Q4_1: run(std::integral_constant<int64_t, Q4_1>{}); break;
-    case Q8_0: run(std::integral_constant<int64_t, Q8_0>{}); break;
-    case Q4_K: run(std::integral_constant<int64_t, Q4_K>{}); break;
-    case Q5_K: run(std::integral_constant<int64_t, Q5_K>{}); break;
-  }
+  with_type(type, [&](auto t) {
+    if constexpr (supported(decltype(t)::value)) {  // checked_x refused the others
+      matmul_int8<decltype(t)::value>(x.data_ptr<float>(), m_rows, k, blocks.data_ptr<uint8_t>(), blocks.size(1),
+                                      n_rows, vnni, out.data_ptr<float>());
+    }
+  });
+  return out;
+}
+
+// gguf_matmul_int8 for a few rows (any number; 8 at a time): each thread reads its rows of W once.
+at::Tensor gguf_matvec_int8(const at::Tensor& x_in, const at::Tensor& blocks, int64_t type, bool vnni) {
+  const at::Tensor x = checked_x(x_in, blocks, type, vnni);
+  const int64_t m_rows = x.size(0), k = x.size(1), n_rows = blocks.size(0);
+  at::Tensor out = at::empty({m_rows, n_rows}, x.options());
+  if (m_rows == 0 || n_rows == 0) return out;
+  const Int8Rows xq = quantize_rows(x.data_ptr<float>(), m_rows, k);
+  at::parallel_for(0, n_rows, 8, [&](int64_t begin, int64_t end) {
+    lmgate::gguf_matvec_int8_range(type, m_rows, xq.q.data(), xq.scale_sum.data(), k, blocks.data_ptr<uint8_t>(),
+                                   blocks.size(1), begin, end, vnni, out.data_ptr<float>(), n_rows);
+  });
   return out;
 }
 
 }  // namespace
 
+namespace lmgate {
+
+bool int8_type(int64_t type) { return supported(type); }
+
+bool vnni_runs() {
+#if defined(__x86_64__)
+  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+#else
+  return false;
+#endif
+}
+
+void quantize_int8(const float* x, int64_t rows, int64_t k, int8_t* q, float* scale_sum) {
+  for (int64_t i = 0; i < rows * (k / BLOCK); ++i) quantize_block(x + i * BLOCK, q + i * BLOCK, scale_sum + 2 * i, scale_sum + 2 * i + 1);
+}
+
+void gguf_matvec_int8_range(int64_t type, int64_t rows, const int8_t* xq, const float* scale_sum, int64_t k,
+                            const uint8_t* w, int64_t row_bytes, int64_t n_begin, int64_t n_end, bool vnni, float* out,
+                            int64_t out_stride) {
+  TORCH_CHECK(supported(type), "int8 activations need Q4_0, Q4_1, Q8_0, Q4_K or Q5_K weights, got type ", type);
+  with_type(type, [&](auto t) {
+    if constexpr (supported(decltype(t)::value)) {
+      for (int64_t m0 = 0; m0 < rows; m0 += MATVEC_ROWS) {
+        matvec_int8_any_rows<decltype(t)::value>(std::min(MATVEC_ROWS, rows - m0), vnni, xq + m0 * k,
+                                                 scale_sum + 2 * m0 * (k / BLOCK), k, w, row_bytes, n_begin, n_end,
+                                                 out + m0 * out_stride, out_stride);
+      }
+    }
+  });
+}
+
+}  // namespace lmgate
+
 TORCH_LIBRARY_FRAGMENT(lmgate, m) {
   m.def("gguf_matmul_int8(Tensor x, Tensor blocks, int type, bool vnni=False) -> Tensor");
+  m.def("gguf_matvec_int8(Tensor x, Tensor blocks, int type, bool vnni=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lmgate, CPU, m) {
   m.impl("gguf_matmul_int8", &gguf_matmul_int8);
+  m.impl("gguf_matvec_int8", &gguf_matvec_int8);
 }

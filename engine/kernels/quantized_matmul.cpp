@@ -206,21 +206,6 @@ inline void dequantize_block(const uint8_t* b, float* out) {
   }
 }
 
-// f(std::integral_constant<int64_t, TYPE>{}): the type becomes a template argument once per call, so that
-// no block pays for a switch.
-template <typename F>
-void with_type(int64_t type, F&& f) {
-  switch (type) {
-    case Q4_0: return f(std::integral_constant<int64_t, Q4_0>{});
-    case Q4_1: return f(std::integral_constant<int64_t, Q4_1>{});
-    case Q8_0: return f(std::integral_constant<int64_t, Q8_0>{});
-    case Q4_K: return f(std::integral_constant<int64_t, Q4_K>{});
-    case Q5_K: return f(std::integral_constant<int64_t, Q5_K>{});
-    case Q6_K: return f(std::integral_constant<int64_t, Q6_K>{});
-  }
-  TORCH_CHECK(false, "unsupported GGUF quantization type ", type);
-}
-
 // `count` rows of blocks written out as float32 rows of K: all of W (`gguf_dequantize`), or a panel of it
 // for gemm.cpp's loop (`gguf_matmul`).
 template <int64_t TYPE>

@@ -31,8 +31,8 @@ def build_model(
     """`instantiate`, then on the device in the dtype; on the CPU each linear layer then runs the fastest way
     the machine has (`panel_linear.cpu_linears`). `quantized`: GGUF blocks stay blocks (`quantized_linear.py`;
     the caller checked the kernels run here), and decode steps of few rows run all layers in one call
-    (`fused_decode.py`); else the blocks are expanded to float first. `int8_activations`: steps of many rows
-    round x to int8 for the layers whose blocks allow it (`QuantizedLinear`)."""
+    (`fused_decode.py`); else the blocks are expanded to float first. `int8_activations`: every step rounds
+    x to int8 for the layers whose blocks allow it (`QuantizedLinear`)."""
     if not quantized:
         weights = expand_blocks(weights)
     model = instantiate(cfg, weights)
@@ -41,12 +41,12 @@ def build_model(
     if device.type == "cpu":
         cpu_linears(model, batch_hint)
     if quantized:
-        model.fused_decode = FusedDecode.build(model)
         layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
         for layer in layers:
             layer.int8_activations = int8_activations
         if int8_activations and not layers:
             log.warning("--int8-activations: this model has no quantized matrices, activations stay float32")
+        model.fused_decode = FusedDecode.build(model)  # takes the layers' int8_activations
     return model
 
 

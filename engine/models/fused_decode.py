@@ -3,13 +3,15 @@
 Decoding one token with torch ops is hundreds of small ops and 4 matvecs per layer, each paying the
 dispatcher and an OpenMP wake-up; for the embedded model that overhead was more than half the step. The
 kernel (engine/kernels/decode_layers.cpp) runs every layer in one parallel region, from the same blocks,
-norms and KV cache the module path uses, so the two paths are interchangeable step by step.
+norms and KV cache the module path uses, and rounds activations to int8 where the layers do
+(`--int8-activations`), so the two paths are interchangeable step by step.
 """
 from __future__ import annotations
 
 import torch
 
 from ..attention import AttentionMetadata, DecodeTables
+from ..hardware import cpu_features
 from .quantized_linear import MATVEC_ROWS, QuantizedLinear
 
 
@@ -26,6 +28,8 @@ class FusedDecode:
         self.types: list[int] = []  # each part's GGUF type
         self.parts: list[int] = []  # how many parts each matrix has (a Q4_K_M layer's Q4_K Q, K and Q6_K V: 3)
         self.qkv_bias: list[torch.Tensor] = []
+        self.int8_activations = model.model.layers[0].self_attn.qkv_proj.int8_activations  # set on every layer alike
+        self.vnni = cpu_features().int8_vnni
         for layer in model.model.layers:
             attn = layer.self_attn
             self.norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
@@ -65,5 +69,5 @@ class FusedDecode:
         torch.ops.lmgate.decode_layers(
             x, self.norms, self.weights, self.types, self.parts, self.qkv_bias, cos, sin, [k for k, _ in kv_caches],
             [v for _, v in kv_caches], meta.slot_mapping, meta.decode.block_tables, meta.decode.lengths,
-            self.num_heads, self.num_kv_heads, self.eps, self.scale)
+            self.num_heads, self.num_kv_heads, self.eps, self.scale, self.int8_activations, self.vnni)
         return x

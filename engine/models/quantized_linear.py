@@ -94,9 +94,9 @@ def cat_rows(parts: list) -> "GGUFBlocks | GGUFStack | torch.Tensor":
 
 class QuantizedLinear(nn.Module):
     """`y = x @ W.T + b` over GGUF blocks, one or more parts of rows each of its own type; read-only, so
-    engine loops may share it. With `int8_activations`, a step of many rows rounds x to int8 for the parts whose
-    type allows it (llama.cpp's way on the CPU: faster where compute binds, and not the float model: tokens may
-    differ); few rows are bound by reading the blocks, and stay float32."""
+    engine loops may share it. With `int8_activations`, every step rounds x to int8 for the parts whose type
+    allows it (llama.cpp's way on the CPU: not the float model, tokens may differ). Few rows gain too: turning
+    4-bit weights into floats for float32 x bound the matvec, not reading them."""
 
     def __init__(self, weight: GGUFBlocks | GGUFStack, bias: torch.Tensor | None = None,
                  int8_activations: bool = False) -> None:
@@ -115,11 +115,12 @@ class QuantizedLinear(nn.Module):
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def _matmul(self, rows: torch.Tensor, part: GGUFBlocks) -> torch.Tensor:
-        if rows.shape[0] <= MATVEC_ROWS:
-            return torch.ops.lmgate.gguf_matvec(rows, part.blocks, part.qtype)
+        few = rows.shape[0] <= MATVEC_ROWS
         if self.int8_activations and part.qtype in INT8_TYPES:
-            return torch.ops.lmgate.gguf_matmul_int8(rows, part.blocks, part.qtype, cpu_features().int8_vnni)
-        return torch.ops.lmgate.gguf_matmul(rows, part.blocks, part.qtype)
+            op = torch.ops.lmgate.gguf_matvec_int8 if few else torch.ops.lmgate.gguf_matmul_int8
+            return op(rows, part.blocks, part.qtype, cpu_features().int8_vnni)
+        op = torch.ops.lmgate.gguf_matvec if few else torch.ops.lmgate.gguf_matmul
+        return op(rows, part.blocks, part.qtype)
 
     def extra_repr(self) -> str:
         types = "+".join(TYPE_NAMES[p.qtype] for p in self.parts)
