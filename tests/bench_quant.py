@@ -10,8 +10,9 @@ does by default) and `--weights float`, and for
 llama.cpp through llama-cpp-python where it is installed (`pip install llama-cpp-python` builds it on the
 machine). The memory-bound limit of a single stream is the quantized weights' bytes per token over the copy
 bandwidth measured in the same run (and, printed beside it, over the rate a sum reads a large tensor: decoding
-only reads the weights). Single streams are measured in rounds, every engine once a round, llama.cpp included:
-this machine's speed drifts by 10-20% within minutes, so each ratio is taken between samples seconds apart.
+only reads the weights). Everything is measured in rounds, every engine once a round, llama.cpp included, on
+the round's prompts: this machine's speed drifts by 10-20% within minutes, so each ratio is taken within a
+round (and the median of the rounds' ratios kept).
 """
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ import contextlib
 import json
 import os
 import random
-import resource
 import statistics
 import subprocess
 import sys
@@ -42,6 +42,7 @@ from lmgate.engine.loader import embedded_model_path
 from lmgate.engine.sampling import SamplingParams
 from lmgate.engine.threads import available_cpus, on_fresh_thread
 from bench_engine import engine_single_stream, read_bandwidth, run_engine  # beside this file: all run as scripts
+from llama_cpp_bench import round_prompts
 from perplexity import PASSAGE, perplexity
 
 VOCAB = 49152  # the embedded tokenizer's
@@ -53,7 +54,7 @@ ROWS = {QUANT_ROW: dict(weights="quantized"), INT8_ROW: dict(weights="quantized"
         INT8_F16_ROW: dict(weights="quantized", int8_activations=True, kv_cache_dtype="float16"),
         FLOAT_ROW: dict(weights="float")}
 LLAMA = "llama.cpp"
-SINGLE_ROUNDS = 5  # single-stream samples of each engine, one a round; the median kept
+ROUNDS = 3  # samples of each engine, one a round; medians kept
 
 
 def copy_bandwidth(nbytes: int = 1 << 28) -> float:
@@ -73,37 +74,34 @@ def engine_of(args, row: str) -> Engine:
                                max_batched_tokens=args.max_batched_tokens, **ROWS[row]))
 
 
-def measure_lmgate(args, row: str) -> tuple[float, float, float]:
-    """Weights' bytes, all requests at once in tok/s, and perplexity over the passage of tests/perplexity.py
-    (its KV cache of the engine's dtype)."""
-    with engine_of(args, row) as engine:
-        prompts, warmup = (random_prompts(random.Random(seed), args.requests, args.input_len, engine.vocab_size)
-                           for seed in (0, 1))
-        run_engine(engine, warmup, args.output_len)  # other prompts: the prefix cache must not serve the measured
-        batch = run_engine(engine, prompts, args.output_len)
-        ppl = perplexity(engine.loops[0].runner.model, engine.tokenizer.encode(PASSAGE), kv_dtype=engine.kv_dtype)
-        return engine.weights_bytes, batch, ppl
-
-
-def single_streams(args, path: str) -> dict[str, list[float]]:
-    """One stream's decode tok/s, SINGLE_ROUNDS samples of every row and of llama.cpp (where installed), taken
-    in rounds: round r decodes prompt r on each engine in turn, a few seconds apart."""
-    samples: dict[str, list[float]] = {name: [] for name in (*ROWS, LLAMA)}
+def measure_rounds(args, path: str) -> tuple[dict[str, list[dict]], dict[str, tuple[int, float]]]:
+    """ROUNDS rounds of every row, then llama.cpp (where installed): one stream's decode tok/s ("single") and
+    all requests at once ("batched"; llama.cpp's also one at a time, "serial"), a round's samples minutes apart
+    at most. Also each row's weights' bytes and perplexity over the passage of tests/perplexity.py (its KV
+    cache of the engine's dtype)."""
+    samples: dict[str, list[dict]] = {name: [] for name in (*ROWS, LLAMA)}
     with contextlib.ExitStack() as stack:
         engines = {row: stack.enter_context(engine_of(args, row)) for row in ROWS}
-        prompts = random_prompts(random.Random(0), SINGLE_ROUNDS, args.input_len, VOCAB)
+        warmup = random_prompts(random.Random(1), args.requests, args.input_len, VOCAB)
         for engine in engines.values():
-            engine_single_stream(engine, prompts[0][::-1], 8)  # a warm-up
-        for r, prompt in enumerate(prompts):
+            run_engine(engine, warmup, 16)
+        for r in range(ROUNDS):
+            single, prompts = round_prompts(r, args.requests, args.input_len, VOCAB)
             for row, engine in engines.items():
-                samples[row].append(engine_single_stream(engine, prompt, args.output_len))
-            llama = run_llama_cpp(args, path, "--single", str(r))
+                samples[row].append(dict(single=engine_single_stream(engine, single, args.output_len),
+                                         batched=run_engine(engine, prompts, args.output_len)))
+            llama = run_llama_cpp(args, path, str(r))
             if llama is not None:
-                samples[LLAMA].append(llama["single"])
-    return samples
+                samples[LLAMA].append(llama)
+            print(f"round {r + 1}: " + "; ".join(f"{name} {', '.join(f'{k} {v:.1f}' for k, v in got[-1].items() if k != 'version')}"
+                                                 for name, got in samples.items() if got), flush=True)
+        facts = {row: (engine.weights_bytes, perplexity(engine.loops[0].runner.model, engine.tokenizer.encode(PASSAGE),
+                                                        kv_dtype=engine.kv_dtype))
+                 for row, engine in engines.items()}
+    return samples, facts
 
 
-def run_llama_cpp(args, path: str, *extra: str) -> dict | None:
+def run_llama_cpp(args, path: str, round_: str) -> dict | None:
     """llama.cpp's figures (tests/llama_cpp_bench.py), measured in a child process with llama.cpp's own OpenMP
     defaults: this process's `OMP_WAIT_POLICY=PASSIVE` (engine/__init__.py) put its threads to sleep at each of
     its many barriers a token, and cut its single stream from 99 to 39 tok/s on a Zen 4. None where
@@ -113,7 +111,7 @@ def run_llama_cpp(args, path: str, *extra: str) -> dict | None:
         env.pop("OMP_WAIT_POLICY", None)
     child = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "llama_cpp_bench.py"), path,
                             str(args.requests), str(args.input_len), str(args.output_len), str(available_cpus()),
-                            *extra], capture_output=True, text=True, env=env)
+                            round_], capture_output=True, text=True, env=env)
     if child.returncode != 0:
         print(child.stderr.strip().splitlines()[-1] if child.stderr.strip() else f"llama.cpp: exit {child.returncode}")
         return None
@@ -192,13 +190,70 @@ def measure_big(path: str, output_len: int) -> dict:
         prompt = random_prompts(random.Random(0), 1, 32, engine.vocab_size)[0]
         answer = engine.generate(prompt, SamplingParams(max_new_tokens=4, ignore_eos=True)).token_ids
         single = engine_single_stream(engine, prompt[::-1], output_len)
-        return dict(load_s=load, rss=rss, peak=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                    weights=engine.weights_bytes, single=single, answered=len(answer))
+        return dict(load_s=load, rss=rss, peak=resident_bytes("VmHWM"), weights=engine.weights_bytes, single=single,
+                    answered=len(answer))
 
 
-def resident_bytes() -> int:
+def resident_bytes(field: str = "VmRSS") -> int:
+    """This process's resident memory now, or at its peak ("VmHWM": this program's own, where `ru_maxrss` counts
+    the parent's resident memory at the fork too, 7.6 GB for the 1B shape after the rounds' four engines)."""
     with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith(field + ":"))
+
+
+def report(samples: dict[str, list[dict]], facts: dict[str, tuple[int, float]], bandwidth: float, reading: float) -> None:
+    """The table of medians, then each ratio to llama.cpp round by round."""
+    median = {name: {key: statistics.median(round_[key] for round_ in got) for key in got[0] if key != "version"}
+              for name, got in samples.items() if got}
+    quant_bytes = facts[QUANT_ROW][0]
+    limit = bandwidth / quant_bytes
+    print(f"\nsingle-stream limit: {quant_bytes / 1e6:.1f} MB of weights per token at {bandwidth / 1e9:.1f} GB/s "
+          f"= {limit:.1f} tok/s (at the read rate, {reading / 1e9:.1f} GB/s: {reading / quant_bytes:.1f} tok/s)\n")
+    print(f"| engine (medians of {ROUNDS} rounds) | weights MB | 1 stream tok/s | of limit | all at once tok/s | perplexity |")
+    print("|---|---|---|---|---|---|")
+    for name, (nbytes, ppl) in facts.items():
+        single, batched = median[name]["single"], median[name]["batched"]
+        print(f"| {name} | {nbytes / 1e6:.0f} | {single:.1f} | {single / limit:.0%} | {batched:.1f} | {ppl:.2f} |")
+    if LLAMA not in median:
+        print("| llama.cpp | — | not installed (pip install llama-cpp-python) | | | |")
+    else:
+        llama = median[LLAMA]
+        print(f"| llama.cpp (llama-cpp-python {samples[LLAMA][0]['version']}), one request at a time | the file's | "
+              f"{llama['single']:.1f} | {llama['single'] / limit:.0%} | {llama['serial']:.1f} | |")
+        print(f"| llama.cpp, all requests in one batch (its C API) | the file's | | | {llama['batched']:.1f} | |")
+        print("\nagainst llama.cpp, round by round (the median of the rounds' ratios):")
+
+        def ratios(name: str, key: str, theirs: str, goal: str) -> None:
+            each = [ours[key] / them[theirs] for ours, them in zip(samples[name], samples[LLAMA])]
+            print(f"{name}: {key} / llama.cpp's {theirs}: {', '.join(f'{x:.2f}' for x in each)}: "
+                  f"{statistics.median(each):.2f}x{goal}")
+
+        for name in (QUANT_ROW, INT8_ROW, INT8_F16_ROW):
+            ratios(name, "single", "single", " (goal 1.2x)")
+        ratios(QUANT_ROW, "batched", "serial", "")
+        for name in (QUANT_ROW, INT8_ROW, INT8_F16_ROW):
+            ratios(name, "batched", "batched", " (goal 3x)")
+        for name in (INT8_ROW, INT8_F16_ROW):
+            print(f"{name}: perplexity {facts[name][1]:.2f} against {facts[QUANT_ROW][1]:.2f} with float activations")
+
+
+def big_shapes(args, names: list[str], tokenizer_source: str) -> None:
+    """Each Llama shape written as a Q4_K file and served in a fresh process (`--one-big`), then removed."""
+    if names:
+        print(f"\n| Llama shape, Q4_K random weights | file GB | load s | weights GB | resident GB (peak) | 1 stream tok/s |")
+        print("|---|---|---|---|---|---|")
+    for name in names:
+        path = os.path.join(args.big_dir, f"lmgate-bench-{name}-q4_k.gguf")
+        try:
+            write_big_gguf(path, BIG_SHAPES[name], tokenizer_source)
+            child = subprocess.run([sys.executable, __file__, "--one-big", path, "--output-len", str(args.output_len)],
+                                   capture_output=True, text=True, check=True)
+            r = json.loads(child.stdout.strip().splitlines()[-1])
+            print(f"| {name} | {os.path.getsize(path) / 1e9:.2f} | {r['load_s']:.1f} | {r['weights'] / 1e9:.2f} | "
+                  f"{r['rss'] / 1e9:.2f} ({r['peak'] / 1e9:.2f}) | {r['single']:.2f} |", flush=True)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
 
 
 def main() -> None:
@@ -215,65 +270,15 @@ def main() -> None:
     if args.one_big:
         print(json.dumps(measure_big(args.one_big, args.output_len // 16)))
         return
-    path = path_of_embedded = embedded_model_path()
+    path = embedded_model_path()
     bandwidth, reading = on_fresh_thread(copy_bandwidth), on_fresh_thread(read_bandwidth)
     cpu = cpu_features()
     dot = "vpdpbusd (AVX512-VNNI)" if cpu.int8_vnni else "vpmaddubsw (AVX2)"
     print(f"cpu: {cpu.name} ({cpu.vector_isa}; int8 dot products by {dot}), {available_cpus()} threads; "
           f"copy bandwidth {bandwidth / 1e9:.1f} GB/s, read {reading / 1e9:.1f} GB/s; "
           f"workload: {args.requests} x ({args.input_len} prompt + {args.output_len} new), greedy, ignore_eos", flush=True)
-    rows = {}
-    for row in ROWS:
-        rows[row] = measure_lmgate(args, row)
-        print(f"{row}: {rows[row]}", flush=True)
-    singles = single_streams(args, path)
-    for name, samples in singles.items():
-        print(f"{name} single stream, round by round: {', '.join(f'{x:.1f}' for x in samples)}", flush=True)
-    single = {name: statistics.median(samples) for name, samples in singles.items() if samples}
-    quant_bytes = rows[QUANT_ROW][0]
-    limit = bandwidth / quant_bytes
-    llama = run_llama_cpp(args, path)
-    print(f"\nsingle-stream limit: {quant_bytes / 1e6:.1f} MB of weights per token at {bandwidth / 1e9:.1f} GB/s "
-          f"= {limit:.1f} tok/s (at the read rate, {reading / 1e9:.1f} GB/s: {reading / quant_bytes:.1f} tok/s)\n")
-    print(f"| engine | weights MB | 1 stream tok/s (median of {SINGLE_ROUNDS}) | of limit | all at once tok/s | perplexity |")
-    print("|---|---|---|---|---|---|")
-    for name, (nbytes, batch, ppl) in rows.items():
-        print(f"| {name} | {nbytes / 1e6:.0f} | {single[name]:.1f} | {single[name] / limit:.0%} | {batch:.1f} | {ppl:.2f} |")
-    if llama is None:
-        print("| llama.cpp | — | not installed (pip install llama-cpp-python) | | | |")
-    else:
-        serial, batched = llama["serial"], llama["batched"]
-        print(f"| llama.cpp (llama-cpp-python {llama['version']}), one request at a time | the file's | {single[LLAMA]:.1f} | "
-              f"{single[LLAMA] / limit:.0%} | {serial:.1f} | |")
-        print(f"| llama.cpp, all requests in one batch (its C API) | the file's | | | {batched:.1f} | |")
-        print()
-        for name in (QUANT_ROW, INT8_ROW):
-            ratios = [ours / theirs for ours, theirs in zip(singles[name], singles[LLAMA])]
-            print(f"{name}: single stream against llama.cpp, round by round {', '.join(f'{r:.2f}' for r in ratios)}: "
-                  f"median {statistics.median(ratios):.2f}x (goal 1.2x)")
-        quant = rows[QUANT_ROW]
-        print(f"{QUANT_ROW}: all at once against one at a time {quant[1]:.1f} / {serial:.1f} = {quant[1] / serial:.2f}x, "
-              f"against its batch {quant[1]:.1f} / {batched:.1f} = {quant[1] / batched:.2f}x (goal 3x)")
-        for name in (INT8_ROW, INT8_F16_ROW):
-            print(f"{name.removeprefix(QUANT_ROW + ' ')}: all at once against llama.cpp's batch "
-                  f"{rows[name][1]:.1f} / {batched:.1f} = {rows[name][1] / batched:.2f}x (goal 3x); perplexity "
-                  f"{rows[name][2]:.2f} against {quant[2]:.2f} with float activations")
-    big = [name for name in args.big.split(",") if name]
-    if big:
-        print(f"\n| Llama shape, Q4_K random weights | file GB | load s | weights GB | resident GB (peak) | 1 stream tok/s |")
-        print("|---|---|---|---|---|---|")
-    for name in big:
-        path = os.path.join(args.big_dir, f"lmgate-bench-{name}-q4_k.gguf")
-        try:
-            write_big_gguf(path, BIG_SHAPES[name], path_of_embedded)
-            child = subprocess.run([sys.executable, __file__, "--one-big", path, "--output-len", str(args.output_len)],
-                                   capture_output=True, text=True, check=True)
-            r = json.loads(child.stdout.strip().splitlines()[-1])
-            print(f"| {name} | {os.path.getsize(path) / 1e9:.2f} | {r['load_s']:.1f} | {r['weights'] / 1e9:.2f} | "
-                  f"{r['rss'] / 1e9:.2f} ({r['peak'] / 1e9:.2f}) | {r['single']:.2f} |", flush=True)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(path)
+    report(*measure_rounds(args, path), bandwidth, reading)
+    big_shapes(args, [name for name in args.big.split(",") if name], path)
 
 
 if __name__ == "__main__":

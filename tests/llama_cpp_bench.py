@@ -1,9 +1,9 @@
 """llama.cpp on a GGUF file, for bench-quant: run by it in a child process, so that llama.cpp's OpenMP threads
 keep their own defaults (lmgate's engine sets `OMP_WAIT_POLICY=PASSIVE`, which slows llama.cpp's many
-barriers a token more than twofold). Prints one JSON line: the throughputs, or with `--single I` one stream's
-decode of prompt I (bench-quant takes those in rounds with its own, so that each ratio is of samples seconds apart).
+barriers a token more than twofold). One call is one of bench-quant's rounds, on that round's prompts
+(`round_prompts`); it prints one JSON line.
 
-    python tests/llama_cpp_bench.py FILE REQUESTS INPUT_LEN OUTPUT_LEN THREADS [--single I]
+    python tests/llama_cpp_bench.py FILE REQUESTS INPUT_LEN OUTPUT_LEN THREADS ROUND
 """
 from __future__ import annotations
 
@@ -19,25 +19,30 @@ from lmgate.client.bench import random_prompts
 SERIAL_SAMPLE = 4  # requests llama-cpp-python serves one after another (each takes as long as the others)
 
 
-def measure(path: str, requests: int, input_len: int, output_len: int, threads: int, single: int | None) -> dict:
-    """llama.cpp's output tok/s serving requests one at a time as llama-cpp-python's `Llama` does (prefill
-    included) and with every request in one batch through its C API, or (`single`) one stream's decode tok/s of
-    that prompt, first token to last; {} where llama-cpp-python is not installed."""
+def round_prompts(round_: int, requests: int, input_len: int, vocab: int) -> tuple[list[int], list[list[int]]]:
+    """Round `round_`'s prompts, the same for every engine: one for the single stream, `requests` for the batch."""
+    return (random_prompts(random.Random(200 + round_), 1, input_len, vocab)[0],
+            random_prompts(random.Random(100 + round_), requests, input_len, vocab))
+
+
+def measure(path: str, requests: int, input_len: int, output_len: int, threads: int, round_: int) -> dict:
+    """llama.cpp's single-stream decode tok/s (first token to last), its output tok/s serving requests one at a
+    time as llama-cpp-python's `Llama` does (prefill included), and with every request in one batch through its
+    C API; {} where llama-cpp-python is not installed."""
     try:
         import llama_cpp
     except ImportError:
         return {}
     llm = llama_cpp.Llama(path, n_ctx=input_len + output_len, n_threads=threads, n_threads_batch=threads,
                           verbose=False)
-    prompts = random_prompts(random.Random(0), requests, input_len, llm.n_vocab())
-    llm.eval(prompts[1])  # a warm-up
-    if single is not None:
-        stamps = []
-        for _ in llm.generate(prompts[single], temp=0.0, reset=True):
-            stamps.append(time.perf_counter())
-            if len(stamps) == output_len:
-                break
-        return dict(single=(len(stamps) - 1) / (stamps[-1] - stamps[0]))
+    single_prompt, prompts = round_prompts(round_, requests, input_len, llm.n_vocab())
+    llm.eval(random_prompts(random.Random(1), 1, input_len, llm.n_vocab())[0])  # a warm-up
+    stamps = []
+    for _ in llm.generate(single_prompt, temp=0.0, reset=True):
+        stamps.append(time.perf_counter())
+        if len(stamps) == output_len:
+            break
+    single = (len(stamps) - 1) / (stamps[-1] - stamps[0])
     start = time.perf_counter()
     for prompt in prompts[:SERIAL_SAMPLE]:
         for count, _ in enumerate(llm.generate(prompt, temp=0.0, reset=True), start=1):
@@ -46,7 +51,7 @@ def measure(path: str, requests: int, input_len: int, output_len: int, threads: 
     serial = SERIAL_SAMPLE * output_len / (time.perf_counter() - start)
     batched = llama_cpp_batched(llama_cpp, llm, prompts, output_len, threads)
     del llm
-    return dict(serial=serial, batched=batched, version=llama_cpp.__version__)
+    return dict(single=single, serial=serial, batched=batched, version=llama_cpp.__version__)
 
 
 def llama_cpp_batched(llama_cpp, llm, prompts: list[list[int]], output_len: int, threads: int) -> float:
@@ -92,6 +97,5 @@ def llama_cpp_batched(llama_cpp, llm, prompts: list[list[int]], output_len: int,
 
 
 if __name__ == "__main__":
-    path, requests, input_len, output_len, threads = sys.argv[1], *map(int, sys.argv[2:6])
-    single = int(sys.argv[7]) if sys.argv[6:7] == ["--single"] else None
-    print(json.dumps(measure(path, requests, input_len, output_len, threads, single)))
+    path, requests, input_len, output_len, threads, round_ = sys.argv[1], *map(int, sys.argv[2:7])
+    print(json.dumps(measure(path, requests, input_len, output_len, threads, round_)))

@@ -110,8 +110,8 @@ void quantize_block(const float* x, int8_t* q, float* scale, float* sum) {
 #endif
 }
 
-// On the calling thread: a parallel region of its own woke the sleeping OpenMP threads once more per layer
-// (engine/__init__.py), which cost more than rounding x takes (some 10 us for 64 rows of 576).
+// On the calling thread: a parallel region of its own would wake the sleeping OpenMP threads (engine/__init__.py)
+// once more per call, for less work than a wake-up costs at decode's few rows.
 Int8Rows quantize_rows(const float* x, int64_t m, int64_t k) {
   const int64_t blocks = k / BLOCK;
   Int8Rows rows{std::vector<int8_t>(m * k), std::vector<float>(m * blocks * 2)};
