@@ -74,12 +74,12 @@ def engine_of(args, row: str) -> Engine:
                                max_batched_tokens=args.max_batched_tokens, **ROWS[row]))
 
 
-def measure_rounds(args, path: str) -> tuple[dict[str, list[dict]], dict[str, tuple[int, float]]]:
+def measure_rounds(args, path: str) -> tuple[dict[str, list[dict | None]], dict[str, tuple[int, float]]]:
     """ROUNDS rounds of every row, then llama.cpp (where installed): one stream's decode tok/s ("single") and
     all requests at once ("batched"; llama.cpp's also one at a time, "serial"), a round's samples minutes apart
     at most. Also each row's weights' bytes and perplexity over the passage of tests/perplexity.py (its KV
     cache of the engine's dtype)."""
-    samples: dict[str, list[dict]] = {name: [] for name in (*ROWS, LLAMA)}
+    samples: dict[str, list[dict | None]] = {name: [] for name in (*ROWS, LLAMA)}  # llama.cpp's: None where it failed
     with contextlib.ExitStack() as stack:
         engines = {row: stack.enter_context(engine_of(args, row)) for row in ROWS}
         warmup = random_prompts(random.Random(1), args.requests, args.input_len, VOCAB)
@@ -90,11 +90,9 @@ def measure_rounds(args, path: str) -> tuple[dict[str, list[dict]], dict[str, tu
             for row, engine in engines.items():
                 samples[row].append(dict(single=engine_single_stream(engine, single, args.output_len),
                                          batched=run_engine(engine, prompts, args.output_len)))
-            llama = run_llama_cpp(args, path, str(r))
-            if llama is not None:
-                samples[LLAMA].append(llama)
+            samples[LLAMA].append(run_llama_cpp(args, path, str(r)))
             print(f"round {r + 1}: " + "; ".join(f"{name} {', '.join(f'{k} {v:.1f}' for k, v in got[-1].items() if k != 'version')}"
-                                                 for name, got in samples.items() if got), flush=True)
+                                                 for name, got in samples.items() if got[-1]), flush=True)
         facts = {row: (engine.weights_bytes, perplexity(engine.loops[0].runner.model, engine.tokenizer.encode(PASSAGE),
                                                         kv_dtype=engine.kv_dtype))
                  for row, engine in engines.items()}
@@ -201,10 +199,11 @@ def resident_bytes(field: str = "VmRSS") -> int:
         return next(int(line.split()[1]) * 1024 for line in status if line.startswith(field + ":"))
 
 
-def report(samples: dict[str, list[dict]], facts: dict[str, tuple[int, float]], bandwidth: float, reading: float) -> None:
+def report(samples: dict[str, list[dict | None]], facts: dict[str, tuple[int, float]], bandwidth: float, reading: float) -> None:
     """The table of medians, then each ratio to llama.cpp round by round."""
+    done = {name: [round_ for round_ in got if round_] for name, got in samples.items()}
     median = {name: {key: statistics.median(round_[key] for round_ in got) for key in got[0] if key != "version"}
-              for name, got in samples.items() if got}
+              for name, got in done.items() if got}
     quant_bytes = facts[QUANT_ROW][0]
     limit = bandwidth / quant_bytes
     print(f"\nsingle-stream limit: {quant_bytes / 1e6:.1f} MB of weights per token at {bandwidth / 1e9:.1f} GB/s "
@@ -218,13 +217,13 @@ def report(samples: dict[str, list[dict]], facts: dict[str, tuple[int, float]], 
         print("| llama.cpp | — | not installed (pip install llama-cpp-python) | | | |")
     else:
         llama = median[LLAMA]
-        print(f"| llama.cpp (llama-cpp-python {samples[LLAMA][0]['version']}), one request at a time | the file's | "
+        print(f"| llama.cpp (llama-cpp-python {done[LLAMA][0]['version']}), one request at a time | the file's | "
               f"{llama['single']:.1f} | {llama['single'] / limit:.0%} | {llama['serial']:.1f} | |")
         print(f"| llama.cpp, all requests in one batch (its C API) | the file's | | | {llama['batched']:.1f} | |")
         print("\nagainst llama.cpp, round by round (the median of the rounds' ratios):")
 
         def ratios(name: str, key: str, theirs: str, goal: str) -> None:
-            each = [ours[key] / them[theirs] for ours, them in zip(samples[name], samples[LLAMA])]
+            each = [ours[key] / them[theirs] for ours, them in zip(samples[name], samples[LLAMA]) if them]
             print(f"{name}: {key} / llama.cpp's {theirs}: {', '.join(f'{x:.2f}' for x in each)}: "
                   f"{statistics.median(each):.2f}x{goal}")
 

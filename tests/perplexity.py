@@ -1,13 +1,13 @@
-"""Perplexity of a model over a passage, from one prefill of all of it: the measure of an approximation
-(`--int8-activations`) that changes a model's numbers, where token equality cannot be asked for. Read by
-tests/test_int8_activations.py and tests/bench_quant.py; needs the C++ attention kernel."""
+"""Perplexity of a model over a passage, from one prefill of all of it or one token a step: the measure of an
+approximation (`--int8-activations`) that changes a model's numbers, where token equality cannot be asked for.
+Read by tests/test_int8_activations.py and tests/bench_quant.py; needs the C++ attention kernel."""
 from __future__ import annotations
 
 import math
 
 import torch
 
-from lmgate.engine.attention import AttentionMetadata, PrefillTables
+from lmgate.engine.attention import AttentionMetadata, DecodeTables, PrefillTables
 from lmgate.engine.kv_cache import allocate_kv_cache
 
 # A passage for perplexity: plain English prose, written for lmgate's tests.
@@ -25,14 +25,24 @@ PASSAGE = (
 )
 
 
-def perplexity(model, ids: list[int], kv_dtype: torch.dtype = torch.float32, block_size: int = 16) -> float:
-    """exp of the mean negative log-likelihood of every token of `ids` after the first, as one prefill chunk over
-    a fresh KV cache of `kv_dtype` (many rows at once: the case the int8 kernels serve)."""
+def perplexity(model, ids: list[int], kv_dtype: torch.dtype = torch.float32, block_size: int = 16,
+               decode: bool = False) -> float:
+    """exp of the mean negative log-likelihood of every token of `ids` after the first, over a fresh KV cache of
+    `kv_dtype`: as one prefill chunk (many rows at once: the int8 GEMM), or with `decode` one token a step as
+    a stream decodes (one row: the int8 matrix-vector product, and a quantized model's fused decode)."""
     n = len(ids)
     blocks = -(-n // block_size)
     kv = allocate_kv_cache(model.config, blocks, block_size, kv_dtype, torch.device("cpu"))
-    chunk = PrefillTables(torch.arange(blocks).view(1, -1), torch.tensor([0]), torch.tensor([n]), torch.tensor([n]), n)
-    meta = AttentionMetadata(slot_mapping=torch.arange(n), num_decode=0, decode=None, prefills=chunk)
+    table = torch.arange(blocks).view(1, -1)
     with torch.inference_mode():
-        logits = model.compute_logits(model(torch.tensor(ids), torch.arange(n), kv, meta))
+        if decode:
+            no_prefill = PrefillTables(torch.zeros((0, 1), dtype=torch.long), *(torch.zeros(0, dtype=torch.long),) * 3, 0)
+            logits = torch.cat([
+                model.compute_logits(model(torch.tensor([ids[i]]), torch.tensor([i]), kv, AttentionMetadata(
+                    torch.tensor([i]), 1, DecodeTables(table, torch.tensor([i + 1])), no_prefill)))
+                for i in range(n)])
+        else:
+            chunk = PrefillTables(table, torch.tensor([0]), torch.tensor([n]), torch.tensor([n]), n)
+            meta = AttentionMetadata(slot_mapping=torch.arange(n), num_decode=0, decode=None, prefills=chunk)
+            logits = model.compute_logits(model(torch.tensor(ids), torch.arange(n), kv, meta))
     return math.exp(torch.nn.functional.cross_entropy(logits[:-1].double(), torch.tensor(ids[1:])).item())

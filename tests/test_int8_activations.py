@@ -111,9 +111,11 @@ def test_int8_activations_need_quantized_weights():
 
 
 @kernels
-def test_embedded_model_perplexity_with_int8_activations(checkpoint, tokenizer, hf_model):
-    """SmolLM2 over an English passage: with float activations its perplexity is transformers' (so the measure
-    is right); rounding x to int8 moves it by under 2%, and does move it (the int8 kernels ran)."""
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+def test_embedded_model_perplexity_with_int8_activations(checkpoint, tokenizer, hf_model, decode):
+    """SmolLM2 over an English passage, in one prefill (the int8 GEMM) or one token a step (the fused decode's
+    int8 matrix-vector products): with float activations its perplexity is transformers' (so the measure is
+    right); rounding x to int8 moves it by under 2%, and does move it (the int8 kernels ran)."""
     ids = tokenizer.encode(PASSAGE)
     assert len(ids) > 200
     ppl = {}
@@ -121,7 +123,8 @@ def test_embedded_model_perplexity_with_int8_activations(checkpoint, tokenizer, 
         model = build_model(checkpoint.config, checkpoint.weights, torch.float32, torch.device("cpu"),
                             quantized=True, int8_activations=int8)
         assert model.model.layers[0].mlp.down_proj.int8_activations == int8
-        ppl[int8] = perplexity(model, ids)
+        assert model.fused_decode.int8_activations == int8
+        ppl[int8] = perplexity(model, ids, decode=decode)
     with torch.inference_mode():
         reference = math.exp(hf_model(torch.tensor([ids]), labels=torch.tensor([ids])).loss.item())
     assert ppl[False] == pytest.approx(reference, rel=1e-3)

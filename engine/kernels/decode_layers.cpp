@@ -122,6 +122,7 @@ struct Int8Input {
 struct Linear {
   std::vector<Part> parts;
   int64_t rows = 0;
+  bool takes_int8 = false;  // a part's type reads int8 x: worth rounding x for
 
   // out[m, n] = x[m] . W[n] for the rows n in [begin, end) of the whole matrix; x as rounded (`x8`) where given
   // and the part's type allows.
@@ -162,6 +163,7 @@ Linear linear(at::TensorList weights, at::IntArrayRef types, int64_t* next, int6
     lmgate::check_gguf_blocks(weights[i], types[i], k);
     l.parts.push_back({weights[i].data_ptr<uint8_t>(), types[i], l.rows, weights[i].size(0), weights[i].size(1)});
     l.rows += weights[i].size(0);
+    l.takes_int8 = l.takes_int8 || lmgate::int8_type(types[i]);
   }
   *next += count;
   TORCH_CHECK(rows < 0 || l.rows == rows, "a quantized matrix has ", l.rows, " rows, expected ", rows);
@@ -264,13 +266,13 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
     barrier = std::make_unique<SpinBarrier>(omp_get_num_threads());  // the team may be smaller than asked
     const int t = omp_get_thread_num(), team = omp_get_num_threads();
     std::vector<float> h(rows * hidden);
-    // This thread's rounding of a matrix's input: null unless int8_activations.
+    // This thread's rounding of the input of matrix `l`: null unless int8_activations and a part of l takes it.
     const int64_t widest = std::max({hidden, q_size, intermediate});
     std::vector<int8_t> x8(int8_activations ? rows * widest : 0);
     std::vector<float> x8_scales(int8_activations ? rows * widest / 16 : 0);
     const Int8Input input8{x8.data(), x8_scales.data(), vnni};
-    auto rounded = [&](const float* src, int64_t k) -> const Int8Input* {
-      if (!int8_activations) return nullptr;
+    auto rounded = [&](const Linear& l, const float* src, int64_t k) -> const Int8Input* {
+      if (!int8_activations || !l.takes_int8) return nullptr;
       lmgate::quantize_int8(src, rows, k, x8.data(), x8_scales.data());
       return &input8;
     };
@@ -286,7 +288,7 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
 
     for (const Layer& l : layers) {
       lmgate::rms_norm_rows(xs, l.input_norm, rows, hidden, static_cast<float>(eps), h.data());
-      l.qkv.matvec(rows, h.data(), rounded(h.data(), hidden), hidden, q0, q1, qkv.data(), qkv_rows);
+      l.qkv.matvec(rows, h.data(), rounded(l.qkv, h.data(), hidden), hidden, q0, q1, qkv.data(), qkv_rows);
       if (l.qkv_bias != nullptr) {
         for (int64_t m = 0; m < rows; ++m) {
           for (int64_t c = q0; c < q1; ++c) qkv[m * qkv_rows + c] += l.qkv_bias[c];
@@ -317,12 +319,12 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
       }
       barrier->wait();
 
-      l.o.matvec(rows, attn.data(), rounded(attn.data(), q_size), q_size, h0, h1, delta.data(), hidden);
+      l.o.matvec(rows, attn.data(), rounded(l.o, attn.data(), q_size), q_size, h0, h1, delta.data(), hidden);
       add_residual();
       barrier->wait();
 
       lmgate::rms_norm_rows(xs, l.post_norm, rows, hidden, static_cast<float>(eps), h.data());
-      const Int8Input* h8 = rounded(h.data(), hidden);
+      const Int8Input* h8 = rounded(l.gate_up, h.data(), hidden);
       l.gate_up.matvec(rows, h.data(), h8, hidden, i0, i1, gate_up.data(), 2 * intermediate);
       l.gate_up.matvec(rows, h.data(), h8, hidden, intermediate + i0, intermediate + i1, gate_up.data(), 2 * intermediate);
       for (int64_t m = 0; m < rows; ++m) {
@@ -331,7 +333,7 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
       }
       barrier->wait();
 
-      l.down.matvec(rows, act.data(), rounded(act.data(), intermediate), intermediate, h0, h1, delta.data(), hidden);
+      l.down.matvec(rows, act.data(), rounded(l.down, act.data(), intermediate), intermediate, h0, h1, delta.data(), hidden);
       add_residual();
       barrier->wait();
     }

@@ -15,7 +15,7 @@
 // A step of few rows (decoding: `gguf_matvec_int8`, and decode_layers.cpp) reads W's blocks where they lie, one
 // row at a time: 32 weights widen to 32 bytes and one dot product per row of x sums them, against some 14
 // 256-bit operations per block for float32 x; on a Zen 4, 1.6 times the blocks per second.
-// W's rows are taken 8 at a time, "a group": its panel holds, for every 4 consecutive K, the 4 integers of each
+// For many rows (`gguf_matmul_int8`), W's rows are taken 8 at a time, "a group": its panel holds, for every 4 consecutive K, the 4 integers of each
 // of the 8 rows side by side (32 bytes), so that one vpmaddubsw against 4 bytes of x broadcast gives the 8 rows'
 // partial sums in its lanes, and no horizontal sums are needed. Each block of 32 has a scale and a minimum per row
 // (w = scale * q + min); the minimum multiplies the sum of x's rounded block. The result is x rounded, exactly
@@ -110,12 +110,17 @@ void quantize_block(const float* x, int8_t* q, float* scale, float* sum) {
 #endif
 }
 
-// On the calling thread: a parallel region of its own would wake the sleeping OpenMP threads (engine/__init__.py)
-// once more per call, for less work than a wake-up costs at decode's few rows.
+// A few thousand blocks round on the calling thread: a parallel region of their own would wake the sleeping
+// OpenMP threads (engine/__init__.py) once more per call, for less work than a wake-up costs.
+constexpr int64_t QUANTIZE_GRAIN = 4096;
+
 Int8Rows quantize_rows(const float* x, int64_t m, int64_t k) {
   const int64_t blocks = k / BLOCK;
   Int8Rows rows{std::vector<int8_t>(m * k), std::vector<float>(m * blocks * 2)};
-  lmgate::quantize_int8(x, m, k, rows.q.data(), rows.scale_sum.data());
+  at::parallel_for(0, m * blocks, QUANTIZE_GRAIN, [&](int64_t begin, int64_t end) {
+    lmgate::quantize_int8(x + begin * BLOCK, 1, (end - begin) * BLOCK, rows.q.data() + begin * BLOCK,
+                          rows.scale_sum.data() + 2 * begin);
+  });
   return rows;
 }
 
@@ -412,8 +417,9 @@ constexpr int64_t MATVEC_ROWS = 8;  // rows of x one pass over W serves (quantiz
 
 // out[m, n] = x[m] . W[n] for `ROWS` rows of x as rounded (`xq`, each block's scale and sum in `xss`) and rows
 // n_begin .. n_end of W, read one block at a time where it lies: its 32 integers meet each row's 32 bytes in one
-// dot product, and its scale and minimum multiply the row's scale and sum in one more. The same products as the
-// GEMM's tiles, summed in another order.
+// dot product, and its scale and minimum multiply the row's scale and sum in one more. x as rounded times W, as
+// the GEMM's tiles compute it; the float steps after the exact integer sums round in another order, so the two
+// agree to float32 rounding, not to the bit.
 template <int ROWS, int64_t TYPE, Dot DOT>
 void matvec_int8_rows(const int8_t* xq, const float* xss, int64_t k, const uint8_t* w, int64_t row_bytes,
                       int64_t n_begin, int64_t n_end, float* out, int64_t out_stride) {

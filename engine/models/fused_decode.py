@@ -28,8 +28,8 @@ class FusedDecode:
         self.types: list[int] = []  # each part's GGUF type
         self.parts: list[int] = []  # how many parts each matrix has (a Q4_K_M layer's Q4_K Q, K and Q6_K V: 3)
         self.qkv_bias: list[torch.Tensor] = []
-        self.int8_activations = model.model.layers[0].self_attn.qkv_proj.int8_activations  # set on every layer alike
-        self.vnni = cpu_features().int8_vnni
+        self.int8_activations = model.model.layers[0].self_attn.qkv_proj.int8_activations  # alike in all (build)
+        self.vnni = self.int8_activations and cpu_features().int8_vnni
         for layer in model.model.layers:
             attn = layer.self_attn
             self.norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
@@ -44,11 +44,12 @@ class FusedDecode:
 
     @staticmethod
     def build(model: torch.nn.Module) -> FusedDecode | None:
-        """None unless every decoder layer's linear layers are quantized and its other weights float32."""
+        """None unless every decoder layer's linear layers are quantized, all rounding activations to int8 or
+        none, and its other weights float32."""
         layers = model.model.layers
         linears = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                    layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        if not all(isinstance(m, QuantizedLinear) for m in linears):
+        if not all(isinstance(m, QuantizedLinear) for m in linears) or len({m.int8_activations for m in linears}) > 1:
             return None
         if any(p.dtype != torch.float32 for layer in layers for p in layer.parameters()):
             return None
