@@ -6,7 +6,8 @@
   the GEMM loop `gguf_matmul` runs over expanded panels of quantized blocks;
 * quantized_matmul.cpp: linear layers over GGUF's quantized blocks (`gguf_matvec`, `gguf_matmul`,
   `gguf_dequantize`); int8_matmul.cpp: the same with x rounded to int8 (`gguf_matvec_int8`, `gguf_matmul_int8`,
-  `--int8-activations`); gguf_blocks.h: the block layouts both read;
+  `--int8-activations`; int8_matmul.h declares its few-row path for decode_layers.cpp); gguf_blocks.h: the
+  block layouts both read;
 * layer_ops.cpp: a decoder layer's elementwise parts in one pass each over float32 rows (`rms_norm`,
   `add_rms_norm`, `rotary`, `silu_and_mul`), a step's keys and values into their cache slots (`store_kv`),
   and greedy sampling's `argmax_rows`;

@@ -32,6 +32,8 @@
 #include <immintrin.h>
 #endif
 
+#include "int8_matmul.h"
+
 namespace lmgate {
 // paged_attention.cpp
 void check_decode_tables(const at::Tensor& block_tables, const at::Tensor& lengths, int64_t block_size,
@@ -47,13 +49,6 @@ void silu_and_mul_row(const float* gate, const float* up, int64_t n, float* out)
 void check_gguf_blocks(const at::Tensor& blocks, int64_t type, int64_t k);
 void gguf_matvec_range(int64_t type, int64_t rows, const float* x, int64_t k, const uint8_t* w, int64_t row_bytes,
                        int64_t n_begin, int64_t n_end, float* out, int64_t out_stride);
-// int8_matmul.cpp
-bool int8_type(int64_t type);
-bool vnni_runs();
-void quantize_int8(const float* x, int64_t rows, int64_t k, int8_t* q, float* scale_sum);
-void gguf_matvec_int8_range(int64_t type, int64_t rows, const int8_t* xq, const float* scale_sum, int64_t k,
-                            const uint8_t* w, int64_t row_bytes, int64_t n_begin, int64_t n_end, bool vnni, float* out,
-                            int64_t out_stride);
 }  // namespace lmgate
 
 namespace {

@@ -34,14 +34,7 @@
 #include <vector>
 
 #include "gguf_blocks.h"
-
-namespace lmgate {
-bool vnni_runs();
-void quantize_int8(const float* x, int64_t rows, int64_t k, int8_t* q, float* scale_sum);
-void gguf_matvec_int8_range(int64_t type, int64_t rows, const int8_t* xq, const float* scale_sum, int64_t k,
-                            const uint8_t* w, int64_t row_bytes, int64_t n_begin, int64_t n_end, bool vnni, float* out,
-                            int64_t out_stride);
-}  // namespace lmgate
+#include "int8_matmul.h"
 
 namespace {
 
