@@ -373,7 +373,11 @@ void matvec_rows_fused(const float* x, int64_t k, const uint8_t* w, int64_t row_
 // (15 billion weights a second on a Zen 4, a third of what memory delivers): a block's 16 values
 // scale * i + offset are one vector, and vpermps looks each weight up in it by the low 4 bits of its lane. The
 // block's 16 bytes widened to 16 lanes hold weights 0..15 in their low nibbles and 16..31 in their high ones,
-// so x is read in its own order. The weights are those the float path expands (one rounding of the same FMA).
+// so x is read in its own order. The weights are those the float path expands (one rounding of the same FMA;
+// Q4_0's (i - 8) * scale is exact before its rounding, as i * scale - 8 * scale is). A Q4_1 block's two fp16
+// halves are converted by one instruction and broadcast from its lanes: scalar conversions and broadcasts
+// were a tenth of the one-row loop (547 against 495 M blocks a second from L2 on a Zen 4 core; Q4_0 598
+// against 512), with the same bits out.
 template <int64_t ROWS, int64_t TYPE>
 void matvec_rows_nibbles_avx512(const float* x, int64_t k, const uint8_t* w, int64_t row_bytes, int64_t n_begin,
                                 int64_t n_end, float* out, int64_t out_stride) {
@@ -381,10 +385,18 @@ void matvec_rows_nibbles_avx512(const float* x, int64_t k, const uint8_t* w, int
   constexpr int64_t CHAINS = ROWS <= 2 ? 2 : 1;  // blocks whose sums go to separate accumulators
   const int64_t blocks = k / 32;
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 centred = _mm512_sub_ps(iota, _mm512_set1_ps(8.f));
+  const __m512i lane_one = _mm512_set1_epi32(1);
   const auto block_weights = [&](const uint8_t* block, __m512* low, __m512* high) {
-    const float d = half_at(block);
-    const __m512 table = _mm512_fmadd_ps(iota, _mm512_set1_ps(d),
-                                         _mm512_set1_ps(TYPE == Q4_1 ? half_at(block + 2) : -8.f * d));
+    __m512 table;
+    if constexpr (TYPE == Q4_1) {
+      int32_t halves;  // scale, then minimum
+      std::memcpy(&halves, block, 4);
+      const __m512 sm = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(halves)));
+      table = _mm512_fmadd_ps(iota, _mm512_broadcastss_ps(_mm512_castps512_ps128(sm)), _mm512_permutexvar_ps(lane_one, sm));
+    } else {
+      table = _mm512_mul_ps(centred, _mm512_set1_ps(half_at(block)));
+    }
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + BYTES - 16)));
     *low = _mm512_permutexvar_ps(bytes, table);
     *high = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
