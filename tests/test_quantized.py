@@ -89,11 +89,11 @@ def test_rows_of_different_types_stay_blocks(m):
     torch.testing.assert_close(QuantizedLinear(stacked)(x).double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
-def random_tiny(name: str, config_class=transformers.LlamaConfig) -> TinyModel:
+def random_tiny(name: str, config_class=transformers.LlamaConfig, kv_heads: int = 2) -> TinyModel:
     """A model with every matrix a multiple of 256 wide (the K types' block), random weights (norms near 1,
     biases included), the embedded tokenizer's vocabulary."""
     config = config_class(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, rope_theta=50000.0,
+                          num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=64, rope_theta=50000.0,
                           max_position_embeddings=512, tie_word_embeddings=True)
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -157,27 +157,31 @@ def q4_k_m(name: str) -> GGMLQuantizationType:
 
 
 @kernels
-@pytest.mark.parametrize("arch, config_class, type_of, kv, int8", [
-    ("llama", transformers.LlamaConfig, lambda name: GGMLQuantizationType.Q4_K, "float32", False),
-    ("qwen2", transformers.Qwen2Config, lambda name: GGMLQuantizationType.Q8_0, "float32", False),  # a bias on Q, K, V
-    ("qwen3", transformers.Qwen3Config, lambda name: GGMLQuantizationType.Q4_1, "float32", False),  # RMSNorm on heads
-    ("llama", transformers.LlamaConfig, q4_k_m, "float32", False),  # Q, K, V one projection of two types
-    ("llama", transformers.LlamaConfig, lambda name: GGMLQuantizationType.Q4_1, "float16", False),
-    ("qwen3", transformers.Qwen3Config, lambda name: GGMLQuantizationType.Q4_K, "bfloat16", False),
-    ("llama", transformers.LlamaConfig, q4_k_m, "float32", True),  # Q6_K parts stay float32 beside int8 ones
-    ("qwen2", transformers.Qwen2Config, lambda name: GGMLQuantizationType.Q8_0, "float32", True),  # signed integers
-    ("qwen3", transformers.Qwen3Config, lambda name: GGMLQuantizationType.Q4_1, "float16", True),
+@pytest.mark.parametrize("arch, config_class, type_of, kv, int8, kv_heads", [
+    ("llama", transformers.LlamaConfig, lambda name: GGMLQuantizationType.Q4_K, "float32", False, 2),
+    ("qwen2", transformers.Qwen2Config, lambda name: GGMLQuantizationType.Q8_0, "float32", False, 2),  # a bias on Q, K, V
+    ("qwen3", transformers.Qwen3Config, lambda name: GGMLQuantizationType.Q4_1, "float32", False, 2),  # RMSNorm on heads
+    ("llama", transformers.LlamaConfig, q4_k_m, "float32", False, 2),  # Q, K, V one projection of two types
+    ("llama", transformers.LlamaConfig, lambda name: GGMLQuantizationType.Q4_1, "float16", False, 2),
+    ("qwen3", transformers.Qwen3Config, lambda name: GGMLQuantizationType.Q4_K, "bfloat16", False, 2),
+    ("llama", transformers.LlamaConfig, q4_k_m, "float32", True, 2),  # Q6_K parts stay float32 beside int8 ones
+    ("qwen2", transformers.Qwen2Config, lambda name: GGMLQuantizationType.Q8_0, "float32", True, 2),  # signed integers
+    ("qwen3", transformers.Qwen3Config, lambda name: GGMLQuantizationType.Q4_1, "float16", True, 2),
+    # one KV head: odd row counts split each context over the threads (decode_layers.cpp's context_parts)
+    ("llama", transformers.LlamaConfig, lambda name: GGMLQuantizationType.Q4_1, "float32", False, 1),
+    ("qwen3", transformers.Qwen3Config, lambda name: GGMLQuantizationType.Q4_0, "float16", False, 1),
 ], ids=["llama-Q4_K", "qwen2-Q8_0", "qwen3-Q4_1", "llama-Q4_K_M", "llama-Q4_1-f16-kv", "qwen3-Q4_K-bf16-kv",
-        "llama-Q4_K_M-int8", "qwen2-Q8_0-int8", "qwen3-Q4_1-f16-kv-int8"])
-def test_fused_decode_equals_the_layer_path(arch, config_class, type_of, kv, int8, tokenizer_fields, tmp_path,
-                                            prompt_ids):
+        "llama-Q4_K_M-int8", "qwen2-Q8_0-int8", "qwen3-Q4_1-f16-kv-int8", "llama-Q4_1-mqa", "qwen3-Q4_0-f16-kv-mqa"])
+def test_fused_decode_equals_the_layer_path(arch, config_class, type_of, kv, int8, kv_heads, tokenizer_fields,
+                                            tmp_path, prompt_ids):
     """Decode steps of up to 8 rows run every layer in one C++ call (models/fused_decode.py). The same engine
     with it switched off runs the modules: the same tokens, logprobs up to the order of float32 sums, for
     batches shrinking from 8 rows to 1 at different context lengths, over a 32- or 16-bit KV cache (both paths
     round keys and values into it alike), with float32 or int8 activations (both paths round each matrix's
-    input alike)."""
+    input alike). With one KV head, a step of an odd row count splits each row's context into two parts (one
+    per thread, merged by log-sum-exp), one of them empty while the context is a single block."""
     path = str(tmp_path / f"{arch}.gguf")
-    _write_gguf(random_tiny(arch, config_class), path, tokenizer_fields,
+    _write_gguf(random_tiny(arch, config_class, kv_heads), path, tokenizer_fields,
                 quantize=lambda name, data: (blocks_for(data, type_of(name), seed=len(name)), type_of(name))
                 if data.ndim == 2 else None)
     prompts = [prompt_ids[: 3 + 2 * i] * (1 + i % 3) for i in range(8)]

@@ -5,10 +5,12 @@
 // each op pays the dispatcher and each parallel op wakes the OpenMP team (sleeping waiters, engine/__init__.py),
 // and together they took more time than reading the weights. Here the team starts once per step; between
 // the phases of a layer the threads meet at a spinning barrier, and every phase splits its work by rows of
-// W (or by (row, KV head) for attention) so that no thread waits on another inside a phase.
+// W (or by (row, KV head, part of the context) for attention) so that no thread waits on another inside a
+// phase.
 //
-// Per layer: h = rms_norm(x) (each thread its own copy); qkv = h Wqkv^T (+ bias); per (row, KV head):
-// q/k norm (Qwen3), rotary, K/V stored at the row's slot, attention over the row's blocks; x += attn Wo^T;
+// Per layer: h = rms_norm(x) (each thread its own copy); qkv = h Wqkv^T (+ bias); per (row, KV head, part):
+// q/k norm (Qwen3), rotary, K/V stored at the row's slot (by the part holding it), attention over the part's
+// blocks; each thread merges the parts (`merge_parts`) and computes its share of x += attn Wo^T;
 // h = rms_norm(x); act = silu(h Wgate^T) * h Wup^T (a thread owns both halves of its rows); x += act Wdown^T.
 // fp32 throughout (a 16-bit KV cache is converted as it is stored and read), the same arithmetic as the torch
 // path up to the order of sums; with int8 activations (`--int8-activations`) each matrix whose type allows it reads
@@ -25,6 +27,7 @@
 #include <atomic>
 #include <cmath>
 #include <memory>
+#include <numeric>
 #include <thread>
 #include <vector>
 
@@ -40,7 +43,7 @@ void check_decode_tables(const at::Tensor& block_tables, const at::Tensor& lengt
                          int64_t num_blocks);
 void attend_group(const float* q, const void* k_head, const void* v_head, at::ScalarType cache_type,
                   const int64_t* table, int64_t len, int64_t block_size, int64_t dim, int64_t group, float scale,
-                  float* out);
+                  float* out, float* lse);
 // layer_ops.cpp
 void rms_norm_rows(const float* x, const float* weight, int64_t rows, int64_t n, float eps, float* out);
 void rotary_head(const float* x, const float* cos, const float* sin, int64_t dim, float* out);
@@ -92,6 +95,36 @@ class SpinBarrier {
 struct Range {
   int64_t begin, end;
 };
+
+// Parts each (row, KV head)'s context is split into so that the team's threads get equal shares of the
+// attention items: one stream of a model with 3 KV heads on 2 threads left one thread reading two heads'
+// caches while the other read one (flash decoding's split, merged by log-sum-exp).
+int64_t context_parts(int64_t items, int team) {
+  return team / std::gcd(items, static_cast<int64_t>(team));
+}
+
+// attn[m] for every row from the parts' outputs: each part's softmax was over its own blocks, so part p
+// weighs exp(lse_p - lse), lse the log-sum-exp over all of them (an empty part's lse is -inf).
+void merge_parts(const float* outs, const float* lses, int64_t rows, int64_t num_kv_heads, int64_t parts,
+                 int64_t group, int64_t dim, float* attn) {
+  for (int64_t mg = 0; mg < rows * num_kv_heads; ++mg) {
+    for (int64_t h = 0; h < group; ++h) {
+      float top = -INFINITY;
+      for (int64_t p = 0; p < parts; ++p) top = std::max(top, lses[(mg * parts + p) * group + h]);
+      float total = 0.f;
+      for (int64_t p = 0; p < parts; ++p) total += std::exp(lses[(mg * parts + p) * group + h] - top);
+      float* out = attn + (mg * group + h) * dim;
+      std::fill(out, out + dim, 0.f);
+      for (int64_t p = 0; p < parts; ++p) {
+        const float weight = std::exp(lses[(mg * parts + p) * group + h] - top) / total;
+        const float* part = outs + ((mg * parts + p) * group + h) * dim;
+        if (weight > 0.f) {
+          for (int64_t d = 0; d < dim; ++d) out[d] += weight * part[d];
+        }
+      }
+    }
+  }
+}
 
 // This thread's share of `total` items, in multiples of `align` where it can.
 Range share(int64_t total, int thread, int threads, int64_t align) {
@@ -242,9 +275,11 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
   TORCH_CHECK(next == static_cast<int64_t>(weights.size()), "decode_layers: ", weights.size() - next,
               " weights left over after the layers' parts");
 
+  const int threads = std::max(1, at::get_num_threads());
+  const int64_t splits = context_parts(rows * num_kv_heads, threads);
   // Shared between the phases: each is written by its owners and read after the next barrier.
-  std::vector<float> qkv(rows * qkv_rows), attn(rows * q_size), delta(rows * hidden), gate_up(rows * 2 * intermediate),
-      act(rows * intermediate);
+  std::vector<float> qkv(rows * qkv_rows), part_outs(rows * q_size * splits), part_lses(rows * num_heads * splits),
+      delta(rows * hidden), gate_up(rows * 2 * intermediate), act(rows * intermediate);
   float* xs = x.data_ptr<float>();
   const float* cos_data = cos.data_ptr<float>();
   const float* sin_data = sin.data_ptr<float>();
@@ -252,7 +287,6 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
   const int64_t* lens = lengths.data_ptr<int64_t>();
   const int64_t width = block_tables.size(1), head_elems = num_blocks * block_size * dim;
   const int64_t head_bytes = head_elems * static_cast<int64_t>(c10::elementSize(cache_type));
-  const int threads = std::max(1, at::get_num_threads());
   std::unique_ptr<SpinBarrier> barrier;
 
 #pragma omp parallel num_threads(threads)
@@ -260,7 +294,7 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
 #pragma omp single
     barrier = std::make_unique<SpinBarrier>(omp_get_num_threads());  // the team may be smaller than asked
     const int t = omp_get_thread_num(), team = omp_get_num_threads();
-    std::vector<float> h(rows * hidden);
+    std::vector<float> h(rows * hidden), attn(rows * q_size), queries(group * dim);
     // This thread's rounding of the input of matrix `l`: null unless int8_activations and a part of l takes it.
     const int64_t widest = std::max({hidden, q_size, intermediate});
     std::vector<int8_t> x8(int8_activations ? rows * widest : 0);
@@ -272,7 +306,7 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
       return &input8;
     };
     const Range hr = share(hidden, t, team, ALIGN), qr = share(qkv_rows, t, team, ALIGN);
-    const Range ir = share(intermediate, t, team, ALIGN), ar = share(rows * num_kv_heads, t, team, 1);
+    const Range ir = share(intermediate, t, team, ALIGN), ar = share(rows * num_kv_heads * splits, t, team, 1);
     const int64_t h0 = hr.begin, h1 = hr.end, q0 = qr.begin, q1 = qr.end, i0 = ir.begin, i1 = ir.end;
     // x[:, h0:h1] += delta[:, h0:h1], where this thread wrote delta's columns.
     auto add_residual = [&] {
@@ -292,28 +326,40 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
       barrier->wait();
 
       for (int64_t item = ar.begin; item < ar.end; ++item) {
-        const int64_t m = item / num_kv_heads, g = item % num_kv_heads;
+        const int64_t part = item % splits, m = item / splits / num_kv_heads, g = item / splits % num_kv_heads;
+        const int64_t blocks = (lens[m] + block_size - 1) / block_size;
+        const int64_t first = blocks * part / splits, end = blocks * (part + 1) / splits;  // the last part holds the row's token
+        float* out = part_outs.data() + item * group * dim;
+        float* lse = part_lses.data() + item * group;
+        if (first == end) {  // a context of fewer blocks than parts
+          std::fill(lse, lse + group, -INFINITY);
+          continue;
+        }
         float* row = qkv.data() + m * qkv_rows;
-        float* k = row + q_size + g * dim;
-        const float* v = row + q_size + kv_size + g * dim;
         const float* c = cos_data + m * dim;
         const float* s = sin_data + m * dim;
-        for (int64_t head = g * group; head < (g + 1) * group; ++head) {
-          float* q = row + head * dim;
+        for (int64_t head = 0; head < group; ++head) {  // each part its own copy: parts may run side by side
+          float* q = queries.data() + head * dim;
+          std::copy(row + (g * group + head) * dim, row + (g * group + head + 1) * dim, q);
           if (l.q_norm != nullptr) lmgate::rms_norm_rows(q, l.q_norm, 1, dim, static_cast<float>(eps), q);
           lmgate::rotary_head(q, c, s, dim, q);
         }
-        if (l.k_norm != nullptr) lmgate::rms_norm_rows(k, l.k_norm, 1, dim, static_cast<float>(eps), k);
-        lmgate::rotary_head(k, c, s, dim, k);
-        store(k, dim, cache_type, l.k_cache, g * head_elems + slot[m] * dim);
-        store(v, dim, cache_type, l.v_cache, g * head_elems + slot[m] * dim);
-        lmgate::attend_group(row + g * group * dim, static_cast<const char*>(l.k_cache) + g * head_bytes,
-                             static_cast<const char*>(l.v_cache) + g * head_bytes, cache_type, tables + m * width,
-                             lens[m], block_size, dim, group, static_cast<float>(scale),
-                             attn.data() + m * q_size + g * group * dim);
+        if (end == blocks) {
+          float* k = row + q_size + g * dim;
+          const float* v = row + q_size + kv_size + g * dim;
+          if (l.k_norm != nullptr) lmgate::rms_norm_rows(k, l.k_norm, 1, dim, static_cast<float>(eps), k);
+          lmgate::rotary_head(k, c, s, dim, k);
+          store(k, dim, cache_type, l.k_cache, g * head_elems + slot[m] * dim);
+          store(v, dim, cache_type, l.v_cache, g * head_elems + slot[m] * dim);
+        }
+        lmgate::attend_group(queries.data(), static_cast<const char*>(l.k_cache) + g * head_bytes,
+                             static_cast<const char*>(l.v_cache) + g * head_bytes, cache_type,
+                             tables + m * width + first, std::min(lens[m], end * block_size) - first * block_size,
+                             block_size, dim, group, static_cast<float>(scale), out, lse);
       }
       barrier->wait();
 
+      merge_parts(part_outs.data(), part_lses.data(), rows, num_kv_heads, splits, group, dim, attn.data());
       l.o.matvec(rows, attn.data(), rounded(l.o, attn.data(), q_size), q_size, h0, h1, delta.data(), hidden);
       add_residual();
       barrier->wait();

@@ -308,7 +308,9 @@ void group_values(const float* p, int64_t stride, const T* values, int64_t rows,
 // A tile of `rows` consecutive query tokens of one sequence, each with the `group` query heads of one KV head,
 // against that head's first `len` tokens, whose blocks `table` lists; the tile's last token is at position
 // len - 1, so its token r sees keys [0, len - rows + 1 + r) (causal; a decode is one row that sees all).
-// q's rows are `q_row` apart, out's `out_row`: out[r][g] = softmax(scale * q[r][g] K^T) V.
+// q's rows are `q_row` apart, out's `out_row`: out[r][g] = softmax(scale * q[r][g] K^T) V. With `lse`, each
+// query vector's log-sum-exp of its scores too (row-major, as the vectors), by which the outputs over parts of
+// one context merge (flash decoding, decode_layers.cpp).
 //
 // Two passes, keys then values, each block read once for the whole tile: a query's scores are only len
 // floats, so they are kept whole (no running max and rescaling per block, as an online softmax needs) and
@@ -325,7 +327,7 @@ void group_values(const float* p, int64_t stride, const T* values, int64_t rows,
 template <typename q_t, typename cache_t>
 void attend(const q_t* q, int64_t q_row, int64_t rows, const cache_t* k_head, const cache_t* v_head,
             const int64_t* table, int64_t len, int64_t block_size, int64_t dim, int64_t group, float scale, q_t* out,
-            int64_t out_row, AttentionScratch& s) {
+            int64_t out_row, AttentionScratch& s, float* lse = nullptr) {
   const int64_t block_elems = block_size * dim, blocks = (len + block_size - 1) / block_size;
   const int64_t block_bytes = block_elems * static_cast<int64_t>(sizeof(cache_t));
   const int64_t vectors = rows * group;  // query vectors of the tile, row-major: [rows, group, dim]
@@ -364,7 +366,9 @@ void attend(const q_t* q, int64_t q_row, int64_t rows, const cache_t* k_head, co
     const int64_t seen = len - rows + 1 + v / group;
     const float max = at::vec::reduce_all<float>([](Vec x, Vec y) { return at::vec::maximum(x, y); }, p, seen);
     at::vec::map([max](Vec x) { return (x - Vec(max)).exp_u20(); }, p, p, seen);
-    s.inv_sums[v] = 1.f / at::vec::reduce_all<float>([](Vec x, Vec y) { return x + y; }, p, seen);
+    const float sum = at::vec::reduce_all<float>([](Vec x, Vec y) { return x + y; }, p, seen);
+    s.inv_sums[v] = 1.f / sum;
+    if (lse != nullptr) lse[v] = max + std::log(sum);
     std::fill(p + seen, p + len, 0.f);
   }
   std::fill(s.acc.begin(), s.acc.begin() + vectors * dim, 0.f);
@@ -539,13 +543,15 @@ void check_decode_tables(const at::Tensor& block_tables, const at::Tensor& lengt
   }
 }
 
+// One decode row's `group` query heads against one KV head's first `len` tokens (decode_layers.cpp); with
+// `lse`, their log-sum-exps too.
 void attend_group(const float* q, const void* k_head, const void* v_head, at::ScalarType cache_type,
                   const int64_t* table, int64_t len, int64_t block_size, int64_t dim, int64_t group, float scale,
-                  float* out) {
+                  float* out, float* lse) {
   AttentionScratch scratch;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, cache_type, "attend_group", [&] {
     attend(q, 0, 1, static_cast<const scalar_t*>(k_head), static_cast<const scalar_t*>(v_head), table, len,
-           block_size, dim, group, scale, out, 0, scratch);
+           block_size, dim, group, scale, out, 0, scratch, lse);
   });
 }
 
