@@ -294,7 +294,7 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
 #pragma omp single
     barrier = std::make_unique<SpinBarrier>(omp_get_num_threads());  // the team may be smaller than asked
     const int t = omp_get_thread_num(), team = omp_get_num_threads();
-    std::vector<float> h(rows * hidden), attn(rows * q_size), queries(group * dim);
+    std::vector<float> h(rows * hidden), attn(splits > 1 ? rows * q_size : 0), queries(group * dim);
     // This thread's rounding of the input of matrix `l`: null unless int8_activations and a part of l takes it.
     const int64_t widest = std::max({hidden, q_size, intermediate});
     std::vector<int8_t> x8(int8_activations ? rows * widest : 0);
@@ -359,8 +359,13 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
       }
       barrier->wait();
 
-      merge_parts(part_outs.data(), part_lses.data(), rows, num_kv_heads, splits, group, dim, attn.data());
-      l.o.matvec(rows, attn.data(), rounded(l.o, attn.data(), q_size), q_size, h0, h1, delta.data(), hidden);
+      // Whole contexts are attn already, laid out as it is; parts are merged by each thread for itself.
+      const float* attended = part_outs.data();
+      if (splits > 1) {
+        merge_parts(part_outs.data(), part_lses.data(), rows, num_kv_heads, splits, group, dim, attn.data());
+        attended = attn.data();
+      }
+      l.o.matvec(rows, attended, rounded(l.o, attended, q_size), q_size, h0, h1, delta.data(), hidden);
       add_residual();
       barrier->wait();
 
