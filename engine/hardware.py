@@ -43,9 +43,9 @@ class CpuFeatures:
         return "avx_ne_convert" in self.flags or {"avx512bw", "avx512vl", "avx512dq"} <= self.flags
 
     @property
-    def onednn_avx512(self) -> bool:
-        """oneDNN's AVX-512 float32 kernels (its avx512_core: F, BW, VL and DQ), which run a float32 model's
-        linear layers faster than gemm.cpp does (panel_linear.py has the figures)."""
+    def avx512(self) -> bool:
+        """AVX-512 F, BW, VL and DQ: what torch's AVX512 kernels (and so lmgate's) and oneDNN's avx512_core ask
+        for. gemm.cpp then runs float32 layers in column panels (panel_linear.py has the figures)."""
         return {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= self.flags
 
     @property

@@ -130,11 +130,12 @@ class LocalWeights:
 
     def _build(self, ckpt: Checkpoint) -> LlamaForCausalLM:
         """Off the calling thread, as loading is: engine/threads.py says why. A tensor-parallel rank builds its
-        shard, whose decoder layers sum their row-parallel outputs over the group."""
+        shard, whose decoder layers sum their row-parallel outputs over the group (so they run as modules)."""
         weights = shard_weights(expand_blocks(ckpt.weights), ckpt.config, self.tp.shard) if self.tp else ckpt.weights
         model = on_fresh_thread(lambda: build_model(self.config, weights, self.dtype, self.device, self.batch_hint,
                                                     self.quantized, self.int8_activations))
         if self.tp:
+            model.fused_decode = None  # its layers know no all-reduce
             for layer in model.model.layers:
                 layer.reduce = self.tp.all_reduce
         return model

@@ -20,6 +20,20 @@ AVX2 = "sse4_2 avx fma f16c avx2"  # AMD Zen 3, Intel Haswell .. Alder Lake
 AVX512 = AVX2 + " avx512f avx512bw avx512vl avx512dq"  # Skylake-X and later, Zen 4 and later
 
 
+class CountingFusedDecode:
+    """A model's FusedDecode (engine/models/fused_decode.py), called through: how many steps took it."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls = inner, 0
+
+    def serves(self, *args) -> bool:
+        return self.inner.serves(*args)
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.inner(*args)
+
+
 @pytest.fixture
 def cpu_flags(monkeypatch):
     """Sets `LMGATE_CPU_FLAGS` for the test; the cached features are read again before and after."""

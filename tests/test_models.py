@@ -32,9 +32,11 @@ from lmgate.engine.kernels import compiler_found, load_cpu_kernels
 from lmgate.engine.kv_cache import allocate_kv_cache
 from lmgate.engine.loader import load_checkpoint, read_config
 from lmgate.engine.models import build_model, instantiate, load_weights
+from lmgate.engine.models.fused_decode import FusedDecode
 from lmgate.engine.models.packed_linear import PackedLinear
 from lmgate.engine.models.panel_linear import PanelLinear
 from lmgate.engine.sampling import SamplingParams
+from tests.conftest import AVX2, AVX512, CountingFusedDecode
 
 VOCAB = 49152  # the SmolLM2 tokenizer's, so a real tokenizer can ship with every model
 NEW_TOKENS = 24
@@ -559,16 +561,53 @@ def test_config_default_rope_accepted(key, tiny_models):
 
 
 def test_build_model_swaps_every_linear_layer_on_cpu(tiny):
-    """float32 layers run on gemm.cpp where the kernels build and oneDNN has no AVX-512 kernels, else on
-    oneDNN's packed matmul; a tied head on gemm.cpp shares its embedding's weight."""
+    """float32 layers run on gemm.cpp where the kernels build (in column panels with AVX-512), else on
+    oneDNN's packed matmul; a tied head in row tiles shares its embedding's weight."""
     _, model = _ours(tiny.path)
-    onednn_first = cpu_features().onednn_avx512 and torch.backends.mkldnn.is_available()
-    kind = PanelLinear if load_cpu_kernels() and not onednn_first else PackedLinear
+    kind = PanelLinear if load_cpu_kernels() else PackedLinear
     if kind is PanelLinear or torch.backends.mkldnn.is_available():
         assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
         assert sum(isinstance(m, kind) for m in model.modules()) == 4 * model.config.num_layers + 1
-    if kind is PanelLinear and model.config.tie_word_embeddings:
+    if kind is PanelLinear and model.config.tie_word_embeddings and not cpu_features().avx512:
         assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+@pytest.mark.skipif(not compiler_found(), reason="no C++ compiler: gemm.cpp and decode_layers.cpp cannot be built")
+@pytest.mark.parametrize("kv", ["float32", "float16"])
+def test_float32_fused_decode_equals_the_layer_path(tiny, prompt_ids, kv, cpu_flags):
+    """float32 layers in column panels (an AVX-512 CPU's; forced here, as column tiles run on any CPU) run decode
+    steps of any size as one C++ call (models/fused_decode.py). The same engine with it switched off runs the
+    modules: the same tokens, logprobs up to the order of float32 sums, for 12 streams (more rows than a
+    quantized model's fused steps take) shrinking to 1, at different context lengths."""
+    cpu_flags(AVX512)
+    prompts = [prompt_ids[: 3 + i] * (1 + i % 3) for i in range(12)]
+    runs = []
+    with Engine(EngineConfig(dtype="float32", model=tiny.path, kv_cache_tokens=4096, kv_cache_dtype=kv)) as engine:
+        model = engine.loops[0].runner.model
+        assert isinstance(model.fused_decode, FusedDecode) and model.fused_decode.max_rows is None
+        counting = CountingFusedDecode(model.fused_decode)
+        for fused in (counting, None):
+            model.fused_decode = fused
+            streams = [engine.submit(ids, SamplingParams(max_new_tokens=4 + i, ignore_eos=True, logprobs=2))
+                       for i, ids in enumerate(prompts)]
+            runs.append([o for s in streams for o in s])
+        assert engine.info().kv_blocks_free == engine.info().kv_blocks_total
+    assert counting.calls >= 10  # 12 rows down to 1, over 15 tokens of the longest stream
+    fused_out, layer_out = runs
+    assert [o.token_ids for o in fused_out] == [o.token_ids for o in layer_out]
+    for f, m in zip((lp for o in fused_out for lp in o.logprobs), (lp for o in layer_out for lp in o.logprobs)):
+        assert f.logprob == pytest.approx(m.logprob, abs=1e-4)
+        assert [t for t, _ in f.top] == [t for t, _ in m.top]
+
+
+@pytest.mark.skipif(not compiler_found(), reason="no C++ compiler: no float32 layer of gemm.cpp")
+def test_only_column_panels_give_a_float32_model_a_fused_decode(tiny, cpu_flags):
+    """Row tiles (an AVX2 CPU's) leave decode steps to the modules."""
+    ckpt = load_checkpoint(tiny.path)
+    for flags, fused in ((AVX2, False), (AVX512, True)):
+        cpu_flags(flags)
+        model = build_model(ckpt.config, ckpt.weights, torch.float32, CPU)
+        assert isinstance(model.fused_decode, FusedDecode) == fused
 
 
 def test_ids_the_model_cannot_embed_are_refused(tmp_path):

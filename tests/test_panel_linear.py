@@ -1,4 +1,5 @@
-"""gemm.cpp's float32 linear layer against a float64 matmul, and which layer each linear of a CPU model gets."""
+"""gemm.cpp's float32 linear layers (row tiles over W where it lies, column tiles over W packed in panels) against
+a float64 matmul, and which layer each linear of a CPU model gets."""
 from __future__ import annotations
 
 import pytest
@@ -15,24 +16,40 @@ pytestmark = pytest.mark.skipif(not (compiler_found() and load_cpu_kernels()),
                                 reason="no C++ compiler: gemm.cpp cannot be built")
 
 
-@pytest.mark.parametrize("m", [0, 1, 3, 4, 5, 16, 64, 300])
-@pytest.mark.parametrize("n", [1, 2, 3, 47, 48, 49, 97, 160])
+def linear_in(layout: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    if layout == "rows":
+        return torch.ops.lmgate.linear(x, w)
+    return torch.ops.lmgate.linear_columns(x, torch.ops.lmgate.pack_columns(w), w.shape[0])
+
+
+@pytest.mark.parametrize("layout", ["rows", "columns"])
+@pytest.mark.parametrize("m", [0, 1, 3, 4, 5, 8, 9, 16, 64, 300])
+@pytest.mark.parametrize("n", [1, 2, 3, 23, 47, 48, 49, 97, 160])
 @pytest.mark.parametrize("k", [16, 64, 576, 1536, 2080])
-def test_linear_matches_float64(m, n, k):
-    """Every tile shape at the edges: rows of x not a multiple of 4, rows of W not a multiple of 3 or of
-    the 48-row panel, one panel per thread or several; and no rows at all (the LM head of a step in which
-    no sequence samples). K past 768 runs in chunks: two equal ones (1536), or three, the last shorter (2080)."""
+def test_linear_matches_float64(layout, m, n, k):
+    """Every tile shape at the edges: rows of x not a multiple of 4 or 8, rows of W not a multiple of 3 or of
+    the 48-row panel, columns not filling a panel of 24 or 48 (AVX2, AVX-512), one panel per thread or several,
+    one panel over blocks of rows; and no rows at all (the LM head of a step in which no sequence samples).
+    K past 768 runs in chunks: two equal ones (1536), or three, the last shorter (2080)."""
     torch.manual_seed(m * 1000 + n + k)
     x, w = torch.randn(m, k), torch.randn(n, k)
-    got = torch.ops.lmgate.linear(x, w)
+    got = linear_in(layout, x, w)
     want = x.double() @ w.double().T
     assert got.shape == (m, n) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * k**0.5)
 
 
-def test_linear_takes_a_strided_x():
+@pytest.mark.parametrize("layout", ["rows", "columns"])
+def test_linear_takes_a_strided_x(layout):
     x, w = torch.randn(64, 40)[:, :32], torch.randn(20, 32)
-    torch.testing.assert_close(torch.ops.lmgate.linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(linear_in(layout, x, w), x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("k", [1, 3, 24, 100])
+def test_column_panels_take_any_k(k):
+    """Column tiles step through K one weight row at a time: no multiple of the vector width needed."""
+    x, w = torch.randn(9, k), torch.randn(50, k)
+    torch.testing.assert_close(linear_in("columns", x, w).double(), x.double() @ w.double().T, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("x,w,match", [
@@ -46,12 +63,24 @@ def test_linear_refuses_what_it_cannot_compute(x, w, match):
         torch.ops.lmgate.linear(x, w)
 
 
+def test_column_panels_refuse_what_they_cannot_compute():
+    packed = torch.ops.lmgate.pack_columns(torch.randn(50, 32))
+    for x, n, match in [(torch.randn(4, 48), 50, "K"), (torch.randn(4, 32), 20, "n does not match"),
+                        (torch.randn(4, 32), 200, "n does not match"),
+                        (torch.randn(4, 32, dtype=torch.bfloat16), 50, "float32")]:
+        with pytest.raises(RuntimeError, match=match):
+            torch.ops.lmgate.linear_columns(x, packed, n)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.lmgate.pack_columns(torch.randn(8, 32, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("columns", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-def test_panel_linear_matches_f_linear_on_any_leading_shape(bias):
+def test_panel_linear_matches_f_linear_on_any_leading_shape(bias, columns):
     linear = nn.Linear(64, 50, bias=bias)
     x = torch.randn(2, 7, 64)
     with torch.inference_mode():
-        got = PanelLinear(linear)(x)
+        got = PanelLinear(linear, columns)(x)
         torch.testing.assert_close(got, F.linear(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-5)
     assert got.shape == (2, 7, 50)
 
@@ -64,13 +93,13 @@ def tied_model() -> nn.ModuleDict:
     return model
 
 
-def test_cpu_linears_gives_float32_layers_the_panel_gemm_and_keeps_a_tied_head_tied(cpu_flags):
+def test_cpu_linears_gives_float32_layers_the_row_tiles_and_keeps_a_tied_head_tied(cpu_flags):
     cpu_flags(AVX2)
     model = tied_model()
     embed = model["embed"]
     cpu_linears(model, batch_hint=16)
     assert isinstance(model["proj"], PanelLinear) and isinstance(model["head"], PanelLinear)
-    assert model["head"].weight is embed.weight  # no copy of the embedding
+    assert model["head"].weight is embed.weight and model["head"].packed_bytes == 0  # no copy of the embedding
     # K = 24 is no whole number of AVX-512 vectors: oneDNN's layer where torch has it, else nn.Linear.
     assert isinstance(model["odd"], PackedLinear if torch.backends.mkldnn.is_available() else nn.Linear)
     ids = torch.tensor([3, 7])
@@ -78,17 +107,19 @@ def test_cpu_linears_gives_float32_layers_the_panel_gemm_and_keeps_a_tied_head_t
         torch.testing.assert_close(model["head"](embed(ids)), embed(ids) @ embed.weight.T)
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
-def test_cpu_linears_gives_every_layer_to_onednn_where_it_has_avx512(cpu_flags):
-    """oneDNN's AVX-512 kernels run float32 faster than gemm.cpp: every layer packed, the tied head a copy."""
+def test_cpu_linears_gives_every_float32_layer_column_panels_where_it_has_avx512(cpu_flags):
+    """Column tiles take any K; the tied head packs a copy of the embedding, which keeps its own weight."""
     cpu_flags(AVX512)
     model = tied_model()
-    embed = model["embed"]
+    embed, odd = model["embed"], model["odd"].weight.detach().clone()
     cpu_linears(model, batch_hint=16)
-    assert all(isinstance(model[name], PackedLinear) for name in ("proj", "odd", "head"))
-    ids = torch.tensor([3, 7])
+    assert all(isinstance(model[name], PanelLinear) and model[name].columns is not None
+               for name in ("proj", "odd", "head"))
+    assert model["head"].packed_bytes >= 50 * 32 * 4 and model["head"].weight is None
+    ids, x = torch.tensor([3, 7]), torch.randn(5, 24)
     with torch.inference_mode():
         torch.testing.assert_close(model["head"](embed(ids)), embed(ids) @ embed.weight.T, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model["odd"](x), F.linear(x, odd, model["odd"].bias), rtol=1e-5, atol=1e-5)
 
 
 def test_cpu_linears_leaves_other_dtypes_to_onednn():

@@ -16,10 +16,10 @@ from lmgate.engine.engine import Engine
 from lmgate.engine.errors import UnsupportedModel
 from lmgate.engine.kernels import compiler_found, load_cpu_kernels
 from lmgate.engine.loader import load_checkpoint
-from lmgate.engine.models.fused_decode import FusedDecode
 from lmgate.engine.models.quantized_linear import GGUFBlocks, GGUFStack, QuantizedEmbedding, QuantizedLinear, cat_rows
 from lmgate.engine.sampling import SamplingParams
 from lmgate.engine.weights import keep_quantized
+from tests.conftest import CountingFusedDecode
 from tests.test_engine import NEW, hf_greedy, hf_model, reference_prompts  # noqa: F401  (fixtures)
 from tests.test_models import TinyModel, _write_gguf, prompt_ids, tokenizer_fields  # noqa: F401  (fixtures)
 
@@ -132,20 +132,6 @@ def test_tiny_gguf_quantized_equals_float_path(qtype, tiny_gguf_model, tokenizer
     for q, f in zip((lp for o in quant_out for lp in o.logprobs), (lp for o in float_out for lp in o.logprobs)):
         assert q.logprob == pytest.approx(f.logprob, abs=1e-3)
     assert quant_bytes < float_bytes / 3
-
-
-class CountingFusedDecode:
-    """The model's FusedDecode, called through: how many steps took it."""
-
-    def __init__(self, inner: FusedDecode) -> None:
-        self.inner, self.calls = inner, 0
-
-    def serves(self, *args) -> bool:
-        return self.inner.serves(*args)
-
-    def __call__(self, *args):
-        self.calls += 1
-        return self.inner(*args)
 
 
 Q4_K, Q6_K = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K

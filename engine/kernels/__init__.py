@@ -2,8 +2,9 @@
 (in `~/.cache/torch_extensions`, or `$TORCH_EXTENSIONS_DIR`).
 
 * paged_attention.cpp: CPU attention over the paged KV cache (`paged_decode_attention`, `paged_prefill_attention`);
-* gemm.cpp: float32 `x @ W.T` over W's rows where they lie (`linear`, the float path's linear layers), and
-  the GEMM loop `gguf_matmul` runs over expanded panels of quantized blocks;
+* gemm.cpp: float32 `x @ W.T` over W's rows where they lie (`linear`, the float path's linear layers without
+  AVX-512; the GEMM loop `gguf_matmul` runs over expanded panels of quantized blocks), and over W packed in
+  column panels (`pack_columns`, `linear_columns`: the float path's layers with AVX-512);
 * quantized_matmul.cpp: linear layers over GGUF's quantized blocks (`gguf_matvec`, `gguf_matmul`,
   `gguf_dequantize`); int8_matmul.cpp: the same with x rounded to int8 (`gguf_matvec_int8`, `gguf_matmul_int8`,
   `--int8-activations`; int8_matmul.h declares its few-row path for decode_layers.cpp); gguf_blocks.h: the
@@ -11,8 +12,8 @@
 * layer_ops.cpp: a decoder layer's elementwise parts in one pass each over float32 rows (`rms_norm`,
   `add_rms_norm`, `rotary`, `silu_and_mul`), a step's keys and values into their cache slots (`store_kv`),
   and greedy sampling's `argmax_rows`;
-* decode_layers.cpp: every decoder layer of a quantized model for a decode step of a few rows, in one call
-  (`decode_layers`, read by engine/models/fused_decode.py).
+* decode_layers.cpp: every decoder layer for a decode step in one call (`decode_layers`, read by
+  engine/models/fused_decode.py): a quantized model's steps of a few rows, a float32 model's in column panels.
 
 Where no compiler is found, or the build fails, `load_cpu_kernels` says so once in the log and returns
 False; the engine then runs attention with torch ops, linear layers on oneDNN, and expands GGUF weights to

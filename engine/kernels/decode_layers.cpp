@@ -1,5 +1,6 @@
-// Every decoder layer of a Llama-family model with GGUF-quantized linear layers, for a decode step of a few
-// rows, in one call and one parallel region.
+// Every decoder layer of a Llama-family model for a decode step, in one call and one parallel region: with
+// GGUF-quantized linear layers for steps of a few rows, or with float32 ones packed in column panels
+// (gemm.cpp's `pack_columns`) for steps of any size.
 //
 // Run as torch ops, one decoded token of the embedded model is some 450 small ops and 121 quantized matvecs:
 // each op pays the dispatcher and each parallel op wakes the OpenMP team (sleeping waiters, engine/__init__.py),
@@ -12,6 +13,10 @@
 // q/k norm (Qwen3), rotary, K/V stored at the row's slot (by the part holding it), attention over the part's
 // blocks; each thread merges the parts (`merge_parts`) and computes its share of x += attn Wo^T;
 // h = rms_norm(x); act = silu(h Wgate^T) * h Wup^T (a thread owns both halves of its rows); x += act Wdown^T.
+// With column panels, threads take whole panels of every matrix (their shares are multiples of the panel
+// width), and SiLU runs after a barrier of its own: a thread's panels of gate and of up need not be the same
+// columns. A 64-row decode step of the embedded model ran some 300 parallel torch ops, each waking the team
+// (25-35 us each on a 2-core Zen 4): the same step is 6 barriers a layer here.
 // fp32 throughout (a 16-bit KV cache is converted as it is stored and read), the same arithmetic as the torch
 // path up to the order of sums; with int8 activations (`--int8-activations`) each matrix whose type allows it reads
 // its input rounded to int8 per block of 32, as the torch path's layers do (int8_matmul.cpp), each thread
@@ -35,6 +40,7 @@
 #include <immintrin.h>
 #endif
 
+#include "gemm.h"
 #include "int8_matmul.h"
 
 namespace lmgate {
@@ -58,6 +64,7 @@ namespace {
 
 constexpr int64_t MAX_ROWS = 8;  // rows quantized_matmul.cpp's matvec serves in one pass over W (MATVEC_ROWS)
 constexpr int64_t ALIGN = 16;  // floats per share boundary: threads never write the same 64-byte line
+constexpr int64_t COLUMN_PANELS = -1;  // a part's type for float32 W packed by gemm.cpp's pack_columns
 
 // The team's meeting point between phases. Threads spin for about 20 us (the threads of a phase finish
 // within microseconds of each other, far less than a sleep and a wake-up take), then yield, so that a thread
@@ -159,7 +166,10 @@ struct Linear {
     for (const Part& p : parts) {
       const int64_t b = std::max(begin, p.first), e = std::min(end, p.first + p.rows);
       if (b >= e) continue;
-      if (x8 != nullptr && lmgate::int8_type(p.type)) {
+      if (p.type == COLUMN_PANELS) {
+        lmgate::column_range(x, m_rows, k, reinterpret_cast<const float*>(p.blocks), p.rows, b - p.first, e - p.first,
+                             out + p.first, stride);
+      } else if (x8 != nullptr && lmgate::int8_type(p.type)) {
         lmgate::gguf_matvec_int8_range(p.type, m_rows, x8->q, x8->scale_sum, k, p.blocks, p.row_bytes, b - p.first,
                                        e - p.first, x8->vnni, out + p.first, stride);
       } else {
@@ -183,11 +193,26 @@ void store(const float* src, int64_t n, at::ScalarType type, void* cache, int64_
   });
 }
 
-// The next matrix of `weights` / `types`, `count` parts from `*next` on, K columns wide; `rows` < 0: any.
+// The next matrix of `weights` / `types`, `count` parts from `*next` on, K columns wide; `rows` < 0: any (a
+// quantized one's). A matrix in column panels is one part whose padding hides its row count: `rows` says it.
 Linear linear(at::TensorList weights, at::IntArrayRef types, int64_t* next, int64_t count, int64_t k, int64_t rows) {
   TORCH_CHECK(count >= 1 && *next + count <= static_cast<int64_t>(weights.size()), "decode_layers: parts run past the weights");
   Linear l;
+  if (types[*next] == COLUMN_PANELS) {
+    const at::Tensor& w = weights[*next];
+    const int64_t width = lmgate::column_width();
+    TORCH_CHECK(count == 1 && rows >= 0, "decode_layers: a matrix in column panels is one part of known rows");
+    TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(1) == k &&
+                    w.size(2) == width && rows > (w.size(0) - 1) * width && rows <= w.size(0) * width,
+                "decode_layers: a matrix in column panels must be pack_columns' [", (rows + width - 1) / width, ", ",
+                k, ", ", width, "] float32 tensor");
+    l.parts.push_back({reinterpret_cast<const uint8_t*>(w.data_ptr<float>()), COLUMN_PANELS, 0, rows, 0});
+    l.rows = rows;
+    *next += 1;
+    return l;
+  }
   for (int64_t i = *next; i < *next + count; ++i) {
+    TORCH_CHECK(types[i] != COLUMN_PANELS, "decode_layers: a matrix mixes column panels and quantized parts");
     lmgate::check_gguf_blocks(weights[i], types[i], k);
     l.parts.push_back({weights[i].data_ptr<uint8_t>(), types[i], l.rows, weights[i].size(0), weights[i].size(1)});
     l.rows += weights[i].size(0);
@@ -206,8 +231,9 @@ const float* vector_of(const at::Tensor& t, int64_t n, const char* what) {
 
 // x: [M, hidden] float32, the residual stream, updated in place. Per layer i: norms[i * per_layer ...] are
 // input_layernorm, post_attention_layernorm (then q_norm, k_norm when there are four); parts[4 i ...] say how
-// many entries of weights (blocks) and types (their GGUF types) make qkv_proj, o_proj, gate_up_proj and
-// down_proj, taken in order; qkv_bias is
+// many entries of weights (blocks) and types (their GGUF types, or COLUMN_PANELS for a float32 matrix packed by
+// pack_columns: then every matrix is so, one part each) make qkv_proj, o_proj, gate_up_proj and down_proj,
+// taken in order; qkv_bias is
 // empty or one per layer. cos, sin: [M, head_dim]; caches: [kv_heads, blocks, block_size, head_dim], all
 // float32, float16 or bfloat16;
 // slots: [M] each row's slot for this step's K/V; block_tables [M, width] and lengths [M] as in
@@ -221,7 +247,10 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
   const int64_t num_layers = static_cast<int64_t>(k_caches.size());
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, H]");
   const int64_t rows = x.size(0), hidden = x.size(1);
-  TORCH_CHECK(rows >= 1 && rows <= MAX_ROWS, "decode_layers serves 1..", MAX_ROWS, " rows, got ", rows);
+  const bool columns = !types.empty() && types[0] == COLUMN_PANELS;
+  TORCH_CHECK(rows >= 1 && (columns || rows <= MAX_ROWS), "decode_layers serves 1..", MAX_ROWS,
+              " rows of a quantized model, got ", rows);
+  TORCH_CHECK(!(columns && int8_activations), "int8 activations are for quantized matrices, not column panels");
   TORCH_CHECK(num_layers >= 1 && v_caches.size() == k_caches.size() && parts.size() == 4 * k_caches.size() &&
                   types.size() == weights.size() && (norms.size() == 2 * k_caches.size() || norms.size() == 4 * k_caches.size()) &&
                   (qkv_bias.empty() || qkv_bias.size() == k_caches.size()),
@@ -261,10 +290,20 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
     l.qkv_bias = qkv_bias.empty() ? nullptr : vector_of(qkv_bias[i], qkv_rows, "qkv bias");
     l.qkv = linear(weights, types, &next, parts[4 * i], hidden, qkv_rows);
     l.o = linear(weights, types, &next, parts[4 * i + 1], q_size, hidden);
-    l.gate_up = linear(weights, types, &next, parts[4 * i + 2], hidden, i == 0 ? -1 : 2 * intermediate);
+    if (columns) {  // gate_up's padding hides its rows: twice down's K
+      const int64_t down_at = next + parts[4 * i + 2];
+      TORCH_CHECK(down_at < static_cast<int64_t>(weights.size()) && weights[down_at].dim() == 3,
+                  "decode_layers: down_proj in column panels expected");
+      intermediate = weights[down_at].size(1);
+    }
+    l.gate_up = linear(weights, types, &next, parts[4 * i + 2], hidden, i == 0 && !columns ? -1 : 2 * intermediate);
     intermediate = l.gate_up.rows / 2;
     TORCH_CHECK(l.gate_up.rows % 2 == 0, "gate_up_proj must have an even number of rows");
     l.down = linear(weights, types, &next, parts[4 * i + 3], intermediate, hidden);
+    for (const Linear* m : {&l.qkv, &l.o, &l.gate_up, &l.down}) {
+      TORCH_CHECK((m->parts[0].type == COLUMN_PANELS) == columns, "decode_layers: either every matrix is in column "
+                  "panels or none is");
+    }
     for (const at::Tensor* c : {&k_caches[i], &v_caches[i]}) {
       TORCH_CHECK(c->sizes() == cache0.sizes() && c->scalar_type() == cache_type && c->is_contiguous(),
                   "every cache must be a contiguous tensor of the first one's shape and dtype");
@@ -305,8 +344,11 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
       lmgate::quantize_int8(src, rows, k, x8.data(), x8_scales.data());
       return &input8;
     };
-    const Range hr = share(hidden, t, team, ALIGN), qr = share(qkv_rows, t, team, ALIGN);
-    const Range ir = share(intermediate, t, team, ALIGN), ar = share(rows * num_kv_heads * splits, t, team, 1);
+    // Shares of a matrix's output columns: whole panels where the matrices are in column panels.
+    const int64_t align = columns ? lmgate::column_width() : ALIGN;
+    const Range hr = share(hidden, t, team, align), qr = share(qkv_rows, t, team, align);
+    const Range gr = share(2 * intermediate, t, team, align), ir = share(intermediate, t, team, ALIGN);
+    const Range ar = share(rows * num_kv_heads * splits, t, team, 1);
     const int64_t h0 = hr.begin, h1 = hr.end, q0 = qr.begin, q1 = qr.end, i0 = ir.begin, i1 = ir.end;
     // x[:, h0:h1] += delta[:, h0:h1], where this thread wrote delta's columns.
     auto add_residual = [&] {
@@ -370,9 +412,14 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
       barrier->wait();
 
       lmgate::rms_norm_rows(xs, l.post_norm, rows, hidden, static_cast<float>(eps), h.data());
-      const Int8Input* h8 = rounded(l.gate_up, h.data(), hidden);
-      l.gate_up.matvec(rows, h.data(), h8, hidden, i0, i1, gate_up.data(), 2 * intermediate);
-      l.gate_up.matvec(rows, h.data(), h8, hidden, intermediate + i0, intermediate + i1, gate_up.data(), 2 * intermediate);
+      if (columns) {
+        l.gate_up.matvec(rows, h.data(), nullptr, hidden, gr.begin, gr.end, gate_up.data(), 2 * intermediate);
+        barrier->wait();
+      } else {  // a thread's rows of gate and of up are the same columns: its SiLU needs no barrier
+        const Int8Input* h8 = rounded(l.gate_up, h.data(), hidden);
+        l.gate_up.matvec(rows, h.data(), h8, hidden, i0, i1, gate_up.data(), 2 * intermediate);
+        l.gate_up.matvec(rows, h.data(), h8, hidden, intermediate + i0, intermediate + i1, gate_up.data(), 2 * intermediate);
+      }
       for (int64_t m = 0; m < rows; ++m) {
         const float* gate = gate_up.data() + m * 2 * intermediate;
         lmgate::silu_and_mul_row(gate + i0, gate + intermediate + i0, i1 - i0, act.data() + m * intermediate + i0);

@@ -1,12 +1,21 @@
-// x @ W.T in float32 for W stored as rows of K weights: the float path's linear layers (`linear`, W used where
-// it lies) and the quantized path's GEMM (quantized_matmul.cpp expands panels of blocks into the same loop).
+// x @ W.T in float32: the float path's linear layers and the quantized path's GEMM, in two layouts of W.
 //
-// oneDNN's packed matmul ran a 64-row decode step's linear layers at 134 GFLOP/s on a 2-core Zen 3 where it
-// reaches 154 at 256 rows: at 64 rows every weight is used only 64 times, and the step waited on the first
-// reads of each new part of W from memory. Here W is taken in panels of `PANEL` rows that stay in L2 while
-// every row of x passes over them in register tiles of 4 rows x 3 weight rows (6 with AVX-512), and the next
-// panel is prefetched a little per tile; measured in one run on that machine, 64 rows: 165 against oneDNN's 132
-// GFLOP/s, 16 rows: 132 against 86, 256 rows: 162 against 151.
+// Rows (`linear`, `panel_gemm`): W used where it lies, as rows of K weights; quantized_matmul.cpp expands panels
+// of blocks into the same loop. oneDNN's packed matmul ran a 64-row decode step's linear layers at 134 GFLOP/s
+// on a 2-core Zen 3 where it reaches 154 at 256 rows: at 64 rows every weight is used only 64 times, and the
+// step waited on the first reads of each new part of W from memory. Here W is taken in panels of `PANEL` rows
+// that stay in L2 while every row of x passes over them in register tiles of 4 rows x 3 weight rows (6 with
+// AVX-512), and the next panel is prefetched a little per tile; measured in one run on that machine, 64 rows:
+// 165 against oneDNN's 132 GFLOP/s, 16 rows: 132 against 86, 256 rows: 162 against 151.
+//
+// Columns (`pack_columns`, `linear_columns`): W packed once into panels of `COLUMNS` output columns, K-major,
+// so a register tile is 8 rows of x (4 with AVX2) times 3 vectors of columns, each x broadcast and each weight
+// vector loaded once per K step, with no reduction across lanes at the end. On a 2-core Zen 4 with AVX-512, in
+// one run, SmolLM2's four layers and LM head over 30 layers' weights at 64 rows: 208-219 against oneDNN's
+// 174-208 GFLOP/s (the dot tiles above: 110-140); 16 rows 182-202 against 127-162; 512 rows 217-226 against
+// 208-223. oneDNN's weight blocks of 64 columns split N = 576 into 9, which 2 threads share 5 to 4; panels of 48
+// split it 6 to 6. With AVX2 alone the dot tiles stay: on a Zen 3 they were tuned against oneDNN, and the
+// column tile, tried on a Zen 4 with AVX2 code, only tied them at 64 rows.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -115,6 +124,104 @@ void dot_any_tile(int64_t m, int64_t n, const float* x, const float* panel, int6
   }
 }
 
+// The column layout: W^T in panels of COLUMNS output columns, [panels][K][COLUMNS], the last panel padded
+// with zero columns.
+constexpr int64_t PANEL_VECTORS = 3;
+constexpr int64_t COLUMNS = PANEL_VECTORS * Vec::size();
+// Rows of x per register tile: 8 x 3 accumulators of AVX-512's 32 registers, 4 x 3 of AVX2's 16.
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int64_t COLUMN_TILE_M = 8;
+#else
+constexpr int64_t COLUMN_TILE_M = 4;
+#endif
+
+// out[m][0:cols] = x[m] @ panel (or += it, when `add`) for M rows of x `ld` apart, over k steps of the panel.
+template <int64_t M>
+void column_tile(const float* x, int64_t ld, const float* panel, int64_t k, float* out, int64_t out_stride,
+                 int64_t cols, bool add) {
+  Vec acc[M][PANEL_VECTORS];
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t v = 0; v < PANEL_VECTORS; ++v) acc[m][v] = Vec(0.f);
+  }
+  for (int64_t i = 0; i < k; ++i) {
+    Vec b[PANEL_VECTORS];
+    for (int64_t v = 0; v < PANEL_VECTORS; ++v) b[v] = Vec::loadu(panel + i * COLUMNS + v * Vec::size());
+    for (int64_t m = 0; m < M; ++m) {
+      const Vec a(x[m * ld + i]);
+      for (int64_t v = 0; v < PANEL_VECTORS; ++v) acc[m][v] = at::vec::fmadd(a, b[v], acc[m][v]);
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t v = 0; v < PANEL_VECTORS && v * Vec::size() < cols; ++v) {
+      const int64_t count = std::min<int64_t>(Vec::size(), cols - v * Vec::size());
+      float* o = out + m * out_stride + v * Vec::size();
+      (add ? acc[m][v] + Vec::loadu(o, count) : acc[m][v]).store(o, count);
+    }
+  }
+}
+
+template <int64_t M = COLUMN_TILE_M>
+void column_any_tile(int64_t m, const float* x, int64_t ld, const float* panel, int64_t k, float* out,
+                     int64_t out_stride, int64_t cols, bool add) {
+  if (m == M) {
+    column_tile<M>(x, ld, panel, k, out, out_stride, cols, add);
+  } else if constexpr (M > 1) {
+    column_any_tile<M - 1>(m, x, ld, panel, k, out, out_stride, cols, add);
+  }
+}
+
+// w: [N, K] float32 -> [ceil(N / COLUMNS), K, COLUMNS], what `linear_columns` reads.
+at::Tensor pack_columns(const at::Tensor& w_in) {
+  TORCH_CHECK(w_in.dim() == 2 && w_in.scalar_type() == at::kFloat, "w must be a float32 [N, K] tensor");
+  const at::Tensor w = w_in.contiguous();
+  const int64_t n = w.size(0), k = w.size(1), panels = (n + COLUMNS - 1) / COLUMNS;
+  at::Tensor packed = at::zeros({panels, k, COLUMNS}, w.options());
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t cols = std::min(COLUMNS, n - p * COLUMNS);
+    packed[p].narrow(1, 0, cols).copy_(w.narrow(0, p * COLUMNS, cols).t());
+  }
+  return packed;
+}
+
+// Panel p of an n-column W for the rows [m_begin, m_end) of x, K in chunks.
+void column_panel(const float* x, int64_t m_begin, int64_t m_end, int64_t k, const float* packed, int64_t n,
+                  int64_t p, float* out, int64_t out_stride) {
+  const int64_t cols = std::min(COLUMNS, n - p * COLUMNS), chunk = chunk_length(k);
+  for (int64_t k0 = 0; k0 < k; k0 += chunk) {
+    const float* panel = packed + (p * k + k0) * COLUMNS;
+    for (int64_t m0 = m_begin; m0 < m_end; m0 += COLUMN_TILE_M) {
+      column_any_tile(std::min(COLUMN_TILE_M, m_end - m0), x + m0 * k + k0, k, panel, std::min(chunk, k - k0),
+                      out + m0 * out_stride + p * COLUMNS, out_stride, cols, k0 > 0);
+    }
+  }
+}
+
+// x: [M, K] float32; packed: `pack_columns` of an [n, K] W. x @ W.T, [M, n]. Threads take whole panels
+// (each weight read from memory once) and, where panels are fewer than 4 per thread, blocks of rows too.
+at::Tensor linear_columns(const at::Tensor& x_in, const at::Tensor& packed, int64_t n) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be a float32 [M, K] tensor");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat && packed.is_contiguous() &&
+                  packed.size(1) == x_in.size(1) && packed.size(2) == COLUMNS,
+              "packed must be pack_columns' float32 [panels, K, ", COLUMNS, "] tensor with x's K");
+  TORCH_CHECK(n > (packed.size(0) - 1) * COLUMNS && n <= packed.size(0) * COLUMNS,
+              "n does not match the packed panels");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t m_rows = x.size(0), k = x.size(1), panels = packed.size(0);
+  at::Tensor out = at::empty({m_rows, n}, x.options());
+  if (m_rows == 0) return out;  // a step in which no row samples asks the LM head for none
+  const int64_t tiles = (m_rows + COLUMN_TILE_M - 1) / COLUMN_TILE_M;
+  const int64_t row_blocks = std::min(tiles, (4 * at::get_num_threads() + panels - 1) / panels);
+  const int64_t block_rows = (tiles + row_blocks - 1) / row_blocks * COLUMN_TILE_M;
+  at::parallel_for(0, panels * row_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t m_begin = item % row_blocks * block_rows;
+      column_panel(x.data_ptr<float>(), m_begin, std::min(m_rows, m_begin + block_rows), k, packed.data_ptr<float>(),
+                   n, item / row_blocks, out.data_ptr<float>(), n);
+    }
+  });
+  return out;
+}
+
 // x: [M, K] float32; w: [N, K] float32. x @ w.T, [M, N].
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be a float32 [M, K] tensor");
@@ -132,6 +239,13 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w) {
 }  // namespace
 
 namespace lmgate {
+
+int64_t column_width() { return COLUMNS; }
+
+void column_range(const float* x, int64_t m_rows, int64_t k, const float* packed, int64_t n, int64_t begin,
+                  int64_t end, float* out, int64_t out_stride) {
+  for (int64_t p = begin / COLUMNS; p * COLUMNS < end; ++p) column_panel(x, 0, m_rows, k, packed, n, p, out, out_stride);
+}
 
 // Threads take whole panels, each panel a chunk of K at a time; while a thread works on one panel it prefetches
 // the next of its own, a few lines per tile, so that the panel's first pass does not wait on memory.
@@ -173,8 +287,12 @@ void panel_gemm(const float* x, int64_t m_rows, int64_t k, int64_t n_rows, const
 
 TORCH_LIBRARY_FRAGMENT(lmgate, m) {
   m.def("linear(Tensor x, Tensor w) -> Tensor");
+  m.def("pack_columns(Tensor w) -> Tensor");
+  m.def("linear_columns(Tensor x, Tensor packed, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lmgate, CPU, m) {
   m.impl("linear", &linear);
+  m.impl("pack_columns", &pack_columns);
+  m.impl("linear_columns", &linear_columns);
 }

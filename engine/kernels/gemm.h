@@ -16,4 +16,12 @@ struct WeightRows {
 // out[M, N] = x[M, K] @ W.T, W's N rows taken a panel at a time.
 void panel_gemm(const float* x, int64_t m_rows, int64_t k, int64_t n_rows, const WeightRows& w, float* out);
 
+// Columns per panel of `pack_columns`' layout in this build (48 with AVX-512, 24 with AVX2).
+int64_t column_width();
+
+// out[m * out_stride + c] = x[m] . W[c] for the columns c in [begin, end) of an n-column W packed by
+// `pack_columns`, on the calling thread; begin a multiple of column_width(), end one too or n.
+void column_range(const float* x, int64_t m_rows, int64_t k, const float* packed, int64_t n, int64_t begin,
+                  int64_t end, float* out, int64_t out_stride);
+
 }  // namespace lmgate

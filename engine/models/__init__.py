@@ -11,7 +11,7 @@ from ..errors import UnsupportedModel
 from .fused_decode import FusedDecode
 from .llama import LlamaForCausalLM, RotaryEmbedding, pack_weights
 from .packed_linear import packed_bytes
-from .panel_linear import cpu_linears
+from .panel_linear import PanelLinear, cpu_linears
 from .quantized_linear import GGUFBlocks, GGUFStack, QuantizedEmbedding, QuantizedLinear
 
 log = logging.getLogger(__name__)
@@ -29,9 +29,9 @@ def build_model(
     batch_hint: int = 256, quantized: bool = False, int8_activations: bool = False,
 ) -> LlamaForCausalLM:
     """`instantiate`, then on the device in the dtype; on the CPU each linear layer then runs the fastest way
-    the machine has (`panel_linear.cpu_linears`). `quantized`: GGUF blocks stay blocks (`quantized_linear.py`;
-    the caller checked the kernels run here), and decode steps of few rows run all layers in one call
-    (`fused_decode.py`); else the blocks are expanded to float first. `int8_activations`: every step rounds
+    the machine has (`panel_linear.cpu_linears`), and decode steps run all layers in one call where the layers
+    allow (`fused_decode.py`). `quantized`: GGUF blocks stay blocks (`quantized_linear.py`; the caller checked
+    the kernels run here); else the blocks are expanded to float first. `int8_activations`: every step rounds
     x to int8 for the layers whose blocks allow it (`QuantizedLinear`)."""
     if not quantized:
         weights = expand_blocks(weights)
@@ -46,6 +46,7 @@ def build_model(
             layer.int8_activations = int8_activations
         if int8_activations and not layers:
             log.warning("--int8-activations: this model has no quantized matrices, activations stay float32")
+    if device.type == "cpu":
         model.fused_decode = FusedDecode.build(model)  # takes the layers' int8_activations
     return model
 
@@ -62,7 +63,9 @@ def count_weight_bytes(model: LlamaForCausalLM) -> int:
     """Bytes the weights take: parameters (tied ones once), packed copies and quantized blocks (shared ones
     once)."""
     blocks = {b.data_ptr(): b.nbytes for b in quantized_blocks(model)}
-    return sum(p.numel() * p.element_size() for p in model.parameters()) + packed_bytes(model) + sum(blocks.values())
+    panels = sum(m.packed_bytes for m in model.modules() if isinstance(m, PanelLinear))
+    return (sum(p.numel() * p.element_size() for p in model.parameters()) + packed_bytes(model) + panels
+            + sum(blocks.values()))
 
 
 def quantized_blocks(model: LlamaForCausalLM) -> list[torch.Tensor]:

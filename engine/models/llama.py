@@ -138,7 +138,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = LlamaModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.fused_decode: FusedDecode | None = None  # set by build_model for quantized weights (fused_decode.py)
+        self.fused_decode: FusedDecode | None = None  # set by build_model on the CPU (fused_decode.py)
 
     def forward(
         self,
