@@ -43,12 +43,6 @@ class CpuFeatures:
         return "avx_ne_convert" in self.flags or {"avx512bw", "avx512vl", "avx512dq"} <= self.flags
 
     @property
-    def avx512(self) -> bool:
-        """AVX-512 F, BW, VL and DQ: what torch's AVX512 kernels (and so lmgate's) and oneDNN's avx512_core ask
-        for. gemm.cpp then runs float32 layers in column panels (panel_linear.py has the figures)."""
-        return {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= self.flags
-
-    @property
     def int8_vnni(self) -> bool:
         """AVX512-VNNI with 256-bit forms (Ice Lake, Sapphire Rapids, Zen 4 and later): the int8 kernel's
         vpdpbusd, one instruction where AVX2 takes two and a widening step."""

@@ -27,7 +27,6 @@ from lmgate.engine.attention import (AttentionMetadata, DecodeTables, GatheredDe
 from lmgate.engine.config import EngineConfig, ModelConfig
 from lmgate.engine.engine import Engine
 from lmgate.engine.errors import UnsupportedModel
-from lmgate.engine.hardware import cpu_features
 from lmgate.engine.kernels import compiler_found, load_cpu_kernels
 from lmgate.engine.kv_cache import allocate_kv_cache
 from lmgate.engine.loader import load_checkpoint, read_config
@@ -36,7 +35,7 @@ from lmgate.engine.models.fused_decode import FusedDecode
 from lmgate.engine.models.packed_linear import PackedLinear
 from lmgate.engine.models.panel_linear import PanelLinear
 from lmgate.engine.sampling import SamplingParams
-from tests.conftest import AVX2, AVX512, CountingFusedDecode
+from tests.conftest import CountingFusedDecode
 
 VOCAB = 49152  # the SmolLM2 tokenizer's, so a real tokenizer can ship with every model
 NEW_TOKENS = 24
@@ -561,25 +560,23 @@ def test_config_default_rope_accepted(key, tiny_models):
 
 
 def test_build_model_swaps_every_linear_layer_on_cpu(tiny):
-    """float32 layers run on gemm.cpp where the kernels build (in column panels with AVX-512), else on
-    oneDNN's packed matmul; a tied head in row tiles shares its embedding's weight."""
+    """float32 layers run on gemm.cpp where the kernels build, and then decode steps in one fused call; else
+    on oneDNN's packed matmul."""
     _, model = _ours(tiny.path)
     kind = PanelLinear if load_cpu_kernels() else PackedLinear
     if kind is PanelLinear or torch.backends.mkldnn.is_available():
         assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
         assert sum(isinstance(m, kind) for m in model.modules()) == 4 * model.config.num_layers + 1
-    if kind is PanelLinear and model.config.tie_word_embeddings and not cpu_features().avx512:
-        assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert isinstance(model.fused_decode, FusedDecode) == (kind is PanelLinear)
 
 
 @pytest.mark.skipif(not compiler_found(), reason="no C++ compiler: gemm.cpp and decode_layers.cpp cannot be built")
 @pytest.mark.parametrize("kv", ["float32", "float16"])
-def test_float32_fused_decode_equals_the_layer_path(tiny, prompt_ids, kv, cpu_flags):
-    """float32 layers in column panels (an AVX-512 CPU's; forced here, as column tiles run on any CPU) run decode
-    steps of any size as one C++ call (models/fused_decode.py). The same engine with it switched off runs the
-    modules: the same tokens, logprobs up to the order of float32 sums, for 12 streams (more rows than a
-    quantized model's fused steps take) shrinking to 1, at different context lengths."""
-    cpu_flags(AVX512)
+def test_float32_fused_decode_equals_the_layer_path(tiny, prompt_ids, kv):
+    """float32 layers in column panels run decode steps of any size as one C++ call (models/fused_decode.py).
+    The same engine with it switched off runs the modules: the same tokens, logprobs up to the order of float32
+    sums, for 12 streams (more rows than a quantized model's fused steps take) shrinking to 1, at different
+    context lengths."""
     prompts = [prompt_ids[: 3 + i] * (1 + i % 3) for i in range(12)]
     runs = []
     with Engine(EngineConfig(dtype="float32", model=tiny.path, kv_cache_tokens=4096, kv_cache_dtype=kv)) as engine:
@@ -598,16 +595,6 @@ def test_float32_fused_decode_equals_the_layer_path(tiny, prompt_ids, kv, cpu_fl
     for f, m in zip((lp for o in fused_out for lp in o.logprobs), (lp for o in layer_out for lp in o.logprobs)):
         assert f.logprob == pytest.approx(m.logprob, abs=1e-4)
         assert [t for t, _ in f.top] == [t for t, _ in m.top]
-
-
-@pytest.mark.skipif(not compiler_found(), reason="no C++ compiler: no float32 layer of gemm.cpp")
-def test_only_column_panels_give_a_float32_model_a_fused_decode(tiny, cpu_flags):
-    """Row tiles (an AVX2 CPU's) leave decode steps to the modules."""
-    ckpt = load_checkpoint(tiny.path)
-    for flags, fused in ((AVX2, False), (AVX512, True)):
-        cpu_flags(flags)
-        model = build_model(ckpt.config, ckpt.weights, torch.float32, CPU)
-        assert isinstance(model.fused_decode, FusedDecode) == fused
 
 
 def test_ids_the_model_cannot_embed_are_refused(tmp_path):

@@ -72,6 +72,23 @@ def test_quantized_linear_matches_float64(qtype, m):
 
 
 @kernels
+@pytest.mark.parametrize("m", [9, 64, 300])
+@pytest.mark.parametrize("n", [1, 47, 97])
+@pytest.mark.parametrize("blocks", [1, 48, 65])
+def test_expanded_panels_cover_every_tile_edge(m, n, blocks):
+    """gemm.cpp's row tiles over panels expanded from Q8_0 blocks: rows of x not a multiple of 4, rows of W not
+    a multiple of 3 or 6 or of the 48-row panel, one panel per thread or several; K past 768 in two equal
+    chunks (1536) or three, the last shorter (2080)."""
+    qtype, k = GGMLQuantizationType.Q8_0, 32 * blocks
+    rng = np.random.default_rng(m * 1000 + n + blocks)
+    raw = blocks_for(rng.standard_normal((n, k)).astype(np.float32), qtype, seed=n)
+    weight = torch.from_numpy(dequantize(raw, qtype).reshape(n, k)).double()
+    x = torch.randn(m, k)
+    got = torch.ops.lmgate.gguf_matmul(x, torch.from_numpy(raw), int(qtype))
+    torch.testing.assert_close(got.double(), x.double() @ weight.T, rtol=1e-5, atol=1e-5 * k**0.5)
+
+
+@kernels
 @pytest.mark.parametrize("m", [1, 64])
 def test_rows_of_different_types_stay_blocks(m):
     """Q4_K rows over Q6_K rows (Q4_K_M's Q, K and V): stacked as they are, not expanded, and the layer over

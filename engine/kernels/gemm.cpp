@@ -1,21 +1,20 @@
-// x @ W.T in float32: the float path's linear layers and the quantized path's GEMM, in two layouts of W.
+// x @ W.T in float32, in two layouts of W: the float path's linear layers, and the quantized path's GEMM.
 //
-// Rows (`linear`, `panel_gemm`): W used where it lies, as rows of K weights; quantized_matmul.cpp expands panels
-// of blocks into the same loop. oneDNN's packed matmul ran a 64-row decode step's linear layers at 134 GFLOP/s
-// on a 2-core Zen 3 where it reaches 154 at 256 rows: at 64 rows every weight is used only 64 times, and the
-// step waited on the first reads of each new part of W from memory. Here W is taken in panels of `PANEL` rows
-// that stay in L2 while every row of x passes over them in register tiles of 4 rows x 3 weight rows (6 with
-// AVX-512), and the next panel is prefetched a little per tile; measured in one run on that machine, 64 rows:
-// 165 against oneDNN's 132 GFLOP/s, 16 rows: 132 against 86, 256 rows: 162 against 151.
+// Columns (`pack_columns`, `linear_columns`, `column_range`): W packed once into panels of `COLUMNS` output
+// columns (3 vectors: 48 with AVX-512, 24 with AVX2), K-major, so a register tile is 8 rows of x (4 with AVX2)
+// times 3 vectors of columns, each x broadcast and each weight vector loaded once per K step, with no reduction
+// across lanes at the end. On a 2-core Zen 4 with AVX-512, in one run, SmolLM2's four layers and LM head over
+// 30 layers' weights at 64 rows: 208-219 GFLOP/s against oneDNN's 174-208 and the row tiles' 110-140; 16 rows
+// 182-202 against oneDNN's 127-162; 512 rows 217-226 against 208-223. oneDNN's weight blocks of 64 columns
+// split N = 576 into 9, which 2 threads share 5 to 4; panels of 48 split it 6 to 6. With AVX2 code on the
+// same machine the column tiles about tied the row tiles at 64 rows (180-199 against 189-208), beat them at 16 (140-162
+// against 99-126) and 512 (214-220 against 200-206), and a float32 engine of 64 streams ran 333 against 302
+// tokens/s (with decode_layers.cpp, which needs whole panels per thread).
 //
-// Columns (`pack_columns`, `linear_columns`): W packed once into panels of `COLUMNS` output columns, K-major,
-// so a register tile is 8 rows of x (4 with AVX2) times 3 vectors of columns, each x broadcast and each weight
-// vector loaded once per K step, with no reduction across lanes at the end. On a 2-core Zen 4 with AVX-512, in
-// one run, SmolLM2's four layers and LM head over 30 layers' weights at 64 rows: 208-219 against oneDNN's
-// 174-208 GFLOP/s (the dot tiles above: 110-140); 16 rows 182-202 against 127-162; 512 rows 217-226 against
-// 208-223. oneDNN's weight blocks of 64 columns split N = 576 into 9, which 2 threads share 5 to 4; panels of 48
-// split it 6 to 6. With AVX2 alone the dot tiles stay: on a Zen 3 they were tuned against oneDNN, and the
-// column tile, tried on a Zen 4 with AVX2 code, only tied them at 64 rows.
+// Rows (`panel_gemm`): W as rows of K weights, which quantized_matmul.cpp expands from blocks a panel of
+// `PANEL` rows at a time into L2 while every row of x passes over them in register tiles of 4 rows x 3 weight
+// rows (6 with AVX-512), the next panel prefetched a little per tile. Over float32 rows on a 2-core Zen 3, 64
+// rows: 165 against oneDNN's 132 GFLOP/s, 16 rows: 132 against 86, 256 rows: 162 against 151.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -222,20 +221,6 @@ at::Tensor linear_columns(const at::Tensor& x_in, const at::Tensor& packed, int6
   return out;
 }
 
-// x: [M, K] float32; w: [N, K] float32. x @ w.T, [M, N].
-at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be a float32 [M, K] tensor");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(1) == x_in.size(1),
-              "w must be a contiguous float32 [N, K] tensor with x's K");
-  TORCH_CHECK(w.size(1) % Vec::size() == 0, "K must be a multiple of ", Vec::size());
-  const at::Tensor x = x_in.contiguous();
-  at::Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
-  const lmgate::WeightRows rows{reinterpret_cast<const uint8_t*>(w.data_ptr<float>()),
-                                w.size(1) * static_cast<int64_t>(sizeof(float)), nullptr};
-  lmgate::panel_gemm(x.data_ptr<float>(), x.size(0), x.size(1), w.size(0), rows, out.data_ptr<float>());
-  return out;
-}
-
 }  // namespace
 
 namespace lmgate {
@@ -244,11 +229,14 @@ int64_t column_width() { return COLUMNS; }
 
 void column_range(const float* x, int64_t m_rows, int64_t k, const float* packed, int64_t n, int64_t begin,
                   int64_t end, float* out, int64_t out_stride) {
-  for (int64_t p = begin / COLUMNS; p * COLUMNS < end; ++p) column_panel(x, 0, m_rows, k, packed, n, p, out, out_stride);
+  for (int64_t p = begin / COLUMNS; p * COLUMNS < end; ++p) {
+    column_panel(x, 0, m_rows, k, packed, n, p, out, out_stride);
+  }
 }
 
-// Threads take whole panels, each panel a chunk of K at a time; while a thread works on one panel it prefetches
-// the next of its own, a few lines per tile, so that the panel's first pass does not wait on memory.
+// Threads take whole panels, each expanded into L2 and used a chunk of K at a time; while a thread works on
+// one panel it prefetches the next of its own blocks, a few lines per tile, so that the expansion does not wait
+// on memory.
 void panel_gemm(const float* x, int64_t m_rows, int64_t k, int64_t n_rows, const WeightRows& w, float* out) {
   TORCH_CHECK(k % Vec::size() == 0, "K must be a multiple of ", Vec::size());
   if (m_rows == 0 || n_rows == 0) return;  // a step in which no row samples asks the LM head for none
@@ -256,14 +244,10 @@ void panel_gemm(const float* x, int64_t m_rows, int64_t k, int64_t n_rows, const
   const int64_t chunk = chunk_length(k);
   const int64_t tiles = (k + chunk - 1) / chunk * ((m_rows + TILE_M - 1) / TILE_M) * ((PANEL + TILE_N - 1) / TILE_N);
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> expanded(w.expand ? PANEL * k : 0);
+    std::vector<float> panel(PANEL * k);
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n0 = p * PANEL, cols = std::min(PANEL, n_rows - n0);
-      const float* panel = reinterpret_cast<const float*>(w.data + n0 * w.row_bytes);
-      if (w.expand) {
-        w.expand(w.data + n0 * w.row_bytes, cols, w.row_bytes, k, expanded.data());
-        panel = expanded.data();
-      }
+      w.expand(w.data + n0 * w.row_bytes, cols, w.row_bytes, k, panel.data());
       const char* next = reinterpret_cast<const char*>(w.data + (n0 + cols) * w.row_bytes);
       const int64_t next_lines = p + 1 < end ? std::min(PANEL, n_rows - n0 - cols) * w.row_bytes / LINE : 0;
       const int64_t per_tile = (next_lines + tiles - 1) / tiles;
@@ -275,7 +259,7 @@ void panel_gemm(const float* x, int64_t m_rows, int64_t k, int64_t n_rows, const
               __builtin_prefetch(next + fetched * LINE);
             }
             dot_any_tile(std::min(TILE_M, m_rows - m0), std::min(TILE_N, cols - j), x + m0 * k + k0,
-                         panel + j * k + k0, k, std::min(chunk, k - k0), out + m0 * n_rows + n0 + j, n_rows, k0 > 0);
+                         panel.data() + j * k + k0, k, std::min(chunk, k - k0), out + m0 * n_rows + n0 + j, n_rows, k0 > 0);
           }
         }
       }
@@ -286,13 +270,11 @@ void panel_gemm(const float* x, int64_t m_rows, int64_t k, int64_t n_rows, const
 }  // namespace lmgate
 
 TORCH_LIBRARY_FRAGMENT(lmgate, m) {
-  m.def("linear(Tensor x, Tensor w) -> Tensor");
   m.def("pack_columns(Tensor w) -> Tensor");
   m.def("linear_columns(Tensor x, Tensor packed, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lmgate, CPU, m) {
-  m.impl("linear", &linear);
   m.impl("pack_columns", &pack_columns);
   m.impl("linear_columns", &linear_columns);
 }

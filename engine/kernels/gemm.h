@@ -1,12 +1,12 @@
-// gemm.cpp's float32 GEMM, for the kernels that hand it their own kind of weight rows.
+// gemm.cpp's float32 GEMMs: over rows a kernel expands from its own kind of weights (quantized_matmul.cpp), and
+// over column panels (decode_layers.cpp).
 #pragma once
 
 #include <cstdint>
 
 namespace lmgate {
 
-// W by rows of `row_bytes`: float32 rows read in place (`expand` null), or quantized rows that `expand`
-// writes out as `count` float32 rows of K.
+// W by rows of `row_bytes`, quantized rows that `expand` writes out as `count` float32 rows of K.
 struct WeightRows {
   const uint8_t* data;
   int64_t row_bytes;

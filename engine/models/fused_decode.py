@@ -57,15 +57,15 @@ class FusedDecode:
     @staticmethod
     def build(model: torch.nn.Module) -> FusedDecode | None:
         """None unless every decoder layer's linear layers are quantized, all rounding activations to int8 or
-        none, or all float32 in column panels; its other weights float32; and no bias but qkv_proj's (Qwen2's,
-        which the kernel adds)."""
+        none, or all float32 in column panels (`PanelLinear`); its other weights float32; and no bias but
+        qkv_proj's (Qwen2's, which the kernel adds)."""
         layers = model.model.layers
         linears = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                    layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         quantized = all(isinstance(m, QuantizedLinear) for m in linears)
         if quantized and len({m.int8_activations for m in linears}) > 1:
             return None
-        if not quantized and not all(isinstance(m, PanelLinear) and m.columns is not None for m in linears):
+        if not quantized and not all(isinstance(m, PanelLinear) for m in linears):
             return None
         if any(p.dtype != torch.float32 for layer in layers for p in layer.parameters()):
             return None
@@ -79,7 +79,8 @@ class FusedDecode:
         attention path (over a float32, float16 or bfloat16 KV cache: the kernel converts as the module path's
         kernels do)."""
         return ((self.max_rows is None or rows <= self.max_rows) and meta.num_decode == rows
-                and isinstance(meta.decode, DecodeTables) and not meta.triton and kv_dtype in (torch.float32, torch.float16, torch.bfloat16))
+                and isinstance(meta.decode, DecodeTables) and not meta.triton
+                and kv_dtype in (torch.float32, torch.float16, torch.bfloat16))
 
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
