@@ -34,6 +34,11 @@ def test_linear_matches_float64(m, n, k):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * k**0.5)
 
 
+def test_linear_of_no_columns_is_empty():
+    packed = torch.ops.lmgate.pack_columns(torch.randn(0, 32))
+    assert torch.ops.lmgate.linear_columns(torch.randn(5, 32), packed, 0).shape == (5, 0)
+
+
 def test_linear_takes_a_strided_x():
     x, w = torch.randn(64, 40)[:, :32], torch.randn(20, 32)
     torch.testing.assert_close(linear_columns(x, w), x @ w.T, rtol=1e-5, atol=1e-5)

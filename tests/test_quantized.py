@@ -72,11 +72,11 @@ def test_quantized_linear_matches_float64(qtype, m):
 
 
 @kernels
-@pytest.mark.parametrize("m", [9, 64, 300])
+@pytest.mark.parametrize("m", [3, 6, 7, 9, 64, 300])
 @pytest.mark.parametrize("n", [1, 47, 97])
 @pytest.mark.parametrize("blocks", [1, 48, 65])
 def test_expanded_panels_cover_every_tile_edge(m, n, blocks):
-    """gemm.cpp's row tiles over panels expanded from Q8_0 blocks: rows of x not a multiple of 4, rows of W not
+    """gemm.cpp's row tiles over panels expanded from Q8_0 blocks: rows of x of every remainder by 4, rows of W not
     a multiple of 3 or 6 or of the 48-row panel, one panel per thread or several; K past 768 in two equal
     chunks (1536) or three, the last shorter (2080)."""
     qtype, k = GGMLQuantizationType.Q8_0, 32 * blocks

@@ -2,9 +2,8 @@
 (in `~/.cache/torch_extensions`, or `$TORCH_EXTENSIONS_DIR`).
 
 * paged_attention.cpp: CPU attention over the paged KV cache (`paged_decode_attention`, `paged_prefill_attention`);
-* gemm.cpp: float32 `x @ W.T` over W's rows where they lie (`linear`, the float path's linear layers without
-  AVX-512; the GEMM loop `gguf_matmul` runs over expanded panels of quantized blocks), and over W packed in
-  column panels (`pack_columns`, `linear_columns`: the float path's layers with AVX-512);
+* gemm.cpp: float32 `x @ W.T` over W packed in column panels (`pack_columns`, `linear_columns`: the float
+  path's linear layers), and over rows expanded from quantized blocks (`panel_gemm`, which `gguf_matmul` runs);
 * quantized_matmul.cpp: linear layers over GGUF's quantized blocks (`gguf_matvec`, `gguf_matmul`,
   `gguf_dequantize`); int8_matmul.cpp: the same with x rounded to int8 (`gguf_matvec_int8`, `gguf_matmul_int8`,
   `--int8-activations`; int8_matmul.h declares its few-row path for decode_layers.cpp); gguf_blocks.h: the

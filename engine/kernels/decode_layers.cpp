@@ -290,10 +290,11 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
     l.qkv_bias = qkv_bias.empty() ? nullptr : vector_of(qkv_bias[i], qkv_rows, "qkv bias");
     l.qkv = linear(weights, types, &next, parts[4 * i], hidden, qkv_rows);
     l.o = linear(weights, types, &next, parts[4 * i + 1], q_size, hidden);
-    if (columns) {  // gate_up's padding hides its rows: twice down's K
-      const int64_t down_at = next + parts[4 * i + 2];
-      TORCH_CHECK(down_at < static_cast<int64_t>(weights.size()) && weights[down_at].dim() == 3,
-                  "decode_layers: down_proj in column panels expected");
+    if (columns) {  // gate_up's padding hides its rows: twice down's K, alike in every layer
+      const int64_t down_at = next + 1;
+      TORCH_CHECK(parts[4 * i + 2] == 1 && down_at < static_cast<int64_t>(weights.size()) &&
+                      weights[down_at].dim() == 3 && (i == 0 || weights[down_at].size(1) == intermediate),
+                  "decode_layers: down_proj in column panels of the first layer's K expected");
       intermediate = weights[down_at].size(1);
     }
     l.gate_up = linear(weights, types, &next, parts[4 * i + 2], hidden, i == 0 && !columns ? -1 : 2 * intermediate);
@@ -344,8 +345,9 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
       lmgate::quantize_int8(src, rows, k, x8.data(), x8_scales.data());
       return &input8;
     };
-    // Shares of a matrix's output columns: whole panels where the matrices are in column panels.
-    const int64_t align = columns ? lmgate::column_width() : ALIGN;
+    // Shares of a matrix's output columns: whole panels where the matrices are in column panels (pairs of
+    // AVX2's 24-float panels, so that no two threads write one line).
+    const int64_t align = columns ? std::lcm(lmgate::column_width(), ALIGN) : ALIGN;
     const Range hr = share(hidden, t, team, align), qr = share(qkv_rows, t, team, align);
     const Range gr = share(2 * intermediate, t, team, align), ir = share(intermediate, t, team, ALIGN);
     const Range ar = share(rows * num_kv_heads * splits, t, team, 1);

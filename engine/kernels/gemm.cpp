@@ -207,7 +207,7 @@ at::Tensor linear_columns(const at::Tensor& x_in, const at::Tensor& packed, int6
   const at::Tensor x = x_in.contiguous();
   const int64_t m_rows = x.size(0), k = x.size(1), panels = packed.size(0);
   at::Tensor out = at::empty({m_rows, n}, x.options());
-  if (m_rows == 0) return out;  // a step in which no row samples asks the LM head for none
+  if (m_rows == 0 || n == 0) return out;  // a step in which no row samples asks the LM head for none
   const int64_t tiles = (m_rows + COLUMN_TILE_M - 1) / COLUMN_TILE_M;
   const int64_t row_blocks = std::min(tiles, (4 * at::get_num_threads() + panels - 1) / panels);
   const int64_t block_rows = (tiles + row_blocks - 1) / row_blocks * COLUMN_TILE_M;
