@@ -1,5 +1,5 @@
-"""gemm.cpp's float32 linear layer (column tiles over W packed in panels) against a float64 matmul, and which
-layer each linear of a CPU model gets."""
+"""gemm.cpp's float32 linear layer (column tiles over W packed in panels, plain or gated) against a float64
+matmul, and which layer each linear of a CPU model gets."""
 from __future__ import annotations
 
 import pytest
@@ -55,6 +55,33 @@ def test_column_panels_refuse_what_they_cannot_compute():
         torch.ops.lmgate.pack_columns(torch.randn(8, 32, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("m", [0, 1, 7, 8, 9, 64, 300])
+@pytest.mark.parametrize("n", [1, 11, 12, 13, 23, 24, 25, 49, 100])
+@pytest.mark.parametrize("k", [3, 576, 2080])
+def test_gated_linear_is_silu_of_gate_times_up(m, n, k):
+    """A gated pack's panels hold 12 (AVX2) or 24 (AVX-512) activations' gate and up columns: n at and around
+    both, one panel or several, rows in tiles and blocks, K in one chunk or three. The activations are exactly
+    what the plain panels and silu_and_mul give (the same sums in the same order), and match float64."""
+    torch.manual_seed(m * 1000 + n + k)
+    x, w = torch.randn(m, k), torch.randn(2 * n, k)
+    got = torch.ops.lmgate.linear_gated_columns(x, torch.ops.lmgate.pack_gated_columns(w), n)
+    assert got.shape == (m, n) and torch.equal(got, torch.ops.lmgate.silu_and_mul(linear_columns(x, w)))
+    gate, up = (x.double() @ w.double().T).chunk(2, dim=-1)
+    torch.testing.assert_close(got.double(), F.silu(gate) * up, rtol=1e-5, atol=2e-5 * k)  # products of two sums
+
+
+def test_gated_panels_refuse_what_they_cannot_compute():
+    packed = torch.ops.lmgate.pack_gated_columns(torch.randn(2 * 30, 32))
+    for x, n, match in [(torch.randn(4, 48), 30, "K"), (torch.randn(4, 32), 60, "n does not match"),
+                        (torch.randn(4, 32, dtype=torch.float64), 30, "float32")]:
+        with pytest.raises(RuntimeError, match=match):
+            torch.ops.lmgate.linear_gated_columns(x, packed, n)
+    with pytest.raises(RuntimeError, match=r"\[2n, K\]"):
+        torch.ops.lmgate.pack_gated_columns(torch.randn(7, 32))
+    with pytest.raises(ValueError, match="no bias"):
+        PanelLinear(nn.Linear(32, 16), gated=True)
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_panel_linear_matches_f_linear_on_any_leading_shape(bias):
     linear = nn.Linear(64, 50, bias=bias)
@@ -84,6 +111,24 @@ def test_cpu_linears_gives_every_float32_layer_column_panels():
     with torch.inference_mode():
         torch.testing.assert_close(model["head"](embed(ids)), embed(ids) @ embed.weight.T, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(model["odd"](x), F.linear(x, odd, model["odd"].bias), rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_linears_gates_an_mlps_gate_up_projection():
+    """A `gate_up_proj` without bias gives the MLP's activation (half its rows wide); one with a bias, and
+    every other layer, stays plain."""
+    mlp = nn.Module()
+    mlp.gate_up_proj, mlp.down_proj = nn.Linear(32, 2 * 40, bias=False), nn.Linear(40, 32, bias=False)
+    biased = nn.Module()
+    biased.gate_up_proj = nn.Linear(32, 2 * 40)
+    model = nn.ModuleDict({"mlp": mlp, "biased": biased})
+    w = mlp.gate_up_proj.weight.detach().clone()
+    cpu_linears(model, batch_hint=8)
+    assert mlp.gate_up_proj.gated and mlp.gate_up_proj.out_features == 40
+    assert not mlp.down_proj.gated and not biased.gate_up_proj.gated
+    x = torch.randn(3, 5, 32)
+    gate, up = (x @ w.T).chunk(2, dim=-1)
+    with torch.inference_mode():
+        torch.testing.assert_close(mlp.gate_up_proj(x), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
 
 
 def test_cpu_linears_leaves_other_dtypes_to_onednn():

@@ -14,8 +14,8 @@
 // blocks; each thread merges the parts (`merge_parts`) and computes its share of x += attn Wo^T;
 // h = rms_norm(x); act = silu(h Wgate^T) * h Wup^T (a thread owns both halves of its rows); x += act Wdown^T.
 // With column panels, threads take whole panels of every matrix (their shares are multiples of the panel
-// width), and SiLU runs after a barrier of its own: a thread's panels of gate and of up need not be the same
-// columns. A 64-row decode step of the embedded model ran some 300 parallel torch ops, each waking the team
+// width), and gate_up's panels pair gate and up columns (gemm.cpp's `pack_gated_columns`), so that each
+// panel's sums give its activations at once. A 64-row decode step of the embedded model ran some 300 parallel torch ops, each waking the team
 // (25-35 us each on a 2-core Zen 4): the same step is 6 barriers a layer here.
 // fp32 throughout (a 16-bit KV cache is converted as it is stored and read), the same arithmetic as the torch
 // path up to the order of sums; with int8 activations (`--int8-activations`) each matrix whose type allows it reads
@@ -65,6 +65,7 @@ namespace {
 constexpr int64_t MAX_ROWS = 8;  // rows quantized_matmul.cpp's matvec serves in one pass over W (MATVEC_ROWS)
 constexpr int64_t ALIGN = 16;  // floats per share boundary: threads never write the same 64-byte line
 constexpr int64_t COLUMN_PANELS = -1;  // a part's type for float32 W packed by gemm.cpp's pack_columns
+constexpr int64_t GATED_PANELS = -2;  // gate_up's type where it is packed by pack_gated_columns
 
 // The team's meeting point between phases. Threads spin for about 20 us (the threads of a phase finish
 // within microseconds of each other, far less than a sleep and a wake-up take), then yield, so that a thread
@@ -159,8 +160,8 @@ struct Linear {
   int64_t rows = 0;
   bool takes_int8 = false;  // a part's type reads int8 x: worth rounding x for
 
-  // out[m, n] = x[m] . W[n] for the rows n in [begin, end) of the whole matrix; x as rounded (`x8`) where given
-  // and the part's type allows.
+  // out[m, n] = x[m] . W[n] for the rows n in [begin, end) of the whole matrix (for a gated pack, the
+  // activations silu(x[m] . Wgate[n]) * (x[m] . Wup[n])); x as rounded (`x8`) where given and the part's type allows.
   void matvec(int64_t m_rows, const float* x, const Int8Input* x8, int64_t k, int64_t begin, int64_t end, float* out,
               int64_t stride) const {
     for (const Part& p : parts) {
@@ -169,6 +170,9 @@ struct Linear {
       if (p.type == COLUMN_PANELS) {
         lmgate::column_range(x, m_rows, k, reinterpret_cast<const float*>(p.blocks), p.rows, b - p.first, e - p.first,
                              out + p.first, stride);
+      } else if (p.type == GATED_PANELS) {
+        lmgate::gated_range(x, m_rows, k, reinterpret_cast<const float*>(p.blocks), p.rows, b - p.first, e - p.first,
+                            out + p.first, stride);
       } else if (x8 != nullptr && lmgate::int8_type(p.type)) {
         lmgate::gguf_matvec_int8_range(p.type, m_rows, x8->q, x8->scale_sum, k, p.blocks, p.row_bytes, b - p.first,
                                        e - p.first, x8->vnni, out + p.first, stride);
@@ -194,25 +198,26 @@ void store(const float* src, int64_t n, at::ScalarType type, void* cache, int64_
 }
 
 // The next matrix of `weights` / `types`, `count` parts from `*next` on, K columns wide; `rows` < 0: any (a
-// quantized one's). A matrix in column panels is one part whose padding hides its row count: `rows` says it.
+// quantized one's). A matrix in column panels is one part whose padding hides its row count: `rows` says it
+// (a gated pack's rows are its activations).
 Linear linear(at::TensorList weights, at::IntArrayRef types, int64_t* next, int64_t count, int64_t k, int64_t rows) {
   TORCH_CHECK(count >= 1 && *next + count <= static_cast<int64_t>(weights.size()), "decode_layers: parts run past the weights");
   Linear l;
-  if (types[*next] == COLUMN_PANELS) {
+  if (types[*next] == COLUMN_PANELS || types[*next] == GATED_PANELS) {
     const at::Tensor& w = weights[*next];
-    const int64_t width = lmgate::column_width();
+    const int64_t width = types[*next] == GATED_PANELS ? lmgate::column_width() / 2 : lmgate::column_width();
     TORCH_CHECK(count == 1 && rows >= 0, "decode_layers: a matrix in column panels is one part of known rows");
     TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(1) == k &&
-                    w.size(2) == width && rows > (w.size(0) - 1) * width && rows <= w.size(0) * width,
-                "decode_layers: a matrix in column panels must be pack_columns' [", (rows + width - 1) / width, ", ",
-                k, ", ", width, "] float32 tensor");
-    l.parts.push_back({reinterpret_cast<const uint8_t*>(w.data_ptr<float>()), COLUMN_PANELS, 0, rows, 0});
+                    w.size(2) == lmgate::column_width() && rows > (w.size(0) - 1) * width && rows <= w.size(0) * width,
+                "decode_layers: a matrix in column panels must be a [", (rows + width - 1) / width, ", ", k, ", ",
+                lmgate::column_width(), "] float32 pack");
+    l.parts.push_back({reinterpret_cast<const uint8_t*>(w.data_ptr<float>()), types[*next], 0, rows, 0});
     l.rows = rows;
     *next += 1;
     return l;
   }
   for (int64_t i = *next; i < *next + count; ++i) {
-    TORCH_CHECK(types[i] != COLUMN_PANELS, "decode_layers: a matrix mixes column panels and quantized parts");
+    TORCH_CHECK(types[i] >= 0, "decode_layers: a matrix mixes column panels and quantized parts");
     lmgate::check_gguf_blocks(weights[i], types[i], k);
     l.parts.push_back({weights[i].data_ptr<uint8_t>(), types[i], l.rows, weights[i].size(0), weights[i].size(1)});
     l.rows += weights[i].size(0);
@@ -232,8 +237,8 @@ const float* vector_of(const at::Tensor& t, int64_t n, const char* what) {
 // x: [M, hidden] float32, the residual stream, updated in place. Per layer i: norms[i * per_layer ...] are
 // input_layernorm, post_attention_layernorm (then q_norm, k_norm when there are four); parts[4 i ...] say how
 // many entries of weights (blocks) and types (their GGUF types, or COLUMN_PANELS for a float32 matrix packed by
-// pack_columns: then every matrix is so, one part each) make qkv_proj, o_proj, gate_up_proj and down_proj,
-// taken in order; qkv_bias is
+// pack_columns: then every matrix is so, one part each, and gate_up_proj GATED_PANELS, packed by
+// pack_gated_columns) make qkv_proj, o_proj, gate_up_proj and down_proj, taken in order; qkv_bias is
 // empty or one per layer. cos, sin: [M, head_dim]; caches: [kv_heads, blocks, block_size, head_dim], all
 // float32, float16 or bfloat16;
 // slots: [M] each row's slot for this step's K/V; block_tables [M, width] and lengths [M] as in
@@ -290,20 +295,23 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
     l.qkv_bias = qkv_bias.empty() ? nullptr : vector_of(qkv_bias[i], qkv_rows, "qkv bias");
     l.qkv = linear(weights, types, &next, parts[4 * i], hidden, qkv_rows);
     l.o = linear(weights, types, &next, parts[4 * i + 1], q_size, hidden);
-    if (columns) {  // gate_up's padding hides its rows: twice down's K, alike in every layer
+    if (columns) {  // a gated pack's padding hides its activations: down's K, alike in every layer
       const int64_t down_at = next + 1;
       TORCH_CHECK(parts[4 * i + 2] == 1 && down_at < static_cast<int64_t>(weights.size()) &&
                       weights[down_at].dim() == 3 && (i == 0 || weights[down_at].size(1) == intermediate),
                   "decode_layers: down_proj in column panels of the first layer's K expected");
       intermediate = weights[down_at].size(1);
+      l.gate_up = linear(weights, types, &next, 1, hidden, intermediate);
+    } else {
+      l.gate_up = linear(weights, types, &next, parts[4 * i + 2], hidden, i == 0 ? -1 : 2 * intermediate);
+      TORCH_CHECK(l.gate_up.rows % 2 == 0, "gate_up_proj must have an even number of rows");
+      intermediate = l.gate_up.rows / 2;
     }
-    l.gate_up = linear(weights, types, &next, parts[4 * i + 2], hidden, i == 0 && !columns ? -1 : 2 * intermediate);
-    intermediate = l.gate_up.rows / 2;
-    TORCH_CHECK(l.gate_up.rows % 2 == 0, "gate_up_proj must have an even number of rows");
     l.down = linear(weights, types, &next, parts[4 * i + 3], intermediate, hidden);
     for (const Linear* m : {&l.qkv, &l.o, &l.gate_up, &l.down}) {
-      TORCH_CHECK((m->parts[0].type == COLUMN_PANELS) == columns, "decode_layers: either every matrix is in column "
-                  "panels or none is");
+      const int64_t type = m->parts[0].type, panels = m == &l.gate_up ? GATED_PANELS : COLUMN_PANELS;
+      TORCH_CHECK(columns ? type == panels : type >= 0, "decode_layers: either every matrix is in column panels "
+                  "(gate_up_proj gated) or none is");
     }
     for (const at::Tensor* c : {&k_caches[i], &v_caches[i]}) {
       TORCH_CHECK(c->sizes() == cache0.sizes() && c->scalar_type() == cache_type && c->is_contiguous(),
@@ -319,7 +327,7 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
   const int64_t splits = context_parts(rows * num_kv_heads, threads);
   // Shared between the phases: each is written by its owners and read after the next barrier.
   std::vector<float> qkv(rows * qkv_rows), part_outs(rows * q_size * splits), part_lses(rows * num_heads * splits),
-      delta(rows * hidden), gate_up(rows * 2 * intermediate), act(rows * intermediate);
+      delta(rows * hidden), gate_up(columns ? 0 : rows * 2 * intermediate), act(rows * intermediate);
   float* xs = x.data_ptr<float>();
   const float* cos_data = cos.data_ptr<float>();
   const float* sin_data = sin.data_ptr<float>();
@@ -346,10 +354,11 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
       return &input8;
     };
     // Shares of a matrix's output columns: whole panels where the matrices are in column panels (pairs of
-    // AVX2's 24-float panels, so that no two threads write one line).
+    // AVX2's 24-float panels, so that no two threads write one line; of a gated panel's activations, 4).
     const int64_t align = columns ? std::lcm(lmgate::column_width(), ALIGN) : ALIGN;
+    const int64_t act_align = columns ? std::lcm(lmgate::column_width() / 2, ALIGN) : ALIGN;
     const Range hr = share(hidden, t, team, align), qr = share(qkv_rows, t, team, align);
-    const Range gr = share(2 * intermediate, t, team, align), ir = share(intermediate, t, team, ALIGN);
+    const Range ir = share(intermediate, t, team, act_align);
     const Range ar = share(rows * num_kv_heads * splits, t, team, 1);
     const int64_t h0 = hr.begin, h1 = hr.end, q0 = qr.begin, q1 = qr.end, i0 = ir.begin, i1 = ir.end;
     // x[:, h0:h1] += delta[:, h0:h1], where this thread wrote delta's columns.
@@ -414,17 +423,16 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
       barrier->wait();
 
       lmgate::rms_norm_rows(xs, l.post_norm, rows, hidden, static_cast<float>(eps), h.data());
-      if (columns) {
-        l.gate_up.matvec(rows, h.data(), nullptr, hidden, gr.begin, gr.end, gate_up.data(), 2 * intermediate);
-        barrier->wait();
+      if (columns) {  // a gated pack: each panel's sums give its activations
+        l.gate_up.matvec(rows, h.data(), nullptr, hidden, i0, i1, act.data(), intermediate);
       } else {  // a thread's rows of gate and of up are the same columns: its SiLU needs no barrier
         const Int8Input* h8 = rounded(l.gate_up, h.data(), hidden);
         l.gate_up.matvec(rows, h.data(), h8, hidden, i0, i1, gate_up.data(), 2 * intermediate);
         l.gate_up.matvec(rows, h.data(), h8, hidden, intermediate + i0, intermediate + i1, gate_up.data(), 2 * intermediate);
-      }
-      for (int64_t m = 0; m < rows; ++m) {
-        const float* gate = gate_up.data() + m * 2 * intermediate;
-        lmgate::silu_and_mul_row(gate + i0, gate + intermediate + i0, i1 - i0, act.data() + m * intermediate + i0);
+        for (int64_t m = 0; m < rows; ++m) {
+          const float* gate = gate_up.data() + m * 2 * intermediate;
+          lmgate::silu_and_mul_row(gate + i0, gate + intermediate + i0, i1 - i0, act.data() + m * intermediate + i0);
+        }
       }
       barrier->wait();
 

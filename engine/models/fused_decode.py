@@ -18,6 +18,7 @@ from .panel_linear import PanelLinear
 from .quantized_linear import MATVEC_ROWS, QuantizedLinear
 
 COLUMN_PANELS = -1  # decode_layers.cpp's type for a float32 matrix packed by pack_columns
+GATED_PANELS = -2  # and for a gate_up projection packed by pack_gated_columns
 
 
 class FusedDecode:
@@ -49,7 +50,7 @@ class FusedDecode:
                     self.parts.append(len(linear.parts))
                 else:
                     self.weights.append(linear.columns)
-                    self.types.append(COLUMN_PANELS)
+                    self.types.append(GATED_PANELS if linear.gated else COLUMN_PANELS)
                     self.parts.append(1)
             if attn.qkv_proj.bias is not None:
                 self.qkv_bias.append(attn.qkv_proj.bias)
@@ -57,15 +58,17 @@ class FusedDecode:
     @staticmethod
     def build(model: torch.nn.Module) -> FusedDecode | None:
         """None unless every decoder layer's linear layers are quantized, all rounding activations to int8 or
-        none, or all float32 in column panels (`PanelLinear`); its other weights float32; and no bias but
-        qkv_proj's (Qwen2's, which the kernel adds)."""
+        none, or all float32 in column panels (`PanelLinear`) with gate_up gated; its other weights float32; and
+        no bias but qkv_proj's (Qwen2's, which the kernel adds)."""
         layers = model.model.layers
-        linears = [m for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                   layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        per_layer = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+                     for layer in layers]
+        linears = [m for four in per_layer for m in four]
         quantized = all(isinstance(m, QuantizedLinear) for m in linears)
         if quantized and len({m.int8_activations for m in linears}) > 1:
             return None
-        if not quantized and not all(isinstance(m, PanelLinear) for m in linears):
+        if not quantized and not all(isinstance(m, PanelLinear) and m.gated == (m is four[2])
+                                     for four in per_layer for m in four):
             return None
         if any(p.dtype != torch.float32 for layer in layers for p in layer.parameters()):
             return None

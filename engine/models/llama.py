@@ -13,6 +13,7 @@ from ..attention import AttentionMetadata, paged_attention
 from ..config import ModelConfig
 from ..kernels import layer_kernels
 from .fused_decode import FusedDecode
+from .panel_linear import PanelLinear
 from .quantized_linear import GGUFBlocks, cat_rows
 
 
@@ -95,6 +96,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.gate_up_proj, PanelLinear) and self.gate_up_proj.gated:  # the activation is its output
+            return self.down_proj(self.gate_up_proj(x))
         gate_up = self.gate_up_proj(x)
         if layer_kernels(gate_up):
             return self.down_proj(torch.ops.lmgate.silu_and_mul(gate_up))

@@ -19,12 +19,23 @@ from .packed_linear import pack_linears
 
 class PanelLinear(nn.Module):
     """`y = x @ W.T + b` for float32 W on the CPU, W packed in column panels (and not kept); read-only, so
-    engine loops may share it."""
+    engine loops may share it.
 
-    def __init__(self, linear: nn.Linear) -> None:
+    `gated`: W is a Llama MLP's gate_up projection (gate's rows, then up's, no bias), packed so that each panel
+    holds the gate and up columns of the same activations, and `y = silu(x @ Wgate.T) * (x @ Wup.T)`, half W's
+    rows wide: the activation comes from the GEMM's sums while they are in cache, with no [rows, 2 x
+    intermediate] projection written and read back, and no pass (or, in decode_layers.cpp, barrier) of its own.
+    """
+
+    def __init__(self, linear: nn.Linear, gated: bool = False) -> None:
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.columns = torch.ops.lmgate.pack_columns(linear.weight.detach())
+        if gated and (linear.bias is not None or linear.out_features % 2):
+            raise ValueError("a gated layer is a gate_up projection: an even number of rows and no bias")
+        self.gated = gated
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features // 2 if gated else linear.out_features
+        pack = torch.ops.lmgate.pack_gated_columns if gated else torch.ops.lmgate.pack_columns
+        self.columns = pack(linear.weight.detach())
         self.bias = linear.bias
 
     @staticmethod
@@ -38,21 +49,24 @@ class PanelLinear(nn.Module):
         return self.columns.nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.lmgate.linear_columns(x.reshape(-1, self.in_features), self.columns, self.out_features)
+        gemm = torch.ops.lmgate.linear_gated_columns if self.gated else torch.ops.lmgate.linear_columns
+        y = gemm(x.reshape(-1, self.in_features), self.columns, self.out_features)
         if self.bias is not None:
             y += self.bias
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+                f"{', gated' if self.gated else ''}")
 
 
 def cpu_linears(model: nn.Module, batch_hint: int) -> None:
     """Every `nn.Linear` of a CPU model swapped for the fastest layer this machine has for it: float32 through
-    gemm.cpp (`PanelLinear`), everything else packed for oneDNN where it takes it (`pack_linears`), else kept.
-    `batch_hint`: the token count steps usually have (oneDNN packs for it)."""
+    gemm.cpp (`PanelLinear`; an MLP's `gate_up_proj` without bias gated), everything else packed for oneDNN
+    where it takes it (`pack_linears`), else kept. `batch_hint`: the token count steps usually have (oneDNN
+    packs for it)."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and PanelLinear.takes(child):
-                setattr(parent, name, PanelLinear(child))
+                setattr(parent, name, PanelLinear(child, gated=name == "gate_up_proj" and child.bias is None))
     pack_linears(model, batch_hint)
