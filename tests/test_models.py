@@ -30,7 +30,7 @@ from lmgate.engine.errors import UnsupportedModel
 from lmgate.engine.kernels import compiler_found, load_cpu_kernels
 from lmgate.engine.kv_cache import allocate_kv_cache
 from lmgate.engine.loader import load_checkpoint, read_config
-from lmgate.engine.models import build_model, instantiate, load_weights
+from lmgate.engine.models import build_model, count_weight_bytes, instantiate, load_weights
 from lmgate.engine.models.fused_decode import FusedDecode
 from lmgate.engine.models.packed_linear import PackedLinear
 from lmgate.engine.models.panel_linear import PanelLinear
@@ -567,6 +567,13 @@ def test_build_model_swaps_every_linear_layer_on_cpu(tiny):
     if kind is PanelLinear or torch.backends.mkldnn.is_available():
         assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
         assert sum(isinstance(m, kind) for m in model.modules()) == 4 * model.config.num_layers + 1
+        assert all(m.gated == (name.endswith("gate_up_proj")) for name, m in model.named_modules()
+                   if isinstance(m, PanelLinear))
+        # weights counted once each: the parameters left (norms, the embedding) and every layer's packed copy
+        layers = [m for m in model.modules() if isinstance(m, kind)]
+        assert count_weight_bytes(model) == (sum(p.nbytes for p in model.parameters())
+                                             + sum(m.packed_bytes for m in layers))
+        assert all(m.packed_bytes >= m.in_features * m.out_features * 4 for m in layers)
     assert isinstance(model.fused_decode, FusedDecode) == (kind is PanelLinear)
 
 

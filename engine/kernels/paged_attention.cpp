@@ -548,7 +548,7 @@ void check_decode_tables(const at::Tensor& block_tables, const at::Tensor& lengt
 void attend_group(const float* q, const void* k_head, const void* v_head, at::ScalarType cache_type,
                   const int64_t* table, int64_t len, int64_t block_size, int64_t dim, int64_t group, float scale,
                   float* out, float* lse) {
-  AttentionScratch scratch;
+  thread_local AttentionScratch scratch;  // grown once per thread, not allocated and zeroed per (row, KV head)
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, cache_type, "attend_group", [&] {
     attend(q, 0, 1, static_cast<const scalar_t*>(k_head), static_cast<const scalar_t*>(v_head), table, len,
            block_size, dim, group, scale, out, 0, scratch, lse);

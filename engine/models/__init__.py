@@ -10,7 +10,7 @@ from ..config import ModelConfig
 from ..errors import UnsupportedModel
 from .fused_decode import FusedDecode
 from .llama import LlamaForCausalLM, RotaryEmbedding, pack_weights
-from .packed_linear import packed_bytes
+from .packed_linear import PackedLinear
 from .panel_linear import PanelLinear, cpu_linears
 from .quantized_linear import GGUFBlocks, GGUFStack, QuantizedEmbedding, QuantizedLinear
 
@@ -63,9 +63,8 @@ def count_weight_bytes(model: LlamaForCausalLM) -> int:
     """Bytes the weights take: parameters (tied ones once), packed copies and quantized blocks (shared ones
     once)."""
     blocks = {b.data_ptr(): b.nbytes for b in quantized_blocks(model)}
-    panels = sum(m.packed_bytes for m in model.modules() if isinstance(m, PanelLinear))
-    return (sum(p.numel() * p.element_size() for p in model.parameters()) + packed_bytes(model) + panels
-            + sum(blocks.values()))
+    packed = sum(m.packed_bytes for m in model.modules() if isinstance(m, (PackedLinear, PanelLinear)))
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + packed + sum(blocks.values())
 
 
 def quantized_blocks(model: LlamaForCausalLM) -> list[torch.Tensor]:

@@ -55,7 +55,3 @@ def pack_linears(model: nn.Module, batch_hint: int) -> None:
                 except RuntimeError as exc:  # oneDNN refuses this dtype on this machine
                     log.info("linear layers stay unpacked: %s", exc)
                     return
-
-
-def packed_bytes(model: nn.Module) -> int:
-    return sum(m.packed_bytes for m in model.modules() if isinstance(m, PackedLinear))
