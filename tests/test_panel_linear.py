@@ -56,11 +56,11 @@ def test_column_panels_refuse_what_they_cannot_compute():
 
 
 @pytest.mark.parametrize("m", [0, 1, 7, 8, 9, 64, 300])
-@pytest.mark.parametrize("n", [1, 11, 12, 13, 23, 24, 25, 49, 100])
+@pytest.mark.parametrize("n", [1, 13, 23, 24, 25, 47, 48, 49, 100])
 @pytest.mark.parametrize("k", [3, 576, 2080])
 def test_gated_linear_is_silu_of_gate_times_up(m, n, k):
-    """A gated pack's panels hold 12 (AVX2) or 24 (AVX-512) activations' gate and up columns: n at and around
-    both, one panel or several, rows in tiles and blocks, K in one chunk or three. The activations are exactly
+    """A gated pack's pairs of panels hold 24 (AVX2) or 48 (AVX-512) activations' gate and up columns: n at and
+    around both, one pair or several, rows in tiles and blocks, K in one chunk or three. The activations are exactly
     what the plain panels and silu_and_mul give (the same sums in the same order), and match float64."""
     torch.manual_seed(m * 1000 + n + k)
     x, w = torch.randn(m, k), torch.randn(2 * n, k)

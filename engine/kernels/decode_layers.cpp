@@ -205,12 +205,14 @@ Linear linear(at::TensorList weights, at::IntArrayRef types, int64_t* next, int6
   Linear l;
   if (types[*next] == COLUMN_PANELS || types[*next] == GATED_PANELS) {
     const at::Tensor& w = weights[*next];
-    const int64_t width = types[*next] == GATED_PANELS ? lmgate::column_width() / 2 : lmgate::column_width();
+    // panels of `width` columns, a gated pack's in pairs (`group`) per `width` activations
+    const int64_t width = lmgate::column_width(), group = types[*next] == GATED_PANELS ? 2 : 1;
+    const int64_t groups = (rows + width - 1) / width;
     TORCH_CHECK(count == 1 && rows >= 0, "decode_layers: a matrix in column panels is one part of known rows");
-    TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(1) == k &&
-                    w.size(2) == lmgate::column_width() && rows > (w.size(0) - 1) * width && rows <= w.size(0) * width,
-                "decode_layers: a matrix in column panels must be a [", (rows + width - 1) / width, ", ", k, ", ",
-                lmgate::column_width(), "] float32 pack");
+    TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(0) == group * groups &&
+                    w.size(1) == k && w.size(2) == width,
+                "decode_layers: a matrix in column panels must be a [", group * groups, ", ", k, ", ", width,
+                "] float32 pack");
     l.parts.push_back({reinterpret_cast<const uint8_t*>(w.data_ptr<float>()), types[*next], 0, rows, 0});
     l.rows = rows;
     *next += 1;
@@ -353,12 +355,11 @@ void decode_layers(at::Tensor& x, at::TensorList norms, at::TensorList weights, 
       lmgate::quantize_int8(src, rows, k, x8.data(), x8_scales.data());
       return &input8;
     };
-    // Shares of a matrix's output columns: whole panels where the matrices are in column panels (pairs of
-    // AVX2's 24-float panels, so that no two threads write one line; of a gated panel's activations, 4).
+    // Shares of a matrix's output columns (a gated pack's activations): whole panels where the matrices are in
+    // column panels (pairs of AVX2's 24-float panels, so that no two threads write one line).
     const int64_t align = columns ? std::lcm(lmgate::column_width(), ALIGN) : ALIGN;
-    const int64_t act_align = columns ? std::lcm(lmgate::column_width() / 2, ALIGN) : ALIGN;
     const Range hr = share(hidden, t, team, align), qr = share(qkv_rows, t, team, align);
-    const Range ir = share(intermediate, t, team, act_align);
+    const Range ir = share(intermediate, t, team, align);
     const Range ar = share(rows * num_kv_heads * splits, t, team, 1);
     const int64_t h0 = hr.begin, h1 = hr.end, q0 = qr.begin, q1 = qr.end, i0 = ir.begin, i1 = ir.end;
     // x[:, h0:h1] += delta[:, h0:h1], where this thread wrote delta's columns.

@@ -11,10 +11,10 @@
 // against 99-126) and 512 (214-220 against 200-206), and a float32 engine of 64 streams ran 333 against 302
 // tokens/s (with decode_layers.cpp, which needs whole panels per thread).
 //
-// Gated columns (`pack_gated_columns`, `linear_gated_columns`, `gated_range`): a Llama MLP's gate_up W with each
-// panel's columns the gate and the up of the same HALF activations, so that silu(gate) * up is computed from a
-// tile's sums while they are in L1, and the [M, 2 x intermediate] projection is never written to memory and
-// read back (the separate SiLU pass took 14 ms of a 600 ms step of 512 rows on the 2-core Zen 4: 586 against
+// Gated columns (`pack_gated_columns`, `linear_gated_columns`, `gated_range`): a Llama MLP's gate_up W in pairs
+// of panels, the gate and the up columns of the same COLUMNS activations, so that silu(gate) * up is computed
+// in whole vectors from a tile's sums while they are in cache, and the [M, 2 x intermediate] projection is
+// never written to memory and read back (the separate SiLU pass took 14 ms of a 600 ms step of 512 rows on the 2-core Zen 4: 586 against
 // 608 ms a step with it gone; decode steps of 64 rows 105-110 against 112-115 ms).
 //
 // Rows (`panel_gemm`): W as rows of K weights, which quantized_matmul.cpp expands from blocks a panel of
@@ -138,8 +138,6 @@ void dot_any_tile(int64_t m, int64_t n, const float* x, const float* panel, int6
 // with zero columns.
 constexpr int64_t PANEL_VECTORS = 3;
 constexpr int64_t COLUMNS = PANEL_VECTORS * Vec::size();
-// A gated panel (`pack_gated_columns`): HALF columns of a gate_up W's gate, then the same HALF of its up.
-constexpr int64_t HALF = COLUMNS / 2;
 // Rows of x per register tile: 8 x 3 accumulators of AVX-512's 32 registers, 4 x 3 of AVX2's 16.
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr int64_t COLUMN_TILE_M = 8;
@@ -196,18 +194,19 @@ at::Tensor pack_columns(const at::Tensor& w_in) {
 }
 
 // w: [2n, K] float32, a gate_up projection (gate's n rows, then up's) -> `pack_columns`' layout of its rows
-// reordered [gate 0:HALF, up 0:HALF, gate HALF:2 HALF, up HALF:2 HALF, ...], zero-padded: each panel holds the
-// gate and up columns of the same HALF activations, so one panel's sums give them (`linear_gated_columns`).
+// reordered [gate 0:C, up 0:C, gate C:2C, up C:2C, ...], C = COLUMNS, zero-padded: pairs of panels, the gate
+// and the up columns of the same C activations, so that a pair's sums give them (`linear_gated_columns`) in
+// whole vectors.
 at::Tensor pack_gated_columns(const at::Tensor& w_in) {
   TORCH_CHECK(w_in.dim() == 2 && w_in.scalar_type() == at::kFloat && w_in.size(0) % 2 == 0,
               "w must be a float32 [2n, K] tensor");
   const at::Tensor w = w_in.contiguous();
-  const int64_t n = w.size(0) / 2, panels = (n + HALF - 1) / HALF;
-  at::Tensor paired = at::zeros({panels * COLUMNS, w.size(1)}, w.options());
-  for (int64_t p = 0; p < panels; ++p) {
-    const int64_t cols = std::min(HALF, n - p * HALF);
-    paired.narrow(0, p * COLUMNS, cols).copy_(w.narrow(0, p * HALF, cols));
-    paired.narrow(0, p * COLUMNS + HALF, cols).copy_(w.narrow(0, n + p * HALF, cols));
+  const int64_t n = w.size(0) / 2, pairs = (n + COLUMNS - 1) / COLUMNS;
+  at::Tensor paired = at::zeros({pairs * 2 * COLUMNS, w.size(1)}, w.options());
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t cols = std::min(COLUMNS, n - p * COLUMNS);
+    paired.narrow(0, 2 * p * COLUMNS, cols).copy_(w.narrow(0, p * COLUMNS, cols));
+    paired.narrow(0, (2 * p + 1) * COLUMNS, cols).copy_(w.narrow(0, n + p * COLUMNS, cols));
   }
   return pack_columns(paired);
 }
@@ -235,22 +234,34 @@ void plain_panel(const float* x, int64_t m_begin, int64_t m_end, int64_t k, cons
                out + m_begin * out_stride + p * COLUMNS, out_stride, [](int64_t, int64_t) {});
 }
 
-// Panel p of a gated pack (`pack_gated_columns`) of n activation columns, for the rows [m_begin, m_end) of x:
-// its gate and up sums into `scratch` (a row of COLUMNS floats per row of x), and from each finished tile
-// silu(gate) * up into out's columns [p * HALF, p * HALF + HALF), while the tile's sums are still in L1.
+// Pair p of a gated pack (`pack_gated_columns`) of n activation columns, for the rows [m_begin, m_end) of x:
+// the gate panel's sums into `scratch` (rows of 2 x COLUMNS floats, the gate's half first), then the up
+// panel's, and from each of its finished tiles silu(gate) * up into out's columns [p * COLUMNS, (p + 1) *
+// COLUMNS), while the tile's sums are still in L1.
 void gated_panel(const float* x, int64_t m_begin, int64_t m_end, int64_t k, const float* packed, int64_t n,
                  int64_t p, float* scratch, float* out, int64_t out_stride) {
-  const int64_t cols = std::min(HALF, n - p * HALF);
-  column_panel(x, m_begin, m_end, k, packed + p * k * COLUMNS, COLUMNS, scratch, COLUMNS, [&](int64_t m0, int64_t rows) {
+  const int64_t cols = std::min(COLUMNS, n - p * COLUMNS), stride = 2 * COLUMNS;
+  const float* gate = packed + 2 * p * k * COLUMNS;
+  column_panel(x, m_begin, m_end, k, gate, cols, scratch, stride, [](int64_t, int64_t) {});
+  column_panel(x, m_begin, m_end, k, gate + k * COLUMNS, cols, scratch + COLUMNS, stride, [&](int64_t m0, int64_t rows) {
     for (int64_t m = m0; m < m0 + rows; ++m) {
-      const float* sums = scratch + (m - m_begin) * COLUMNS;
-      lmgate::silu_and_mul_row(sums, sums + HALF, cols, out + m * out_stride + p * HALF);
+      const float* sums = scratch + (m - m_begin) * stride;
+      lmgate::silu_and_mul_row(sums, sums + COLUMNS, cols, out + m * out_stride + p * COLUMNS);
     }
   });
 }
 
-// fn(m_begin, m_end, p) over every panel of `panels` and the rows of x, on the team: threads take whole panels
-// (each weight read from memory once) and, where panels are fewer than 4 per thread, blocks of rows too.
+// This thread's buffer of at least n floats for a gated panel's sums: grown when needed, never cleared (a
+// vector per panel zeroed some 190 MB a step of 512 rows).
+float* gated_scratch(int64_t n) {
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(n);
+  return buffer.data();
+}
+
+// fn(m_begin, m_end, p) over `panels` panels (or a gated pack's pairs) and the rows of x, on the team: threads
+// take whole panels (each weight read from memory once) and, where panels are fewer than 4 per thread, blocks
+// of rows too.
 template <typename PanelFn>
 void over_panels(int64_t m_rows, int64_t panels, PanelFn&& fn) {
   const int64_t tiles = (m_rows + COLUMN_TILE_M - 1) / COLUMN_TILE_M;
@@ -264,19 +275,21 @@ void over_panels(int64_t m_rows, int64_t panels, PanelFn&& fn) {
   });
 }
 
-// What linear_columns and linear_gated_columns check of x and a pack of `n` output columns, `width` of them
-// a panel.
-void check_columns(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t width) {
+// What linear_columns and linear_gated_columns check of x and a pack of `n` output columns, COLUMNS of them
+// for every `group` panels (1, or a gated pack's 2).
+void check_columns(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t group) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a float32 [M, K] tensor");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat && packed.is_contiguous() &&
                   packed.size(1) == x.size(1) && packed.size(2) == COLUMNS,
               "packed must be a float32 [panels, K, ", COLUMNS, "] pack with x's K");
-  TORCH_CHECK(n > (packed.size(0) - 1) * width && n <= packed.size(0) * width, "n does not match the packed panels");
+  const int64_t groups = packed.size(0) / group;
+  TORCH_CHECK(packed.size(0) % group == 0 && n > (groups - 1) * COLUMNS && n <= groups * COLUMNS,
+              "n does not match the packed panels");
 }
 
 // x: [M, K] float32; packed: `pack_columns` of an [n, K] W. x @ W.T, [M, n].
 at::Tensor linear_columns(const at::Tensor& x_in, const at::Tensor& packed, int64_t n) {
-  check_columns(x_in, packed, n, COLUMNS);
+  check_columns(x_in, packed, n, 1);
   const at::Tensor x = x_in.contiguous();
   const int64_t m_rows = x.size(0), k = x.size(1);
   at::Tensor out = at::empty({m_rows, n}, x.options());
@@ -293,7 +306,7 @@ at::Tensor linear_columns(const at::Tensor& x_in, const at::Tensor& packed, int6
 // x: [M, K] float32; packed: `pack_gated_columns` of a [2n, K] gate_up W. silu(x @ Wgate.T) * (x @ Wup.T),
 // [M, n]: a Llama MLP's activation, without writing and reading back the [M, 2n] projection.
 at::Tensor linear_gated_columns(const at::Tensor& x_in, const at::Tensor& packed, int64_t n) {
-  check_columns(x_in, packed, n, HALF);
+  check_columns(x_in, packed, n, 2);
   const at::Tensor x = x_in.contiguous();
   const int64_t m_rows = x.size(0), k = x.size(1);
   at::Tensor out = at::empty({m_rows, n}, x.options());
@@ -301,9 +314,8 @@ at::Tensor linear_gated_columns(const at::Tensor& x_in, const at::Tensor& packed
   const float* xs = x.data_ptr<float>();
   const float* w = packed.data_ptr<float>();
   float* os = out.data_ptr<float>();
-  over_panels(m_rows, packed.size(0), [&](int64_t m_begin, int64_t m_end, int64_t p) {
-    std::vector<float> scratch((m_end - m_begin) * COLUMNS);
-    gated_panel(xs, m_begin, m_end, k, w, n, p, scratch.data(), os, n);
+  over_panels(m_rows, packed.size(0) / 2, [&](int64_t m_begin, int64_t m_end, int64_t p) {
+    gated_panel(xs, m_begin, m_end, k, w, n, p, gated_scratch((m_end - m_begin) * 2 * COLUMNS), os, n);
   });
   return out;
 }
@@ -321,8 +333,8 @@ void column_range(const float* x, int64_t m_rows, int64_t k, const float* packed
 
 void gated_range(const float* x, int64_t m_rows, int64_t k, const float* packed, int64_t n, int64_t begin,
                  int64_t end, float* out, int64_t out_stride) {
-  std::vector<float> scratch(m_rows * COLUMNS);
-  for (int64_t p = begin / HALF; p * HALF < end; ++p) gated_panel(x, 0, m_rows, k, packed, n, p, scratch.data(), out, out_stride);
+  float* scratch = gated_scratch(m_rows * 2 * COLUMNS);
+  for (int64_t p = begin / COLUMNS; p * COLUMNS < end; ++p) gated_panel(x, 0, m_rows, k, packed, n, p, scratch, out, out_stride);
 }
 
 // Threads take whole panels, each expanded into L2 and used a chunk of K at a time; while a thread works on

@@ -16,8 +16,8 @@ struct WeightRows {
 // out[M, N] = x[M, K] @ W.T, W's N rows taken a panel at a time.
 void panel_gemm(const float* x, int64_t m_rows, int64_t k, int64_t n_rows, const WeightRows& w, float* out);
 
-// Columns per panel of `pack_columns`' layout in this build (48 with AVX-512, 24 with AVX2); a gated pack's
-// panel (`pack_gated_columns`) gives half as many activations.
+// Columns per panel of `pack_columns`' layout in this build (48 with AVX-512, 24 with AVX2), and activations
+// per pair of panels of a gated pack (`pack_gated_columns`).
 int64_t column_width();
 
 // out[m * out_stride + c] = x[m] . W[c] for the columns c in [begin, end) of an n-column W packed by
@@ -27,7 +27,7 @@ void column_range(const float* x, int64_t m_rows, int64_t k, const float* packed
 
 // out[m * out_stride + c] = silu(x[m] . Wgate[c]) * (x[m] . Wup[c]) for the activations c in [begin, end) of a
 // gate_up W of n activations packed by `pack_gated_columns`, on the calling thread; begin a multiple of
-// column_width() / 2, end one too or n.
+// column_width(), end one too or n.
 void gated_range(const float* x, int64_t m_rows, int64_t k, const float* packed, int64_t n, int64_t begin,
                  int64_t end, float* out, int64_t out_stride);
 
