@@ -21,8 +21,8 @@ class PanelLinear(nn.Module):
     """`y = x @ W.T + b` for float32 W on the CPU, W packed in column panels (and not kept); read-only, so
     engine loops may share it.
 
-    `gated`: W is a Llama MLP's gate_up projection (gate's rows, then up's, no bias), packed so that each panel
-    holds the gate and up columns of the same activations, and `y = silu(x @ Wgate.T) * (x @ Wup.T)`, half W's
+    `gated`: W is a Llama MLP's gate_up projection (gate's rows, then up's, no bias), packed in pairs of panels
+    that hold the gate and the up columns of the same activations, and `y = silu(x @ Wgate.T) * (x @ Wup.T)`, half W's
     rows wide: the activation comes from the GEMM's sums while they are in cache, with no [rows, 2 x
     intermediate] projection written and read back, and no pass (or, in decode_layers.cpp, barrier) of its own.
     """
