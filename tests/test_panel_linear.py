@@ -82,6 +82,11 @@ def test_gated_panels_refuse_what_they_cannot_compute():
         PanelLinear(nn.Linear(32, 16), gated=True)
 
 
+def test_gated_linear_of_no_activations_is_empty():
+    packed = torch.ops.lmgate.pack_gated_columns(torch.randn(0, 32))
+    assert torch.ops.lmgate.linear_gated_columns(torch.randn(5, 32), packed, 0).shape == (5, 0)
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_panel_linear_matches_f_linear_on_any_leading_shape(bias):
     linear = nn.Linear(64, 50, bias=bias)

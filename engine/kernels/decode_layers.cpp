@@ -14,9 +14,10 @@
 // blocks; each thread merges the parts (`merge_parts`) and computes its share of x += attn Wo^T;
 // h = rms_norm(x); act = silu(h Wgate^T) * h Wup^T (a thread owns both halves of its rows); x += act Wdown^T.
 // With column panels, threads take whole panels of every matrix (their shares are multiples of the panel
-// width), and gate_up's panels pair gate and up columns (gemm.cpp's `pack_gated_columns`), so that each
-// panel's sums give its activations at once. A 64-row decode step of the embedded model ran some 300 parallel torch ops, each waking the team
-// (25-35 us each on a 2-core Zen 4): the same step is 6 barriers a layer here.
+// width), and gate_up's pairs of panels hold the gate and the up columns of the same activations (gemm.cpp's
+// `pack_gated_columns`), so that a pair's sums give its activations at once. A 64-row decode step of the
+// embedded model ran some 300 parallel torch ops, each waking the team (25-35 us each on a 2-core Zen 4): the
+// same step is 5 barriers a layer here.
 // fp32 throughout (a 16-bit KV cache is converted as it is stored and read), the same arithmetic as the torch
 // path up to the order of sums; with int8 activations (`--int8-activations`) each matrix whose type allows it reads
 // its input rounded to int8 per block of 32, as the torch path's layers do (int8_matmul.cpp), each thread
@@ -161,7 +162,8 @@ struct Linear {
   bool takes_int8 = false;  // a part's type reads int8 x: worth rounding x for
 
   // out[m, n] = x[m] . W[n] for the rows n in [begin, end) of the whole matrix (for a gated pack, the
-  // activations silu(x[m] . Wgate[n]) * (x[m] . Wup[n])); x as rounded (`x8`) where given and the part's type allows.
+  // activations silu(x[m] . Wgate[n]) * (x[m] . Wup[n])); x as rounded (`x8`) where given and the part's type
+  // allows.
   void matvec(int64_t m_rows, const float* x, const Int8Input* x8, int64_t k, int64_t begin, int64_t end, float* out,
               int64_t stride) const {
     for (const Part& p : parts) {

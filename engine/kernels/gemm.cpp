@@ -240,18 +240,19 @@ void plain_panel(const float* x, int64_t m_begin, int64_t m_end, int64_t k, cons
 // Pair p of a gated pack (`pack_gated_columns`) of n activation columns, for the rows [m_begin, m_end) of x:
 // the gate panel's sums into `scratch` (rows of 2 x COLUMNS floats, the gate's half first), then the up
 // panel's, and from each of its finished tiles silu(gate) * up into out's columns [p * COLUMNS, (p + 1) *
-// COLUMNS), while the tile's sums are still in L1.
+// COLUMNS), while the tile's up sums are in L1 (its gate sums in L1 or L2).
 void gated_panel(const float* x, int64_t m_begin, int64_t m_end, int64_t k, const float* packed, int64_t n,
                  int64_t p, float* scratch, float* out, int64_t out_stride) {
   const int64_t cols = std::min(COLUMNS, n - p * COLUMNS), stride = 2 * COLUMNS;
   const float* gate = packed + 2 * p * k * COLUMNS;
   column_panel(x, m_begin, m_end, k, gate, cols, scratch, stride, [](int64_t, int64_t) {});
-  column_panel(x, m_begin, m_end, k, gate + k * COLUMNS, cols, scratch + COLUMNS, stride, [&](int64_t m0, int64_t rows) {
+  const auto activate = [&](int64_t m0, int64_t rows) {
     for (int64_t m = m0; m < m0 + rows; ++m) {
       const float* sums = scratch + (m - m_begin) * stride;
       lmgate::silu_and_mul_row(sums, sums + COLUMNS, cols, out + m * out_stride + p * COLUMNS);
     }
-  });
+  };
+  column_panel(x, m_begin, m_end, k, gate + k * COLUMNS, cols, scratch + COLUMNS, stride, activate);
 }
 
 // This thread's buffer of at least n floats for a gated panel's sums: grown when needed, never cleared (a
@@ -267,6 +268,7 @@ float* gated_scratch(int64_t n) {
 // of rows too.
 template <typename PanelFn>
 void over_panels(int64_t m_rows, int64_t panels, PanelFn&& fn) {
+  if (m_rows == 0 || panels == 0) return;  // a step in which no row samples asks the LM head for none
   const int64_t tiles = (m_rows + COLUMN_TILE_M - 1) / COLUMN_TILE_M;
   const int64_t row_blocks = std::min(tiles, (4 * at::get_num_threads() + panels - 1) / panels);
   const int64_t block_rows = (tiles + row_blocks - 1) / row_blocks * COLUMN_TILE_M;
@@ -296,7 +298,6 @@ at::Tensor linear_columns(const at::Tensor& x_in, const at::Tensor& packed, int6
   const at::Tensor x = x_in.contiguous();
   const int64_t m_rows = x.size(0), k = x.size(1);
   at::Tensor out = at::empty({m_rows, n}, x.options());
-  if (m_rows == 0 || n == 0) return out;  // a step in which no row samples asks the LM head for none
   const float* xs = x.data_ptr<float>();
   const float* w = packed.data_ptr<float>();
   float* os = out.data_ptr<float>();
@@ -313,7 +314,6 @@ at::Tensor linear_gated_columns(const at::Tensor& x_in, const at::Tensor& packed
   const at::Tensor x = x_in.contiguous();
   const int64_t m_rows = x.size(0), k = x.size(1);
   at::Tensor out = at::empty({m_rows, n}, x.options());
-  if (m_rows == 0) return out;
   const float* xs = x.data_ptr<float>();
   const float* w = packed.data_ptr<float>();
   float* os = out.data_ptr<float>();
@@ -337,7 +337,9 @@ void column_range(const float* x, int64_t m_rows, int64_t k, const float* packed
 void gated_range(const float* x, int64_t m_rows, int64_t k, const float* packed, int64_t n, int64_t begin,
                  int64_t end, float* out, int64_t out_stride) {
   float* scratch = gated_scratch(m_rows * 2 * COLUMNS);
-  for (int64_t p = begin / COLUMNS; p * COLUMNS < end; ++p) gated_panel(x, 0, m_rows, k, packed, n, p, scratch, out, out_stride);
+  for (int64_t p = begin / COLUMNS; p * COLUMNS < end; ++p) {
+    gated_panel(x, 0, m_rows, k, packed, n, p, scratch, out, out_stride);
+  }
 }
 
 // Threads take whole panels, each expanded into L2 and used a chunk of K at a time; while a thread works on
