@@ -280,47 +280,45 @@ void over_panels(int64_t m_rows, int64_t panels, PanelFn&& fn) {
   });
 }
 
-// What linear_columns and linear_gated_columns check of x and a pack of `n` output columns, COLUMNS of them
-// for every `group` panels (1, or a gated pack's 2).
-void check_columns(const at::Tensor& x, const at::Tensor& packed, int64_t n, int64_t group) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a float32 [M, K] tensor");
+// out [M, n] from x [M, K] float32 and a pack of `n` output columns, COLUMNS of them for every `group` panels
+// (1, or a gated pack's 2): `panel(x, m_begin, m_end, k, packed, n, p, out)` fills group p's columns for the
+// rows [m_begin, m_end), on the team (`over_panels`).
+template <typename PanelFn>
+at::Tensor over_pack(const at::Tensor& x_in, const at::Tensor& packed, int64_t n, int64_t group, PanelFn&& panel) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat, "x must be a float32 [M, K] tensor");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat && packed.is_contiguous() &&
-                  packed.size(1) == x.size(1) && packed.size(2) == COLUMNS,
+                  packed.size(1) == x_in.size(1) && packed.size(2) == COLUMNS,
               "packed must be a float32 [panels, K, ", COLUMNS, "] pack with x's K");
   const int64_t groups = packed.size(0) / group;
   TORCH_CHECK(packed.size(0) % group == 0 && n > (groups - 1) * COLUMNS && n <= groups * COLUMNS,
               "n does not match the packed panels");
-}
-
-// x: [M, K] float32; packed: `pack_columns` of an [n, K] W. x @ W.T, [M, n].
-at::Tensor linear_columns(const at::Tensor& x_in, const at::Tensor& packed, int64_t n) {
-  check_columns(x_in, packed, n, 1);
   const at::Tensor x = x_in.contiguous();
   const int64_t m_rows = x.size(0), k = x.size(1);
   at::Tensor out = at::empty({m_rows, n}, x.options());
   const float* xs = x.data_ptr<float>();
   const float* w = packed.data_ptr<float>();
   float* os = out.data_ptr<float>();
-  over_panels(m_rows, packed.size(0), [&](int64_t m_begin, int64_t m_end, int64_t p) {
-    plain_panel(xs, m_begin, m_end, k, w, n, p, os, n);
+  over_panels(m_rows, groups, [&](int64_t m_begin, int64_t m_end, int64_t p) {
+    panel(xs, m_begin, m_end, k, w, n, p, os);
   });
   return out;
+}
+
+// x: [M, K] float32; packed: `pack_columns` of an [n, K] W. x @ W.T, [M, n].
+at::Tensor linear_columns(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+  return over_pack(x, packed, n, 1, [](const float* xs, int64_t m_begin, int64_t m_end, int64_t k, const float* w,
+                                       int64_t n, int64_t p, float* out) {
+    plain_panel(xs, m_begin, m_end, k, w, n, p, out, n);
+  });
 }
 
 // x: [M, K] float32; packed: `pack_gated_columns` of a [2n, K] gate_up W. silu(x @ Wgate.T) * (x @ Wup.T),
 // [M, n]: a Llama MLP's activation, without writing and reading back the [M, 2n] projection.
-at::Tensor linear_gated_columns(const at::Tensor& x_in, const at::Tensor& packed, int64_t n) {
-  check_columns(x_in, packed, n, 2);
-  const at::Tensor x = x_in.contiguous();
-  const int64_t m_rows = x.size(0), k = x.size(1);
-  at::Tensor out = at::empty({m_rows, n}, x.options());
-  const float* xs = x.data_ptr<float>();
-  const float* w = packed.data_ptr<float>();
-  float* os = out.data_ptr<float>();
-  over_panels(m_rows, packed.size(0) / 2, [&](int64_t m_begin, int64_t m_end, int64_t p) {
-    gated_panel(xs, m_begin, m_end, k, w, n, p, gated_scratch((m_end - m_begin) * 2 * COLUMNS), os, n);
+at::Tensor linear_gated_columns(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
+  return over_pack(x, packed, n, 2, [](const float* xs, int64_t m_begin, int64_t m_end, int64_t k, const float* w,
+                                       int64_t n, int64_t p, float* out) {
+    gated_panel(xs, m_begin, m_end, k, w, n, p, gated_scratch((m_end - m_begin) * 2 * COLUMNS), out, n);
   });
-  return out;
 }
 
 }  // namespace
