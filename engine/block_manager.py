@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 
 from .sequence import Sequence
 
@@ -67,35 +68,44 @@ class BlockManager:
 
     # prefix cache ------------------------------------------------------------------------------------------
 
-    def match_prefix(self, seq: Sequence) -> int:
-        """Extend a sequence whose KV ends at a block boundary with cached blocks of its next tokens (never
-        its last token, which must be computed for its logits). Returns the tokens taken from the cache."""
-        bs = self.block_size
-        if not self.prefix_caching or seq.num_computed != len(seq.block_table) * bs:
-            return 0
-        start = len(seq.block_table)
-        stop = (len(seq.token_ids) - 1) // bs
-        self.queried_tokens += max(0, (stop - start) * bs)
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks that would extend a sequence whose KV ends at a block boundary with its next
+        tokens (never its last token, which must be computed for its logits). Only looks: `take_prefix` takes
+        them, once the scheduler knows there is room for the chunk after them."""
+        lookup = self._lookup(seq)
         found: list[int] = []
-        for j in range(start, stop):
-            key = self._key(seq, j)
+        parent = seq.block_hashes[lookup.start - 1] if lookup.start else 0
+        for j in lookup:
+            key = self._key(seq, j, parent)
             block = self.cached.get(key)
             if block is None:
                 break
             found.append(block)
-            seq.block_hashes.append(hash(key))
-        self.retain(found)
-        seq.block_table.extend(found)
-        seq.num_computed += len(found) * bs
-        self.hit_tokens += len(found) * bs
-        return len(found) * bs
+            parent = hash(key)
+        return found
+
+    def take_prefix(self, seq: Sequence, blocks: list[int]) -> int:
+        """Extend the sequence with the blocks `match_prefix` found for it, and count the lookup in the hit
+        rate. Returns the tokens taken from the cache."""
+        self.queried_tokens += len(self._lookup(seq)) * self.block_size
+        self.retain(blocks)
+        seq.block_table.extend(blocks)
+        seq.block_hashes.extend(hash(self.keys[b]) for b in blocks)
+        seq.num_computed += len(blocks) * self.block_size
+        self.hit_tokens += len(blocks) * self.block_size
+        return len(blocks) * self.block_size
+
+    def num_free_of(self, blocks: Iterable[int]) -> int:
+        """How many of these blocks are on the free list: taking a cached block that no one holds uses up a
+        free block as allocating one does."""
+        return sum(self.ref_counts[b] == 0 for b in blocks)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Give the sequence's newly full, computed blocks their keys, so later prompts can share them."""
         if not self.prefix_caching:
             return
         for j in range(len(seq.block_hashes), seq.num_computed // self.block_size):
-            key = self._key(seq, j)
+            key = self._key(seq, j, seq.block_hashes[j - 1] if j else 0)
             block = seq.block_table[j]
             if key not in self.cached and self.keys[block] is None:
                 self.cached[key] = block
@@ -115,8 +125,16 @@ class BlockManager:
         self.cached.clear()
         self.keys = [None] * self.num_blocks
 
-    def _key(self, seq: Sequence, j: int) -> BlockKey:
-        parent = seq.block_hashes[j - 1] if j else 0
+    def _lookup(self, seq: Sequence) -> range:
+        """The block indices of a sequence the prefix cache may supply: from the end of its KV, if that is at
+        a block boundary, up to the block that holds its last token."""
+        start = len(seq.block_table)
+        if not self.prefix_caching or seq.num_computed != start * self.block_size:
+            return range(0)
+        return range(start, max(start, (len(seq.token_ids) - 1) // self.block_size))
+
+    def _key(self, seq: Sequence, j: int, parent: int) -> BlockKey:
+        """Block j's key, `parent` being the hash of block j - 1's key (0 for the first block)."""
         return parent, tuple(seq.token_ids[j * self.block_size : (j + 1) * self.block_size])
 
     def _forget(self, block: int) -> None:

@@ -170,12 +170,12 @@ class EngineLoop:
     def step(self, requests: list[Request]) -> None:
         """One engine step: kAdd, cancellations, then the batch ops kSetup .. kDel."""
         self.num_steps += 1
+        for request in requests:
+            self._add(request)
         self.runner.install_pending_weights()
         if self.weights_version != self.runner.weights_version:  # cached KV was computed by other weights
             self.blocks.reset_prefix_cache()
             self.weights_version = self.runner.weights_version
-        for request in requests:
-            self._add(request)
         self._reap_cancelled()
         batch = BatchData(self.scheduler.schedule())
         if not batch.seqs:
@@ -194,9 +194,21 @@ class EngineLoop:
     # kAdd --------------------------------------------------------------------------------------------------
 
     def _add(self, request: Request) -> None:
-        if request.kind is not RequestKind.GENERATE:
-            self._control(request)
-            return
+        """Hand a popped request to the scheduler, or answer it, whatever fails: the Gateway counts it as taken,
+        so a request dropped here would hang its stream, its End, or the Sleep or Wakeup waiting on it."""
+        try:
+            if request.kind is RequestKind.GENERATE:
+                self._add_generate(request)
+            else:
+                self._control(request)
+        except CommAborted:
+            raise
+        except Exception as exc:
+            log.exception("engine loop %d: a %s request failed", self.rank, request.kind.name)
+            error = exc if isinstance(exc, EngineError) else InternalError(f"{request.kind.name.lower()} failed: {exc}")
+            self._emit(request, RequestOutput(request.request_id, request.session_id, error=error))
+
+    def _add_generate(self, request: Request) -> None:
         if self._ended_while_queued(request):
             self._emit(request, cancelled_output(request))
             return
@@ -349,8 +361,10 @@ class EngineLoop:
     # failure and shutdown ----------------------------------------------------------------------------------
 
     def _fail_all(self, error: EngineError) -> None:
+        """End every sequence with `error`, but those a failed step's kUpdate had already given their last output."""
         for seq in self.scheduler.running + list(self.scheduler.waiting):
-            self._emit(seq.request, RequestOutput(seq.request.request_id, seq.request.session_id, error=error))
+            if seq.finish_reason is None:
+                self._emit(seq.request, RequestOutput(seq.request.request_id, seq.request.session_id, error=error))
             self.scheduler.remove(seq)
             self.blocks.release(seq.block_table)
             seq.session.active = None

@@ -99,22 +99,37 @@ class Gateway:
             raise
 
     def control(self, kind: RequestKind) -> None:
-        """Send a control request to every engine loop and wait until each has handled it at a step boundary.
-        A loop that has shut down counts as done."""
+        """Send a control request to every engine loop and wait until each has handled it at a step boundary;
+        raises the first error a loop answered with (a KV cache that could not be allocated again). A loop
+        that has shut down counts as done."""
         pending = threading.Semaphore(0)
+        errors: list[EngineError] = []
+
+        def answered(output: RequestOutput) -> None:
+            if output.error is not None:
+                errors.append(output.error)
+            pending.release()
+
         for rank in range(len(self.queues)):
-            if not self.enqueue(rank, Request(kind, 0, lambda _: pending.release())):
+            if not self.enqueue(rank, Request(kind, 0, answered)):
                 pending.release()
         for _ in self.queues:
             pending.acquire()
+        if errors:
+            raise errors[0]
 
     def kill(self, session_id: int, on_done: Callable[[RequestOutput], None]) -> None:
         """End a session: later requests on it are NOT_FOUND at once; `on_done` runs after its engine loop has
-        cancelled its active generation and freed its KV. Ending an unknown session is a no-op."""
-        rank = self.binding.unbind(session_id)
+        cancelled its active generation and freed its KV. Ending an unknown session is a no-op.
+
+        A turn still queued is cancelled here: kills overtake queued turns, so it would otherwise outlive End,
+        and run inside a new session started with the same id on the same loop."""
+        bound = self.binding.unbind(session_id)
+        if bound is not None and bound.active is not None:
+            self.cancel(bound.active)
         done = RequestOutput("", session_id, finish_reason=FinishReason.STOP)
         request = Request(RequestKind.KILL, session_id, on_done)
-        if rank is None or not self.enqueue(rank, request):
+        if bound is None or not self.enqueue(bound.rank, request):
             self.notify([(request, done)])
 
     def cancel(self, request: Request) -> bool:

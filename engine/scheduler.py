@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterable
 
 from .block_manager import BlockManager
 from .sequence import Sequence, SequenceStatus, Session
@@ -55,11 +56,12 @@ class Scheduler:
             budget -= self._schedule_prefill(seq, budget)
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
-            chunk = min(seq.num_uncomputed, budget)
-            if not self._make_room(self.blocks.blocks_for(seq.num_computed + chunk) - len(seq.block_table), seq):
+            prefix = self._room_to_admit(seq, budget)
+            if prefix is None:
                 break
             self.waiting.popleft()
-            self._take_cached_prefix(seq)
+            if self.blocks.take_prefix(seq, prefix):
+                seq.num_cached_tokens = max(seq.num_cached_tokens, min(seq.num_computed, seq.num_prompt_tokens))
             seq.status = SequenceStatus.RUNNING
             seq.first_scheduled = seq.first_scheduled or time.monotonic()
             self.running.append(seq)
@@ -69,12 +71,16 @@ class Scheduler:
         # chunk that got the last token of budget is one token too, and must not sit among the decodes.
         return sorted(batch, key=lambda s: not (s.num_scheduled == 1 and s.num_uncomputed == 1))
 
-    def _take_cached_prefix(self, seq: Sequence) -> None:
-        """Blocks of the prompt's prefix already in the prefix cache are taken, not computed. Done once room
-        for the whole chunk is sure, so the blocks taken never make admission fail."""
-        taken = self.blocks.match_prefix(seq)
-        if taken:
-            seq.num_cached_tokens = max(seq.num_cached_tokens, min(seq.num_computed, seq.num_prompt_tokens))
+    def _room_to_admit(self, seq: Sequence, budget: int) -> list[int] | None:
+        """The prefix-cache blocks a waiting sequence starts from, once room for its first chunk after them is
+        sure; None while there is none. A cached block no one holds leaves the free list when taken, so it
+        counts against the room: counted after taking it, a chunk cut by the budget found no room, preempted
+        the sequence just admitted and admitted it again, forever."""
+        prefix = self.blocks.match_prefix(seq)
+        computed = seq.num_computed + len(prefix) * self.blocks.block_size
+        chunk = min(len(seq.token_ids) - computed, budget)
+        grow = self.blocks.blocks_for(computed + chunk) - len(seq.block_table) - len(prefix)
+        return prefix if self._make_room(grow, seq, taking=prefix) else None
 
     def _schedule_prefill(self, seq: Sequence, budget: int) -> int:
         chunk = min(seq.num_uncomputed, budget)
@@ -93,15 +99,19 @@ class Scheduler:
         seq.block_table.extend(self.blocks.allocate(needed) if needed > 0 else [])
         return True
 
-    def _make_room(self, needed: int, seq: Sequence) -> bool:
-        """True once `needed` blocks are free, after dropping idle sessions' KV, least recently used first."""
-        if self.blocks.can_allocate(needed):
+    def _make_room(self, needed: int, seq: Sequence, taking: Iterable[int] = ()) -> bool:
+        """True once `needed` blocks are free besides the free ones among `taking` (cached blocks about to be
+        taken), after dropping idle sessions' KV, least recently used first."""
+        def room() -> bool:
+            return self.blocks.can_allocate(needed + self.blocks.num_free_of(taking))
+
+        if room():
             return True
         idle = [s for s in self.sessions.values() if s.active is None and s.block_table and s is not seq.session]
         for session in sorted(idle, key=lambda s: s.last_used):
             self.blocks.release(session.block_table)
             session.drop_kv()
-            if self.blocks.can_allocate(needed):
+            if room():
                 return True
         return False
 

@@ -9,16 +9,16 @@ from .request import Request
 
 
 @dataclass(slots=True)
-class _Binding:
+class Binding:
     rank: int
-    active: Request | None = None
+    active: Request | None = None  # the session's generating request, queued or running
 
 
 class SequenceBinding:
     """Thread-safe map session id -> engine rank. `_lock` guards `_bindings`; it is a leaf lock."""
 
     def __init__(self) -> None:
-        self._bindings: dict[int, _Binding] = {}
+        self._bindings: dict[int, Binding] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -34,12 +34,12 @@ class SequenceBinding:
         with self._lock:
             if session_id in self._bindings:
                 raise SessionExists(f"session {session_id} already exists")
-            self._bindings[session_id] = _Binding(rank)
+            self._bindings[session_id] = Binding(rank)
 
-    def unbind(self, session_id: int) -> int | None:
+    def unbind(self, session_id: int) -> Binding | None:
+        """Forget the session; returns what it was bound to (its rank and active request), if anything."""
         with self._lock:
-            b = self._bindings.pop(session_id, None)
-            return None if b is None else b.rank
+            return self._bindings.pop(session_id, None)
 
     def clear(self) -> None:
         """Forget every session (sleep ends them all)."""

@@ -22,7 +22,7 @@ import transformers
 
 from lmgate.engine.config import EngineConfig
 from lmgate.engine.engine import Engine
-from lmgate.engine.errors import ContextOverflow, InvalidRequest, SessionBusy, SessionNotFound
+from lmgate.engine.errors import ContextOverflow, InternalError, InvalidRequest, SessionBusy, SessionNotFound, Unavailable
 from lmgate.engine.request import FinishReason
 from lmgate.engine.sampling import SamplingParams
 
@@ -297,6 +297,64 @@ def test_engine_session_busy_and_end_during_stream_cancels(engine, tokenizer):
     assert engine.info().active_sessions == 0
     with pytest.raises(SessionNotFound):
         engine.submit(prompt, SamplingParams(max_new_tokens=4), session_id=sid)
+
+
+def test_engine_end_cancels_a_queued_turn_before_its_id_is_reused(checkpoint):
+    """End while the session's turn still waits in the queue (the one batch slot is taken), then Start with
+    the same id on the same loop: the old turn ends CANCELLED with no tokens and never enters the new session.
+    Kills overtake queued turns, so End used to return first and the old turn ran inside the new session."""
+    with Engine(EngineConfig(dtype="float32", kv_cache_tokens=512, max_batch_size=1), checkpoint=checkpoint) as eng:
+        busy = eng.submit([504, 3575, 282], SamplingParams(max_new_tokens=400, ignore_eos=True))
+        next(iter(busy))  # it holds the batch's only slot until cancelled
+        eng.start_session(5)
+        queued = eng.submit(list(range(1000, 1010)), SamplingParams(max_new_tokens=4, ignore_eos=True), session_id=5)
+        eng.end_session(5)
+        eng.start_session(5)
+        busy.cancel()
+        list(busy)
+        outs = list(queued)
+        assert outs[-1].finish_reason is FinishReason.CANCELLED and not tokens_of(outs)
+        turn = eng.generate([7, 8, 9], SamplingParams(max_new_tokens=2, ignore_eos=True), session_id=5)
+        assert turn.usage.prompt_tokens == 3  # the new session's history is its own turn only
+        eng.end_session(5)
+        assert_idle(eng)
+
+
+def test_engine_wakeup_that_cannot_allocate_the_kv_cache_fails_and_can_be_retried(checkpoint):
+    """A Wakeup whose KV cache cannot be allocated again (on a GPU: another process took the memory during
+    sleep; here the allocation is made to raise) answers with an error instead of waiting forever under the
+    admin lock, leaves the cache asleep and admission closed, and a later Wakeup restores it."""
+    with Engine(EngineConfig(dtype="float32", kv_cache_tokens=512), checkpoint=checkpoint) as eng:
+        prompt, params = [504, 3575, 282, 4649, 314], SamplingParams(max_new_tokens=8, ignore_eos=True)
+        before = eng.generate(prompt, params).token_ids
+        runner = eng.loops[0].runner
+        eng.sleep(1)
+
+        def out_of_memory() -> None:
+            raise RuntimeError("out of memory")
+
+        runner.allocate_kv_cache = out_of_memory
+        failed: list[BaseException] = []
+        waker = threading.Thread(target=lambda: failed.extend(_raised(eng.wakeup, ["kv_cache"])), daemon=True)
+        waker.start()
+        waker.join(120)  # a guard against the old endless wait, not a timing
+        assert not waker.is_alive(), "Wakeup never returned"
+        assert len(failed) == 1 and isinstance(failed[0], InternalError) and "out of memory" in str(failed[0])
+        assert eng.sleeping == {"kv_cache", "weights"}  # nothing changed
+        with pytest.raises(Unavailable):
+            eng.submit(prompt, params)
+        del runner.allocate_kv_cache  # the memory is back
+        eng.wakeup()
+        assert not eng.sleeping and eng.generate(prompt, params).token_ids == before
+        assert_idle(eng)
+
+
+def _raised(call, *args) -> list[BaseException]:
+    try:
+        call(*args)
+    except Exception as exc:
+        return [exc]
+    return []
 
 
 # ------------------------------------------------------------------------------------ 6. bad input

@@ -4,6 +4,7 @@ KV or running sequence is touched; every block free again afterwards."""
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 
@@ -96,6 +97,29 @@ def test_eviction_under_tiny_kv_budget_with_preemption(checkpoint, uncached):
         assert_all_free(small)
 
 
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_chunked_prompts_under_a_full_cache_finish(checkpoint, uncached, prefix_caching):
+    """Plain memory pressure, nothing shared: the newest stream is preempted, its full blocks stay cached on
+    the free list, and its chunked prefill (8 tokens a step) takes them back when it is admitted again. The
+    scheduler once counted them only after taking them and preempted and admitted that stream forever."""
+    prompts = [words(20, 4), words(21, 14)]
+    params = [SamplingParams(max_new_tokens=20, ignore_eos=True), SamplingParams(max_new_tokens=14, ignore_eos=True)]
+    small = config(block_size=4, kv_cache_tokens=32, max_batched_tokens=8, prefix_caching=prefix_caching)
+    with Engine(small, checkpoint=checkpoint) as eng:
+        streams = [eng.submit(p, sp) for p, sp in zip(prompts, params)]
+        results: list[list] = [[], []]
+        readers = [threading.Thread(target=out.extend, args=(s,), daemon=True) for out, s in zip(results, streams)]
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.join(300)  # a guard against the old endless loop, not a timing
+        assert not any(reader.is_alive() for reader in readers), "a stream never ended"
+        assert eng.info().preemptions > 0
+        for prompt, sp, outs in zip(prompts, params, results):
+            assert [t for o in outs for t in o.token_ids] == uncached.generate(prompt, sp).token_ids
+        assert_all_free(eng)
+
+
 def test_idle_session_kv_outlives_unused_cached_blocks(checkpoint):
     with Engine(config(kv_cache_tokens=256, max_batch_size=4), checkpoint=checkpoint) as small:
         sid = small.start_session()
@@ -158,6 +182,6 @@ def test_block_manager_evicts_least_recently_released_cached_block():
     bm.allocate(3)  # the two never-used blocks, then first's tail block (released before its head)
     assert len(bm.cached) == 3
     again = Seq([1, 2, 3, 4, 9])
-    assert bm.match_prefix(again) == 2 and again.block_table == first.block_table[:1]
+    assert bm.take_prefix(again, bm.match_prefix(again)) == 2 and again.block_table == first.block_table[:1]
     other = Seq([5, 6, 7, 8, 9])
-    assert bm.match_prefix(other) == 4 and other.block_table == second.block_table
+    assert bm.take_prefix(other, bm.match_prefix(other)) == 4 and other.block_table == second.block_table

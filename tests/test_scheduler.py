@@ -1,5 +1,8 @@
-"""The scheduler's batch order on hand-built sequences: the model runner reads the first rows as decodes."""
+"""The scheduler on hand-built sequences: its batch order (the model runner reads the first rows as decodes) and
+its admission under a full cache."""
 from __future__ import annotations
+
+import threading
 
 from lmgate.engine.block_manager import BlockManager
 from lmgate.engine.request import Request, RequestKind
@@ -7,9 +10,13 @@ from lmgate.engine.scheduler import Scheduler
 from lmgate.engine.sequence import Sequence, SequenceStatus, Session
 
 
+def sequence(prompt: list[int]) -> Sequence:
+    request = Request(RequestKind.GENERATE, 0, lambda out: None, input_ids=prompt)
+    return Sequence(request, Session(0), detokenizer=None, max_new_tokens=8, eos_ids=frozenset())
+
+
 def running_sequence(prompt_len: int, computed: int) -> Sequence:
-    request = Request(RequestKind.GENERATE, 0, lambda out: None, input_ids=list(range(prompt_len)))
-    seq = Sequence(request, Session(0), detokenizer=None, max_new_tokens=8, eos_ids=frozenset())
+    seq = sequence(list(range(prompt_len)))
     seq.status, seq.num_computed = SequenceStatus.RUNNING, computed
     return seq
 
@@ -23,3 +30,41 @@ def test_a_one_token_prefill_chunk_goes_after_the_decodes():
     batch = scheduler.schedule()
     assert batch == [decoding, prefilling]
     assert (decoding.num_scheduled, prefilling.num_scheduled) == (1, 1)
+
+
+def test_admission_counts_the_free_cached_blocks_it_takes():
+    """A waiting prompt whose cached prefix lies on the free list, its first chunk cut by the budget: taking
+    the prefix uses up free blocks too. Counted only after it was taken, the chunk found no room, preempted
+    the sequence just admitted, and admitted it again with the same budget: `schedule` never returned."""
+    blocks = BlockManager(4, 4)
+    scheduler = Scheduler(blocks, {}, max_batch_size=8, max_batched_tokens=5)
+
+    def computed(prompt: list[int]) -> Sequence:
+        seq = sequence(prompt)
+        scheduler.add(seq)
+        while seq.num_uncomputed:
+            scheduler.schedule()
+            seq.num_computed += seq.num_scheduled
+            blocks.cache_full_blocks(seq)
+        seq.token_ids.append(1)  # its first sampled token
+        return seq
+
+    shared = list(range(100, 108))  # two full blocks
+    finished = computed(shared + [1])
+    scheduler.remove(finished)
+    blocks.release(finished.block_table)  # its two full blocks stay cached on the free list
+    decoding = computed(list(range(500, 507)))  # holds the two other blocks
+    arriving = sequence(shared + list(range(900, 908)))
+    assert sorted(blocks.free) == sorted(blocks.match_prefix(arriving))  # the only free blocks are its prefix
+    scheduler.add(arriving)
+    outcome: list[list[Sequence]] = []
+    worker = threading.Thread(target=lambda: outcome.append(scheduler.schedule()), daemon=True)
+    worker.start()
+    worker.join(60)  # a guard against the old endless loop, not a timing: the step takes microseconds
+    assert outcome, "schedule() did not return"
+    # the decode runs; the prompt takes its two cached blocks and waits, as two more would not fit beside them
+    assert outcome[0] == [decoding] and scheduler.num_preemptions == 0
+    assert list(scheduler.waiting) == [arriving] and not arriving.block_table and blocks.num_free == 2
+    scheduler.remove(decoding)
+    blocks.release(decoding.block_table)
+    assert scheduler.schedule() == [arriving] and arriving.num_cached_tokens == 8 and arriving.num_scheduled == 5

@@ -302,10 +302,8 @@ class RankProcess:
                 gateway.binding.clear()  # the loop ends every session; queued turns end CANCELLED
             if request.kind is RequestKind.KILL:
                 gateway.binding.unbind(request.session_id)  # queued turns end CANCELLED; the loop frees its KV
-            if not gateway.enqueue(self.spec.dp_rank, request):
-                done = RequestOutput("", request.session_id, finish_reason=FinishReason.STOP)
-                request.on_output(done if request.kind is RequestKind.KILL else
-                                  RequestOutput("", 0, error=InternalError("the engine rank is stopping")))
+            if not gateway.enqueue(self.spec.dp_rank, request):  # a stopping rank counts as done (Gateway.control)
+                request.on_output(RequestOutput("", request.session_id, finish_reason=FinishReason.STOP))
                 gateway.outbox.flush()
                 gateway.wake_loops()
             return
