@@ -74,7 +74,8 @@ class LocalWeights:
         self.config = shard_config(ckpt.config, tp.shard) if tp else ckpt.config  # the model this process runs
         self.runners: list[ModelRunner] = []
         self.model: LlamaForCausalLM | None = self._build(ckpt)
-        self._staged: dict[int, LlamaForCausalLM] = {}  # tensor parallelism: by version, until installed
+        # tensor parallelism: by version until installed, each with the `path` it followed
+        self._staged: dict[int, tuple[LlamaForCausalLM, str]] = {}
         self._offloaded = False
 
     def offload(self) -> None:
@@ -102,24 +103,28 @@ class LocalWeights:
         stage them as `version` for `install_staged`."""
         ckpt = on_fresh_thread(lambda: load_checkpoint(path))
         model = self._build(ckpt)
-        self.path = ckpt.path
         if self.tp:
-            self._staged[version] = model
+            self._staged[version] = model, self.path
         else:
             self._install(model)
+        self.path = ckpt.path
 
     def install_staged(self, version: int) -> None:
         """Staged `version` in place of the current model, older stages dropped: on the loop or follower
         thread, at the step its group's leader chose (every rank of the group has staged it by then)."""
-        model = self._staged.pop(version, None)
+        staged = self._staged.pop(version, None)
         for older in [v for v in self._staged if v < version]:
             del self._staged[older]
-        if model is not None:
-            self._install(model)
+        if staged is not None:
+            self._install(staged[0])
 
     def discard_staged(self, version: int) -> None:
-        """A staged model its group will not switch to (another rank failed to load it)."""
-        self._staged.pop(version, None)
+        """A staged model its group will not switch to (another rank failed to load it): `path` goes back to
+        what it named before, or a level-2 sleep's restore would load the discarded checkpoint on this rank
+        alone."""
+        staged = self._staged.pop(version, None)
+        if staged is not None:
+            self.path = staged[1]
 
     @property
     def nbytes(self) -> int:

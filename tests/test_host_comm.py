@@ -3,6 +3,7 @@ rank over 127.0.0.1. The same bodies run on both."""
 
 from __future__ import annotations
 
+import datetime
 import multiprocessing
 import os
 import queue
@@ -436,3 +437,25 @@ def _abort_then_close_reaches_peers(c: HostComm) -> str:
 def test_gloo_abort_then_closed_connection_still_reports_the_abort(on_ranks, size: int) -> None:
     assert on_ranks("gloo", size, _abort_then_close_reaches_peers) == ["aborted"] + ["raised"] * (size - 1)
 
+
+def _late_broadcast(c: GlooComm, patient: bool) -> str:
+    """A broadcast whose root comes 3 s late, on a group whose limit on a collective is 1 s."""
+    short = GlooComm(c._store, c.rank, c.size, prefix=f"late/{patient}", timeout=datetime.timedelta(seconds=1),
+                     hostname=c.hostname)
+    if c.rank == 0:
+        time.sleep(3)
+    try:
+        return short.broadcast("late" if c.rank == 0 else None, patient=patient)
+    except CommAborted:
+        return "gave up"
+
+
+@pytest.mark.parametrize("patient", [True, False], ids=["patient", "impatient"])
+def test_a_patient_broadcast_waits_for_its_root_past_the_limit(on_ranks, patient):
+    """A tensor-parallel follower waits for its idle leader's next command inside a broadcast; under the
+    group's limit (10 minutes) it died after 10 idle minutes. A patient broadcast lifts the limit."""
+    results = on_ranks("gloo", 2, _late_broadcast, patient)
+    if patient:
+        assert results == ["late", "late"]
+    else:
+        assert results[1] == "gave up"

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 
 import grpc
 import pytest
@@ -82,6 +84,61 @@ def test_a_rank_killed_or_hung_mid_stream_ends_every_stream_and_the_server_exits
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="finds the rank processes through /proc")
+def test_a_rank_killed_while_idle_stops_the_server():
+    """No stream runs, so only the rank's process end tells: the server goes NOT_SERVING and exits 1. The other
+    rank's heartbeats once kept the server draining the dead rank's last messages, and it never said so."""
+    proc, address = serve_process("--engine-loops", "2", "--dp-backend", "process", "--kv-cache-tokens", "4096")
+    try:
+        ranks = rank_pids(proc.pid)
+        channel = grpc.insecure_channel(address)
+        health = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service="lmgate.v1.Inference"),
+                                                            timeout=GUARD)
+        assert next(health).status == health_pb2.HealthCheckResponse.SERVING
+        os.kill(ranks[1], signal.SIGKILL)
+        seen = []
+        try:
+            for update in health:
+                seen.append(update.status)
+        except grpc.RpcError:
+            pass  # the server went away after saying NOT_SERVING
+        assert health_pb2.HealthCheckResponse.NOT_SERVING in seen
+        assert proc.wait(timeout=GUARD) == 1
+        assert not any(os.path.exists(f"/proc/{pid}") and _alive(pid) for pid in ranks)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+OWNER_THAT_FORGETS_SHUTDOWN = """
+import os
+from lmgate.engine.config import EngineConfig
+from lmgate.engine.engine import Engine
+engine = Engine(EngineConfig(dp_backend="process", engine_loops=1, dtype="float32", kv_cache_tokens=1024))
+print(" ".join(str(p.pid) for p in engine.ranks._procs.values()), flush=True)
+raise RuntimeError("a caller's bug, before any shutdown")
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="watches the rank processes through /proc")
+def test_an_owner_that_exits_without_shutdown_takes_its_ranks_with_it():
+    """multiprocessing's exit handler SIGTERMs daemon children, which rank processes ignore, then joins them,
+    while they wait for their owner to go: the owner hung at exit. Now the ranks are killed first."""
+    owner = subprocess.Popen([sys.executable, "-c", OWNER_THAT_FORGETS_SHUTDOWN], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        ranks = [int(pid) for pid in owner.stdout.readline().split()]
+        assert ranks
+        assert owner.wait(timeout=GUARD) == 1
+        assert "a caller's bug" in owner.stderr.read()
+        assert not any(os.path.exists(f"/proc/{pid}") and _alive(pid) for pid in ranks)
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
 
 
 def _alive(pid: int) -> bool:

@@ -23,6 +23,9 @@ from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOption
 from .host_comm import CommAborted, HostComm, RedOp, T
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)  # one collective; idle ranks wait outside collectives
+# A patient broadcast's wait for its root (HostComm.broadcast): a follower of an idle leader waits inside
+# one, and with the default limit died after 10 idle minutes. A peer that dies still breaks it at once.
+PATIENT_TIMEOUT = datetime.timedelta(days=365)
 ABORT_POLL = 0.1  # seconds a waiting collective goes between looks at its peers' abort keys
 _OPS = {RedOp.SUM: ReduceOp.SUM, RedOp.MIN: ReduceOp.MIN, RedOp.MAX: ReduceOp.MAX}
 
@@ -90,12 +93,12 @@ class GlooComm(HostComm):
     def size(self) -> int:
         return self._size
 
-    def broadcast(self, value: T, root: int = 0) -> T:
+    def broadcast(self, value: T, root: int = 0, patient: bool = False) -> T:
         if not 0 <= root < self._size:
             raise ValueError(f"root {root} out of range for a group of {self._size}")
         data = _encode(value) if self._rank == root else torch.empty(0, dtype=torch.uint8)
         length = torch.tensor([data.numel()])
-        self._run(lambda: self._group.broadcast([length], _broadcast_options(root)))
+        self._run(lambda: self._group.broadcast([length], _broadcast_options(root, PATIENT_TIMEOUT if patient else None)))
         if self._rank != root:
             data = torch.empty(int(length), dtype=torch.uint8)
         self._run(lambda: self._group.broadcast([data], _broadcast_options(root)))
@@ -222,9 +225,12 @@ def _notify(done: threading.Condition) -> None:
         done.notify_all()
 
 
-def _broadcast_options(root: int) -> BroadcastOptions:
+def _broadcast_options(root: int, timeout: datetime.timedelta | None = None) -> BroadcastOptions:
+    """gloo takes a time limit per call; None keeps the group's."""
     options = BroadcastOptions()
     options.rootRank = root
+    if timeout is not None:
+        options.timeout = timeout
     return options
 
 

@@ -42,8 +42,10 @@ class HostComm(abc.ABC):
         """Number of ranks in the group."""
 
     @abc.abstractmethod
-    def broadcast(self, value: T, root: int = 0) -> T:
-        """`root`'s value on every rank; the value the other ranks pass is ignored."""
+    def broadcast(self, value: T, root: int = 0, patient: bool = False) -> T:
+        """`root`'s value on every rank; the value the other ranks pass is ignored. `patient`: the ranks may
+        wait for the root beyond the communicator's time limit on a collective (a tensor-parallel follower
+        waiting for its leader's next command, which an idle leader does not send)."""
 
     @abc.abstractmethod
     def all_gather(self, value: T) -> list[T]:

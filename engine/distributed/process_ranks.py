@@ -14,10 +14,12 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing
+import multiprocessing.util
 import pickle
 import socket
 import threading
 import time
+from collections.abc import Iterable
 from multiprocessing.process import BaseProcess
 
 import zmq
@@ -172,6 +174,10 @@ class ProcessRanks(Ranks):
                        for spec in self._specs if spec.node == 0}
         for p in self._procs.values():
             p.start()
+        # An owner that exits without `shutdown` (an error before the server's handlers are in place, a script
+        # that forgets it): at exit multiprocessing would SIGTERM these daemons, which ignore it, and join them
+        # for ever, while they wait for this process to go. Killed first instead; after a shutdown, no-op.
+        multiprocessing.util.Finalize(self, kill_processes, args=(list(self._procs.values()),), exitpriority=10)
         log.info("engine ranks started as processes: %s", ", ".join(f"rank {i} pid {p.pid}" for i, p in self._procs.items()))
         if self.remote:
             log.info("waiting for ranks %s from nodes 1..%d (lmgate serve --nnodes %d --node-rank K --master-addr %s "
@@ -320,8 +326,8 @@ class ProcessRanks(Ranks):
 
     def _rank_ended(self, rank: int) -> None:
         """A rank's process is gone: after a close it said "exited" (perhaps still in flight); otherwise it died."""
-        deadline = EXIT_DRAIN_SECONDS * 1000
-        while rank not in self._exited and self._outputs.poll(deadline):
+        deadline = time.monotonic() + EXIT_DRAIN_SECONDS  # not from each message: the others' heartbeats never stop
+        while rank not in self._exited and self._outputs.poll(max(0.0, deadline - time.monotonic()) * 1000):
             self._handle(self._outputs.recv_pyobj())
         if rank not in self._exited:
             self._fail(f"engine rank {rank} (pid {self._procs[rank].pid}) exited with status {self._procs[rank].exitcode}")
@@ -396,13 +402,18 @@ class ProcessRanks(Ranks):
         self._close_sockets()
 
     def _kill_all(self) -> None:
-        for p in self._procs.values():
-            if p.is_alive():
-                p.kill()
-            p.join()
+        kill_processes(self._procs.values())
 
     def _close_sockets(self) -> None:
         for link in self._links:
             link.close_socket()
         self._outputs.close(linger=0)
         self._context.term()
+
+
+def kill_processes(procs: Iterable[BaseProcess]) -> None:
+    """SIGKILL those still running, and reap them all."""
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join()

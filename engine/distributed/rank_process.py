@@ -257,7 +257,7 @@ class RankProcess:
         runner = self.runner
         try:
             while True:
-                command, plan = self.tp_comm.broadcast(None)
+                command, plan = self.tp_comm.broadcast(None, patient=True)  # the leader sends nothing while idle
                 if command == "step":
                     runner.forward(runner.prepare(plan), logits=False)
                 elif command == "release_kv":

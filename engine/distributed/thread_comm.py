@@ -75,7 +75,7 @@ class ThreadComm(HostComm):
     def size(self) -> int:
         return len(self._group.slots)
 
-    def broadcast(self, value: T, root: int = 0) -> T:
+    def broadcast(self, value: T, root: int = 0, patient: bool = False) -> T:  # no time limit to lift
         if not 0 <= root < self.size:
             raise ValueError(f"root {root} out of range for a group of {self.size}")
         return self._exchange(value)[root]
