@@ -249,6 +249,7 @@ at::Tensor pack_gated_columns(const at::Tensor& w_in) {
 template <typename Done>
 void column_panel(const float* x, int64_t m_begin, int64_t m_end, int64_t k, const float* panel, int64_t cols,
                   float* out, int64_t out_stride, Done&& done) {
+  if (m_end <= m_begin) return;
   const int64_t chunk = chunk_length(k), tiles = (m_end - m_begin + COLUMN_TILE_M - 1) / COLUMN_TILE_M;
   for (int64_t k0 = 0; k0 < k; k0 += chunk) {
     const int64_t steps = std::min(chunk, k - k0), next_k = std::min(k0 + chunk, k);
