@@ -71,15 +71,7 @@ def test_a_rank_killed_or_hung_mid_stream_ends_every_stream_and_the_server_exits
         assert len(statuses) == len(streams)
         for status in statuses:
             assert status[0] == grpc.StatusCode.UNAVAILABLE and "engine rank" in status[1], status
-        seen = []
-        try:
-            for update in health:
-                seen.append(update.status)
-        except grpc.RpcError:
-            pass  # the server went away after saying NOT_SERVING
-        assert health_pb2.HealthCheckResponse.NOT_SERVING in seen
-        assert proc.wait(timeout=GUARD) == 1
-        assert not any(os.path.exists(f"/proc/{pid}") and _alive(pid) for pid in ranks)
+        assert_server_stopped(health, proc, ranks)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -98,15 +90,7 @@ def test_a_rank_killed_while_idle_stops_the_server():
                                                             timeout=GUARD)
         assert next(health).status == health_pb2.HealthCheckResponse.SERVING
         os.kill(ranks[1], signal.SIGKILL)
-        seen = []
-        try:
-            for update in health:
-                seen.append(update.status)
-        except grpc.RpcError:
-            pass  # the server went away after saying NOT_SERVING
-        assert health_pb2.HealthCheckResponse.NOT_SERVING in seen
-        assert proc.wait(timeout=GUARD) == 1
-        assert not any(os.path.exists(f"/proc/{pid}") and _alive(pid) for pid in ranks)
+        assert_server_stopped(health, proc, ranks)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -134,15 +118,29 @@ def test_an_owner_that_exits_without_shutdown_takes_its_ranks_with_it():
         assert ranks
         assert owner.wait(timeout=GUARD) == 1
         assert "a caller's bug" in owner.stderr.read()
-        assert not any(os.path.exists(f"/proc/{pid}") and _alive(pid) for pid in ranks)
+        assert not any(_alive(pid) for pid in ranks)
     finally:
         if owner.poll() is None:
             owner.kill()
             owner.wait()
 
 
+def assert_server_stopped(health, proc: subprocess.Popen, ranks: list[int]) -> None:
+    """After a rank's failure: health said NOT_SERVING before the server went away, the server exited 1, and
+    no rank process is left."""
+    seen = []
+    try:
+        for update in health:
+            seen.append(update.status)
+    except grpc.RpcError:
+        pass  # the server went away after saying NOT_SERVING
+    assert health_pb2.HealthCheckResponse.NOT_SERVING in seen
+    assert proc.wait(timeout=GUARD) == 1
+    assert not any(_alive(pid) for pid in ranks)
+
+
 def _alive(pid: int) -> bool:
-    """Not a zombie (an exited child its parent has not reaped yet)."""
+    """Running, not gone nor a zombie (an exited child its parent has not reaped yet)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().split(") ")[1][0] != "Z"
