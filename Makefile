@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # had, pip's own choice of torch (set PIP_EXTRA_INDEX_URL for another build).
 TORCH ?= torch==2.13.0
 
-.PHONY: install proto serve test test-fast bench-engine bench-serve bench-prefix bench-fleet bench-comm bench-scale bench-quant gpu-install test-gpu bench-gpu clean
+.PHONY: install proto serve test test-fast bench-engine bench-serve bench-prefix bench-fleet bench-comm bench-scale bench-quant gpu-install test-gpu bench-gpu gpu-wheels clean
 
 install: $(STAMP)
 
@@ -82,6 +82,18 @@ test-gpu: gpu-install
 
 bench-gpu: gpu-install
 	$(GPU_PY) tests/bench_gpu.py $(ARGS)
+
+# The wheels the lent GPU machine lacks (Python 3.12, no network there), at the versions installed here, into
+# .whl/ for tests/gpu_check.sh: gguf, pyzmq, the health and reflection services, and grpcio and protobuf as new
+# as the checked-in stubs require.
+GPU_WHEELS := gguf|pyzmq|grpcio|grpcio-health-checking|grpcio-reflection|protobuf
+WHEEL_PLATFORMS := $(foreach p,manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64,--platform $(p))
+
+gpu-wheels: install
+	rm -rf .whl
+	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $(WHEEL_PLATFORMS) -d .whl \
+		$$($(PIP) freeze | grep -i -E '^($(GPU_WHEELS))==')
+	ls .whl
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -10,10 +10,15 @@ import random
 import pytest
 import torch
 import transformers
+from torch.distributed import TCPStore
 
 from lmgate.engine.config import EngineConfig
+from lmgate.engine.distributed import thread_ranks
+from lmgate.engine.distributed.device_group import DeviceGroup
 from lmgate.engine.engine import Engine
+from lmgate.engine.models.tensor_parallel import shard_of
 from lmgate.engine.sampling import SamplingParams
+from lmgate.engine.weights import LocalWeights, TensorParallel
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 from tests.gpu_models import write_model
@@ -154,6 +159,33 @@ def test_sleep_gives_device_memory_back_and_wakeup_restores_it(models):
             eng.wakeup()
             assert greedy(eng, batch) == before
             assert_all_blocks_free(eng)
+
+
+def test_tensor_parallel_layers_over_an_nccl_group_of_one(models, monkeypatch):
+    """What one GPU can run of tensor parallelism on NCCL: the tensor-parallel model (its shard of the
+    checkpoint, an all-reduce after every layer's attention and MLP) over a ProcessGroupNCCL of one rank, made
+    as rank processes make it, greedy-equal to the plain model. Eager, as tensor parallelism runs."""
+    store = TCPStore("127.0.0.1", 0, 1, is_master=True)
+    group = DeviceGroup(store, "tp-device/0", 0, 1, torch.device("cuda"))
+    reduced = []
+
+    def all_reduce(x: torch.Tensor) -> torch.Tensor:
+        reduced.append(x.shape)
+        return group.all_reduce(x)
+
+    def tp_weights(ckpt, *args, **kw) -> LocalWeights:
+        return LocalWeights(ckpt, *args, tp=TensorParallel(shard_of(ckpt.config, 0, 1), all_reduce), **kw)
+
+    batch = prompts(4, seed=11)
+    with engine(models["llama"], cuda_graphs=False) as eng:
+        want = greedy(eng, batch)
+    monkeypatch.setattr(thread_ranks, "LocalWeights", tp_weights)
+    with engine(models["llama"], cuda_graphs=False) as eng:
+        assert eng.ranks.weights.tp is not None
+        assert greedy(eng, batch) == want
+        assert_all_blocks_free(eng)
+    layers = ARCHS["llama"].num_hidden_layers
+    assert len(reduced) >= 2 * layers * NEW_TOKENS  # every layer of every step summed over the group
 
 
 def test_grpc_server_on_cuda(models):

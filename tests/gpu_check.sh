@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The whole GPU check in one call of the lent machine (15 minutes of device time a session, one call of at most
+# 10): the GPU suite, then bench_gpu.py one model at a time, each part under its own time limit so that a slow
+# or failing part leaves the others' results. Everything it prints also goes to $OUT/gpu_check.log, and each
+# model's figures to $OUT/bench_gpu_<model>.json.
+#
+#   make gpu-wheels                                   # here, with network: the wheels the machine lacks, in .whl/
+#   bash tests/gpu_check.sh                           # there: run with carry [".whl"]
+#   TEST_SECONDS=120 BENCH_MODELS=qwen2.5-0.5b bash tests/gpu_check.sh
+#
+# Without a GPU it runs too (the suite skips, the bench fails at once): a check of the script itself.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_check}
+PY=${GPU_PY:-python3}
+TEST_SECONDS=${TEST_SECONDS:-180}
+BENCH_SECONDS=${BENCH_SECONDS:-330}  # all models together; each gets what the ones before it left
+BENCH_MODELS=${BENCH_MODELS:-qwen2.5-0.5b llama-3.2-1b smollm2-135m}  # the goals' shapes first
+GPU_TESTS="tests/test_gpu.py tests/test_triton_kernels.py tests/test_cuda_graphs.py tests/test_sampling.py"
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+export PYTHONUNBUFFERED=1
+stamp() { echo "== $(date -u +%T) $*"; }
+
+stamp "setup"
+if compgen -G ".whl/*.whl" >/dev/null; then  # gguf, pyzmq, grpcio and protobuf as new as the stubs, ...
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+$PY -m pip install -q --no-deps --no-build-isolation --no-index -e . || exit 1
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+$PY - <<'EOF' || exit 1
+import google.protobuf, grpc, torch, transformers
+import lmgate.service.server  # every import the server needs
+try:
+    import triton
+    triton_version = triton.__version__
+except ImportError:
+    triton_version = "none"
+print(f"torch {torch.__version__}, cuda {torch.version.cuda}, triton {triton_version}, transformers "
+      f"{transformers.__version__}, grpcio {grpc.__version__}, protobuf {google.protobuf.__version__}")
+print("GPU:", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")
+EOF
+
+stamp "GPU suite (limit ${TEST_SECONDS} s)"
+# The engine test of test_triton_kernels runs the embedded model's tokenizer, which is not on that machine.
+timeout -k 10 "$TEST_SECONDS" $PY -m pytest -q -p no:cacheprovider --durations=15 $GPU_TESTS \
+    -k "not engine_greedy_tokens_equal_on_the_triton_path"
+echo "GPU suite exit status: $?"
+
+deadline=$(( $(date +%s) + BENCH_SECONDS ))
+for model in $BENCH_MODELS; do
+    left=$(( deadline - $(date +%s) ))
+    if (( left < 30 )); then
+        stamp "bench $model: skipped, ${left} s left"
+        continue
+    fi
+    stamp "bench $model (limit ${left} s)"
+    timeout -k 10 "$left" $PY tests/bench_gpu.py --models "$model" --json "$OUT/bench_gpu_$model.json"
+    echo "bench $model exit status: $?"
+done
+stamp "done"
