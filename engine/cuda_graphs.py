@@ -119,7 +119,8 @@ class DecodeGraphs:
              lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """A decode step's inputs into the static buffers, padded to its bucket; returns the bucket's views.
         One copy of the per-row inputs (a few KB), one per table row written since the last step, and a gather
-        of the step's table rows on the device."""
+        of the step's table rows on the device. The pinned host buffers are written again only at the next
+        step's load, after this step's sampling has copied its results back: its copies have completed."""
         size, n, b = self.sizes[-1], len(input_ids), self.bucket(len(input_ids))
         columns = self._host.view(_INPUTS, size)
         columns.zero_()  # padded rows: token 0 at position 0, no KV, table row 0 (zeros)

@@ -135,6 +135,8 @@ class EngineLoop:
 
     def run(self) -> None:
         torch.set_num_threads(self.num_threads)  # also what threads started later take as their default
+        if self.runner.device.type == "cuda":  # cuda:N: Triton launches, streams and graphs follow the current device
+            torch.cuda.set_device(self.runner.device)
         try:
             self._run()
         except CommAborted:  # a peer rank failed (its thread raised, or its process died): so does this one

@@ -139,7 +139,7 @@ class ModelRunner:
                 plan.prefills.append((first_row, len(plan.input_ids), end, seq.block_table[: -(-end // self.block_size)]))
             if seq.samples_this_step:
                 plan.logit_rows.append(len(plan.input_ids) - 1)
-                plan.sample_rows.append(SampleRow(seq.params, seq.seed, seq.token_ids[: seq.num_prompt_tokens], seq.output_ids, seq.banned_ids))
+                plan.sample_rows.append(SampleRow(seq.params, seq.seed, seq.token_ids, seq.num_prompt_tokens, seq.banned_ids))
         return plan
 
     def prepare(self, plan: StepPlan) -> StepInputs:

@@ -72,13 +72,19 @@ def _check(ok: bool, message: str) -> None:
 
 @dataclass(slots=True)
 class SampleRow:
-    """What the sampler needs of one sequence this step."""
+    """What the sampler needs of one sequence this step. `token_ids` is the sequence's own list, not a copy
+    (the step samples before it appends): a decode step's host work must not grow with the context."""
 
     params: SamplingParams
     seed: int  # the request's seed, or one drawn at arrival
-    prompt_ids: list[int]
-    output_ids: list[int]  # its length counts the draws so far: this step's draw is number len(output_ids)
+    token_ids: list[int]  # prompt, then output
+    num_prompt: int
     banned_ids: list[int] = field(default_factory=list)  # eos / stop ids while below min_new_tokens
+
+    @property
+    def num_output(self) -> int:
+        """Draws so far: this step's draw is number `num_output` of the row's seed."""
+        return len(self.token_ids) - self.num_prompt
 
 
 @dataclass(slots=True)
@@ -127,16 +133,16 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
         tok_idx = [t for _, ids in token_lists for t in ids]
         return torch.tensor(row_idx, dtype=torch.long, device=device), torch.tensor(tok_idx, dtype=torch.long, device=device)
 
-    repeat = [(i, sorted(set(r.prompt_ids) | set(r.output_ids))) for i, r in enumerate(rows)
+    repeat = [(i, sorted(set(r.token_ids))) for i, r in enumerate(rows)
               if r.params.repetition_penalty not in (0, 1)]
     if repeat:
         row_idx, tok_idx = pairs(repeat)
         penalty = torch.tensor([rows[i].params.repetition_penalty for i, ids in repeat for _ in ids], device=device)
         vals = logits[row_idx, tok_idx]
         logits[row_idx, tok_idx] = torch.where(vals > 0, vals / penalty, vals * penalty)
-    counted = [i for i, r in enumerate(rows) if (r.params.presence_penalty or r.params.frequency_penalty) and r.output_ids]
+    counted = [i for i, r in enumerate(rows) if (r.params.presence_penalty or r.params.frequency_penalty) and r.num_output]
     if counted:
-        row_idx, tok_idx = pairs([(j, rows[i].output_ids) for j, i in enumerate(counted)])
+        row_idx, tok_idx = pairs([(j, rows[i].token_ids[rows[i].num_prompt :]) for j, i in enumerate(counted)])
         counts = torch.zeros((len(counted), logits.shape[-1]), device=device)
         counts.index_put_((row_idx, tok_idx), torch.ones_like(tok_idx, dtype=counts.dtype), accumulate=True)
         freq = torch.tensor([[rows[i].params.frequency_penalty] for i in counted], device=device)
@@ -162,7 +168,7 @@ def _sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     vocab = probs.shape[-1]
     top_ks = column([r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows])
     top_ps = column([r.params.top_p if 0 < r.params.top_p < 1 else 1.0 for r in rows])
-    draws = column([uniform(r.seed, len(r.output_ids)) for r in rows])
+    draws = column([uniform(r.seed, r.num_output) for r in rows])
     if not any(0 < r.params.top_k < vocab or 0 < r.params.top_p < 1 for r in rows):
         return _draw(probs, draws)
     # The filters keep tokens in order of probability. Most rows keep few: their top CANDIDATES, found

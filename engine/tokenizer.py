@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -145,6 +145,25 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, skip_special_tokens: bool = True) -> Callable[[int], str]:
+        """A function of each next id: the text it completes, "" while the text ends inside a character
+        (tokenizers' `DecodeStream`: one call per id, its window of recent ids kept in Rust). Where ids that
+        are not valid UTF-8 make the window's texts stop being prefixes of one another (a byte-fallback
+        decoder fusing stray bytes), the window starts afresh at that id instead of raising."""
+        backend, stream = self._backend, decoders.DecodeStream(skip_special_tokens=skip_special_tokens)
+
+        def step(token_id: int) -> str:
+            nonlocal stream
+            try:
+                return stream.step(backend, token_id) or ""
+            except Exception as exc:  # tokenizers raises a plain Exception
+                if "Invalid prefix" not in str(exc):
+                    raise
+                stream = decoders.DecodeStream(skip_special_tokens=skip_special_tokens)
+                return stream.step(backend, token_id) or ""
+
+        return step
 
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
         return [self._backend.id_to_token(i) for i in ids]

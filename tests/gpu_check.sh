@@ -13,10 +13,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check}
 PY=${GPU_PY:-python3}
-TEST_SECONDS=${TEST_SECONDS:-180}
-BENCH_SECONDS=${BENCH_SECONDS:-330}  # all models together; each gets what the ones before it left
+TEST_SECONDS=${TEST_SECONDS:-240}
+BENCH_SECONDS=${BENCH_SECONDS:-270}  # all models together; each gets what the ones before it left
 BENCH_MODELS=${BENCH_MODELS:-qwen2.5-0.5b llama-3.2-1b smollm2-135m}  # the goals' shapes first
-GPU_TESTS="tests/test_gpu.py tests/test_triton_kernels.py tests/test_cuda_graphs.py tests/test_sampling.py"
+GPU_TESTS="tests/test_triton_kernels.py tests/test_cuda_graphs.py tests/test_sampling.py tests/test_gpu.py"  # quick first
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1
 export PYTHONUNBUFFERED=1
@@ -43,9 +43,11 @@ print("GPU:", torch.cuda.get_device_name() if torch.cuda.is_available() else "no
 EOF
 
 stamp "GPU suite (limit ${TEST_SECONDS} s)"
-# The engine test of test_triton_kernels runs the embedded model's tokenizer, which is not on that machine.
-timeout -k 10 "$TEST_SECONDS" $PY -m pytest -q -p no:cacheprovider --durations=15 $GPU_TESTS \
-    -k "not engine_greedy_tokens_equal_on_the_triton_path"
+# A line per test as it ends, and at the limit an interrupt (SIGINT), after which pytest still prints its
+# failures and summary; a test past 90 s dumps its threads' stacks. The engine test of test_triton_kernels
+# reads the embedded model's tokenizer, which is not on that machine.
+timeout -s INT -k 20 "$TEST_SECONDS" $PY -m pytest -v --tb=short -p no:cacheprovider --durations=15 \
+    -o faulthandler_timeout=90 $GPU_TESTS -k "not engine_greedy_tokens_equal_on_the_triton_path"
 echo "GPU suite exit status: $?"
 
 deadline=$(( $(date +%s) + BENCH_SECONDS ))
@@ -56,7 +58,7 @@ for model in $BENCH_MODELS; do
         continue
     fi
     stamp "bench $model (limit ${left} s)"
-    timeout -k 10 "$left" $PY tests/bench_gpu.py --models "$model" --json "$OUT/bench_gpu_$model.json"
+    timeout -s INT -k 10 "$left" $PY tests/bench_gpu.py --models "$model" --json "$OUT/bench_gpu_$model.json"
     echo "bench $model exit status: $?"
 done
 stamp "done"

@@ -1,8 +1,11 @@
 import random
 
 import pytest
+from tokenizers import Tokenizer as Backend
+from tokenizers import decoders, models
 
 from lmgate.engine.detokenizer import IncrementalDetokenizer
+from lmgate.engine.tokenizer import Tokenizer
 
 TEXTS = [
     "Party time 🎉🚀 with family 👩‍👩‍👧 in 🇫🇷!",
@@ -152,3 +155,41 @@ def test_detokenizer_finish_releases_held_back_text_without_stop(tokenizer):
     assert "".join(deltas) == "the story ends with "  # "ST" could still become "STOP"
     assert tail == "ST"
     assert detok.text == text
+
+
+def byte_fallback_backend() -> tuple[Backend, dict[str, int]]:
+    """Llama 2's kind of decoder: SentencePiece pieces, and bytes as <0xXX> tokens fused back into UTF-8."""
+    vocab = {"<unk>": 0, **{f"<0x{i:02X}>": 1 + i for i in range(256)}}
+    for piece in ("\u2581Hello", "\u2581world", "a"):
+        vocab[piece] = len(vocab)
+    backend = Backend(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    return backend, vocab
+
+
+def wrapped(backend: Backend) -> Tokenizer:
+    return Tokenizer(backend, bos_token_id=None, eos_token_ids=[], add_bos_token=False, chat_template=None)
+
+
+def test_detokenizer_byte_fallback_characters_come_out_whole():
+    backend, vocab = byte_fallback_backend()
+    tokenizer = wrapped(backend)
+    ids = [vocab[p] for p in ("\u2581Hello", "<0xC3>", "<0xA9>", "\u2581world", "<0xF0>", "<0x9F>", "<0x99>", "<0x82>")]
+    deltas, _, tail, _ = _stream(tokenizer, ids)
+    assert "\ufffd" not in "".join(deltas)
+    assert "".join(deltas) + tail == tokenizer.decode(ids) == "Hello\u00e9 world\U0001f642"
+
+
+def test_detokenizer_stray_bytes_through_a_byte_fallback_decoder_do_not_raise():
+    """Stray bytes fused with their neighbours make the decode window's texts stop being prefixes of one
+    another, where tokenizers' DecodeStream raises: the stream starts a fresh window instead, and the text
+    after them comes out."""
+    backend, vocab = byte_fallback_backend()
+    ids = [vocab[p] for p in ("<0xD4>", "<0x81>", "<0x13>", "<0xFA>", "a", "\u2581world")]
+    stream = wrapped(backend).decode_stream()
+    with pytest.raises(Exception, match="Invalid prefix"):  # what the fresh window stands in for
+        raw = decoders.DecodeStream(skip_special_tokens=True)
+        for i in ids:
+            raw.step(backend, i)
+    assert "".join(stream(i) for i in ids).endswith("a world")

@@ -19,7 +19,8 @@ def logits_for(rows: int, seed: int = 0) -> torch.Tensor:
 
 
 def row(seed: int = 0, output: list[int] | None = None, prompt: list[int] | None = None, banned=(), **params) -> SampleRow:
-    return SampleRow(SamplingParams(**params), seed, prompt or [1, 2, 3], output or [], list(banned))
+    prompt = prompt or [1, 2, 3]
+    return SampleRow(SamplingParams(**params), seed, prompt + (output or []), len(prompt), list(banned))
 
 
 def test_uniform_is_a_function_of_seed_and_counter():
@@ -43,10 +44,10 @@ def test_penalties_match_transformers_and_the_presence_frequency_formula():
     got = sampling._apply_penalties(logits, rows)
     want = logits.clone()
     for i in (0, 3):
-        ids = torch.tensor([rows[i].prompt_ids + rows[i].output_ids])
+        ids = torch.tensor([rows[i].token_ids])
         want[i : i + 1] = RepetitionPenaltyLogitsProcessor(rows[i].params.repetition_penalty)(ids, want[i : i + 1])
     for i in (1, 3):
-        counts = torch.bincount(torch.tensor(rows[i].output_ids), minlength=VOCAB).float()
+        counts = torch.bincount(torch.tensor(rows[i].token_ids[rows[i].num_prompt :]), minlength=VOCAB).float()
         want[i] -= rows[i].params.frequency_penalty * counts + rows[i].params.presence_penalty * (counts > 0).float()
     want[3, [0, 2]] = float("-inf")
     torch.testing.assert_close(got, want)

@@ -54,23 +54,27 @@ def _decode_split_kernel(Q, KCache, VCache, Tables, Lengths, Acc, Max, Sum, scal
     s_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D], tl.float32)
     offs = tl.arange(0, BLOCK)
-    for step in range(0, blocks_per_split):  # a fixed trip count; blocks past the context are masked off
+    # A fixed trip count (a bound read from memory breaks Triton's interpreter); blocks past the context are
+    # skipped whole, which leaves the sums exactly as they were: a graph's table is as wide as the longest
+    # context allowed, and most of its blocks lie past a sequence's end.
+    for step in range(0, blocks_per_split):
         bi = j * blocks_per_split + step
-        block = tl.load(Tables + i * table_width + bi, mask=bi < table_width, other=0)
-        pos = bi * BLOCK + offs
-        valid = pos < length
-        base = ((h * num_blocks + block) * BLOCK + offs) * D
-        k = tl.load(KCache + base[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-        v = tl.load(VCache + base[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_PAD, BLOCK]
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: keep the sums at zero
-        p = tl.exp(scores - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
-        s_sum = s_sum * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        m = m_new
+        if bi * BLOCK < length:
+            block = tl.load(Tables + i * table_width + bi, mask=bi < table_width, other=0)
+            pos = bi * BLOCK + offs
+            valid = pos < length
+            base = ((h * num_blocks + block) * BLOCK + offs) * D
+            k = tl.load(KCache + base[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+            v = tl.load(VCache + base[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_PAD, BLOCK]
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: keep the sums at zero
+            p = tl.exp(scores - m_safe[:, None])
+            alpha = tl.exp(m - m_safe)
+            s_sum = s_sum * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            m = m_new
     row = (i * tl.num_programs(1) * GROUP + heads) * num_splits + j  # [n, H, splits] layout
     tl.store(Max + row, m, mask=live)
     tl.store(Sum + row, s_sum, mask=live)
