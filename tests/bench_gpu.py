@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import math
@@ -34,7 +36,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import lmgate.engine  # noqa: F401  before torch: the OMP_WAIT_POLICY it sets counts only before libgomp loads
 import torch
@@ -44,10 +46,13 @@ from lmgate.client import AsyncClient
 from lmgate.client.bench import random_prompts
 from lmgate.engine.config import EngineConfig, ModelConfig
 from lmgate.engine.engine import Engine
+from lmgate.engine.engine_loop import EngineLoop
 from lmgate.engine.hardware import cpu_features
 from lmgate.engine.kv_cache import kv_bytes_per_token
 from lmgate.engine.loader import read_config
+from lmgate.engine.model_runner import ModelRunner
 from lmgate.engine.sampling import SamplingParams
+from lmgate.engine.scheduler import Scheduler
 from lmgate.engine.threads import on_fresh_thread
 from gpu_models import write_model  # beside this file: all run as scripts
 from serving import serve_process
@@ -293,13 +298,49 @@ def decode_figures(engine: Engine, w: Workload, prompts: DecodePrompts) -> dict[
             "batch_ms_step": lockstep_ms_per_step(batch), "batch_tps": batch.tokens_per_second}
 
 
+# The parts of an engine step, timed by `phase_times`. On a GPU `forward` only launches (a graph replay, or the
+# eager kernels) and `sample` waits for the device before its one copy back: the host's work is the rest.
+PHASES = ((Scheduler, "schedule"), (ModelRunner, "setup"), (ModelRunner, "forward"), (ModelRunner, "sample"),
+          (EngineLoop, "_update"), (EngineLoop, "step"))
+
+
+@contextlib.contextmanager
+def phase_times() -> Iterator[dict[str, float]]:
+    """Seconds spent in each of PHASES (and calls of `step`) while the block runs, by wrapping the methods:
+    where a step's time goes, host or device, from the one run a lent GPU allows."""
+    totals = {name: 0.0 for _, name in PHASES} | {"steps": 0}
+
+    def timed(fn: Callable, name: str) -> Callable:
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[name] += time.perf_counter() - start
+                totals["steps"] += name == "step"
+        return call
+
+    originals = [(owner, name, owner.__dict__[name]) for owner, name in PHASES]
+    for owner, name, fn in originals:
+        setattr(owner, name, timed(fn, name))
+    try:
+        yield totals
+    finally:
+        for owner, name, fn in originals:
+            setattr(owner, name, fn)
+
+
 def engine_figures(config: EngineConfig, w: Workload, warmup: Requests, offline: Requests,
                    prompts: DecodePrompts) -> dict[str, float]:
-    """The offline workload and the decode figures on one engine, then the decode figures again without CUDA
-    graphs (on a CPU the flag changes nothing: both runs take the same path)."""
+    """The offline workload (where its steps' time went, per phase) and the decode figures on one engine, then
+    the decode figures again without CUDA graphs (on a CPU the flag changes nothing: both take the same path)."""
     with Engine(config) as engine:
         run_requests(engine, warmup)  # Triton compiles, every CUDA graph bucket is captured
-        figures = {"offline_tps": run_requests(engine, offline).tokens_per_second}
+        with phase_times() as phases:
+            figures = {"offline_tps": run_requests(engine, offline).tokens_per_second}
+        steps = max(phases.pop("steps"), 1)
+        figures.update(offline_steps=steps, offline_ms_per_step={name: sec / steps * 1e3 for name, sec in phases.items()})
         figures.update(decode_figures(engine, w, prompts))
     with Engine(dataclasses.replace(config, cuda_graphs=False)) as engine:
         eager = decode_figures(engine, w, prompts)
@@ -448,6 +489,15 @@ def report(meta: dict, results: dict[str, dict], w: Workload) -> None:
               f"{fmt(r['nano_vllm_a800_tps'])} | {fmt(r['offline_bound_tps'])} ({r['offline_bound_by']}) | "
               f"{ratio(r['offline_tps'], r['offline_bound_tps'])} | {fmt(r.get('grpc_tps'))} | "
               f"{ratio(r.get('grpc_tps'), r['offline_tps'])} | {fmt(r.get('grpc_client_cores'), '.2f')} |")
+
+    print("\nWhere an offline step's time went, ms per step (mean over the run's steps): forward only launches on a "
+          "GPU, sample waits for the device; host = step - forward - sample\n")
+    print("| model | steps | step | schedule | setup | forward | sample | update | host |")
+    print("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
+    for name, r in results.items():
+        ms = r["offline_ms_per_step"]
+        print(f"| {name} | {r['offline_steps']} | " + " | ".join(f"{ms[k]:.2f}" for k in ("step", "schedule", "setup", "forward", "sample", "_update"))
+              + f" | {ms['step'] - ms['forward'] - ms['sample']:.2f} |")
 
     b = w.decode_batch
     print(f"\nDecode at {w.context}..{w.context + w.decode_tokens} tokens of context (limit: weights and KV read once "
