@@ -16,6 +16,7 @@ from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 
 from . import convert
 from .metrics import Metrics, StreamTracker
+from .relay import OutputRelay
 from .status import abort, status_code
 
 access_log = logging.getLogger("lmgate.access")
@@ -32,6 +33,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.metrics = metrics
         self.replica_id = replica_id
         self._requests: dict[str, Request] = {}
+        self._relay: OutputRelay | None = None  # made on the event loop, by the first Generate
 
     async def wait_idle(self, timeout: float) -> None:
         """Until no Generate stream is open, or `timeout` seconds."""
@@ -51,7 +53,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        loop = asyncio.get_running_loop()
+        relay = self._relay = self._relay or OutputRelay(asyncio.get_running_loop())
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         request_id = request.request_id or uuid.uuid4().hex
         # Read now: once the client has gone, the finally below runs after gRPC has freed the call, and asking
@@ -64,7 +66,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             params = convert.sampling_params(request.sampling)
             engine_request = self.engine.submit(
                 prompt, params, session_id=request.session_id, request_id=request_id,
-                on_output=lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out),
+                on_output=lambda out: relay.put(outputs, out),
             )
         except EngineError as exc:
             self.metrics.refused(exc)

@@ -13,7 +13,9 @@ trained ones do), written as a Hugging Face directory with a tokenizer of the mo
 2. decode at 512 tokens of context: one stream (ms per token), and a batch of 64 (ms per step), with CUDA
    graphs and without;
 3. transformers `generate` on the batch's prompts: greedy, every sequence to the same length;
-4. the offline workload again through `lmgate serve` over gRPC, every stream at once.
+4. the offline workload again through `lmgate serve` over gRPC, every stream at once: with the engine loop a
+   thread of the server, then a process of its own (`--dp-backend process`), whose GIL the server's threads
+   do not share.
 
 The limits are measured in the same run: HBM bandwidth by a device-to-device copy, bf16 matmul FLOP/s at the
 model's largest prefill GEMM. A decode step cannot beat reading the weights and its KV once; the offline
@@ -44,7 +46,7 @@ import transformers
 
 from lmgate.client import AsyncClient
 from lmgate.client.bench import random_prompts
-from lmgate.engine.config import EngineConfig, ModelConfig
+from lmgate.engine.config import DP_BACKENDS, EngineConfig, ModelConfig
 from lmgate.engine.engine import Engine
 from lmgate.engine.engine_loop import EngineLoop
 from lmgate.engine.hardware import cpu_features
@@ -203,7 +205,8 @@ def serve_flags(config: EngineConfig) -> list[str]:
             "--kv-cache-tokens", str(config.kv_cache_tokens), "--max-batch-size", str(config.max_batch_size),
             "--max-batched-tokens", str(config.max_batched_tokens),
             "--max-context-length", str(config.max_context_length),
-            "--cuda-graphs", "on" if config.cuda_graphs else "off", "--log-level", "WARNING"]
+            "--cuda-graphs", "on" if config.cuda_graphs else "off", "--dp-backend", config.dp_backend,
+            "--log-level", "WARNING"]
 
 
 # ------------------------------------------------------------------------------------------------ workloads
@@ -385,9 +388,10 @@ async def stream_all(address: str, requests: Requests) -> tuple[int, float]:
 
 
 def grpc_figures(config: EngineConfig, warmup: Requests, offline: Requests) -> dict[str, float]:
-    """The offline workload through `lmgate serve` (a child process with the engine's settings), after the same
-    warm-up; and the client's CPU use, in cores, which says whether this process rather than the server was the
-    bottleneck."""
+    """The offline workload through `lmgate serve` (a child process with the engine's settings, its engine loop
+    a thread of the server or, with `dp_backend="process"`, a process of its own with its own GIL), after the
+    same warm-up; and the client's CPU use, in cores, which says whether this process rather than the server
+    was the bottleneck."""
     proc, address = serve_process(*serve_flags(config))
     try:
         asyncio.run(stream_all(address, warmup))
@@ -438,8 +442,8 @@ def measure_model(name: str, args: argparse.Namespace, w: Workload, root: str, d
           flush=True)
     if not args.skip_hf:
         figures["hf_tps"] = on_fresh_thread(lambda: transformers_tps(path, device, prompts.batch, w.decode_tokens))
-    if not args.skip_grpc:
-        figures.update(grpc_figures(config, warmup, offline))
+    for backend in args.grpc_backends.split(",") if args.grpc_backends else []:
+        figures[f"grpc_{backend}"] = grpc_figures(dataclasses.replace(config, dp_backend=backend), warmup, offline)
     shutil.rmtree(path)
 
     flops = on_fresh_thread(lambda: matmul_flops(device, w.max_batched_tokens, cfg.hidden_size, 2 * cfg.intermediate_size))
@@ -481,14 +485,23 @@ def report(meta: dict, results: dict[str, dict], w: Workload) -> None:
               f"{2 * r['shape']['intermediate_size']}] {r['matmul_flops'] / 1e12:.3g} TFLOP/s")
 
     print("\nOffline throughput, output tokens/s (published: nano-vllm's workload on one A800)\n")
-    print("| model | lmgate | goal | vLLM 0.10.2 | nano-vllm Triton | bound (bound by) | of bound | gRPC | gRPC / engine "
-          f"(goal {GRPC_GOAL:.0%}) | client cores |")
-    print("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
+    print("| model | lmgate | goal | vLLM 0.10.2 | nano-vllm Triton | bound (bound by) | of bound |")
+    print("|---|--:|--:|--:|--:|--:|--:|")
     for name, r in results.items():
         print(f"| {name} | {fmt(r['offline_tps'])} | {fmt(r['goal_offline_tps'])} | {fmt(r['vllm_a800_tps'])} | "
               f"{fmt(r['nano_vllm_a800_tps'])} | {fmt(r['offline_bound_tps'])} ({r['offline_bound_by']}) | "
-              f"{ratio(r['offline_tps'], r['offline_bound_tps'])} | {fmt(r.get('grpc_tps'))} | "
-              f"{ratio(r.get('grpc_tps'), r['offline_tps'])} | {fmt(r.get('grpc_client_cores'), '.2f')} |")
+              f"{ratio(r['offline_tps'], r['offline_bound_tps'])} |")
+
+    print(f"\nThe same workload through gRPC, every stream at once (goal: {GRPC_GOAL:.0%} of the engine alone); the "
+          "engine loop a thread of the server, or a process of its own (--dp-backend process)\n")
+    print("| model | backend | gRPC tok/s | of the engine | client cores |")
+    print("|---|---|--:|--:|--:|")
+    for name, r in results.items():
+        for backend in DP_BACKENDS:
+            if f"grpc_{backend}" in r:
+                g = r[f"grpc_{backend}"]
+                print(f"| {name} | {backend} | {fmt(g['grpc_tps'])} | {ratio(g['grpc_tps'], r['offline_tps'])} | "
+                      f"{g['grpc_client_cores']:.2f} |")
 
     print("\nWhere an offline step's time went, ms per step (mean over the run's steps): forward only launches on a "
           "GPU, sample waits for the device; host = step - forward - sample\n")
@@ -520,7 +533,8 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes and workload: every code path in minutes on a CPU")
     ap.add_argument("--skip-hf", action="store_true", help="no transformers generate")
-    ap.add_argument("--skip-grpc", action="store_true", help="no run through lmgate serve")
+    ap.add_argument("--grpc-backends", default="thread,process",
+                    help="the runs through lmgate serve, by its --dp-backend (comma-separated; '' for none)")
     ap.add_argument("--num-seqs", type=int, default=0, help="offline sequences (0: 256, or 16 with --tiny)")
     ap.add_argument("--max-batched-tokens", type=int, default=0, help="tokens per engine step (0: 8192, or 256 with --tiny)")
     ap.add_argument("--kv-cache-tokens", type=int, default=0,
