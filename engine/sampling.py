@@ -112,8 +112,10 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
     seeded request gives the same tokens whatever else shares its batch."""
     raw = logits
     logits = _apply_penalties(logits, rows)
-    tokens = torch.ops.lmgate.argmax_rows(logits) if layer_kernels(logits) else logits.argmax(dim=-1)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if len(sampled) == len(rows):  # no greedy rows: no argmax, no scatter
+        return _fetch(raw, _sample_rows(logits, rows), rows)
+    tokens = torch.ops.lmgate.argmax_rows(logits) if layer_kernels(logits) else logits.argmax(dim=-1)
     if sampled:
         idx = torch.tensor(sampled, device=logits.device)
         tokens[idx] = _sample_rows(logits[idx], [rows[i] for i in sampled])
@@ -157,18 +159,15 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
 
 def _sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """Temperature, then min-p / top-k / top-p filters, then one uniform draw per row (`uniform`, computed on
-    the host and copied in with the other per-row parameters) against the row's cumulative distribution."""
-    def column(values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=logits.device).unsqueeze(1)
-
-    temps = column([r.params.temperature for r in rows])
+    the host) against the row's cumulative distribution. The per-row parameters cross to the device in one
+    copy (float32 holds each exactly: top-k below 2^24, draws of 24 bits)."""
+    vocab = logits.shape[-1]
+    columns = torch.tensor([(r.params.temperature, r.params.min_p, r.params.top_k if 0 < r.params.top_k < vocab else vocab,
+                             r.params.top_p if 0 < r.params.top_p < 1 else 1.0, uniform(r.seed, r.num_output))
+                            for r in rows], dtype=torch.float32).to(logits.device).T.unsqueeze(2)
+    temps, min_ps, top_ks, top_ps, draws = columns  # each [rows, 1]
     probs = torch.softmax(logits / temps, dim=-1)
-    min_ps = column([r.params.min_p for r in rows])
     probs = probs.masked_fill(probs < min_ps * probs.amax(dim=-1, keepdim=True), 0.0)
-    vocab = probs.shape[-1]
-    top_ks = column([r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows])
-    top_ps = column([r.params.top_p if 0 < r.params.top_p < 1 else 1.0 for r in rows])
-    draws = column([uniform(r.seed, r.num_output) for r in rows])
     if not any(0 < r.params.top_k < vocab or 0 < r.params.top_p < 1 for r in rows):
         return _draw(probs, draws)
     # The filters keep tokens in order of probability. Most rows keep few: their top CANDIDATES, found
