@@ -126,17 +126,21 @@ class ModelRunner:
     def plan(self, batch: list[Sequence]) -> StepPlan:
         """kSetup: the step as plain lists, decodes first, from the sequences' host-side state."""
         plan = StepPlan()
+        bs = self.block_size
         for seq in batch:
             start, end = seq.num_computed, seq.num_computed + seq.num_scheduled
             first_row = len(plan.input_ids)
-            plan.input_ids.extend(seq.token_ids[start:end])
-            plan.positions.extend(range(start, end))
-            plan.slots.extend(seq.block_table[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, end))
-            if seq.num_scheduled == 1 and seq.num_uncomputed == 1:
+            if end - start == 1 and end == len(seq.token_ids):  # a decode: one token, the last
+                plan.input_ids.append(seq.token_ids[start])
+                plan.positions.append(start)
+                plan.slots.append(seq.block_table[start // bs] * bs + start % bs)
                 plan.decode_tables.append(seq.block_table)
                 plan.decode_lengths.append(end)
             else:
-                plan.prefills.append((first_row, len(plan.input_ids), end, seq.block_table[: -(-end // self.block_size)]))
+                plan.input_ids.extend(seq.token_ids[start:end])
+                plan.positions.extend(range(start, end))
+                plan.slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
+                plan.prefills.append((first_row, len(plan.input_ids), end, seq.block_table[: -(-end // bs)]))
             if seq.samples_this_step:
                 plan.logit_rows.append(len(plan.input_ids) - 1)
                 plan.sample_rows.append(SampleRow(seq.params, seq.seed, seq.token_ids, seq.num_prompt_tokens, seq.banned_ids))

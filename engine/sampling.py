@@ -113,7 +113,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
     raw = logits
     logits = _apply_penalties(logits, rows)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
-    if len(sampled) == len(rows):  # no greedy rows: no argmax, no scatter
+    if sampled and len(sampled) == len(rows):  # no greedy rows: no argmax, no scatter
         return _fetch(raw, _sample_rows(logits, rows), rows)
     tokens = torch.ops.lmgate.argmax_rows(logits) if layer_kernels(logits) else logits.argmax(dim=-1)
     if sampled:

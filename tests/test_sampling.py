@@ -140,3 +140,9 @@ def test_the_same_tokens_on_cuda_as_on_the_cpu():
     rows = [row(seed=s, output=[s % 7], temperature=0.8, top_k=10 * (s % 3), top_p=0.9 if s % 2 else 0.0,
                 repetition_penalty=1.1 if s % 4 == 0 else 0.0) for s in range(8)]
     assert sample(logits.cuda(), rows).token_ids == sample(logits, rows).token_ids
+
+
+def test_a_step_where_no_row_samples():
+    """Every sequence of a step mid-prompt (chunked prefills): no logits, nothing drawn."""
+    result = sample(torch.empty(0, VOCAB), [])
+    assert result.token_ids == [] and result.logprobs == []
