@@ -135,9 +135,10 @@ class EngineLoop:
 
     def run(self) -> None:
         torch.set_num_threads(self.num_threads)  # also what threads started later take as their default
-        if self.runner.device.type == "cuda":  # cuda:N: Triton launches, streams and graphs follow the current device
-            torch.cuda.set_device(self.runner.device)
+        device = self.runner.device
         try:
+            if device.type == "cuda" and device.index is not None:  # cuda:N: Triton launches, streams and
+                torch.cuda.set_device(device)  # graphs follow the current device ("cuda" alone is the current one)
             self._run()
         except CommAborted:  # a peer rank failed (its thread raised, or its process died): so does this one
             error = Unavailable("an engine rank failed; the server is stopping")
