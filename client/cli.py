@@ -251,3 +251,7 @@ async def _bench(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump({"model": info.model, "config": config, **summary}, f, indent=2)
     return 1 if summary["failed"] else 0
+
+
+if __name__ == "__main__":  # python -m lmgate.client.cli: where the console script is not on hand
+    sys.exit(main())

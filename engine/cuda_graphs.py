@@ -107,6 +107,9 @@ class DecodeGraphs:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self._captured_for: tuple[int, int] | None = None  # (id of the model, its weights version)
+        # Captures warm up on one side stream, made once: cuBLAS keeps a workspace (32 MiB on an H100) for each
+        # stream it has run on, which no empty_cache frees, so a stream per capture would pile them up.
+        self._side: torch.cuda.Stream | None = None
 
     def fits(self, num_rows: int, num_prefills: int, table_width: int) -> bool:
         """Whether a step runs from a graph: decodes only, as many as the largest bucket, tables that fit."""
@@ -164,7 +167,7 @@ class DecodeGraphs:
         """One eager run on a side stream first (Triton compiles there, and the step's KV is written: the
         replay writes the same values again), then the capture. Graphs share one memory pool: they never run
         at the same time."""
-        side = torch.cuda.Stream()
+        side = self._side = self._side or torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             self._forward(model, kv_caches, b)

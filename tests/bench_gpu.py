@@ -37,6 +37,7 @@ import shutil
 import tempfile
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -97,7 +98,10 @@ class Workload:
     num_seqs: int = 256
     min_len: int = 100  # offline prompt and output lengths, each uniform in [min_len, max_len]
     max_len: int = 1024
-    warmup_max_output: int = 64  # warm-up outputs of 1..this: sequences finish a few per step, so every graph bucket runs
+    # Warm-up outputs uniform in [min, max]: every sequence outlives the prefill steps, then they finish a few per
+    # step, so that every graph bucket is captured before the measured run.
+    warmup_min_output: int = 32
+    warmup_max_output: int = 96
     context: int = 512  # prompt tokens of the decode measurements
     decode_tokens: int = 128
     decode_batch: int = 64
@@ -105,7 +109,7 @@ class Workload:
     copy_bytes: int = 1 << 30
 
 
-TINY_WORKLOAD = Workload(num_seqs=16, min_len=8, max_len=32, warmup_max_output=8, context=32, decode_tokens=16,
+TINY_WORKLOAD = Workload(num_seqs=16, min_len=8, max_len=32, warmup_min_output=4, warmup_max_output=12, context=32, decode_tokens=16,
                          decode_batch=8, max_batched_tokens=256, copy_bytes=64 << 20)
 
 Requests = list[tuple[list[int], SamplingParams]]
@@ -210,14 +214,14 @@ def serve_flags(config: EngineConfig) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------ workloads
-def offline_requests(seed: int, w: Workload, vocab: int, max_output: int = 0) -> Requests:
+def offline_requests(seed: int, w: Workload, vocab: int, min_output: int = 0, max_output: int = 0) -> Requests:
     """nano-vllm's bench.py: prompt and output lengths each uniform in [min_len, max_len] (outputs in
-    [1, max_output] for a warm-up), random ids past the low ones where models keep special tokens."""
+    [min_output, max_output] for a warm-up), random ids past the low ones where models keep special tokens."""
     rng = random.Random(seed)
     requests = []
     for _ in range(w.num_seqs):
         prompt = [rng.randrange(100, vocab) for _ in range(rng.randint(w.min_len, w.max_len))]
-        output = rng.randint(1, max_output) if max_output else rng.randint(w.min_len, w.max_len)
+        output = rng.randint(min_output, max_output) if max_output else rng.randint(w.min_len, w.max_len)
         requests.append((prompt, SamplingParams(max_new_tokens=output, temperature=TEMPERATURE, ignore_eos=True)))
     return requests
 
@@ -334,21 +338,23 @@ def phase_times() -> Iterator[dict[str, float]]:
             setattr(owner, name, fn)
 
 
-def engine_figures(config: EngineConfig, w: Workload, warmup: Requests, offline: Requests,
-                   prompts: DecodePrompts) -> dict[str, float]:
-    """The offline workload (where its steps' time went, per phase) and the decode figures on one engine, then
-    the decode figures again without CUDA graphs (on a CPU the flag changes nothing: both take the same path)."""
+def engine_figures(config: EngineConfig, w: Workload, warmup: Requests, offline: Requests, prompts: DecodePrompts,
+                   figures: dict) -> None:
+    """Into `figures`, as each is measured: the offline workload (where its steps' time went, per phase) and the
+    decode figures on one engine, then the decode figures again without CUDA graphs (on a CPU the flag changes
+    nothing: both take the same path)."""
     with Engine(config) as engine:
         run_requests(engine, warmup)  # Triton compiles, every CUDA graph bucket is captured
         with phase_times() as phases:
-            figures = {"offline_tps": run_requests(engine, offline).tokens_per_second}
+            figures["offline_tps"] = run_requests(engine, offline).tokens_per_second
         steps = max(phases.pop("steps"), 1)
         figures.update(offline_steps=steps, offline_ms_per_step={name: sec / steps * 1e3 for name, sec in phases.items()})
+        print(f"engine: {figures['offline_tps']:,.0f} tok/s offline", flush=True)
         figures.update(decode_figures(engine, w, prompts))
+        print(f"engine: {figures['single_ms']:.2f} ms/token single stream", flush=True)
     with Engine(dataclasses.replace(config, cuda_graphs=False)) as engine:
         eager = decode_figures(engine, w, prompts)
     figures.update(single_ms_eager=eager["single_ms"], batch_ms_step_eager=eager["batch_ms_step"])
-    return figures
 
 
 # ------------------------------------------------------------------------------------------------ references
@@ -425,41 +431,42 @@ def offline_bound(cfg: ModelConfig, offline: Requests, bandwidth: float, flops: 
 
 # ------------------------------------------------------------------------------------------------ one model
 def measure_model(name: str, args: argparse.Namespace, w: Workload, root: str, device: torch.device,
-                  bandwidth: float) -> dict:
-    """Every figure of one model, its limits beside them; the model's directory is removed after."""
+                  bandwidth: float, result: dict) -> None:
+    """Every figure of one model, its limits first, into `result` as each is measured: a run stopped at its
+    time limit (SIGINT) or by a failure keeps what it had. The model's directory is removed after."""
     shape = {**MODELS[name], **(TINY_SHAPE if args.tiny else {})}
     path = on_fresh_thread(lambda: build_model(name, shape, root, device))
-    cfg = read_config(path)
-    offline = offline_requests(0, w, cfg.vocab_size)
-    warmup = offline_requests(1, w, cfg.vocab_size, max_output=w.warmup_max_output)
-    prompts = DecodePrompts.make(2, w, cfg.vocab_size)
-    config = engine_config(path, device, w, args.kv_cache_tokens or kv_cache_tokens(w, cfg, device))
-    print(f"{name}: {cfg.num_params / 1e6:.1f}M params, KV cache {config.kv_cache_tokens} tokens", flush=True)
+    try:
+        cfg = read_config(path)
+        offline = offline_requests(0, w, cfg.vocab_size)
+        warmup = offline_requests(1, w, cfg.vocab_size, min_output=w.warmup_min_output, max_output=w.warmup_max_output)
+        prompts = DecodePrompts.make(2, w, cfg.vocab_size)
+        config = engine_config(path, device, w, args.kv_cache_tokens or kv_cache_tokens(w, cfg, device))
+        print(f"{name}: {cfg.num_params / 1e6:.1f}M params, KV cache {config.kv_cache_tokens} tokens", flush=True)
 
-    figures = engine_figures(config, w, warmup, offline, prompts)
-    free_device_memory(device)
-    print(f"{name}: engine {figures['offline_tps']:,.0f} tok/s offline, {figures['single_ms']:.2f} ms/token single stream",
-          flush=True)
-    if not args.skip_hf:
-        figures["hf_tps"] = on_fresh_thread(lambda: transformers_tps(path, device, prompts.batch, w.decode_tokens))
-    for backend in args.grpc_backends.split(",") if args.grpc_backends else []:
-        figures[f"grpc_{backend}"] = grpc_figures(dataclasses.replace(config, dp_backend=backend), warmup, offline)
-    shutil.rmtree(path)
+        flops = on_fresh_thread(lambda: matmul_flops(device, w.max_batched_tokens, cfg.hidden_size, 2 * cfg.intermediate_size))
+        bound, bound_by = offline_bound(cfg, offline, bandwidth, flops)
+        mid = w.context + w.decode_tokens // 2  # the mean context over the decode steps
+        published = PUBLISHED.get(name, (None, None))
+        result.update({
+            "shape": shape, "params": cfg.num_params, "weight_bytes": weight_bytes(cfg),
+            "kv_bytes_per_token": kv_bytes_per_token(cfg, DTYPE), "kv_cache_tokens": config.kv_cache_tokens,
+            "matmul_flops": flops, "offline_bound_tps": bound, "offline_bound_by": bound_by,
+            "single_limit_ms": decode_limit_ms(cfg, [mid], bandwidth),
+            "batch_limit_ms": decode_limit_ms(cfg, [mid] * w.decode_batch, bandwidth),
+            "goal_offline_tps": OFFLINE_GOALS.get(name), "goal_single_tps": SINGLE_STREAM_GOALS.get(name),
+            "vllm_a800_tps": published[0], "nano_vllm_a800_tps": published[1],
+        })
 
-    flops = on_fresh_thread(lambda: matmul_flops(device, w.max_batched_tokens, cfg.hidden_size, 2 * cfg.intermediate_size))
-    bound, bound_by = offline_bound(cfg, offline, bandwidth, flops)
-    mid = w.context + w.decode_tokens // 2  # the mean context over the decode steps
-    published = PUBLISHED.get(name, (None, None))
-    return {
-        "shape": shape, "params": cfg.num_params, "weight_bytes": weight_bytes(cfg),
-        "kv_bytes_per_token": kv_bytes_per_token(cfg, DTYPE), "kv_cache_tokens": config.kv_cache_tokens,
-        "matmul_flops": flops, "offline_bound_tps": bound, "offline_bound_by": bound_by,
-        "single_limit_ms": decode_limit_ms(cfg, [mid], bandwidth),
-        "batch_limit_ms": decode_limit_ms(cfg, [mid] * w.decode_batch, bandwidth),
-        "goal_offline_tps": OFFLINE_GOALS.get(name), "goal_single_tps": SINGLE_STREAM_GOALS.get(name),
-        "vllm_a800_tps": published[0], "nano_vllm_a800_tps": published[1],
-        **figures,
-    }
+        engine_figures(config, w, warmup, offline, prompts, result)
+        free_device_memory(device)
+        if not args.skip_hf:
+            result["hf_tps"] = on_fresh_thread(lambda: transformers_tps(path, device, prompts.batch, w.decode_tokens))
+        for backend in args.grpc_backends.split(",") if args.grpc_backends else []:
+            result[f"grpc_{backend}"] = grpc_figures(dataclasses.replace(config, dp_backend=backend), warmup, offline)
+            print(f"gRPC, {backend}: {result[f'grpc_{backend}']['grpc_tps']:,.0f} tok/s", flush=True)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -467,8 +474,15 @@ def fmt(value: float | None, spec: str = ",.0f") -> str:
     return "—" if value is None or math.isnan(value) else format(value, spec)
 
 
-def ratio(value: float | None, reference: float | None) -> str:
-    return "—" if value is None or not reference else f"{value / reference:.0%}"
+def ratio(value: float | None, reference: float | None, unit: str = "%") -> str:
+    if value is None or not reference:
+        return "—"
+    return f"{value / reference:.0%}" if unit == "%" else f"{value / reference:.1f}{unit}"
+
+
+def with_figure(results: dict[str, dict], key: str) -> list[tuple[str, dict]]:
+    """The models whose run got as far as measuring `key` (a run stopped at its limit keeps what it had)."""
+    return [(name, r) for name, r in results.items() if key in r]
 
 
 def report(meta: dict, results: dict[str, dict], w: Workload) -> None:
@@ -478,7 +492,9 @@ def report(meta: dict, results: dict[str, dict], w: Workload) -> None:
           f"offline: {w.num_seqs} sequences, prompt and output lengths each uniform in {w.min_len}..{w.max_len}, "
           f"ignore_eos, temperature {TEMPERATURE}; decode: {w.context} prompt tokens + {w.decode_tokens} new, greedy; "
           f"max_batched_tokens {w.max_batched_tokens}, max_context_length {MAX_CONTEXT}, bf16")
-    for name, r in results.items():
+    for name, r in with_figure(results, "stopped"):
+        print(f"{name}: STOPPED ({r['stopped']}); its tables hold what was measured before")
+    for name, r in with_figure(results, "params"):
         print(f"{name}: {r['params'] / 1e6:.1f}M params ({r['weight_bytes'] / 2**20:,.0f} MiB read per step), "
               f"KV {r['kv_bytes_per_token']:,} B/token, cache {r['kv_cache_tokens']:,} tokens; bf16 matmul "
               f"[{w.max_batched_tokens}x{r['shape']['hidden_size']}]x[{r['shape']['hidden_size']}x"
@@ -487,7 +503,7 @@ def report(meta: dict, results: dict[str, dict], w: Workload) -> None:
     print("\nOffline throughput, output tokens/s (published: nano-vllm's workload on one A800)\n")
     print("| model | lmgate | goal | vLLM 0.10.2 | nano-vllm Triton | bound (bound by) | of bound |")
     print("|---|--:|--:|--:|--:|--:|--:|")
-    for name, r in results.items():
+    for name, r in with_figure(results, "offline_tps"):
         print(f"| {name} | {fmt(r['offline_tps'])} | {fmt(r['goal_offline_tps'])} | {fmt(r['vllm_a800_tps'])} | "
               f"{fmt(r['nano_vllm_a800_tps'])} | {fmt(r['offline_bound_tps'])} ({r['offline_bound_by']}) | "
               f"{ratio(r['offline_tps'], r['offline_bound_tps'])} |")
@@ -496,7 +512,7 @@ def report(meta: dict, results: dict[str, dict], w: Workload) -> None:
           "engine loop a thread of the server, or a process of its own (--dp-backend process)\n")
     print("| model | backend | gRPC tok/s | of the engine | client cores |")
     print("|---|---|--:|--:|--:|")
-    for name, r in results.items():
+    for name, r in with_figure(results, "offline_tps"):
         for backend in DP_BACKENDS:
             if f"grpc_{backend}" in r:
                 g = r[f"grpc_{backend}"]
@@ -507,7 +523,7 @@ def report(meta: dict, results: dict[str, dict], w: Workload) -> None:
           "GPU, sample waits for the device; host = step - forward - sample\n")
     print("| model | steps | step | schedule | setup | forward | sample | update | host |")
     print("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
-    for name, r in results.items():
+    for name, r in with_figure(results, "offline_ms_per_step"):
         ms = r["offline_ms_per_step"]
         print(f"| {name} | {r['offline_steps']} | " + " | ".join(f"{ms[k]:.2f}" for k in ("step", "schedule", "setup", "forward", "sample", "_update"))
               + f" | {ms['step'] - ms['forward'] - ms['sample']:.2f} |")
@@ -518,13 +534,13 @@ def report(meta: dict, results: dict[str, dict], w: Workload) -> None:
     print(f"| model | 1 stream ms/token | tok/s | goal tok/s | limit ms | of limit | eager ms | batch {b} ms/step | "
           f"limit ms | of limit | eager ms | batch {b} tok/s | transformers tok/s | vs transformers |")
     print("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
-    for name, r in results.items():
+    for name, r in with_figure(results, "single_ms"):
+        g = r.get  # the eager and transformers figures may be missing from a stopped run
         print(f"| {name} | {fmt(r['single_ms'], '.3f')} | {fmt(1e3 / r['single_ms'])} | {fmt(r['goal_single_tps'])} | "
               f"{fmt(r['single_limit_ms'], '.3f')} | {ratio(r['single_limit_ms'], r['single_ms'])} | "
-              f"{fmt(r['single_ms_eager'], '.3f')} | {fmt(r['batch_ms_step'], '.3f')} | {fmt(r['batch_limit_ms'], '.3f')} | "
-              f"{ratio(r['batch_limit_ms'], r['batch_ms_step'])} | {fmt(r['batch_ms_step_eager'], '.3f')} | "
-              f"{fmt(r['batch_tps'])} | {fmt(r.get('hf_tps'))} | "
-              f"{fmt(r['batch_tps'] / r['hf_tps'], '.1f') + 'x' if r.get('hf_tps') else '—'} |")
+              f"{fmt(g('single_ms_eager'), '.3f')} | {fmt(r['batch_ms_step'], '.3f')} | {fmt(r['batch_limit_ms'], '.3f')} | "
+              f"{ratio(r['batch_limit_ms'], r['batch_ms_step'])} | {fmt(g('batch_ms_step_eager'), '.3f')} | "
+              f"{fmt(r['batch_tps'])} | {fmt(g('hf_tps'))} | {ratio(r['batch_tps'], g('hf_tps'), 'x')} |")
 
 
 def main() -> None:
@@ -555,10 +571,20 @@ def main() -> None:
     free_device_memory(device)
     meta = {"device_name": device_name(device), "torch": torch.__version__, "triton": triton_version(),
             "bandwidth": bandwidth}
-    results = {}
+    results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench_gpu_") as root:
         for name in names:
-            results[name] = measure_model(name, args, w, root, device, bandwidth)
+            results[name] = {}
+            try:
+                measure_model(name, args, w, root, device, bandwidth, results[name])
+            except KeyboardInterrupt:  # the time limit (gpu_check.sh): report what was measured
+                results[name]["stopped"] = "interrupted"
+                print(f"{name}: interrupted; the report has what was measured", flush=True)
+                break
+            except Exception as exc:  # noqa: BLE001 - one model's failure must not lose the others' figures
+                results[name]["stopped"] = f"{type(exc).__name__}: {exc}"
+                traceback.print_exc()
+            free_device_memory(device)
     report(meta, results, w)
     with open(args.json, "w") as f:
         json.dump({**meta, "workload": dataclasses.asdict(w), "temperature": TEMPERATURE,

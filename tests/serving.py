@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 import threading
@@ -18,6 +17,11 @@ from lmgate.engine.loader import Checkpoint
 from lmgate.service.server import Server
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
+
+
+# `lmgate` as this interpreter runs it: the console script is not installed where lmgate was (the GPU machine
+# may install it with --target).
+LMGATE = [sys.executable, "-m", "lmgate.client.cli"]
 
 
 class ServerThread:
@@ -59,8 +63,7 @@ class ServerThread:
 def serve_process(*flags: str) -> tuple[subprocess.Popen, str]:
     """`lmgate serve --port 0 *flags` as a child process, once its health says SERVING; the process and its
     address."""
-    lmgate = os.path.join(os.path.dirname(sys.executable), "lmgate")
-    proc = subprocess.Popen([lmgate, "serve", "--port", "0", *flags], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([*LMGATE, "serve", "--port", "0", *flags], stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()  # "lmgate serving <model> on <host>:<port> (ready in ...)"
     if " on " not in line:
         proc.kill()

@@ -8,14 +8,13 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 
 import grpc
 import pytest
 
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
-from tests.serving import StreamEnds, serve_process
+from tests.serving import LMGATE, StreamEnds, serve_process
 from tests.test_engine import hf_greedy, hf_model  # noqa: F401  (fixture)
 
 NEW = 24
@@ -67,9 +66,8 @@ def start_nodes(netns: str, *flags: str) -> tuple[subprocess.Popen, subprocess.P
     """Node 1 in `netns` (it waits for node 0), then node 0 here; both processes and node 0's gRPC address."""
     port = str(_free_port(NODE0))
     common = ("--nnodes", "2", "--master-addr", NODE0, "--master-port", port, "--kv-cache-tokens", "2048", *flags)
-    lmgate = os.path.join(os.path.dirname(sys.executable), "lmgate")
     # A session of its own: its ranks share its process group, which the tests stop and kill as one node.
-    node1 = subprocess.Popen(["ip", "netns", "exec", netns, lmgate, "serve", "--node-rank", "1", *common],
+    node1 = subprocess.Popen(["ip", "netns", "exec", netns, *LMGATE, "serve", "--node-rank", "1", *common],
                              start_new_session=True)
     try:
         node0, address = serve_process("--node-rank", "0", *common)
