@@ -167,7 +167,8 @@ def _sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
                             for r in rows], dtype=torch.float32).to(logits.device).T.unsqueeze(2)
     temps, min_ps, top_ks, top_ps, draws = columns  # each [rows, 1]
     probs = torch.softmax(logits / temps, dim=-1)
-    probs = probs.masked_fill(probs < min_ps * probs.amax(dim=-1, keepdim=True), 0.0)
+    if any(r.params.min_p for r in rows):  # min-p 0 masks nothing: three passes over the vocabulary saved
+        probs = probs.masked_fill(probs < min_ps * probs.amax(dim=-1, keepdim=True), 0.0)
     if not any(0 < r.params.top_k < vocab or 0 < r.params.top_p < 1 for r in rows):
         return _draw(probs, draws)
     # The filters keep tokens in order of probability. Most rows keep few: their top CANDIDATES, found
