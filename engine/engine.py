@@ -11,6 +11,7 @@ import torch
 
 from . import chat
 from .config import EngineConfig, ModelConfig
+from .distributed.placement import check_placement
 from .distributed.process_ranks import ProcessRanks
 from .distributed.ranks import Ranks
 from .distributed.thread_ranks import ThreadRanks
@@ -101,6 +102,8 @@ class Engine:
         self._warn_emulated_bf16()
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         processes = config.rank_processes
+        if processes:
+            check_placement(config.device, config.tensor_parallel, torch.cuda.device_count())
         ckpt = checkpoint or on_fresh_thread(lambda: load_checkpoint(config.model, weights=not processes))
         self.model_path, self.model_config, self.tokenizer = ckpt.path, ckpt.config, ckpt.tokenizer
         # The ids a request may use: both the tokenizer and the model's embedding must know them.

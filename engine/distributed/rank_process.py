@@ -53,6 +53,7 @@ from ..weights import LocalWeights, TensorParallel, keep_quantized, quantized_gg
 from .device_group import DeviceGroup
 from .gloo_comm import GlooComm
 from .host_comm import CommAborted
+from .placement import rank_device
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,11 @@ class RankSpec:
     @property
     def tp_rank(self) -> int:
         return self.rank % self.tp_size
+
+    @property
+    def local_rank(self) -> int:
+        """Its place among its machine's ranks (each machine holds an equal, consecutive share)."""
+        return self.rank % (self.size // self.config.nnodes)
 
 
 class Outbox:
@@ -162,7 +168,7 @@ class RankProcess:
         c = spec.config
         self.spec = spec
         keep_freed_memory()
-        device = torch.device(c.device)
+        device = rank_device(c.device, spec.local_rank, torch.cuda.device_count())
         world = GlooComm.connect(spec.store_host, spec.store_port, spec.rank, spec.size)
         dp_comm = world.split(color=spec.tp_rank, key=spec.dp_rank)  # the leaders' group agrees in `pop`
         self.tp_comm = world.split(color=spec.dp_rank, key=spec.tp_rank)
