@@ -73,7 +73,8 @@ class EngineConfig:
     model: str | None = None
     dtype: str = "auto"  # hardware.choose_dtype: bfloat16 where the device computes it natively, else float32
     device: str = "cpu"
-    kv_cache_tokens: int = 32768
+    kv_cache_tokens: int = 0  # per engine loop; 0: auto (kv_cache.auto_kv_cache_tokens)
+    gpu_memory_utilization: float = 0.9  # CUDA, auto KV cache: the share of the GPU weights, KV and activations may take
     kv_cache_dtype: str = "auto"  # of KV_CACHE_DTYPES: auto keeps the model's dtype (kv_cache.kv_cache_dtype)
     block_size: int = 16
     max_batch_size: int = 64
@@ -106,7 +107,7 @@ class EngineConfig:
         return self.dp_backend == "process" or self.tensor_parallel > 1 or self.nnodes > 1
 
     def __post_init__(self) -> None:
-        for name in ("kv_cache_tokens", "block_size", "max_batch_size", "max_batched_tokens", "engine_loops", "tensor_parallel",
+        for name in ("block_size", "max_batch_size", "max_batched_tokens", "engine_loops", "tensor_parallel",
                      "default_max_new_tokens", "max_queued_requests"):
             if getattr(self, name) < 1:
                 raise InvalidRequest(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -130,5 +131,10 @@ class EngineConfig:
                                      f"evenly over {self.nnodes} nodes")
         if self.threads < 0:
             raise InvalidRequest(f"threads must be 0 (all available CPUs) or more, got {self.threads}")
-        if self.kv_cache_tokens < self.block_size:
-            raise InvalidRequest(f"kv_cache_tokens ({self.kv_cache_tokens}) must hold one block of {self.block_size}")
+        if self.kv_cache_tokens and self.kv_cache_tokens < self.block_size:
+            raise InvalidRequest(f"kv_cache_tokens ({self.kv_cache_tokens}) must hold one block of {self.block_size} "
+                                 "(0: sized automatically)")
+        if self.kv_cache_tokens < 0:
+            raise InvalidRequest(f"kv_cache_tokens must be 0 (auto) or at least {self.block_size}, got {self.kv_cache_tokens}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise InvalidRequest(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

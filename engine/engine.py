@@ -1,6 +1,7 @@
 """The engine as a Python library: load a model, start the engine loops, submit, stream, cancel."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -20,7 +21,7 @@ from .models.tensor_parallel import shard_of
 from .errors import ContextOverflow, InvalidRequest, Unavailable, UnsupportedModel
 from .gateway import Gateway
 from .hardware import choose_dtype, cpu_features, matmul_gflops
-from .kv_cache import kv_bytes_per_token, kv_cache_dtype
+from .kv_cache import auto_kv_cache_tokens, kv_bytes_per_token, kv_cache_dtype
 from .loader import Checkpoint, embedded_model_path, load_checkpoint, read_config
 from .memory import keep_freed_memory, release_host_memory
 from .request import Request, RequestKind, RequestOutput
@@ -110,6 +111,9 @@ class Engine:
         self.vocab_size = min(ckpt.tokenizer.vocab_size, ckpt.config.vocab_size)
         self.sleeping: set[str] = set()  # of SLEEP_TAGS; written only under _admin_lock
         self._admin_lock = threading.Lock()  # serializes sleep / wakeup / update_weights; loops never take it
+        if not config.kv_cache_tokens:
+            tokens = auto_kv_cache_tokens(config, ckpt.config, self.dtype, self.kv_dtype)
+            self.config = config = dataclasses.replace(config, kv_cache_tokens=tokens)
         self.max_context_length = min(
             config.max_context_length or ckpt.config.max_position_embeddings,
             ckpt.config.max_position_embeddings,

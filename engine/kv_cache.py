@@ -1,10 +1,15 @@
 """The paged KV cache tensors of one engine loop: [layers] x (key, value) of [kv_heads, blocks, block_size, head_dim]."""
 from __future__ import annotations
 
+import math
+
 import torch
 
-from .config import ModelConfig
+from .config import EngineConfig, ModelConfig
 from .errors import InvalidRequest
+
+CPU_KV_CACHE_TOKENS = 32768  # the automatic size on the CPU, per engine loop: host memory is shared with all else
+GPU_FIXED_RESERVE = 1 << 30  # CUDA graphs' pool, cuBLAS workspaces, Triton: beside a step's own activations
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -33,3 +38,45 @@ def allocate_kv_cache(
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(cfg.num_layers)
     ]
+
+
+def auto_kv_cache_tokens(config: EngineConfig, model: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype) -> int:
+    """`kv_cache_tokens` 0, per engine loop. On the CPU a fixed size; on CUDA, as vLLM's gpu-memory-utilization
+    does, what `gpu_memory_utilization` of the GPU leaves once the memory in use now (other processes', this
+    one's), the weights and a step's activations are counted, shared by the caches that will be on that GPU.
+    Rank processes are counted as holding the whole model each, which over-counts a tensor-parallel shard."""
+    device = torch.device(config.device)
+    if device.type != "cuda":
+        return CPU_KV_CACHE_TOKENS
+    if config.rank_processes:
+        gpus = torch.cuda.device_count() if device.index is None else 1
+        models = caches = math.ceil(config.world_size // config.nnodes / max(gpus, 1))
+    else:  # threads share one model
+        models, caches = 1, config.engine_loops
+    weights = (model.num_params + model.vocab_size * model.hidden_size) * dtype.itemsize  # the embedding too
+    fixed = models * (weights + activation_bytes(config, model, dtype)) + GPU_FIXED_RESERVE
+    free, total = torch.cuda.mem_get_info(device)
+    return kv_tokens_in_budget(free, total, config.gpu_memory_utilization, fixed,
+                               kv_bytes_per_token(model, kv_dtype) * caches, config.block_size)
+
+
+def activation_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> int:
+    """The most a step holds beside weights and KV: a prefill chunk's widest activations (a layer's input and
+    its MLP's gate and up), and the sampler's [rows, vocab] float32 tensors (logits, probabilities, their
+    running sum, one spare)."""
+    chunk = 2 * config.max_batched_tokens * (model.hidden_size + 2 * model.intermediate_size) * dtype.itemsize
+    return chunk + 4 * config.max_batch_size * model.vocab_size * 4
+
+
+def kv_tokens_in_budget(free: int, total: int, utilization: float, fixed: int, bytes_per_token: int,
+                        block_size: int) -> int:
+    """Whole blocks of tokens in `utilization` x `total` bytes, less what is in use (`total - free`) and `fixed`."""
+    used = total - free
+    budget = int(utilization * total) - used - fixed
+    tokens = max(budget, 0) // bytes_per_token // block_size * block_size
+    if tokens < block_size:
+        raise InvalidRequest(
+            f"no room for a KV cache: gpu_memory_utilization {utilization} of the GPU's {total / 2**30:.1f} GiB, "
+            f"of which {used / 2**30:.1f} GiB is in use, and weights and activations need {fixed / 2**30:.1f} GiB; "
+            "raise gpu_memory_utilization, free the GPU, or set kv_cache_tokens")
+    return tokens

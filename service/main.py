@@ -54,6 +54,15 @@ PORT = _ranged(int, 0, 65535)
 DEFAULT_MASTER_PORT = 29500  # torchrun's
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 COUNT = _ranged(int, 1)
+FRACTION = _ranged(float, 0.01, 1.0)
+
+
+def _kv_tokens(text: str) -> int:
+    """`auto` (0: the engine sizes the cache) or a count of tokens."""
+    return 0 if text == "auto" else COUNT(text)
+
+
+_kv_tokens.__name__ = "auto or a count"
 
 
 def _one_of(*values: str, convert: Callable[[str], str] = str) -> Callable[[str], str]:
@@ -93,7 +102,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--master-port", type=PORT, default=_env("MASTER_PORT", None), help=f"node 0's rendezvous port; default {DEFAULT_MASTER_PORT} with more than one node, else any free one [LMGATE_MASTER_PORT]")
     ap.add_argument("--max-batch-size", type=COUNT, default=_env("MAX_BATCH_SIZE", 64), help="sequences per engine step [LMGATE_MAX_BATCH_SIZE]")
     ap.add_argument("--max-batched-tokens", type=COUNT, default=_env("MAX_BATCHED_TOKENS", 512), help="tokens per engine step; long prompts are prefilled in chunks of this [LMGATE_MAX_BATCHED_TOKENS]")
-    ap.add_argument("--kv-cache-tokens", type=COUNT, default=_env("KV_CACHE_TOKENS", 32768), help="KV cache size per engine loop, in tokens; also caps the context [LMGATE_KV_CACHE_TOKENS]")
+    ap.add_argument("--kv-cache-tokens", type=_kv_tokens, default=_env("KV_CACHE_TOKENS", "auto"), help="KV cache size per engine loop, in tokens; also caps the context. auto: 32768 on the CPU; on CUDA what --gpu-memory-utilization leaves after the weights and activations [LMGATE_KV_CACHE_TOKENS]")
+    ap.add_argument("--gpu-memory-utilization", type=FRACTION, default=_env("GPU_MEMORY_UTILIZATION", 0.9), help="with --device cuda and --kv-cache-tokens auto: the share of the GPU's memory the server may take, memory others use now counted against it [LMGATE_GPU_MEMORY_UTILIZATION]")
     ap.add_argument("--kv-cache-dtype", default=_env("KV_CACHE_DTYPE", "auto"), type=_one_of(*KV_CACHE_DTYPES), metavar="{" + ",".join(KV_CACHE_DTYPES) + "}", help="KV cache dtype; auto: the model's. float16 or bfloat16 under float32 on the CPU halve the cache's memory and the bytes decode attention reads, rounding keys and values once [LMGATE_KV_CACHE_DTYPE]")
     ap.add_argument("--max-context-length", type=_ranged(int, 0), default=_env("MAX_CONTEXT_LENGTH", 0), help="cap on prompt + output tokens; 0: the model's [LMGATE_MAX_CONTEXT_LENGTH]")
     ap.add_argument("--max-queued-requests", type=COUNT, default=_env("MAX_QUEUED_REQUESTS", 1024), help="requests waiting per engine loop before new ones get RESOURCE_EXHAUSTED [LMGATE_MAX_QUEUED_REQUESTS]")
@@ -148,6 +158,7 @@ def check_settings(args: argparse.Namespace) -> EngineConfig:
             read_config(args.model)
         return EngineConfig(
             model=args.model, dtype=args.dtype, device=args.device, kv_cache_tokens=args.kv_cache_tokens,
+            gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_dtype=args.kv_cache_dtype,
             max_batch_size=args.max_batch_size, max_batched_tokens=args.max_batched_tokens,
             max_context_length=args.max_context_length or None, engine_loops=args.engine_loops, dp_backend=args.dp_backend,
@@ -197,7 +208,7 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> None:
         raise StartupError(str(exc)) from None
     if engine.max_context_length < engine.model_config.max_position_embeddings:
         log.warning("the context is capped at %d tokens (the model takes %d): --kv-cache-tokens %d%s",
-                    engine.max_context_length, engine.model_config.max_position_embeddings, args.kv_cache_tokens,
+                    engine.max_context_length, engine.model_config.max_position_embeddings, engine.config.kv_cache_tokens,
                     f", --max-context-length {args.max_context_length}" if args.max_context_length else "")
     try:
         server = Server(engine, f"{args.host}:{args.port}", admin_token=args.admin_token, tls=args.tls,

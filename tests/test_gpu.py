@@ -163,6 +163,19 @@ def test_sleep_gives_device_memory_back_and_wakeup_restores_it(models):
             assert_all_blocks_free(eng)
 
 
+def test_an_automatic_kv_cache_fills_the_share_gpu_memory_utilization_leaves(models):
+    """kv_cache_tokens 0: the cache takes most of 30% of the GPU (the model is tiny), and the server, a
+    step's activations and graphs included, stays inside that share."""
+    torch.cuda.empty_cache()
+    total = torch.cuda.mem_get_info()[1]
+    with engine(models["llama"], kv_cache_tokens=0, gpu_memory_utilization=0.3) as eng:
+        batch = prompts(8, seed=6)
+        assert len(greedy(eng, batch)[0]) == NEW_TOKENS
+        assert eng.info().kv_cache_bytes > 0.2 * total
+        assert torch.cuda.memory_reserved() <= 0.3 * total
+        assert_all_blocks_free(eng)
+
+
 def test_tensor_parallel_layers_over_an_nccl_group_of_one(models, monkeypatch):
     """What one GPU can run of tensor parallelism on NCCL: the tensor-parallel model (its shard of the
     checkpoint, an all-reduce after every layer's attention and MLP) over a ProcessGroupNCCL of one rank, made

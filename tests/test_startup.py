@@ -47,6 +47,8 @@ def bad_settings(taken_port: str) -> list[tuple[list[str], dict[str, str], str]]
         (["--port", "0", "--model", "/nonexistent/model"], {}, "does not exist"),
         (["--port", "0", "--device", "tpu"], {}, "--device"),
         (["--port", "0", "--kv-cache-tokens", "8", "--dtype", "float32"], {}, "kv_cache_tokens (8) must hold one block"),
+        ([], {"LMGATE_KV_CACHE_TOKENS": "most"}, "--kv-cache-tokens: invalid auto or a count value: 'most'"),
+        (["--gpu-memory-utilization", "1.5"], {}, "--gpu-memory-utilization: must be 0.01..1.0"),
         (["--port", "0", "--nnodes", "2", "--node-rank", "2"], {}, "--node-rank 2 is not one of --nnodes 2"),
         (["--port", "0", "--nnodes", "2", "--engine-loops", "3"], {}, "3 ranks (engine_loops x tensor_parallel) do not spread evenly over 2 nodes"),
         (["--port", "0", "--nnodes", "2", "--engine-loops", "2", "--master-addr", "192.0.2.1"], {},
