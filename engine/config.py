@@ -131,10 +131,10 @@ class EngineConfig:
                                      f"evenly over {self.nnodes} nodes")
         if self.threads < 0:
             raise InvalidRequest(f"threads must be 0 (all available CPUs) or more, got {self.threads}")
+        if self.kv_cache_tokens < 0:
+            raise InvalidRequest(f"kv_cache_tokens must be 0 (auto) or at least {self.block_size}, got {self.kv_cache_tokens}")
         if self.kv_cache_tokens and self.kv_cache_tokens < self.block_size:
             raise InvalidRequest(f"kv_cache_tokens ({self.kv_cache_tokens}) must hold one block of {self.block_size} "
                                  "(0: sized automatically)")
-        if self.kv_cache_tokens < 0:
-            raise InvalidRequest(f"kv_cache_tokens must be 0 (auto) or at least {self.block_size}, got {self.kv_cache_tokens}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise InvalidRequest(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

@@ -104,7 +104,8 @@ class Engine:
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         processes = config.rank_processes
         if processes:
-            check_placement(config.device, config.tensor_parallel, torch.cuda.device_count())
+            check_placement(config.device, config.tensor_parallel, config.world_size // config.nnodes,
+                            torch.cuda.device_count())
         ckpt = checkpoint or on_fresh_thread(lambda: load_checkpoint(config.model, weights=not processes))
         self.model_path, self.model_config, self.tokenizer = ckpt.path, ckpt.config, ckpt.tokenizer
         # The ids a request may use: both the tokenizer and the model's embedding must know them.

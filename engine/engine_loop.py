@@ -14,6 +14,7 @@ from .detokenizer import IncrementalDetokenizer
 from .errors import ContextOverflow, EngineError, InternalError, InvalidRequest, SessionBusy, Unavailable
 from .gateway import Gateway, Signal, cancelled_output
 from .distributed import CommAborted, HostComm
+from .distributed.placement import use_device
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphs
 from .kernels import load_cpu_kernels
@@ -135,10 +136,8 @@ class EngineLoop:
 
     def run(self) -> None:
         torch.set_num_threads(self.num_threads)  # also what threads started later take as their default
-        device = self.runner.device
         try:
-            if device.type == "cuda" and device.index is not None:  # cuda:N: Triton launches, streams and
-                torch.cuda.set_device(device)  # graphs follow the current device ("cuda" alone is the current one)
+            use_device(self.runner.device)  # Triton launches, streams and graphs follow the current device
             self._run()
         except CommAborted:  # a peer rank failed (its thread raised, or its process died): so does this one
             error = Unavailable("an engine rank failed; the server is stopping")

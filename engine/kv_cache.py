@@ -7,9 +7,12 @@ import torch
 
 from .config import EngineConfig, ModelConfig
 from .errors import InvalidRequest
+from .models.tensor_parallel import shard_of
 
 CPU_KV_CACHE_TOKENS = 32768  # the automatic size on the CPU, per engine loop: host memory is shared with all else
-GPU_FIXED_RESERVE = 1 << 30  # CUDA graphs' pool, cuBLAS workspaces, Triton: beside a step's own activations
+GPU_PROCESS_RESERVE = 1 << 30  # per process on a GPU: CUDA graphs' pool, cuBLAS workspaces, Triton
+GPU_CONTEXT = 512 << 20  # a rank process's own CUDA context (the serving process's is in use when it measures)
+DECODE_BLOCKS_PER_SPLIT = 16  # kernels/triton/paged_attention.py: decode attention's split of the context
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -43,29 +46,43 @@ def allocate_kv_cache(
 def auto_kv_cache_tokens(config: EngineConfig, model: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype) -> int:
     """`kv_cache_tokens` 0, per engine loop. On the CPU a fixed size; on CUDA, as vLLM's gpu-memory-utilization
     does, what `gpu_memory_utilization` of the GPU leaves once the memory in use now (other processes', this
-    one's), the weights and a step's activations are counted, shared by the caches that will be on that GPU.
-    Rank processes are counted as holding the whole model each, which over-counts a tensor-parallel shard."""
+    one's), the models and the steps of everything that will share that GPU are counted, split among its
+    caches. Measured on the serving process's GPU, for every GPU: a machine's GPUs are taken to be alike."""
     device = torch.device(config.device)
     if device.type != "cuda":
         return CPU_KV_CACHE_TOKENS
-    if config.rank_processes:
+    tp = config.tensor_parallel
+    largest = shard_of(model, 0, tp)  # the first ranks hold the larger parts
+    group = largest.q_heads.stop - largest.q_heads.start
+    kv_heads = largest.kv_heads.stop - largest.kv_heads.start
+    mlp = largest.intermediate.stop - largest.intermediate.start
+    h = model.hidden_size
+    params = model.num_layers * h * (model.head_dim * 2 * (group + kv_heads) + 3 * mlp) + 2 * model.vocab_size * h
+    per_step = activation_bytes(config, model, dtype, group)
+    if config.rank_processes:  # each rank a process with its own model (its shard) and CUDA context
         gpus = torch.cuda.device_count() if device.index is None else 1
-        models = caches = math.ceil(config.world_size // config.nnodes / max(gpus, 1))
-    else:  # threads share one model
-        models, caches = 1, config.engine_loops
-    weights = (model.num_params + model.vocab_size * model.hidden_size) * dtype.itemsize  # the embedding too
-    fixed = models * (weights + activation_bytes(config, model, dtype)) + GPU_FIXED_RESERVE
+        ranks = math.ceil(config.world_size // config.nnodes / max(gpus, 1))
+        fixed = ranks * (params * dtype.itemsize + per_step + GPU_PROCESS_RESERVE + GPU_CONTEXT)
+    else:  # threads: one model, one process, a loop's steps each
+        ranks = config.engine_loops
+        fixed = params * dtype.itemsize + ranks * per_step + GPU_PROCESS_RESERVE
+    kv_per_token = kv_bytes_per_token(model, kv_dtype) * kv_heads // model.num_kv_heads
     free, total = torch.cuda.mem_get_info(device)
-    return kv_tokens_in_budget(free, total, config.gpu_memory_utilization, fixed,
-                               kv_bytes_per_token(model, kv_dtype) * caches, config.block_size)
+    return kv_tokens_in_budget(free, total, config.gpu_memory_utilization, fixed, kv_per_token * ranks,
+                               config.block_size)
 
 
-def activation_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> int:
+def activation_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dtype, heads: int) -> int:
     """The most a step holds beside weights and KV: a prefill chunk's widest activations (a layer's input and
-    its MLP's gate and up), and the sampler's [rows, vocab] float32 tensors (logits, probabilities, their
-    running sum, one spare)."""
+    its MLP's gate and up), the sampler's [rows, vocab] float32 tensors (logits, probabilities, their running
+    sum, one spare), and decode attention's per-split partial sums over `heads` query heads at the longest
+    context (a CUDA graph keeps them)."""
     chunk = 2 * config.max_batched_tokens * (model.hidden_size + 2 * model.intermediate_size) * dtype.itemsize
-    return chunk + 4 * config.max_batch_size * model.vocab_size * 4
+    sampler = 4 * config.max_batch_size * model.vocab_size * 4
+    context = min(config.max_context_length or model.max_position_embeddings, model.max_position_embeddings)
+    splits = math.ceil(math.ceil(context / config.block_size) / DECODE_BLOCKS_PER_SPLIT)
+    decode = config.max_batch_size * heads * splits * (model.head_dim + 2) * 4
+    return chunk + sampler + decode
 
 
 def kv_tokens_in_budget(free: int, total: int, utilization: float, fixed: int, bytes_per_token: int,

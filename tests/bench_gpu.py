@@ -189,7 +189,7 @@ def kv_cache_tokens(w: Workload, cfg: ModelConfig, device: torch.device) -> int:
     if device.type != "cuda":
         return need
     free = torch.cuda.mem_get_info(device)[0] - weight_bytes(cfg) - KV_RESERVE
-    return min(need, free // kv_bytes_per_token(cfg, DTYPE))
+    return max(block, min(need, free // kv_bytes_per_token(cfg, DTYPE)))  # 0 would ask for an automatic size
 
 
 def weight_bytes(cfg: ModelConfig) -> int:

@@ -164,15 +164,16 @@ def test_sleep_gives_device_memory_back_and_wakeup_restores_it(models):
 
 
 def test_an_automatic_kv_cache_fills_the_share_gpu_memory_utilization_leaves(models):
-    """kv_cache_tokens 0: the cache takes most of 30% of the GPU (the model is tiny), and the server, a
-    step's activations and graphs included, stays inside that share."""
+    """kv_cache_tokens 0: the cache takes most of what 30% of the GPU leaves beside the memory in use (the
+    model is tiny), and the GPU's use, this step's activations and graphs included, stays inside that share."""
     torch.cuda.empty_cache()
-    total = torch.cuda.mem_get_info()[1]
+    free, total = torch.cuda.mem_get_info()
+    share = 0.3 * total - (total - free)
     with engine(models["llama"], kv_cache_tokens=0, gpu_memory_utilization=0.3) as eng:
         batch = prompts(8, seed=6)
         assert len(greedy(eng, batch)[0]) == NEW_TOKENS
-        assert eng.info().kv_cache_bytes > 0.2 * total
-        assert torch.cuda.memory_reserved() <= 0.3 * total
+        assert eng.info().kv_cache_bytes > 0.5 * share
+        assert total - torch.cuda.mem_get_info()[0] <= 0.3 * total
         assert_all_blocks_free(eng)
 
 

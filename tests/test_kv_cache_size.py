@@ -35,15 +35,20 @@ def test_no_room_is_refused_with_what_took_it():
 
 
 def test_activations_grow_with_the_step(checkpoint):
-    def step(**config) -> int:
-        return activation_bytes(EngineConfig(**config), checkpoint.config, torch.float32)
+    def step(heads: int = 9, **config) -> int:
+        return activation_bytes(EngineConfig(**config), checkpoint.config, torch.float32, heads)
 
-    assert step(max_batched_tokens=8192, max_batch_size=64) > step(max_batched_tokens=256, max_batch_size=64)
-    assert step(max_batched_tokens=256, max_batch_size=256) > step(max_batched_tokens=256, max_batch_size=64)
+    base = step(max_batched_tokens=256, max_batch_size=64)
+    assert step(max_batched_tokens=8192, max_batch_size=64) > base
+    assert step(max_batched_tokens=256, max_batch_size=256) > base
+    assert step(max_batched_tokens=256, max_batch_size=64, max_context_length=1024) < base  # fewer splits
+    assert step(heads=3, max_batched_tokens=256, max_batch_size=64) < base  # a tensor-parallel shard's heads
 
 
 def test_settings_out_of_range_are_refused():
-    for bad in (dict(kv_cache_tokens=-16), dict(kv_cache_tokens=8), dict(gpu_memory_utilization=0.0),
+    with pytest.raises(InvalidRequest, match="must be 0 .auto. or at least 16"):
+        EngineConfig(kv_cache_tokens=-16)
+    for bad in (dict(kv_cache_tokens=8), dict(gpu_memory_utilization=0.0),
                 dict(gpu_memory_utilization=1.5)):
         with pytest.raises(InvalidRequest):
             EngineConfig(**bad)

@@ -35,11 +35,17 @@ def test_a_device_as_given_where_there_is_no_choice():
     assert rank_device("cpu", 3, 0) == torch.device("cpu")
     assert rank_device("cuda", 3, 1) == torch.device("cuda")  # one GPU: every rank on it
     assert rank_device("cuda:1", 3, 4) == torch.device("cuda", 1)  # pinned by the operator
-    check_placement("cuda:1", 1, 4)  # data parallelism alone may share a GPU
-    check_placement("cpu", 4, 0)
+    check_placement("cuda:1", 1, 4, 4)  # data parallelism alone may share a GPU
+    check_placement("cpu", 4, 4, 0)
 
 
-@pytest.mark.parametrize("device, error", [("cuda", "needs a GPU per rank of its group; this machine has"),
+def test_a_group_spread_over_machines_needs_only_its_share_of_each_machines_gpus():
+    check_placement("cuda", 4, 2, 2)  # --tensor-parallel 4 --nnodes 2: two ranks of the group on each machine
+    with pytest.raises(InvalidRequest, match="puts 4 ranks of a group on each machine"):
+        check_placement("cuda", 4, 4, 2)
+
+
+@pytest.mark.parametrize("device, error", [("cuda", "each needing a GPU of its own; this machine has"),
                                            ("cuda:0", "puts every rank on one GPU")])
 def test_a_tensor_parallel_group_without_its_gpus_is_refused_before_any_rank_starts(device, error):
     too_many = max(2, torch.cuda.device_count() + 1)

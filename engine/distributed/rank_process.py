@@ -53,7 +53,7 @@ from ..weights import LocalWeights, TensorParallel, keep_quantized, quantized_gg
 from .device_group import DeviceGroup
 from .gloo_comm import GlooComm
 from .host_comm import CommAborted
-from .placement import rank_device
+from .placement import check_placement, rank_device, use_device
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,10 @@ class RankProcess:
         c = spec.config
         self.spec = spec
         keep_freed_memory()
-        device = rank_device(c.device, spec.local_rank, torch.cuda.device_count())
+        num_gpus = torch.cuda.device_count()
+        check_placement(c.device, spec.tp_size, spec.size // c.nnodes, num_gpus)  # this machine's own GPUs
+        device = rank_device(c.device, spec.local_rank, num_gpus)
+        use_device(device)
         world = GlooComm.connect(spec.store_host, spec.store_port, spec.rank, spec.size)
         dp_comm = world.split(color=spec.tp_rank, key=spec.dp_rank)  # the leaders' group agrees in `pop`
         self.tp_comm = world.split(color=spec.dp_rank, key=spec.tp_rank)
@@ -261,6 +264,7 @@ class RankProcess:
         shard, in the same order. True once the leader says stop; False when the group broke."""
         torch.set_num_threads(self.spec.num_threads)
         runner = self.runner
+        use_device(runner.device)
         try:
             while True:
                 command, plan = self.tp_comm.broadcast(None, patient=True)  # the leader sends nothing while idle
@@ -327,6 +331,7 @@ class RankProcess:
         """`argument`: a load's path; the version (the load's wire id) to install or discard."""
         error = None
         try:
+            use_device(self.runner.device)
             {"offload": self.weights.offload, "drop": self.weights.drop, "restore": self.weights.restore,
              "load": lambda: self.weights.load(argument, version=wire_id),
              "discard": lambda: self.weights.discard_staged(argument),
