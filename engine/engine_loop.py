@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from . import chat
+from .attention import decode_blocks_per_split
 from .batch import BatchData
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
@@ -55,13 +56,14 @@ def build_runner(weights: LocalWeights, config: EngineConfig, max_context_length
     num_blocks = config.kv_cache_tokens // config.block_size
     kv_dtype = kv_cache_dtype(config.kv_cache_dtype, weights.dtype, weights.device)
     attention = attention_path(weights.device, config.attention_kernel)
+    max_blocks = -(-max_context_length // config.block_size)  # a table at the longest context
     graphs = None
     if config.cuda_graphs and attention == "triton" and config.tensor_parallel == 1:
-        graphs = DecodeGraphs(config.max_batch_size, -(-max_context_length // config.block_size), weights.device)
+        graphs = DecodeGraphs(config.max_batch_size, max_blocks, weights.device)
     runner = ModelRunner(
         weights.model,
         lambda: allocate_kv_cache(weights.config, num_blocks, config.block_size, kv_dtype, weights.device),
-        config.block_size, weights.device, attention, graphs,
+        config.block_size, weights.device, attention, graphs, decode_blocks_per_split(max_blocks),
     )
     weights.runners.append(runner)
     return runner

@@ -5,6 +5,7 @@ import math
 
 import torch
 
+from .attention import decode_blocks_per_split
 from .config import EngineConfig, ModelConfig
 from .errors import InvalidRequest
 from .models.tensor_parallel import shard_of
@@ -12,7 +13,6 @@ from .models.tensor_parallel import shard_of
 CPU_KV_CACHE_TOKENS = 32768  # the automatic size on the CPU, per engine loop: host memory is shared with all else
 GPU_PROCESS_RESERVE = 1 << 30  # per process on a GPU: CUDA graphs' pool, cuBLAS workspaces, Triton
 GPU_CONTEXT = 512 << 20  # a rank process's own CUDA context (the serving process's is in use when it measures)
-DECODE_BLOCKS_PER_SPLIT = 16  # kernels/triton/paged_attention.py: decode attention's split of the context
 
 
 def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -80,7 +80,8 @@ def activation_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dtyp
     chunk = 2 * config.max_batched_tokens * (model.hidden_size + 2 * model.intermediate_size) * dtype.itemsize
     sampler = 4 * config.max_batch_size * model.vocab_size * 4
     context = min(config.max_context_length or model.max_position_embeddings, model.max_position_embeddings)
-    splits = math.ceil(math.ceil(context / config.block_size) / DECODE_BLOCKS_PER_SPLIT)
+    max_blocks = math.ceil(context / config.block_size)
+    splits = math.ceil(max_blocks / decode_blocks_per_split(max_blocks))
     decode = config.max_batch_size * heads * splits * (model.head_dim + 2) * 4
     return chunk + sampler + decode
 
