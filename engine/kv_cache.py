@@ -8,7 +8,7 @@ import torch
 from .attention import decode_blocks_per_split
 from .config import EngineConfig, ModelConfig
 from .errors import InvalidRequest
-from .models.tensor_parallel import shard_of
+from .models.tensor_parallel import shard_config, shard_of
 
 CPU_KV_CACHE_TOKENS = 32768  # the automatic size on the CPU, per engine loop: host memory is shared with all else
 GPU_PROCESS_RESERVE = 1 << 30  # per process on a GPU: CUDA graphs' pool, cuBLAS workspaces, Triton
@@ -51,38 +51,31 @@ def auto_kv_cache_tokens(config: EngineConfig, model: ModelConfig, dtype: torch.
     device = torch.device(config.device)
     if device.type != "cuda":
         return CPU_KV_CACHE_TOKENS
-    tp = config.tensor_parallel
-    largest = shard_of(model, 0, tp)  # the first ranks hold the larger parts
-    group = largest.q_heads.stop - largest.q_heads.start
-    kv_heads = largest.kv_heads.stop - largest.kv_heads.start
-    mlp = largest.intermediate.stop - largest.intermediate.start
-    h = model.hidden_size
-    params = model.num_layers * h * (model.head_dim * 2 * (group + kv_heads) + 3 * mlp) + 2 * model.vocab_size * h
-    per_step = activation_bytes(config, model, dtype, group)
+    rank = shard_config(model, shard_of(model, 0, config.tensor_parallel))  # the first ranks hold the larger parts
+    weights = (rank.num_params + rank.vocab_size * rank.hidden_size) * dtype.itemsize  # the embedding too
     if config.rank_processes:  # each rank a process with its own model (its shard) and CUDA context
         gpus = torch.cuda.device_count() if device.index is None else 1
         ranks = math.ceil(config.world_size // config.nnodes / max(gpus, 1))
-        fixed = ranks * (params * dtype.itemsize + per_step + GPU_PROCESS_RESERVE + GPU_CONTEXT)
+        fixed = ranks * (weights + activation_bytes(config, rank, dtype) + GPU_PROCESS_RESERVE + GPU_CONTEXT)
     else:  # threads: one model, one process, a loop's steps each
         ranks = config.engine_loops
-        fixed = params * dtype.itemsize + ranks * per_step + GPU_PROCESS_RESERVE
-    kv_per_token = kv_bytes_per_token(model, kv_dtype) * kv_heads // model.num_kv_heads
+        fixed = weights + ranks * activation_bytes(config, rank, dtype) + GPU_PROCESS_RESERVE
     free, total = torch.cuda.mem_get_info(device)
-    return kv_tokens_in_budget(free, total, config.gpu_memory_utilization, fixed, kv_per_token * ranks,
-                               config.block_size)
+    return kv_tokens_in_budget(free, total, config.gpu_memory_utilization, fixed,
+                               kv_bytes_per_token(rank, kv_dtype) * ranks, config.block_size)
 
 
-def activation_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dtype, heads: int) -> int:
-    """The most a step holds beside weights and KV: a prefill chunk's widest activations (a layer's input and
-    its MLP's gate and up), the sampler's [rows, vocab] float32 tensors (logits, probabilities, their running
-    sum, one spare), and decode attention's per-split partial sums over `heads` query heads at the longest
-    context (a CUDA graph keeps them)."""
+def activation_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> int:
+    """The most a step of `model` (a tensor-parallel rank's shard) holds beside weights and KV: a prefill
+    chunk's widest activations (a layer's input and its MLP's gate and up), the sampler's [rows, vocab] float32
+    tensors (logits, probabilities, their running sum, one spare), and decode attention's per-split partial
+    sums at the longest context (a CUDA graph keeps them)."""
     chunk = 2 * config.max_batched_tokens * (model.hidden_size + 2 * model.intermediate_size) * dtype.itemsize
     sampler = 4 * config.max_batch_size * model.vocab_size * 4
     context = min(config.max_context_length or model.max_position_embeddings, model.max_position_embeddings)
     max_blocks = math.ceil(context / config.block_size)
     splits = math.ceil(max_blocks / decode_blocks_per_split(max_blocks))
-    decode = config.max_batch_size * heads * splits * (model.head_dim + 2) * 4
+    decode = config.max_batch_size * model.num_heads * splits * (model.head_dim + 2) * 4
     return chunk + sampler + decode
 
 

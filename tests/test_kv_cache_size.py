@@ -10,6 +10,7 @@ from lmgate.engine.config import EngineConfig
 from lmgate.engine.engine import Engine
 from lmgate.engine.errors import InvalidRequest
 from lmgate.engine.kv_cache import CPU_KV_CACHE_TOKENS, activation_bytes, kv_tokens_in_budget
+from lmgate.engine.models.tensor_parallel import shard_config, shard_of
 
 GiB = 1 << 30
 QWEN_KV = 2 * 24 * 2 * 64 * 2  # bytes per token of Qwen2.5-0.5B's bf16 KV: layers x (K, V) x heads x dim
@@ -35,14 +36,15 @@ def test_no_room_is_refused_with_what_took_it():
 
 
 def test_activations_grow_with_the_step(checkpoint):
-    def step(heads: int = 9, **config) -> int:
-        return activation_bytes(EngineConfig(**config), checkpoint.config, torch.float32, heads)
+    def step(tp: int = 1, **config) -> int:  # the embedded SmolLM2: 9 query heads, 3 KV heads
+        shard = shard_config(checkpoint.config, shard_of(checkpoint.config, 0, tp))
+        return activation_bytes(EngineConfig(**config), shard, torch.float32)
 
     base = step(max_batched_tokens=256, max_batch_size=64)
     assert step(max_batched_tokens=8192, max_batch_size=64) > base
     assert step(max_batched_tokens=256, max_batch_size=256) > base
     assert step(max_batched_tokens=256, max_batch_size=64, max_context_length=1024) < base  # fewer splits
-    assert step(heads=3, max_batched_tokens=256, max_batch_size=64) < base  # a tensor-parallel shard's heads
+    assert step(tp=3, max_batched_tokens=256, max_batch_size=64) < base  # a tensor-parallel shard's heads
 
 
 def test_settings_out_of_range_are_refused():
