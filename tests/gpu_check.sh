@@ -7,6 +7,7 @@
 #   make gpu-wheels                                   # here, with network: the wheels the machine lacks, in .whl/
 #   bash tests/gpu_check.sh                           # there: run with carry [".whl"]
 #   TEST_SECONDS=120 BENCH_MODELS=qwen2.5-0.5b bash tests/gpu_check.sh
+#   PROFILE_MODELS=qwen2.5-0.5b bash tests/gpu_check.sh   # and where each phase's device time goes
 #
 # Without a GPU it runs too (the suite skips, the bench fails at once): a check of the script itself.
 set -uo pipefail
@@ -18,7 +19,8 @@ TOTAL_SECONDS=${TOTAL_SECONDS:-560}  # the whole call: the device tool stops a c
 TEST_SECONDS=${TEST_SECONDS:-240}  # the suite; the benchmark gets the rest of the total
 BENCH_MODELS=${BENCH_MODELS:-qwen2.5-0.5b llama-3.2-1b smollm2-135m}  # the goals' shapes first
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}  # an NCCL failure says why
-GPU_TESTS="tests/test_triton_kernels.py tests/test_cuda_graphs.py tests/test_sampling.py tests/test_gpu.py"  # quick first
+GPU_TESTS=${GPU_TESTS:-tests/test_triton_kernels.py tests/test_cuda_graphs.py tests/test_sampling.py tests/test_gpu.py}  # quick first
+PROFILE_MODELS=${PROFILE_MODELS:-}  # e.g. qwen2.5-0.5b: profile_gpu.py's kernel tables before the benchmark
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1
 export PYTHONUNBUFFERED=1
@@ -54,6 +56,12 @@ stamp "GPU suite (limit ${TEST_SECONDS} s)"
 timeout -s INT -k 20 "$TEST_SECONDS" $PY -m pytest -v --tb=short -p no:cacheprovider --durations=15 \
     -o faulthandler_timeout=90 $GPU_TESTS -k "not engine_greedy_tokens_equal_on_the_triton_path"
 echo "GPU suite exit status: $?"
+
+if [[ -n $PROFILE_MODELS ]]; then
+    stamp "profile $PROFILE_MODELS"
+    timeout -s INT -k 10 120 $PY tests/profile_gpu.py --models "${PROFILE_MODELS// /,}"
+    echo "profile exit status: $?"
+fi
 
 # Each model a process of its own, its limit a share of the time left by weight (the goals' shapes 5, the
 # smallest 2): a model that ends early leaves its time to the next. A model stopped at its limit still prints

@@ -3,18 +3,22 @@ them; a block table row lists a sequence's blocks in order. Softmax runs in fp32
 
 * `store_kv`: each token's key and value into its slot (`block * block_size + offset`); a negative slot
   (a padded row) writes nothing.
-* `decode_attention`: one query token per sequence (a padded row of a CUDA graph's bucket sees none), as flash decoding: the context is cut into splits of
-  `blocks_per_split` blocks, one program per (sequence, KV head, split) handles the query heads of that
-  KV head's GQA group together, and a second kernel merges the splits by their running max and sum. The
-  launch grid depends on shapes only (batch, heads, table width), so a CUDA graph can hold it.
+* `decode_attention`: one query token per sequence (a padded row of a CUDA graph's bucket sees none), as
+  flash decoding: the context is cut into splits of `blocks_per_split` blocks, one program per (sequence,
+  KV head, split) handles the query heads of that KV head's GQA group together (padded to the 16 rows a
+  `tl.dot` takes), DECODE_KEYS keys at a time, and a second kernel merges the splits by their running max
+  and sum. The launch grid depends on shapes only (batch, heads, table width), so a CUDA graph can hold it.
 * `prefill_attention`: a chunk of query tokens per sequence against its whole context (the cached prefix
-  plus the chunk itself, whose keys `store_kv` wrote first), causal within the chunk.
+  plus the chunk itself, whose keys `store_kv` wrote first), causal within the chunk; flash attention's
+  loop, its two products `tl.dot`s (tensor cores).
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+DECODE_KEYS = 64  # keys a decode program reads at a time: four 16-token blocks, their table entries in one load
 
 
 @triton.jit
@@ -38,9 +42,35 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 @triton.jit
+def _load_keys(KCache, VCache, Table, pos, valid, h, num_blocks, BLOCK: tl.constexpr, D: tl.constexpr,
+               DOT: tl.constexpr):
+    """KV head h's keys and values [len(pos), D] at context positions `pos` of the sequence whose block table
+    row is `Table` (zeros where not `valid`): a run of positions spans several cache blocks, their table
+    entries loaded together."""
+    block = tl.load(Table + pos // BLOCK, mask=valid, other=0)
+    base = ((h * num_blocks + block) * BLOCK + pos % BLOCK) * D
+    d = tl.arange(0, D)
+    k = tl.load(KCache + base[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(DOT)
+    v = tl.load(VCache + base[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(DOT)
+    return k, v
+
+
+@triton.jit
+def _online_softmax(scores, v, m, s_sum, acc, DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """A run of keys' scores [rows, keys] and values [keys, D] into each row's running max, sum and weighted
+    values; a row that has seen no key yet (all -inf) keeps zeros."""
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(scores - m_safe[:, None])
+    alpha = tl.exp(m - m_safe)
+    return m_new, s_sum * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p.to(DOT), v, input_precision=PRECISION)
+
+
+@triton.jit
 def _decode_split_kernel(Q, KCache, VCache, Tables, Lengths, Acc, Max, Sum, scale, num_blocks, table_width,
-                         num_splits, blocks_per_split, stride_qt, stride_qh,
-                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr):
+                         num_splits, blocks_per_split, stride_qt, stride_qh, GROUP: tl.constexpr,
+                         GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr,
+                         DOT: tl.constexpr, PRECISION: tl.constexpr):
     i = tl.program_id(0)
     h = tl.program_id(1)
     j = tl.program_id(2)
@@ -49,32 +79,24 @@ def _decode_split_kernel(Q, KCache, VCache, Tables, Lengths, Acc, Max, Sum, scal
     d = tl.arange(0, D)
     heads = h * GROUP + g
     live = g < GROUP
-    q = tl.load(Q + i * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    q = tl.load(Q + i * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=live[:, None], other=0.0).to(DOT)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     s_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D], tl.float32)
-    offs = tl.arange(0, BLOCK)
-    # A fixed trip count (a bound read from memory breaks Triton's interpreter); blocks past the context are
+    offs = tl.arange(0, BLOCK_N)
+    split_start = j * blocks_per_split * BLOCK
+    split_end = tl.minimum(split_start + blocks_per_split * BLOCK, length)
+    # A fixed trip count (a bound read from memory breaks Triton's interpreter); key runs past the context are
     # skipped whole, which leaves the sums exactly as they were: a graph's table is as wide as the longest
     # context allowed, and most of its blocks lie past a sequence's end.
-    for step in range(0, blocks_per_split):
-        bi = j * blocks_per_split + step
-        if bi * BLOCK < length:
-            block = tl.load(Tables + i * table_width + bi, mask=bi < table_width, other=0)
-            pos = bi * BLOCK + offs
-            valid = pos < length
-            base = ((h * num_blocks + block) * BLOCK + offs) * D
-            k = tl.load(KCache + base[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-            v = tl.load(VCache + base[:, None] + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_PAD, BLOCK]
+    for start in range(0, blocks_per_split * BLOCK, BLOCK_N):
+        if split_start + start < split_end:
+            pos = split_start + start + offs
+            valid = pos < split_end
+            k, v = _load_keys(KCache, VCache, Tables + i * table_width, pos, valid, h, num_blocks, BLOCK, D, DOT)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [GROUP_PAD, BLOCK_N], fp32
             scores = tl.where(valid[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: keep the sums at zero
-            p = tl.exp(scores - m_safe[:, None])
-            alpha = tl.exp(m - m_safe)
-            s_sum = s_sum * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-            m = m_new
+            m, s_sum, acc = _online_softmax(scores, v, m, s_sum, acc, DOT, PRECISION)
     row = (i * tl.num_programs(1) * GROUP + heads) * num_splits + j  # [n, H, splits] layout
     tl.store(Max + row, m, mask=live)
     tl.store(Sum + row, s_sum, mask=live)
@@ -115,7 +137,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _decode_split_kernel[(n, kvh, splits)](
         q, k_cache, v_cache, block_tables, lengths, acc, part_max, part_sum, scale, num_blocks, width, splits,
         blocks_per_split, q.stride(0), q.stride(1),
-        GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 1), BLOCK=block, D=d)
+        GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 16), BLOCK_N=max(DECODE_KEYS, block), BLOCK=block,
+        D=d, **_dot_types(q))
     out = torch.empty_like(q)
     _decode_merge_kernel[(n, heads)](acc, part_max, part_sum, out, splits, out.stride(0), out.stride(1), heads,
                                      SPLITS_PAD=max(triton.next_power_of_2(splits), 1), D=d)
@@ -124,8 +147,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 @triton.jit
 def _prefill_kernel(Q, KCache, VCache, Out, Tables, QStarts, QLens, ContextLens, scale, num_blocks, table_width,
-                    stride_qt, stride_qh, stride_ot, stride_oh, GROUP: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr):
+                    stride_qt, stride_qh, stride_ot, stride_oh, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr,
+                    PRECISION: tl.constexpr):
     c = tl.program_id(0)
     tile = tl.program_id(1)
     hq = tl.program_id(2)
@@ -138,30 +162,20 @@ def _prefill_kernel(Q, KCache, VCache, Out, Tables, QStarts, QLens, ContextLens,
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         live = rows < q_len
         d = tl.arange(0, D)
-        q = tl.load(Q + (q_start + rows)[:, None] * stride_qt + hq * stride_qh + d[None, :],
-                    mask=live[:, None], other=0.0).to(tl.float32)
+        q = tl.load(Q + (q_start + rows)[:, None] * stride_qt + hq * stride_qh + d[None, :], mask=live[:, None], other=0.0).to(DOT)
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         s_sum = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
-        offs = tl.arange(0, BLOCK)
+        offs = tl.arange(0, BLOCK_N)
         visible = tl.minimum(prefix + (tile + 1) * BLOCK_M, context)  # the tile's last row sees this far
-        for bi in range(0, tl.cdiv(visible, BLOCK)):
-            block = tl.load(Tables + c * table_width + bi)
-            pos = bi * BLOCK + offs
-            base = ((h * num_blocks + block) * BLOCK + offs) * D
-            seen = (pos < visible)[:, None]
-            k = tl.load(KCache + base[:, None] + d[None, :], mask=seen, other=0.0).to(tl.float32)
-            v = tl.load(VCache + base[:, None] + d[None, :], mask=seen, other=0.0).to(tl.float32)
-            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [BLOCK_M, BLOCK]
-            allowed = (pos[None, :] <= (prefix + rows)[:, None]) & (pos < context)[None, :]
+        for start in range(0, visible, BLOCK_N):
+            pos = start + offs
+            seen = pos < visible
+            k, v = _load_keys(KCache, VCache, Tables + c * table_width, pos, seen, h, num_blocks, BLOCK, D, DOT)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [BLOCK_M, BLOCK_N], fp32
+            allowed = (pos[None, :] <= (prefix + rows)[:, None]) & seen[None, :]
             scores = tl.where(allowed, scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows past q_len see nothing yet
-            p = tl.exp(scores - m_safe[:, None])
-            alpha = tl.exp(m - m_safe)
-            s_sum = s_sum * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-            m = m_new
+            m, s_sum, acc = _online_softmax(scores, v, m, s_sum, acc, DOT, PRECISION)
         out = acc / tl.where(s_sum == 0.0, 1.0, s_sum)[:, None]
         tl.store(Out + (q_start + rows)[:, None] * stride_ot + hq * stride_oh + d[None, :],
                  out.to(Out.dtype.element_ty), mask=live[:, None])
@@ -169,14 +183,25 @@ def _prefill_kernel(Q, KCache, VCache, Out, Tables, QStarts, QLens, ContextLens,
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       q_starts: torch.Tensor, q_lens: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                      max_q_len: int, block_m: int = 16) -> torch.Tensor:
+                      max_q_len: int, block_m: int = 64, block_n: int = 64) -> torch.Tensor:
     """q: [T, H, D], the chunks' rows one after another; per chunk c: rows [q_starts[c], +q_lens[c]),
-    context_lens[c] tokens of KV (its chunk's included, already stored), block_tables[c]. Returns [T, H, D]."""
+    context_lens[c] tokens of KV (its chunk's included, already stored), block_tables[c]. Returns [T, H, D].
+    Both products run on tensor cores: bf16 and fp16 in their own type (the probabilities rounded to it, as
+    flash attention does), fp32 in full precision, not TF32. On a CPU (Triton's interpreter, whose bf16 dot
+    gives garbage in Triton 3.9) every operand goes to fp32."""
     heads, d = q.shape[1], q.shape[2]
     kvh, num_blocks, block, _ = k_cache.shape
     out = torch.empty_like(q)
     grid = (len(q_lens), triton.cdiv(max_q_len, block_m), heads)
     _prefill_kernel[grid](q, k_cache, v_cache, out, block_tables, q_starts, q_lens, context_lens, scale, num_blocks,
                           block_tables.shape[1], q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                          GROUP=heads // kvh, BLOCK_M=block_m, BLOCK=block, D=d)
+                          GROUP=heads // kvh, BLOCK_M=block_m, BLOCK_N=max(block_n, block), BLOCK=block, D=d,
+                          **_dot_types(q))
     return out
+
+
+def _dot_types(q: torch.Tensor) -> dict:
+    """The type `tl.dot`'s operands take, and its precision for fp32 ones."""
+    if q.dtype == torch.float32 or q.device.type == "cpu":
+        return dict(DOT=tl.float32, PRECISION="ieee")
+    return dict(DOT=tl.bfloat16 if q.dtype == torch.bfloat16 else tl.float16, PRECISION="tf32")
