@@ -91,12 +91,14 @@ class Scheduler:
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Blocks for `num_tokens` more tokens of `seq`, preempting newer sequences if need be."""
         needed = self.blocks.blocks_for(seq.num_computed + num_tokens) - len(seq.block_table)
+        if needed <= 0:  # most decodes: the last block has room
+            return True
         while not self._make_room(needed, seq):
             victim = self.running[-1]
             self._preempt(victim)
             if victim is seq:
                 return False
-        seq.block_table.extend(self.blocks.allocate(needed) if needed > 0 else [])
+        seq.block_table.extend(self.blocks.allocate(needed))
         return True
 
     def _make_room(self, needed: int, seq: Sequence, taking: Iterable[int] = ()) -> bool:

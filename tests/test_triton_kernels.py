@@ -13,10 +13,12 @@ import torch
 from lmgate.engine.config import EngineConfig
 from lmgate.engine.cuda_graphs import DecodeGraphs
 from lmgate.engine.engine import Engine
+from lmgate.engine.kernels import triton as triton_package
 from lmgate.engine.sampling import SamplingParams
 from tests.test_models import hf_tokenizer_dir, tiny_models  # noqa: F401  (fixtures)
 
 triton_kernels = pytest.importorskip("lmgate.engine.kernels.triton.paged_attention", reason="Triton is not installed")
+layer_ops = pytest.importorskip("lmgate.engine.kernels.triton.layer_ops", reason="Triton is not installed")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK, D = 16, 32
@@ -119,10 +121,11 @@ def test_prefill_attention_over_cached_prefix_matches_reference(dtype, heads, kv
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-buffers"])
 def test_engine_greedy_tokens_equal_on_the_triton_path(tiny_models, monkeypatch, graphs):
-    """Chunked prefills (some after a cached prefix), decodes and mixed steps through the Triton kernels give
-    the torch path's tokens. With `graphs`, decode-only steps go through the CUDA-graph runner's static
-    buffers, padded to their bucket (three sequences in a bucket of four), run eagerly: a CPU cannot capture."""
-    calls = {"decode_attention": 0, "prefill_attention": 0, "run": 0}
+    """Chunked prefills (some after a cached prefix), decodes and mixed steps through the Triton kernels, the
+    layer ops' included, give the torch path's tokens. With `graphs`, decode-only steps go through the
+    CUDA-graph runner's static buffers, padded to their bucket (three sequences in a bucket of four), run
+    eagerly: a CPU cannot capture."""
+    calls = {"decode_attention": 0, "prefill_attention": 0, "run": 0, "rms_norm": 0, "rotary": 0}
 
     def counted(owner, name: str):
         kernel = getattr(owner, name)
@@ -134,6 +137,8 @@ def test_engine_greedy_tokens_equal_on_the_triton_path(tiny_models, monkeypatch,
 
     for name in ("decode_attention", "prefill_attention"):
         counted(triton_kernels, name)
+    for name in ("rms_norm", "rotary"):
+        counted(layer_ops, name)
     counted(DecodeGraphs, "run")
     with Engine(EngineConfig(dtype="float32", model=tiny_models("llama").path, kv_cache_tokens=1024,
                              attention_kernel=False, max_batched_tokens=16, prefix_caching=False)) as eng:
@@ -142,6 +147,7 @@ def test_engine_greedy_tokens_equal_on_the_triton_path(tiny_models, monkeypatch,
         prompts = [eng.tokenizer.encode(text) for text in texts]
         params = SamplingParams(max_new_tokens=6, ignore_eos=True)
         want = [eng.generate(p, params).token_ids for p in prompts]
+        monkeypatch.setattr(triton_package, "serves", lambda x: True)  # the layer ops, as on CUDA
         for loop in eng.loops:
             loop.runner.attention = "triton"
             if graphs:
@@ -151,4 +157,56 @@ def test_engine_greedy_tokens_equal_on_the_triton_path(tiny_models, monkeypatch,
         assert eng.info().kv_blocks_free == eng.info().kv_blocks_total
     assert got == want
     assert calls["decode_attention"] > 0 and calls["prefill_attention"] > 0
+    assert calls["rms_norm"] > 0 and calls["rotary"] > 0  # SiLU is inside the CPU's packed gate_up matmul
     assert (calls["run"] > 0) == graphs
+
+
+# The torch expressions of models/llama.py, which the Triton ops replace on CUDA
+TORCH_LAYERS = {
+    "norm": lambda x, w, eps: w * torch.nn.functional.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype),
+    "rotary": lambda x, cos, sin: x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin,
+    "silu_and_mul": lambda gate_up: torch.nn.functional.silu(gate_up.chunk(2, -1)[0]) * gate_up.chunk(2, -1)[1],
+}
+LAYER_DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    DEVICE == "cpu", reason="Triton's interpreter casts float32 to bfloat16 by truncation, not to nearest"))]
+# One rounding step of the dtype apart at most: 1/sqrt against torch's rsqrt, exp against its own
+LAYER_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}
+
+
+@pytest.mark.parametrize("dtype", LAYER_DTYPES)
+@pytest.mark.parametrize("n", [64, 96])
+def test_add_rms_norm_adds_in_place_and_normalizes_as_torch(dtype, n):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(5, n, generator=g).to(dtype).to(DEVICE)
+    delta = torch.randn(5, n, generator=g).to(dtype).to(DEVICE)
+    w = (1 + torch.randn(n, generator=g) / 4).to(dtype).to(DEVICE)
+    want_x = x + delta
+    want = TORCH_LAYERS["norm"](want_x, w, 1e-6)
+    got = layer_ops.rms_norm(x, w, 1e-6, delta)
+    assert torch.equal(x, want_x)  # the residual add, in place and rounded as torch rounds it
+    torch.testing.assert_close(got, want, rtol=LAYER_TOL[dtype], atol=LAYER_TOL[dtype])
+    torch.testing.assert_close(layer_ops.rms_norm(x, w, 1e-6), want, rtol=LAYER_TOL[dtype], atol=LAYER_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", LAYER_DTYPES)
+def test_per_head_norm_and_rotary_read_a_view_of_the_projection(dtype):
+    """Qwen3's q/k norms and the rotary embedding read [T, heads, head_dim] views whose rows are strided."""
+    tokens, heads, d = 4, 5, 24  # a head_dim whose half is not a power of two
+    g = torch.Generator().manual_seed(1)
+    packed = torch.randn(tokens, (heads + 2) * d, generator=g).to(dtype).to(DEVICE)
+    view = packed[:, : heads * d].view(tokens, heads, d)
+    w = (1 + torch.randn(d, generator=g) / 4).to(dtype).to(DEVICE)
+    tol = dict(rtol=LAYER_TOL[dtype], atol=LAYER_TOL[dtype])
+    torch.testing.assert_close(layer_ops.rms_norm(view, w, 1e-6), TORCH_LAYERS["norm"](view, w, 1e-6), **tol)
+    angles = torch.randn(tokens, 1, d, generator=g)
+    sign = torch.cat([-torch.ones(d // 2), torch.ones(d // 2)])
+    cos, sin = angles.cos().to(dtype).to(DEVICE), (angles.sin() * sign).to(dtype).to(DEVICE)
+    torch.testing.assert_close(layer_ops.rotary(view, cos, sin), TORCH_LAYERS["rotary"](view, cos, sin), **tol)
+
+
+@pytest.mark.parametrize("dtype", LAYER_DTYPES)
+@pytest.mark.parametrize("n", [48, 1500])  # one program a row, and several
+def test_silu_and_mul_as_torch(dtype, n):
+    gate_up = (torch.randn(3, 2 * n, generator=torch.Generator().manual_seed(n)) * 4).to(dtype).to(DEVICE)
+    torch.testing.assert_close(layer_ops.silu_and_mul(gate_up), TORCH_LAYERS["silu_and_mul"](gate_up),
+                               rtol=LAYER_TOL[dtype], atol=LAYER_TOL[dtype])

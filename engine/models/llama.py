@@ -12,9 +12,16 @@ from torch import nn
 from ..attention import AttentionMetadata, paged_attention
 from ..config import ModelConfig
 from ..kernels import layer_kernels
+from ..kernels import triton as triton_kernels
 from .fused_decode import FusedDecode
 from .panel_linear import PanelLinear
 from .quantized_linear import GGUFBlocks, cat_rows
+
+
+def triton_layer_ops():
+    """kernels/triton/layer_ops.py, imported where it serves (Triton is needed on CUDA only)."""
+    from ..kernels.triton import layer_ops
+    return layer_ops
 
 
 class RMSNorm(nn.Module):
@@ -26,6 +33,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
         """Normalized in fp32, scaled in the model's dtype, as Hugging Face's LlamaRMSNorm does. With `delta`,
         the residual add comes first, in place: `x += delta` (one C++ pass with the norm where it can)."""
+        if triton_kernels.serves(x):
+            return triton_layer_ops().rms_norm(x, self.weight, self.eps, delta)
         if layer_kernels(x):
             if delta is not None:
                 return torch.ops.lmgate.add_rms_norm(x, delta, self.weight, self.eps)
@@ -58,6 +67,8 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, head_dim]."""
+    if triton_kernels.serves(x):
+        return triton_layer_ops().rotary(x, cos, sin)
     if layer_kernels(x):
         return torch.ops.lmgate.rotary(x, cos, sin)
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
@@ -99,6 +110,8 @@ class MLP(nn.Module):
         if isinstance(self.gate_up_proj, PanelLinear) and self.gate_up_proj.gated:  # the activation is its output
             return self.down_proj(self.gate_up_proj(x))
         gate_up = self.gate_up_proj(x)
+        if triton_kernels.serves(gate_up):
+            return self.down_proj(triton_layer_ops().silu_and_mul(gate_up))
         if layer_kernels(gate_up):
             return self.down_proj(torch.ops.lmgate.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
