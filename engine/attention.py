@@ -8,14 +8,7 @@ import torch.nn.functional as F
 
 from .kernels import layer_kernels
 
-MAX_DECODE_SPLITS = 64  # the Triton decode's pieces of a context at most (a graph's grid has them all)
-
-
-def decode_blocks_per_split(max_blocks: int) -> int:
-    """Blocks in each piece of the Triton decode's context (flash decoding), fixed per engine from its longest
-    context so that a sequence's sums never depend on its batch: 16, or more where a longer context would
-    make over MAX_DECODE_SPLITS pieces (a 128k context: 8192 blocks of 16 tokens, 128 blocks a piece)."""
-    return max(16, -(-max_blocks // MAX_DECODE_SPLITS))
+MAX_DECODE_SPLITS = 64  # the Triton decode's pieces of a context at most, each sequence's by its own length
 
 
 @dataclass(slots=True)
@@ -58,7 +51,6 @@ class DecodeTables:
 
     block_tables: torch.Tensor  # [num_decode, max_blocks] int64, padded with block 0
     lengths: torch.Tensor  # [num_decode] int64, tokens of KV including this step's
-    blocks_per_split: int = 16  # the Triton decode's pieces (decode_blocks_per_split); the C++ kernel ignores it
 
 
 @dataclass(slots=True)
@@ -117,7 +109,7 @@ def _triton_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale:
     if meta.num_decode:
         d = meta.decode
         parts.append(kernels.decode_attention(q[: meta.num_decode], k_cache, v_cache, d.block_tables, d.lengths, scale,
-                                              d.blocks_per_split))
+                                              MAX_DECODE_SPLITS))
     p = meta.prefills
     if isinstance(p, PrefillTables) and len(p.q_lens):
         parts.append(kernels.prefill_attention(q[meta.num_decode :], k_cache, v_cache, p.block_tables, p.q_starts,

@@ -20,7 +20,7 @@ from collections import OrderedDict
 
 import torch
 
-from .attention import AttentionMetadata, DecodeTables, decode_blocks_per_split
+from .attention import AttentionMetadata, DecodeTables
 from .models.llama import LlamaForCausalLM
 
 _INPUTS = 5  # token ids, positions, slots, KV lengths, rows of the table store: one row each
@@ -136,7 +136,7 @@ class DecodeGraphs:
 
     def views(self, b: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Token ids, positions and attention metadata of the first b rows: what a graph of bucket b reads."""
-        decode = DecodeTables(self.tables[:b], self.lengths[:b], decode_blocks_per_split(self.max_blocks))
+        decode = DecodeTables(self.tables[:b], self.lengths[:b])
         meta = AttentionMetadata(self.slots[:b], b, decode, [], triton=True)
         return self.input_ids[:b], self.positions[:b], meta
 

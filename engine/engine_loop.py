@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import torch
 
 from . import chat
-from .attention import decode_blocks_per_split
 from .batch import BatchData
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
@@ -63,8 +62,7 @@ def build_runner(weights: LocalWeights, config: EngineConfig, max_context_length
     runner = ModelRunner(
         weights.model,
         lambda: allocate_kv_cache(weights.config, num_blocks, config.block_size, kv_dtype, weights.device),
-        config.block_size, weights.device, attention, graphs, decode_blocks_per_split(max_blocks),
-    )
+        config.block_size, weights.device, attention, graphs)
     weights.runners.append(runner)
     return runner
 

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from .attention import decode_blocks_per_split
+from .attention import MAX_DECODE_SPLITS
 from .config import EngineConfig, ModelConfig
 from .errors import InvalidRequest
 from .models.tensor_parallel import shard_config, shard_of
@@ -72,10 +72,7 @@ def activation_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dtyp
     sums at the longest context (a CUDA graph keeps them)."""
     chunk = 2 * config.max_batched_tokens * (model.hidden_size + 2 * model.intermediate_size) * dtype.itemsize
     sampler = 4 * config.max_batch_size * model.vocab_size * 4
-    context = min(config.max_context_length or model.max_position_embeddings, model.max_position_embeddings)
-    max_blocks = math.ceil(context / config.block_size)
-    splits = math.ceil(max_blocks / decode_blocks_per_split(max_blocks))
-    decode = config.max_batch_size * model.num_heads * splits * (model.head_dim + 2) * 4
+    decode = config.max_batch_size * model.num_heads * MAX_DECODE_SPLITS * (model.head_dim + 2) * 4
     return chunk + sampler + decode
 
 

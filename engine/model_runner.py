@@ -62,7 +62,6 @@ class ModelRunner:
         device: torch.device,
         attention: str,
         graphs: DecodeGraphs | None = None,
-        blocks_per_split: int = 16,
     ) -> None:
         self.model = model  # replaced whole by the engine (weight updates), read once per step
         self.weights_version = 0  # bumped by the engine with every new model, after `model` is replaced
@@ -72,7 +71,6 @@ class ModelRunner:
         self.device = device
         self.attention = attention  # of ATTENTION_PATHS; chosen at build, read per step
         self.graphs = graphs  # decode steps from CUDA graphs (Triton path, no tensor parallelism), else None
-        self.blocks_per_split = blocks_per_split  # the Triton decode's pieces, as the graphs' (attention.py)
         self.followers: HostComm | None = None  # a tensor-parallel leader's group: what it does, they do
         self.group_kv_share = 1.0  # the tensor-parallel group's KV heads over this rank's
         self.install_weights: Callable[[int], None] = lambda version: None  # a TP rank's LocalWeights.install_staged
@@ -173,7 +171,7 @@ class ModelRunner:
         tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
         lengths = torch.tensor(lengths)
         if self.attention != "torch":
-            return DecodeTables(tables.to(self.device), lengths.to(self.device), self.blocks_per_split)
+            return DecodeTables(tables.to(self.device), lengths.to(self.device))
         return GatheredDecode(self._rows(tables), decode_mask(lengths, width * self.block_size, self.kv_caches[0][0]).to(self.device))
 
     def _prefill_tables(self, prefills: list[tuple[int, int, int, list[int]]]) -> PrefillTables:

@@ -8,7 +8,6 @@ import random
 import pytest
 import torch
 
-from lmgate.engine.attention import MAX_DECODE_SPLITS, decode_blocks_per_split
 from lmgate.engine.cuda_graphs import DecodeGraphs, buckets
 from lmgate.engine.model_runner import ModelRunner, StepPlan
 
@@ -36,20 +35,6 @@ def test_only_decode_steps_that_fit_run_from_a_graph():
     assert not graphs.fits(num_rows=9, num_prefills=0, table_width=4)  # more than the largest bucket
     assert not graphs.fits(num_rows=5, num_prefills=1, table_width=4)  # a mixed step
     assert not graphs.fits(num_rows=2, num_prefills=0, table_width=5)  # a table wider than the buffers
-
-
-@pytest.mark.parametrize("max_context, want", [(1024, 16), (4096, 16), (32768, 32), (131072, 128)])
-def test_decode_pieces_follow_the_longest_context_and_eager_steps_cut_them_alike(max_context, want):
-    """A graph's decode grid spans the longest context: at most MAX_DECODE_SPLITS pieces, however long it is;
-    an eager step of the same engine cuts a context into the same pieces (its sums never depend on the batch)."""
-    max_blocks = max_context // 16
-    assert decode_blocks_per_split(max_blocks) == want
-    assert -(-max_blocks // want) <= MAX_DECODE_SPLITS
-    graphs = DecodeGraphs(4, max_blocks, torch.device("cpu"), capture=False)
-    _, _, meta = graphs.load([5], [7], [7], [[3]], [8])
-    eager = ModelRunner(None, list, 16, torch.device("cpu"), "triton", None, decode_blocks_per_split(max_blocks))
-    step = eager.prepare(StepPlan([5], [7], [7], [0], [[3]], [8]))
-    assert meta.decode.blocks_per_split == step.meta.decode.blocks_per_split == want
 
 
 def test_padded_rows_store_nothing_and_read_nothing():

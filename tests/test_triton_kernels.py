@@ -79,15 +79,15 @@ def test_store_kv_writes_slots_and_skips_padding(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kvh", [(9, 3), (4, 4), (6, 1)])
-@pytest.mark.parametrize("blocks_per_split", [1, 2, 16])
-def test_decode_attention_matches_reference(dtype, heads, kvh, blocks_per_split):
-    lengths = [1, 15, 16, 17, 0, 70, 33]  # 0: a CUDA graph bucket's padded row, which reads nothing
-    k_cache, v_cache = make_cache(kvh, 24, dtype, seed=heads)
-    tables, table_tensor = tables_for(lengths, 24, seed=kvh)
+@pytest.mark.parametrize("max_splits", [1, 2, 64])  # 300 tokens: 1 piece, 2 of 192 keys, 5 of 64
+def test_decode_attention_matches_reference(dtype, heads, kvh, max_splits):
+    lengths = [1, 15, 16, 17, 0, 70, 33, 300]  # 0: a CUDA graph bucket's padded row, which reads nothing
+    k_cache, v_cache = make_cache(kvh, 40, dtype, seed=heads)
+    tables, table_tensor = tables_for(lengths, 40, seed=kvh)
     q = torch.randn(len(lengths), heads, D).to(dtype).to(DEVICE)
     scale = 1 / math.sqrt(D)
     got = triton_kernels.decode_attention(q, k_cache, v_cache, table_tensor, torch.tensor(lengths, device=DEVICE),
-                                          scale, blocks_per_split=blocks_per_split)
+                                          scale, max_splits)
     assert got.shape == q.shape and got.dtype == dtype
     for i, n in enumerate(lengths):
         if n == 0:
@@ -95,6 +95,20 @@ def test_decode_attention_matches_reference(dtype, heads, kvh, blocks_per_split)
             continue
         want = reference(q[i : i + 1], context(k_cache, tables[i], n), context(v_cache, tables[i], n), n - 1, scale)
         torch.testing.assert_close(got[i].double(), want[0], rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def test_a_decodes_sums_depend_on_its_own_length_only():
+    """The same sequence alone with a table just wide enough (an eager step), and among others with a table as
+    wide as a CUDA graph's (the longest context): the same pieces, the same bits."""
+    lengths = [150, 7, 300]
+    k_cache, v_cache = make_cache(2, 40, torch.float32, seed=5)
+    tables, table_tensor = tables_for(lengths, 40, seed=6)
+    q = torch.randn(len(lengths), 6, D, device=DEVICE)
+    wide = torch.nn.functional.pad(table_tensor, (0, 64 - table_tensor.shape[1]))
+    together = triton_kernels.decode_attention(q, k_cache, v_cache, wide, torch.tensor(lengths, device=DEVICE), 0.2)
+    alone = triton_kernels.decode_attention(q[:1], k_cache, v_cache, table_tensor[:1, : len(tables[0])],
+                                            torch.tensor(lengths[:1], device=DEVICE), 0.2)
+    assert torch.equal(alone[0], together[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

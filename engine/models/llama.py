@@ -5,6 +5,8 @@ matmul each at load time (`pack_weights`).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,6 +20,7 @@ from .panel_linear import PanelLinear
 from .quantized_linear import GGUFBlocks, cat_rows
 
 
+@functools.cache
 def triton_layer_ops():
     """kernels/triton/layer_ops.py, imported where it serves (Triton is needed on CUDA only)."""
     from ..kernels.triton import layer_ops

@@ -4,10 +4,11 @@ them; a block table row lists a sequence's blocks in order. Softmax runs in fp32
 * `store_kv`: each token's key and value into its slot (`block * block_size + offset`); a negative slot
   (a padded row) writes nothing.
 * `decode_attention`: one query token per sequence (a padded row of a CUDA graph's bucket sees none), as
-  flash decoding: the context is cut into splits of `blocks_per_split` blocks, one program per (sequence,
-  KV head, split) handles the query heads of that KV head's GQA group together (padded to the 16 rows a
-  `tl.dot` takes), DECODE_KEYS keys at a time, and a second kernel merges the splits by their running max
-  and sum. The launch grid depends on shapes only (batch, heads, table width), so a CUDA graph can hold it.
+  flash decoding: each sequence's context is cut into up to 64 pieces by its own length (a one-stream
+  decode of 640 tokens: 10 pieces of 64 keys, each its own program), one program per (sequence, KV head,
+  piece) handles the query heads of that KV head's GQA group together (padded to the 16 rows a `tl.dot`
+  takes), DECODE_KEYS keys at a time, and a second kernel merges the pieces by their running max and sum.
+  The launch grid depends on shapes only (batch, heads, table width), so a CUDA graph can hold it.
 * `prefill_attention`: a chunk of query tokens per sequence against its whole context (the cached prefix
   plus the chunk itself, whose keys `store_kv` wrote first), causal within the chunk; flash attention's
   loop, its two products `tl.dot`s (tensor cores).
@@ -67,55 +68,63 @@ def _online_softmax(scores, v, m, s_sum, acc, DOT: tl.constexpr, PRECISION: tl.c
 
 
 @triton.jit
+def _split_len(length, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """Keys in each piece of a sequence's context: whole runs of BLOCK_N, at most MAX_SPLITS pieces. A function
+    of the sequence's own length only, so that its sums never depend on its batch or on the table's width."""
+    return tl.maximum(tl.cdiv(tl.cdiv(length, MAX_SPLITS), BLOCK_N), 1) * BLOCK_N
+
+
+@triton.jit
 def _decode_split_kernel(Q, KCache, VCache, Tables, Lengths, Acc, Max, Sum, scale, num_blocks, table_width,
-                         num_splits, blocks_per_split, stride_qt, stride_qh, GROUP: tl.constexpr,
-                         GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr,
-                         DOT: tl.constexpr, PRECISION: tl.constexpr):
+                         num_splits, stride_qt, stride_qh, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr,
+                         PRECISION: tl.constexpr, MAX_SPLITS: tl.constexpr):
     i = tl.program_id(0)
     h = tl.program_id(1)
     j = tl.program_id(2)
     length = tl.load(Lengths + i)
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, D)
-    heads = h * GROUP + g
-    live = g < GROUP
-    q = tl.load(Q + i * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=live[:, None], other=0.0).to(DOT)
-    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    s_sum = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, D], tl.float32)
-    offs = tl.arange(0, BLOCK_N)
-    split_start = j * blocks_per_split * BLOCK
-    split_end = tl.minimum(split_start + blocks_per_split * BLOCK, length)
-    # A fixed trip count (a bound read from memory breaks Triton's interpreter); key runs past the context are
-    # skipped whole, which leaves the sums exactly as they were: a graph's table is as wide as the longest
-    # context allowed, and most of its blocks lie past a sequence's end.
-    for start in range(0, blocks_per_split * BLOCK, BLOCK_N):
-        if split_start + start < split_end:
-            pos = split_start + start + offs
+    split_len = _split_len(length, BLOCK_N, MAX_SPLITS)
+    split_start = j * split_len
+    # The grid has a piece for the longest context the table holds; pieces past this one's end write nothing,
+    # and the merge reads only those that hold keys.
+    if split_start < length:
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, D)
+        heads = h * GROUP + g
+        live = g < GROUP
+        q = tl.load(Q + i * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=live[:, None], other=0.0).to(DOT)
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        s_sum = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, D], tl.float32)
+        offs = tl.arange(0, BLOCK_N)
+        split_end = tl.minimum(split_start + split_len, length)
+        for start in range(split_start, split_end, BLOCK_N):
+            pos = start + offs
             valid = pos < split_end
             k, v = _load_keys(KCache, VCache, Tables + i * table_width, pos, valid, h, num_blocks, BLOCK, D, DOT)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [GROUP_PAD, BLOCK_N], fp32
             scores = tl.where(valid[None, :], scores, float("-inf"))
             m, s_sum, acc = _online_softmax(scores, v, m, s_sum, acc, DOT, PRECISION)
-    row = (i * tl.num_programs(1) * GROUP + heads) * num_splits + j  # [n, H, splits] layout
-    tl.store(Max + row, m, mask=live)
-    tl.store(Sum + row, s_sum, mask=live)
-    tl.store(Acc + row[:, None] * D + d[None, :], acc, mask=live[:, None])
+        row = (i * tl.num_programs(1) * GROUP + heads) * num_splits + j  # [n, H, splits] layout
+        tl.store(Max + row, m, mask=live)
+        tl.store(Sum + row, s_sum, mask=live)
+        tl.store(Acc + row[:, None] * D + d[None, :], acc, mask=live[:, None])
 
 
 @triton.jit
-def _decode_merge_kernel(Acc, Max, Sum, Out, num_splits, stride_ot, stride_oh, heads_per_seq,
-                         SPLITS_PAD: tl.constexpr, D: tl.constexpr):
+def _decode_merge_kernel(Acc, Max, Sum, Out, Lengths, num_splits, stride_ot, stride_oh, heads_per_seq,
+                         SPLITS_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr):
     i = tl.program_id(0)
     hq = tl.program_id(1)
+    length = tl.load(Lengths + i)
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, D)
     row = (i * heads_per_seq + hq) * num_splits + s
-    live = s < num_splits
+    live = s < tl.cdiv(length, _split_len(length, BLOCK_N, MAX_SPLITS))  # the pieces that hold keys
     m = tl.load(Max + row, mask=live, other=float("-inf"))
     total_max = tl.max(m, axis=0)
     total_max = tl.where(total_max == float("-inf"), 0.0, total_max)  # no KV at all (a padded row): zeros out
-    weight = tl.where(live, tl.exp(m - total_max), 0.0)  # a split past the context has m = -inf: weight 0
+    weight = tl.where(live, tl.exp(m - total_max), 0.0)
     norm = tl.sum(tl.load(Sum + row, mask=live, other=0.0) * weight, axis=0)
     acc = tl.load(Acc + row[:, None] * D + d[None, :], mask=live[:, None], other=0.0)
     out = tl.sum(acc * weight[:, None], axis=0) / tl.where(norm == 0.0, 1.0, norm)
@@ -123,25 +132,27 @@ def _decode_merge_kernel(Acc, Max, Sum, Out, num_splits, stride_ot, stride_oh, h
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     lengths: torch.Tensor, scale: float, blocks_per_split: int = 16) -> torch.Tensor:
+                     lengths: torch.Tensor, scale: float, max_splits: int = 64) -> torch.Tensor:
     """q: [n, H, D]; block_tables: [n, width] int (padding entries never read); lengths: [n], tokens of KV
-    each query sees (0 for a padded row, whose output is zeros). Returns [n, H, D] in q's dtype."""
+    each query sees (0 for a padded row, whose output is zeros). Returns [n, H, D] in q's dtype. A sequence's
+    context is cut into at most `max_splits` pieces by its own length; the grid, by the table's width."""
     n, heads, d = q.shape
     kvh, num_blocks, block, _ = k_cache.shape
-    group = heads // kvh
     width = block_tables.shape[1]
-    splits = triton.cdiv(width, blocks_per_split)
+    block_n = max(DECODE_KEYS, block)
+    splits = min(max_splits, triton.cdiv(width * block, block_n))
     acc = torch.empty((n, heads, splits, d), dtype=torch.float32, device=q.device)
     part_max = torch.empty((n, heads, splits), dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
+    group = heads // kvh
     _decode_split_kernel[(n, kvh, splits)](
         q, k_cache, v_cache, block_tables, lengths, acc, part_max, part_sum, scale, num_blocks, width, splits,
-        blocks_per_split, q.stride(0), q.stride(1),
-        GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 16), BLOCK_N=max(DECODE_KEYS, block), BLOCK=block,
-        D=d, **_dot_types(q))
+        q.stride(0), q.stride(1), GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 16), BLOCK_N=block_n,
+        BLOCK=block, D=d, MAX_SPLITS=max_splits, **_dot_types(q))
     out = torch.empty_like(q)
-    _decode_merge_kernel[(n, heads)](acc, part_max, part_sum, out, splits, out.stride(0), out.stride(1), heads,
-                                     SPLITS_PAD=max(triton.next_power_of_2(splits), 1), D=d)
+    _decode_merge_kernel[(n, heads)](acc, part_max, part_sum, out, lengths, splits, out.stride(0), out.stride(1), heads,
+                                     SPLITS_PAD=triton.next_power_of_2(splits), D=d, BLOCK_N=block_n,
+                                     MAX_SPLITS=max_splits)
     return out
 
 
@@ -183,7 +194,7 @@ def _prefill_kernel(Q, KCache, VCache, Out, Tables, QStarts, QLens, ContextLens,
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       q_starts: torch.Tensor, q_lens: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                      max_q_len: int, block_m: int = 64, block_n: int = 64) -> torch.Tensor:
+                      max_q_len: int) -> torch.Tensor:
     """q: [T, H, D], the chunks' rows one after another; per chunk c: rows [q_starts[c], +q_lens[c]),
     context_lens[c] tokens of KV (its chunk's included, already stored), block_tables[c]. Returns [T, H, D].
     Both products run on tensor cores: bf16 and fp16 in their own type (the probabilities rounded to it, as
@@ -192,10 +203,11 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     heads, d = q.shape[1], q.shape[2]
     kvh, num_blocks, block, _ = k_cache.shape
     out = torch.empty_like(q)
-    grid = (len(q_lens), triton.cdiv(max_q_len, block_m), heads)
+    tile = 32 if q.dtype == torch.float32 else 64  # fp32 tiles of 64 x 64 spill registers on an H100 or H200
+    grid = (len(q_lens), triton.cdiv(max_q_len, tile), heads)
     _prefill_kernel[grid](q, k_cache, v_cache, out, block_tables, q_starts, q_lens, context_lens, scale, num_blocks,
                           block_tables.shape[1], q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                          GROUP=heads // kvh, BLOCK_M=block_m, BLOCK_N=max(block_n, block), BLOCK=block, D=d,
+                          GROUP=heads // kvh, BLOCK_M=tile, BLOCK_N=max(tile, block), BLOCK=block, D=d,
                           **_dot_types(q))
     return out
 
