@@ -49,10 +49,12 @@ class IncrementalDetokenizer:
         if self.stopped:
             return "", True
         self._ids.extend(new_token_ids)
-        for token_id in new_token_ids:
-            self._decoded += self._next_text(token_id)
-        delta = self._release(final=False)
-        return delta, self.stopped
+        new = "".join(map(self._next_text, new_token_ids))
+        self._decoded += new
+        if not self._stop:  # nothing is held back: every token's text goes out (a step's hundreds of rows)
+            self.text = self._decoded
+            return new, False
+        return self._release(final=False), self.stopped
 
     def finish(self) -> str:
         """Generation ended for another reason (length, eos, cancel): release held-back text."""

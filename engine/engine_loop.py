@@ -308,11 +308,9 @@ class EngineLoop:
     # kUpdate -----------------------------------------------------------------------------------------------
 
     def _update(self, samplers: list[Sequence], batch: BatchData) -> None:
-        for row, seq in enumerate(samplers):
-            token = batch.result.token_ids[row]
+        for seq, token, lp in zip(samplers, batch.result.token_ids, batch.result.logprobs):
             seq.token_ids.append(token)
             out = RequestOutput(seq.request.request_id, seq.request.session_id, token_ids=[token])
-            lp = batch.result.logprobs[row]
             if lp is not None:
                 out.logprobs.append(TokenLogprob(token, lp[0], lp[1]))
             reason, stop_hit = None, False

@@ -187,6 +187,7 @@ def _sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
 
 
 CANDIDATES = 256  # tokens a row's top-k / top-p looks at before it sorts the whole vocabulary
+DRAW_BLOCK = 1024  # tokens a draw's second search scans: the first finds the block among block sums
 
 
 def _split(inside: torch.Tensor, top, probs: torch.Tensor):
@@ -202,12 +203,31 @@ def _split(inside: torch.Tensor, top, probs: torch.Tensor):
 
 
 def _draw(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
-    """Per row, the index at which the cumulative distribution passes draw x total."""
+    """Per row, the index at which the cumulative distribution passes draw x total. In two searches, each
+    over a short prefix sum: the block where it passes (of the block sums), then the token within that block.
+    A prefix sum over a whole vocabulary of 150k tokens is a slow scan on a GPU, and a long one on a CPU."""
+    rows, vocab = probs.shape
+    if vocab <= DRAW_BLOCK:
+        return _search(probs, draws)[0]
+    whole = vocab - vocab % DRAW_BLOCK
+    sums = probs[:, :whole].view(rows, -1, DRAW_BLOCK).sum(dim=-1)  # a view: no copy of the probabilities
+    if whole < vocab:
+        sums = torch.cat([sums, probs[:, whole:].sum(dim=-1, keepdim=True)], dim=1)
+    block, cdf, target = _search(sums, draws)  # a block of non-zero mass
+    at = block.unsqueeze(1)
+    into = ((target - (cdf - sums).gather(1, at)) / sums.gather(1, at)).clamp(0.0, 1.0)  # of the block's mass
+    ids = at * DRAW_BLOCK + torch.arange(DRAW_BLOCK, device=probs.device)
+    inside = probs.gather(1, ids.clamp(max=vocab - 1)).masked_fill(ids >= vocab, 0.0)
+    return block * DRAW_BLOCK + _search(inside, into)[0]
+
+
+def _search(probs: torch.Tensor, draws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The index per row, and the prefix sums and target it was found by."""
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:]
     # Strictly below the total, so that the draw lands on a token of non-zero probability however it rounds.
     target = torch.minimum(draws * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(1), cdf, target
 
 
 def _fetch(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SampleRow]) -> SampleResult:

@@ -120,6 +120,26 @@ def test_a_draw_at_the_top_of_the_range_lands_on_a_possible_token(monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_draw_over_a_large_vocabulary_finds_its_block_then_its_token(device):
+    """Past DRAW_BLOCK tokens a draw searches block sums, then one block: the token where the whole cumulative
+    distribution passes the draw (float64 here, so that no rounding tells the two apart), never one of zero
+    probability, a zero-mass block and the padding of the last block included."""
+    vocab = 3 * sampling.DRAW_BLOCK + 100
+    g = torch.Generator().manual_seed(3)
+    probs = torch.rand(5, vocab, generator=g, dtype=torch.float64)
+    probs[:, sampling.DRAW_BLOCK : 2 * sampling.DRAW_BLOCK] = 0  # a block without mass
+    probs[1, 50:] = 0  # all of one row's mass in its first block
+    probs[2, : 3 * sampling.DRAW_BLOCK] = 0  # and another's in the padded last one
+    probs[3, ::2] = 0
+    probs = probs.to(device)
+    for u in torch.rand(40, generator=g, dtype=torch.float64).tolist() + [0.0, 1 - 2.0**-24]:
+        draws = torch.full((5, 1), u, dtype=torch.float64, device=device)
+        got = sampling._draw(probs, draws)
+        assert got.tolist() == sampling._search(probs, draws)[0].tolist()  # one search over the whole vocabulary
+        assert bool((probs.gather(1, got.unsqueeze(1)) > 0).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_logprobs_of_the_unpenalized_distribution_per_row(device):
     logits = logits_for(3, seed=2).to(device)
     rows = [row(logprobs=2), row(), row(seed=3, temperature=1.0, logprobs=5, repetition_penalty=1.5, output=[4])]
