@@ -4,8 +4,8 @@ such launches (Qwen2.5-0.5B's shape: about 25 kernels a layer, 15 of them elemen
 
 Each does the arithmetic of the torch expression beside its call (models/llama.py) with the same roundings:
 every intermediate the torch code keeps in the model's dtype is rounded to it here too, so the two paths
-agree within one rounding step (a norm's sum of squares adds in another order). A program handles one row (one head's, for rotary); rows are the last dimension,
-contiguous.
+agree within one rounding step (a norm's sum of squares adds in another order). Rows are the last dimension,
+contiguous: a norm's program handles one (a head's, for per-head norms), rotary's a token's heads.
 """
 from __future__ import annotations
 
