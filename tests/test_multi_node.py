@@ -4,6 +4,7 @@ stacks. Needs root and `ip`; skipped with the reason where the machine forbids i
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -32,7 +33,8 @@ def node1_netns():
     """A network namespace for node 1, its end of a veth pair at NODE1, this namespace's end at NODE0."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
         pytest.skip("two nodes on one machine need root and iproute2's `ip` (network namespaces)")
-    tag = f"lmg{os.getpid() % 100000}"
+    _remove_stale()
+    tag = f"lmg{os.getpid()}"
     netns, here, there = f"{tag}-node1", f"{tag}a", f"{tag}b"
     try:
         _ip("netns", "add", netns)
@@ -49,6 +51,16 @@ def node1_netns():
         yield netns
     finally:
         _remove(netns, here)
+
+
+def _remove_stale() -> None:
+    """The namespaces of earlier runs killed before their teardown (their pid is gone): their links hold the
+    addresses every run uses, and would take this run's traffic."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    for name in listed:
+        match = re.fullmatch(r"lmg(\d+)-node1", name)
+        if match and not os.path.exists(f"/proc/{match[1]}"):
+            _remove(name, f"lmg{match[1]}a")
 
 
 def _remove(netns: str, link: str) -> None:
