@@ -14,7 +14,7 @@ import torch
 
 from .model_runner import StepInputs
 from .request import RequestOutput
-from .sampling import SampleResult
+from .sampling import SampleFuture, SampleResult
 from .sequence import Sequence
 
 
@@ -34,8 +34,10 @@ class BatchData:
     """One step's batch as it moves through the ops."""
 
     seqs: list[Sequence]
+    samplers: list[Sequence] = field(default_factory=list)  # the sequences that draw a token, in row order
     inputs: StepInputs | None = None
     logits: torch.Tensor | None = None
-    result: SampleResult | None = None
+    draws: SampleFuture | None = None  # queued on the device at launch
+    result: SampleResult | None = None  # read from `draws` (kFetch)
     outputs: list[tuple[Sequence, RequestOutput]] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)

@@ -9,6 +9,7 @@ from .errors import InvalidRequest, UnsupportedModel
 DP_BACKENDS = ("thread", "process")
 WEIGHT_MODES = ("auto", "quantized", "float")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+OVERLAP_MODES = ("auto", "on", "off")
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
@@ -93,6 +94,7 @@ class EngineConfig:
     weights: str = "auto"  # of WEIGHT_MODES: a GGUF's quantized matrices kept as blocks on the CPU (weights.keep_quantized)
     int8_activations: bool = False  # quantized weights: every step rounds x to int8 (changes the numbers)
     cuda_graphs: bool = True  # CUDA: decode steps replayed from graphs per batch-size bucket (not under tensor parallelism)
+    overlap_scheduling: str = "auto"  # of OVERLAP_MODES: launch a step before reading the last one's draws (auto: on CUDA)
     prefix_caching: bool = True  # full KV blocks shared by prompts that start with the same tokens
     threads: int = 0  # torch threads over all engine loops; 0: the CPUs this process may use (threads.py)
 
@@ -117,6 +119,8 @@ class EngineConfig:
             raise InvalidRequest("int8 activations run on quantized weights: they cannot be had with weights float")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidRequest(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.overlap_scheduling not in OVERLAP_MODES:
+            raise InvalidRequest(f"overlap_scheduling must be one of {', '.join(OVERLAP_MODES)}, got {self.overlap_scheduling!r}")
         if self.dp_backend not in DP_BACKENDS:
             raise InvalidRequest(f"dp_backend must be one of {', '.join(DP_BACKENDS)}, got {self.dp_backend!r}")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:

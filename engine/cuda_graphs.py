@@ -96,11 +96,12 @@ class DecodeGraphs:
         self.max_blocks = max_blocks  # block-table width: a sequence at the context limit fills it
         self.capture = capture
         size = self.sizes[-1]
-        # One flat int64 buffer, so that a step's per-row inputs cross to the device in a single copy.
-        self._host = torch.zeros(_INPUTS * size, dtype=torch.long)
+        # One flat int64 buffer, so that a step's per-row inputs cross to the device in a single copy; two on
+        # the host, taken in turn: a step's copy may still be queued while the next step is loaded (overlap).
+        self._hosts = [torch.zeros(_INPUTS * size, dtype=torch.long) for _ in range(2)]
         if capture:
-            self._host = self._host.pin_memory()
-        self._device = torch.zeros_like(self._host, device=device)
+            self._hosts = [host.pin_memory() for host in self._hosts]
+        self._device = torch.zeros_like(self._hosts[0], device=device)
         self.input_ids, self.positions, self.slots, self.lengths, self.table_rows = self._device.view(_INPUTS, size)
         self.store = TableStore(2 * size + 1, max_blocks, device, pin=capture)
         self.tables = torch.zeros(size, max_blocks, dtype=torch.long, device=device)  # the step's rows, gathered
@@ -122,14 +123,17 @@ class DecodeGraphs:
              lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """A decode step's inputs into the static buffers, padded to its bucket; returns the bucket's views.
         One copy of the per-row inputs (a few KB), one per table row written since the last step, and a gather
-        of the step's table rows on the device. The pinned host buffers are written again only at the next
-        step's load, after this step's sampling has copied its results back: its copies have completed."""
+        of the step's table rows on the device. A pinned host buffer is written again two loads later: by
+        then the engine has read this step's draws, so its copies have run. (A table row may be written while
+        a copy of it is queued: only with entries past those the queued step reads.)"""
         size, n, b = self.sizes[-1], len(input_ids), self.bucket(len(input_ids))
-        columns = self._host.view(_INPUTS, size)
+        self._hosts.reverse()
+        host = self._hosts[0]
+        columns = host.view(_INPUTS, size)
         columns.zero_()  # padded rows: token 0 at position 0, no KV, table row 0 (zeros)
         columns[:, :n] = torch.tensor([input_ids, positions, slots, lengths, self.store.rows_for(tables)])
         columns[2, n:] = -1  # padded rows store nothing
-        self._device.copy_(self._host, non_blocking=True)
+        self._device.copy_(host, non_blocking=True)
         self.store.sync()
         torch.index_select(self.store.device, 0, self.table_rows[:b], out=self.tables[:b])
         return self.views(b)

@@ -67,6 +67,14 @@ def build_runner(weights: LocalWeights, config: EngineConfig, max_context_length
     return runner
 
 
+def overlap_scheduling(config: EngineConfig, device: torch.device) -> bool:
+    """auto: where the device runs a step while the host goes on (CUDA), and no tensor-parallel followers
+    need the step's token ids from the host."""
+    if config.tensor_parallel > 1:
+        return False
+    return config.overlap_scheduling == "on" or (config.overlap_scheduling == "auto" and device.type == "cuda")
+
+
 def attention_path(device: torch.device, kernel: bool) -> str:
     """Triton on CUDA (torch ops without Triton); on the CPU the C++ attention kernels unless they are off or
     could not be built."""
@@ -94,6 +102,7 @@ class EngineLoop:
         max_context_length: int,
         default_max_new_tokens: int,
         num_threads: int,
+        overlap: bool = False,
     ) -> None:
         self.rank = rank
         self.gateway = gateway
@@ -107,6 +116,8 @@ class EngineLoop:
         self.max_context_length = max_context_length
         self.default_max_new_tokens = default_max_new_tokens
         self.num_threads = num_threads  # torch threads for this loop's steps
+        self.overlap = overlap  # a step is launched before the previous step's draws are read
+        self._inflight: BatchData | None = None  # the launched step whose draws are not read yet (overlap)
         self.num_steps = 0
         self.pop_seconds = 0.0
         self.weights_version = runner.weights_version  # of the weights the prefix cache's KV was computed with
@@ -122,7 +133,7 @@ class EngineLoop:
         return cls(
             rank, gateway, comm, runner, BlockManager(num_blocks, config.block_size, config.prefix_caching), tokenizer,
             config.max_batch_size, config.max_batched_tokens, max_context_length, config.default_max_new_tokens,
-            num_threads,
+            num_threads, overlap_scheduling(config, weights.device),
         )
 
     def stats(self) -> LoopStats:
@@ -154,9 +165,11 @@ class EngineLoop:
         while True:
             free = self.max_batch_size - len(self.scheduler.running) - len(self.scheduler.waiting)
             start = time.perf_counter()
-            requests = self.gateway.pop(self.rank, max(free, 0), self.scheduler.has_work, self.comm)
+            has_work = self.scheduler.has_work or self._inflight is not None
+            requests = self.gateway.pop(self.rank, max(free, 0), has_work, self.comm)
             self.pop_seconds += time.perf_counter() - start
             if requests is None:
+                self._drain()
                 return
             try:
                 self.step(requests)
@@ -170,7 +183,12 @@ class EngineLoop:
             self._flush()
 
     def step(self, requests: list[Request]) -> None:
-        """One engine step: kAdd, cancellations, then the batch ops kSetup .. kDel."""
+        """One engine step: kAdd, cancellations, then the batch ops kSetup .. kDel.
+
+        With overlap, the step's batch goes to the device (kSetup .. kForward, sampling queued) before the
+        previous step's draws are read (kFetch .. kDel): the host's work for one step runs while the device
+        computes the next. A decode whose token is still on the device takes it from there; a sequence that
+        ended at the previous step may have run once more, and that token is dropped unread."""
         self.num_steps += 1
         for request in requests:
             self._add(request)
@@ -179,19 +197,46 @@ class EngineLoop:
             self.blocks.reset_prefix_cache()
             self.weights_version = self.runner.weights_version
         self._reap_cancelled()
+        if self._inflight is not None and any(s.params.penalized for s in self._inflight.samplers):
+            self._drain()  # penalties read the ids of every token drawn so far
         batch = BatchData(self.scheduler.schedule())
-        if not batch.seqs:
-            return
-        samplers = [s for s in batch.seqs if s.samples_this_step]
-        batch.inputs = self.runner.setup(batch.seqs)  # kSetup + kPrepare
+        previous, self._inflight = self._inflight, None
+        if batch.seqs:
+            self._launch(batch, previous)
+            self._inflight = batch
+        if previous is not None:
+            self._complete(previous)
+        if not self.overlap:
+            self._drain()
+
+    def _launch(self, batch: BatchData, previous: BatchData | None) -> None:
+        """kSetup .. kForward, and sampling queued on the device: returns without waiting for it."""
+        batch.samplers = [s for s in batch.seqs if s.samples_this_step]
+        drawn = previous.draws.tokens if previous is not None else None
+        batch.inputs = self.runner.setup(batch.seqs, drawn)  # kSetup + kPrepare
         batch.logits = self.runner.forward(batch.inputs)  # kForward + kUnprep
-        batch.result = self.runner.sample(batch.logits, batch.inputs)  # kFetch
+        batch.draws = self.runner.sample(batch.logits, batch.inputs)
         for seq in batch.seqs:
             seq.num_computed += seq.num_scheduled
-            self.blocks.cache_full_blocks(seq)
-        self._update(samplers, batch)
+        for row, seq in enumerate(batch.samplers):
+            seq.num_pending += 1
+            seq.pending_row = row
+
+    def _complete(self, batch: BatchData) -> None:
+        """kFetch (waits for the device) .. kDel of a launched step."""
+        batch.result = batch.draws.result()
+        for seq in batch.seqs:
+            if seq.finish_reason is None:
+                self.blocks.cache_full_blocks(seq)
+        self._update(batch.samplers, batch)
         for seq in batch.finished:
             self._del(seq)
+
+    def _drain(self) -> None:
+        """Read the launched step's draws, if any: the host's state is then whole."""
+        batch, self._inflight = self._inflight, None
+        if batch is not None:
+            self._complete(batch)
 
     # kAdd --------------------------------------------------------------------------------------------------
 
@@ -270,6 +315,7 @@ class EngineLoop:
         return not request.stateless and self.gateway.binding.find(request.session_id) != self.rank
 
     def _control(self, request: Request) -> None:
+        self._drain()  # a session's end, a sleep or a wakeup sees every token drawn so far
         if request.kind is RequestKind.KILL:
             self._kill(request)
             return
@@ -309,6 +355,9 @@ class EngineLoop:
 
     def _update(self, samplers: list[Sequence], batch: BatchData) -> None:
         for seq, token, lp in zip(samplers, batch.result.token_ids, batch.result.logprobs):
+            seq.num_pending -= 1
+            if seq.finish_reason is not None:  # ended (or cancelled) after this step was launched
+                continue
             seq.token_ids.append(token)
             out = RequestOutput(seq.request.request_id, seq.request.session_id, token_ids=[token])
             if lp is not None:
@@ -362,6 +411,7 @@ class EngineLoop:
 
     def _fail_all(self, error: EngineError) -> None:
         """End every sequence with `error`, but those a failed step's kUpdate had already given their last output."""
+        self._inflight = None  # its draws are never read
         for seq in self.scheduler.running + list(self.scheduler.waiting):
             if seq.finish_reason is None:
                 self._emit(seq.request, RequestOutput(seq.request.request_id, seq.request.session_id, error=error))

@@ -13,9 +13,10 @@ from .attention import (AttentionMetadata, DecodeTables, GatheredDecode, Prefill
                         gather_rows)
 from .cuda_graphs import DecodeGraphs
 from .models.llama import LlamaForCausalLM
-from .sampling import SampleResult, SampleRow, sample
+from .sampling import SampleFuture, SampleRow, launch_sample
 from .distributed.host_comm import HostComm
 from .sequence import Sequence
+from .transfers import to_device
 
 
 @dataclass(slots=True)
@@ -32,6 +33,7 @@ class StepPlan:
     decode_lengths: list[int] = field(default_factory=list)  # their tokens of KV, this step's included
     prefills: list[tuple[int, int, int, list[int]]] = field(default_factory=list)  # rows [start, end), context, blocks
     sample_rows: list[SampleRow] = field(default_factory=list)
+    pending_inputs: list[tuple[int, int]] = field(default_factory=list)  # (row, row of the last step's draws)
 
 
 @dataclass(slots=True)
@@ -116,12 +118,14 @@ class ModelRunner:
         """This rank's KV cache; a tensor-parallel leader's counts its whole group's."""
         return int(sum(t.numel() * t.element_size() for kv in self.kv_caches for t in kv) * self.group_kv_share)
 
-    def setup(self, batch: list[Sequence]) -> StepInputs:
-        """kSetup + kPrepare. A tensor-parallel leader sends the plan to its followers first."""
+    def setup(self, batch: list[Sequence], drawn: torch.Tensor | None = None) -> StepInputs:
+        """kSetup + kPrepare. `drawn`: the last step's sampled ids on the device, the input of the decodes whose
+        token the host has not read yet (overlap scheduling, never under tensor parallelism). A tensor-parallel
+        leader sends the plan to its followers first."""
         plan = self.plan(batch)
         if self.followers is not None:
             self.followers.broadcast(("step", dataclasses.replace(plan, sample_rows=[])))
-        return self.prepare(plan)
+        return self.prepare(plan, drawn)
 
     def plan(self, batch: list[Sequence]) -> StepPlan:
         """kSetup: the step as plain lists, decodes first, from the sequences' host-side state."""
@@ -130,8 +134,10 @@ class ModelRunner:
         for seq in batch:
             start, end = seq.num_computed, seq.num_computed + seq.num_scheduled
             first_row = len(plan.input_ids)
-            if end - start == 1 and end == len(seq.token_ids):  # a decode: one token, the last
-                plan.input_ids.append(seq.token_ids[start])
+            if end - start == 1 and end == seq.num_tokens:  # a decode: one token, the last
+                if seq.num_pending:  # still on the device: the last step's draws fill it in there
+                    plan.pending_inputs.append((first_row, seq.pending_row))
+                plan.input_ids.append(seq.token_ids[start] if start < len(seq.token_ids) else 0)
                 plan.positions.append(start)
                 plan.slots.append(seq.block_table[start // bs] * bs + start % bs)
                 plan.decode_tables.append(seq.block_table)
@@ -143,15 +149,17 @@ class ModelRunner:
                 plan.prefills.append((first_row, len(plan.input_ids), end, seq.block_table[: -(-end // bs)]))
             if seq.samples_this_step:
                 plan.logit_rows.append(len(plan.input_ids) - 1)
-                plan.sample_rows.append(SampleRow(seq.params, seq.seed, seq.token_ids, seq.num_prompt_tokens, seq.banned_ids))
+                plan.sample_rows.append(SampleRow(seq.params, seq.seed, seq.token_ids, seq.num_prompt_tokens,
+                                                  seq.banned_ids, seq.num_pending))
         return plan
 
-    def prepare(self, plan: StepPlan) -> StepInputs:
+    def prepare(self, plan: StepPlan, drawn: torch.Tensor | None = None) -> StepInputs:
         """kPrepare: the plan as device tensors and the attention metadata this runner's path reads."""
         width = max((len(t) for t in plan.decode_tables), default=0)
         if self.graphs is not None and self.graphs.fits(len(plan.input_ids), len(plan.prefills), width):
             input_ids, positions, meta = self.graphs.load(plan.input_ids, plan.positions, plan.slots, plan.decode_tables,
                                                           plan.decode_lengths)
+            self._fill_pending(input_ids, plan.pending_inputs, drawn)
             # Every decode samples, in order: the logits are the bucket's first rows (only their count is read).
             return StepInputs(input_ids, positions, meta, torch.arange(len(plan.logit_rows)), plan.sample_rows,
                               bucket=meta.num_decode)
@@ -163,16 +171,23 @@ class ModelRunner:
         decode = self._decode_tables(plan.decode_tables, plan.decode_lengths) if plan.decode_tables else None
         meta = AttentionMetadata(self._tensor(plan.slots), len(plan.decode_tables), decode, prefills,
                                  triton=self.attention == "triton")
-        return StepInputs(self._tensor(plan.input_ids), self._tensor(plan.positions), meta,
-                          self._tensor(plan.logit_rows), plan.sample_rows)
+        input_ids = self._tensor(plan.input_ids)
+        self._fill_pending(input_ids, plan.pending_inputs, drawn)
+        return StepInputs(input_ids, self._tensor(plan.positions), meta, self._tensor(plan.logit_rows), plan.sample_rows)
+
+    def _fill_pending(self, input_ids: torch.Tensor, pending: list[tuple[int, int]], drawn: torch.Tensor | None) -> None:
+        """The decodes' input ids the host has not read, from the last step's draws, on the device."""
+        if pending:
+            rows, sources = self._tensor(list(zip(*pending)))
+            input_ids.index_copy_(0, rows, drawn.index_select(0, sources))
 
     def _decode_tables(self, block_tables: list[list[int]], lengths: list[int]) -> DecodeTables | GatheredDecode:
         width = max(len(t) for t in block_tables)
         tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
         lengths = torch.tensor(lengths)
         if self.attention != "torch":
-            return DecodeTables(tables.to(self.device), lengths.to(self.device))
-        return GatheredDecode(self._rows(tables), decode_mask(lengths, width * self.block_size, self.kv_caches[0][0]).to(self.device))
+            return DecodeTables(to_device(tables, self.device), to_device(lengths, self.device))
+        return GatheredDecode(self._rows(tables), to_device(decode_mask(lengths, width * self.block_size, self.kv_caches[0][0]), self.device))
 
     def _prefill_tables(self, prefills: list[tuple[int, int, int, list[int]]]) -> PrefillTables:
         """Rows counted from the first prefill row: the chunks follow one another after the decodes."""
@@ -187,10 +202,10 @@ class ModelRunner:
 
     def _rows(self, tables: torch.Tensor) -> torch.Tensor:
         kvh, num_blocks = self.kv_caches[0][0].shape[:2]
-        return gather_rows(tables, kvh, num_blocks).to(self.device)
+        return to_device(gather_rows(tables, kvh, num_blocks), self.device)
 
-    def _tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long).to(self.device)
+    def _tensor(self, values: list) -> torch.Tensor:
+        return to_device(torch.tensor(values, dtype=torch.long), self.device)
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs, logits: bool = True) -> torch.Tensor | None:
@@ -202,6 +217,6 @@ class ModelRunner:
         hidden = model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         return model.compute_logits(hidden[inputs.logit_rows]) if logits else None
 
-    def sample(self, logits: torch.Tensor, inputs: StepInputs) -> SampleResult:
-        """kFetch: sampling on the model's device; the results come back in one copy, as Python ints."""
-        return sample(logits, inputs.sample_rows)
+    def sample(self, logits: torch.Tensor, inputs: StepInputs) -> SampleFuture:
+        """Sampling on the model's device, queued; its `result` (kFetch) brings the ids back in one copy."""
+        return launch_sample(logits, inputs.sample_rows)

@@ -8,6 +8,7 @@ import torch
 
 from .errors import InvalidRequest
 from .kernels import layer_kernels
+from .transfers import to_device
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -80,11 +81,12 @@ class SampleRow:
     token_ids: list[int]  # prompt, then output
     num_prompt: int
     banned_ids: list[int] = field(default_factory=list)  # eos / stop ids while below min_new_tokens
+    num_pending: int = 0  # draws still on the device, not in `token_ids` yet (overlap: never with penalties)
 
     @property
     def num_output(self) -> int:
         """Draws so far: this step's draw is number `num_output` of the row's seed."""
-        return len(self.token_ids) - self.num_prompt
+        return len(self.token_ids) - self.num_prompt + self.num_pending
 
 
 @dataclass(slots=True)
@@ -107,9 +109,15 @@ def uniform(seed: int, counter: int) -> float:
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
+    """`launch_sample`, waiting for its result."""
+    return launch_sample(logits, rows).result()
+
+
+def launch_sample(logits: torch.Tensor, rows: list[SampleRow]) -> "SampleFuture":
     """logits: [rows, vocab] fp32 on the model's device, which does all the work; the chosen ids (and the
-    logprobs asked for) come back to the host in one copy. Each row's result depends only on that row, so a
-    seeded request gives the same tokens whatever else shares its batch."""
+    logprobs asked for) come back to the host in one copy, queued here and read by `SampleFuture.result`.
+    Each row's result depends only on that row, so a seeded request gives the same tokens whatever else shares
+    its batch."""
     raw = logits
     logits = _apply_penalties(logits, rows)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -117,7 +125,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
         return _fetch(raw, _sample_rows(logits, rows), rows)
     tokens = torch.ops.lmgate.argmax_rows(logits) if layer_kernels(logits) else logits.argmax(dim=-1)
     if sampled:
-        idx = torch.tensor(sampled, device=logits.device)
+        idx = to_device(torch.tensor(sampled), logits.device)
         tokens[idx] = _sample_rows(logits[idx], [rows[i] for i in sampled])
     return _fetch(raw, tokens, rows)
 
@@ -162,9 +170,9 @@ def _sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     the host) against the row's cumulative distribution. The per-row parameters cross to the device in one
     copy (float32 holds each exactly: top-k below 2^24, draws of 24 bits)."""
     vocab = logits.shape[-1]
-    columns = torch.tensor([(r.params.temperature, r.params.min_p, r.params.top_k if 0 < r.params.top_k < vocab else vocab,
-                             r.params.top_p if 0 < r.params.top_p < 1 else 1.0, uniform(r.seed, r.num_output))
-                            for r in rows], dtype=torch.float32).to(logits.device).T.unsqueeze(2)
+    columns = to_device(torch.tensor([(r.params.temperature, r.params.min_p, r.params.top_k if 0 < r.params.top_k < vocab else vocab,
+                                       r.params.top_p if 0 < r.params.top_p < 1 else 1.0, uniform(r.seed, r.num_output))
+                                      for r in rows], dtype=torch.float32), logits.device).T.unsqueeze(2)
     temps, min_ps, top_ks, top_ps, draws = columns  # each [rows, 1]
     probs = torch.softmax(logits / temps, dim=-1)
     if any(r.params.min_p for r in rows):  # min-p 0 masks nothing: three passes over the vocabulary saved
@@ -230,24 +238,50 @@ def _search(probs: torch.Tensor, draws: torch.Tensor) -> tuple[torch.Tensor, tor
     return torch.searchsorted(cdf, target, right=True).squeeze(1), cdf, target
 
 
-def _fetch(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
+def _fetch(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SampleRow]) -> "SampleFuture":
     """The chosen ids, and for rows that ask, the chosen token's logprob and the top n (of the unpenalized
     distribution), packed into one float64 tensor (ids are exact there) for a single device-to-host copy."""
     wanted = [i for i, r in enumerate(rows) if r.params.logprobs]
     if not wanted:
-        return SampleResult(tokens.tolist(), [None] * len(rows))
-    idx = torch.tensor(wanted, device=raw.device)
+        return SampleFuture(tokens, tokens, rows, wanted)
+    idx = to_device(torch.tensor(wanted), raw.device)
     lp = torch.log_softmax(raw[idx], dim=-1)
     chosen = lp.gather(1, tokens[idx].unsqueeze(1))
     top = lp.topk(max(rows[i].params.logprobs for i in wanted), dim=-1)
     packed = torch.cat([tokens.double(), chosen.double().flatten(), top.indices.double().flatten(),
-                        top.values.double().flatten()]).cpu()
-    n, w = len(rows), len(wanted)
-    token_list = [int(t) for t in packed[:n].tolist()]
-    chosen_list = packed[n : n + w].tolist()
-    top_ids, top_values = packed[n + w :].view(2, w, -1)
-    out: list[tuple[float, list[tuple[int, float]]] | None] = [None] * n
-    for j, i in enumerate(wanted):
-        k = rows[i].params.logprobs
-        out[i] = (chosen_list[j], [(int(t), v) for t, v in zip(top_ids[j, :k].tolist(), top_values[j, :k].tolist())])
-    return SampleResult(token_list, out)
+                        top.values.double().flatten()])
+    return SampleFuture(tokens, packed, rows, wanted)
+
+
+class SampleFuture:
+    """A step's draws on their way to the host. `tokens` stays on the device, where the next step's inputs
+    take it from before the host has read it (overlap scheduling); `result` waits for the copy."""
+
+    def __init__(self, tokens: torch.Tensor, packed: torch.Tensor, rows: list[SampleRow], wanted: list[int]) -> None:
+        self.tokens = tokens
+        self._rows, self._wanted = rows, wanted
+        self._copied: torch.cuda.Event | None = None
+        if packed.device.type == "cuda":
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+            packed = host
+        self._packed = packed
+
+    def result(self) -> SampleResult:
+        """The ids as Python ints, and each asking row's logprobs; waits for the device (the GIL let go)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        rows, wanted, packed = self._rows, self._wanted, self._packed
+        if not wanted:
+            return SampleResult(packed.tolist(), [None] * len(rows))
+        n, w = len(rows), len(wanted)
+        token_list = [int(t) for t in packed[:n].tolist()]
+        chosen_list = packed[n : n + w].tolist()
+        top_ids, top_values = packed[n + w :].view(2, w, -1)
+        out: list[tuple[float, list[tuple[int, float]]] | None] = [None] * n
+        for j, i in enumerate(wanted):
+            k = rows[i].params.logprobs
+            out[i] = (chosen_list[j], [(int(t), v) for t, v in zip(top_ids[j, :k].tolist(), top_values[j, :k].tolist())])
+        return SampleResult(token_list, out)

@@ -46,7 +46,8 @@ class Scheduler:
         """Sequences to run, decodes first, each with `num_scheduled` set."""
         for seq in self.running + list(self.waiting):
             seq.num_scheduled = 0
-        decodes = [s for s in self.running if s.num_uncomputed == 1]
+        # A sequence whose last token is still on the device (overlap) waits for it to be read: it then ends.
+        decodes = [s for s in self.running if s.num_uncomputed == 1 and not s.drew_last_token]
         for seq in decodes:
             if seq.status is SequenceStatus.RUNNING and self._reserve(seq, 1):
                 seq.num_scheduled = 1
@@ -56,6 +57,8 @@ class Scheduler:
             budget -= self._schedule_prefill(seq, budget)
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
+            if seq.num_pending:  # preempted with a token on the device: its prompt is whole once it is read
+                break
             prefix = self._room_to_admit(seq, budget)
             if prefix is None:
                 break

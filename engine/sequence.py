@@ -65,6 +65,8 @@ class Sequence(HoldsKV):
         self.seed = self.params.seed if self.params.seed is not None else random.getrandbits(64)  # sampling.uniform
         self.status = SequenceStatus.WAITING
         self.num_scheduled = 0  # tokens this step will compute; set by the scheduler
+        self.num_pending = 0  # tokens sampled on the device whose ids the host has not read yet (overlap)
+        self.pending_row = 0  # the newest pending token's row among its step's sampled ids
         self.finish_reason = None
         self.conversation: list[dict] | None = None  # a chat turn's messages, this turn's included
         self.first_scheduled: float | None = None  # monotonic time it first ran in a batch
@@ -75,18 +77,29 @@ class Sequence(HoldsKV):
 
     @property
     def num_output(self) -> int:
+        """Output tokens the host knows."""
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def num_tokens(self) -> int:
+        """Prompt and output, the tokens still on the device included."""
+        return len(self.token_ids) + self.num_pending
+
+    @property
     def num_uncomputed(self) -> int:
-        return len(self.token_ids) - self.num_computed
+        return self.num_tokens - self.num_computed
 
     @property
     def samples_this_step(self) -> bool:
         """Only the step that brings the KV up to the last token produces a new token."""
-        return self.num_computed + self.num_scheduled == len(self.token_ids)
+        return self.num_computed + self.num_scheduled == self.num_tokens
+
+    @property
+    def drew_last_token(self) -> bool:
+        """Its max_new_tokens are drawn, some perhaps still on the device: it ends when they are read."""
+        return self.num_output + self.num_pending >= self.max_new_tokens
 
     @property
     def banned_ids(self) -> list[int]:
         """Tokens that would end the turn early, while min_new_tokens is not reached yet."""
-        return sorted(self.stop_ids) if self.num_output < self.params.min_new_tokens else []
+        return sorted(self.stop_ids) if self.num_output + self.num_pending < self.params.min_new_tokens else []

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 from prometheus_client import start_http_server
 
-from lmgate.engine.config import DP_BACKENDS, KV_CACHE_DTYPES, WEIGHT_MODES, EngineConfig
+from lmgate.engine.config import DP_BACKENDS, KV_CACHE_DTYPES, OVERLAP_MODES, WEIGHT_MODES, EngineConfig
 from lmgate.engine.distributed.node import run_node
 from lmgate.engine.engine import Engine
 from lmgate.engine.errors import EngineError
@@ -112,6 +112,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--weights", default=_env("WEIGHTS", "auto"), choices=WEIGHT_MODES, help="auto: a GGUF's quantized matrices kept as the file's blocks where the CPU kernels run them (a C++ compiler, float32, no tensor parallelism), else float; quantized: the same, with a warning where they cannot; float: expanded to float at load [LMGATE_WEIGHTS]")
     ap.add_argument("--int8-activations", default=_env("INT8_ACTIVATIONS", "off"), type=ON_OFF, metavar="{on,off}", help="on: with quantized weights, every step rounds activations to int8 per block of 32 for Q4_0, Q4_1, Q8_0, Q4_K and Q5_K matrices, as llama.cpp does: faster where compute binds, but not the float model (measured by perplexity; greedy tokens may differ) [LMGATE_INT8_ACTIVATIONS]")
     ap.add_argument("--cuda-graphs", default=_env("CUDA_GRAPHS", "on"), type=ON_OFF, metavar="{on,off}", help="on: with --device cuda, decode steps replay CUDA graphs captured per batch-size bucket (not under --tensor-parallel); off: every step eager [LMGATE_CUDA_GRAPHS]")
+    ap.add_argument("--overlap-scheduling", default=_env("OVERLAP_SCHEDULING", "auto"), type=_one_of(*OVERLAP_MODES), metavar="{" + ",".join(OVERLAP_MODES) + "}", help="on: each step goes to the device before the last step's tokens are read, so the host's work (scheduling, detokenizing, streaming) runs while the device computes; a sequence that stops may run one step more, its token dropped; off: one step at a time; auto: on with --device cuda (not under --tensor-parallel) [LMGATE_OVERLAP_SCHEDULING]")
     ap.add_argument("--prefix-caching", default=_env("PREFIX_CACHING", "on"), type=ON_OFF, metavar="{on,off}", help="on: prompts that start with the same tokens (a system prompt, a few-shot preamble, a retry) share their full KV blocks [LMGATE_PREFIX_CACHING]")
     ap.add_argument("--threads", type=_ranged(int, 0), default=_env("THREADS", 0), help="torch threads, split between engine loops; 0: the CPUs this process may use (affinity and cgroup quota) [LMGATE_THREADS]")
     ap.add_argument("--device", default=_env("DEVICE", "cpu"), help="cpu, cuda or cuda:N [LMGATE_DEVICE]")
@@ -164,7 +165,7 @@ def check_settings(args: argparse.Namespace) -> EngineConfig:
             max_context_length=args.max_context_length or None, engine_loops=args.engine_loops, dp_backend=args.dp_backend,
             tensor_parallel=args.tensor_parallel, nnodes=args.nnodes, node_rank=args.node_rank,
             master_addr=args.master_addr, master_port=args.master_port, max_queued_requests=args.max_queued_requests, attention_kernel=args.attention_kernel == "on",
-            cuda_graphs=args.cuda_graphs == "on", weights=args.weights, int8_activations=args.int8_activations == "on",
+            cuda_graphs=args.cuda_graphs == "on", overlap_scheduling=args.overlap_scheduling, weights=args.weights, int8_activations=args.int8_activations == "on",
             prefix_caching=args.prefix_caching == "on", threads=args.threads,
         )
     except EngineError as exc:

@@ -54,7 +54,7 @@ from lmgate.engine.hardware import cpu_features
 from lmgate.engine.kv_cache import kv_bytes_per_token
 from lmgate.engine.loader import read_config
 from lmgate.engine.model_runner import ModelRunner
-from lmgate.engine.sampling import SamplingParams
+from lmgate.engine.sampling import SampleFuture, SamplingParams
 from lmgate.engine.scheduler import Scheduler
 from lmgate.engine.threads import on_fresh_thread
 from gpu_models import write_model  # beside this file: all run as scripts
@@ -210,6 +210,7 @@ def serve_flags(config: EngineConfig) -> list[str]:
             "--max-batched-tokens", str(config.max_batched_tokens),
             "--max-context-length", str(config.max_context_length),
             "--cuda-graphs", "on" if config.cuda_graphs else "off", "--dp-backend", config.dp_backend,
+            "--overlap-scheduling", config.overlap_scheduling,
             "--log-level", "WARNING"]
 
 
@@ -305,10 +306,10 @@ def decode_figures(engine: Engine, w: Workload, prompts: DecodePrompts) -> dict[
             "batch_ms_step": lockstep_ms_per_step(batch), "batch_tps": batch.tokens_per_second}
 
 
-# The parts of an engine step, timed by `phase_times`. On a GPU `forward` only launches (a graph replay, or the
-# eager kernels) and `sample` waits for the device before its one copy back: the host's work is the rest.
+# The parts of an engine step, timed by `phase_times`. On a GPU `forward` and `sample` only queue work (a graph
+# replay, or the eager kernels) and `result` (kFetch) waits for the device: the host's work is the rest.
 PHASES = ((Scheduler, "schedule"), (ModelRunner, "setup"), (ModelRunner, "forward"), (ModelRunner, "sample"),
-          (EngineLoop, "_update"), (EngineLoop, "step"))
+          (SampleFuture, "result"), (EngineLoop, "_update"), (EngineLoop, "step"))
 
 
 @contextlib.contextmanager
@@ -338,20 +339,29 @@ def phase_times() -> Iterator[dict[str, float]]:
             setattr(owner, name, fn)
 
 
+def offline_figures(engine: Engine, warmup: Requests, offline: Requests) -> dict:
+    """Output tokens/s of the offline workload after the warm-up, and where its steps' time went."""
+    run_requests(engine, warmup)  # Triton compiles, every CUDA graph bucket is captured
+    with phase_times() as phases:
+        tps = run_requests(engine, offline).tokens_per_second
+    steps = max(phases.pop("steps"), 1)
+    return {"offline_tps": tps, "offline_steps": steps,
+            "offline_ms_per_step": {name: sec / steps * 1e3 for name, sec in phases.items()}}
+
+
 def engine_figures(config: EngineConfig, w: Workload, warmup: Requests, offline: Requests, prompts: DecodePrompts,
                    figures: dict) -> None:
     """Into `figures`, as each is measured: the offline workload (where its steps' time went, per phase) and the
     decode figures on one engine, then the decode figures again without CUDA graphs (on a CPU the flag changes
     nothing: both take the same path)."""
     with Engine(config) as engine:
-        run_requests(engine, warmup)  # Triton compiles, every CUDA graph bucket is captured
-        with phase_times() as phases:
-            figures["offline_tps"] = run_requests(engine, offline).tokens_per_second
-        steps = max(phases.pop("steps"), 1)
-        figures.update(offline_steps=steps, offline_ms_per_step={name: sec / steps * 1e3 for name, sec in phases.items()})
+        figures.update(offline_figures(engine, warmup, offline))
         print(f"engine: {figures['offline_tps']:,.0f} tok/s offline", flush=True)
         figures.update(decode_figures(engine, w, prompts))
         print(f"engine: {figures['single_ms']:.2f} ms/token single stream", flush=True)
+    with Engine(dataclasses.replace(config, overlap_scheduling="off")) as engine:
+        figures["sequential"] = offline_figures(engine, warmup, offline)
+        print(f"engine, overlap off: {figures['sequential']['offline_tps']:,.0f} tok/s offline", flush=True)
     with Engine(dataclasses.replace(config, cuda_graphs=False)) as engine:
         eager = decode_figures(engine, w, prompts)
     figures.update(single_ms_eager=eager["single_ms"], batch_ms_step_eager=eager["batch_ms_step"])
@@ -519,14 +529,19 @@ def report(meta: dict, results: dict[str, dict], w: Workload) -> None:
                 print(f"| {name} | {backend} | {fmt(g['grpc_tps'])} | {ratio(g['grpc_tps'], r['offline_tps'])} | "
                       f"{g['grpc_client_cores']:.2f} |")
 
-    print("\nWhere an offline step's time went, ms per step (mean over the run's steps): forward only launches on a "
-          "GPU, sample waits for the device; host = step - forward - sample\n")
-    print("| model | steps | step | schedule | setup | forward | sample | update | host |")
-    print("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
+    print("\nWhere an offline step's time went, ms per step (mean over the run's steps), with overlap scheduling "
+          "(the engine's default on CUDA) and without: forward and sample only queue work on a GPU, fetch waits for "
+          "the device; host = step - fetch\n")
+    print("| model | overlap | tok/s | steps | step | schedule | setup | forward | sample | fetch | update | host |")
+    print("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     for name, r in with_figure(results, "offline_ms_per_step"):
-        ms = r["offline_ms_per_step"]
-        print(f"| {name} | {r['offline_steps']} | " + " | ".join(f"{ms[k]:.2f}" for k in ("step", "schedule", "setup", "forward", "sample", "_update"))
-              + f" | {ms['step'] - ms['forward'] - ms['sample']:.2f} |")
+        for overlap, f in (("on", r), ("off", r.get("sequential"))):
+            if f is None:
+                continue
+            ms = f["offline_ms_per_step"]
+            print(f"| {name} | {overlap} | {fmt(f['offline_tps'])} | {f['offline_steps']} | "
+                  + " | ".join(f"{ms[k]:.2f}" for k in ("step", "schedule", "setup", "forward", "sample", "result", "_update"))
+                  + f" | {ms['step'] - ms['result']:.2f} |")
 
     b = w.decode_batch
     print(f"\nDecode at {w.context}..{w.context + w.decode_tokens} tokens of context (limit: weights and KV read once "

@@ -78,10 +78,13 @@ def server(checkpoint):
 
 
 def _two_ranks(checkpoint, backend: str):
+    """The process ranks schedule with overlap (the default on CUDA), so the service suite runs both ways."""
     from lmgate.engine.config import EngineConfig
     from tests.serving import ServerThread
 
-    return ServerThread(EngineConfig(dtype="float32", kv_cache_tokens=8192, engine_loops=2, dp_backend=backend), checkpoint)
+    overlap = "on" if backend == "process" else "off"
+    return ServerThread(EngineConfig(dtype="float32", kv_cache_tokens=8192, engine_loops=2, dp_backend=backend,
+                                     overlap_scheduling=overlap), checkpoint)
 
 
 @pytest.fixture(scope="session")
@@ -94,7 +97,8 @@ def thread_ranks_server(checkpoint):
 
 @pytest.fixture(scope="session")
 def process_ranks_server(checkpoint):
-    """Two data-parallel ranks as spawned processes of their own, behind a real gRPC server on loopback."""
+    """Two data-parallel ranks as spawned processes of their own, behind a real gRPC server on loopback, each
+    launching a step before it reads the last one's draws (overlap scheduling)."""
     s = _two_ranks(checkpoint, "process")
     yield s
     s.stop()

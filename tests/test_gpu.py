@@ -125,15 +125,18 @@ def test_bfloat16_logprobs_as_close_to_float32_as_transformers_own(models, arch)
 
 
 def test_graph_path_equals_eager_path(models):
-    """Batches of 1, 3 (a bucket of 4), 5 (8) and 13 (16): the same tokens with and without CUDA graphs."""
+    """Batches of 1, 3 (a bucket of 4), 5 (8) and 13 (16): the same tokens with and without CUDA graphs, and
+    with and without overlap scheduling (on by default on CUDA: a decode's input id is the last step's draw,
+    put into the graph's buffers on the device)."""
     batches = [prompts(n, seed=n) for n in (1, 3, 5, 13)]
     results = {}
-    for graphs in (False, True):
-        with engine(models["qwen2"], cuda_graphs=graphs) as eng:
+    for graphs, overlap in ((False, "off"), (True, "off"), (True, "auto")):
+        with engine(models["qwen2"], cuda_graphs=graphs, overlap_scheduling=overlap) as eng:
             assert (eng.loops[0].runner.graphs is not None) == graphs
-            results[graphs] = [greedy(eng, batch) for batch in batches]
+            assert eng.loops[0].overlap == (overlap == "auto")
+            results[graphs, overlap] = [greedy(eng, batch) for batch in batches]
             assert_all_blocks_free(eng)
-    assert results[True] == results[False]
+    assert results[True, "auto"] == results[True, "off"] == results[False, "off"]
 
 
 def test_a_requests_tokens_do_not_depend_on_its_batch(models):

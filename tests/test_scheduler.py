@@ -68,3 +68,23 @@ def test_admission_counts_the_free_cached_blocks_it_takes():
     scheduler.remove(decoding)
     blocks.release(decoding.block_table)
     assert scheduler.schedule() == [arriving] and arriving.num_cached_tokens == 8 and arriving.num_scheduled == 5
+
+
+def test_a_sequence_whose_last_token_is_still_on_the_device_is_not_scheduled_again():
+    """Overlap scheduling: a decode whose draw is on the device runs again (its input taken from there), unless
+    that draw is its last (max_new_tokens): it then only waits to be read. A preempted sequence with a draw on
+    the device is not admitted before the draw is read (its recompute needs the token)."""
+    scheduler = Scheduler(BlockManager(16, 16), {}, max_batch_size=8, max_batched_tokens=64)
+    going, ending = running_sequence(3, computed=3), running_sequence(3, computed=3)
+    going.num_pending = ending.num_pending = 1
+    ending.token_ids += [7] * (ending.max_new_tokens - 1)  # its draw on the device is number max_new_tokens
+    ending.num_computed = len(ending.token_ids)
+    scheduler.running = [going, ending]
+    assert scheduler.schedule() == [going] and going.num_scheduled == 1 and going.samples_this_step
+    preempted = sequence([1, 2, 3])
+    preempted.num_pending = 1
+    scheduler.add(preempted)
+    assert preempted not in scheduler.schedule()
+    preempted.token_ids.append(9)
+    preempted.num_pending = 0
+    assert preempted in scheduler.schedule() and preempted.num_scheduled == 4

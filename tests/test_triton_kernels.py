@@ -133,12 +133,14 @@ def test_prefill_attention_over_cached_prefix_matches_reference(dtype, heads, kv
         torch.testing.assert_close(got[starts[c] : starts[c] + m].double(), want, rtol=TOL[dtype], atol=TOL[dtype])
 
 
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-buffers"])
-def test_engine_greedy_tokens_equal_on_the_triton_path(tiny_models, monkeypatch, graphs):
+@pytest.mark.parametrize("graphs,overlap", [(False, False), (True, False), (True, True)],
+                         ids=["eager", "graph-buffers", "graph-buffers-overlap"])
+def test_engine_greedy_tokens_equal_on_the_triton_path(tiny_models, monkeypatch, graphs, overlap):
     """Chunked prefills (some after a cached prefix), decodes and mixed steps through the Triton kernels, the
     layer ops' included, give the torch path's tokens. With `graphs`, decode-only steps go through the
     CUDA-graph runner's static buffers, padded to their bucket (three sequences in a bucket of four), run
-    eagerly: a CPU cannot capture."""
+    eagerly: a CPU cannot capture. With `overlap`, the decodes' input ids are the last step's draws, put
+    into those buffers on the device."""
     calls = {"decode_attention": 0, "prefill_attention": 0, "run": 0, "rms_norm": 0, "rotary": 0}
 
     def counted(owner, name: str):
@@ -164,6 +166,7 @@ def test_engine_greedy_tokens_equal_on_the_triton_path(tiny_models, monkeypatch,
         monkeypatch.setattr(triton_package, "serves", lambda x: True)  # the layer ops, as on CUDA
         for loop in eng.loops:
             loop.runner.attention = "triton"
+            loop.overlap = overlap
             if graphs:
                 loop.runner.graphs = DecodeGraphs(4, 8, torch.device("cpu"), capture=False)
         streams = [eng.submit(p, params) for p in prompts]

@@ -135,7 +135,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      lengths: torch.Tensor, scale: float, max_splits: int = 64) -> torch.Tensor:
     """q: [n, H, D]; block_tables: [n, width] int (padding entries never read); lengths: [n], tokens of KV
     each query sees (0 for a padded row, whose output is zeros). Returns [n, H, D] in q's dtype. A sequence's
-    context is cut into at most `max_splits` pieces by its own length; the grid, by the table's width."""
+    context is cut into at most `max_splits` pieces by its own length; the grid, by the table's width. The
+    merge sums a fixed `max_splits` lanes, whatever the width: on a GPU a sum's order follows its lanes, so
+    lanes sized by the width gave a sequence other bits beside a longer one."""
     n, heads, d = q.shape
     kvh, num_blocks, block, _ = k_cache.shape
     width = block_tables.shape[1]
@@ -151,7 +153,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         BLOCK=block, D=d, MAX_SPLITS=max_splits, **_dot_types(q))
     out = torch.empty_like(q)
     _decode_merge_kernel[(n, heads)](acc, part_max, part_sum, out, lengths, splits, out.stride(0), out.stride(1), heads,
-                                     SPLITS_PAD=triton.next_power_of_2(splits), D=d, BLOCK_N=block_n,
+                                     SPLITS_PAD=triton.next_power_of_2(max_splits), D=d, BLOCK_N=block_n,
                                      MAX_SPLITS=max_splits)
     return out
 
