@@ -31,7 +31,9 @@ import functools
 import gc
 import json
 import math
+import multiprocessing
 import os
+import queue
 import random
 import shutil
 import tempfile
@@ -84,6 +86,9 @@ SINGLE_STREAM_GOALS = {"qwen2.5-0.5b": 500}  # tok/s
 # Published on nano-vllm's bench.py workload, one A800: vLLM 0.10.2 and the nano-vllm Triton fork.
 PUBLISHED = {"qwen2.5-0.5b": (17_711, 24_121), "llama-3.2-1b": (12_627, 15_068)}
 GRPC_GOAL = 0.9  # of the engine alone
+# Clients of the gRPC runs, each a process: one Python client (asyncio, one channel) took a whole core at
+# about 26,000 tokens/s on the H200 machine, which then measured the client rather than the server.
+CLIENT_PROCESSES = 4
 
 DTYPE = torch.bfloat16
 TEMPERATURE = 0.6  # nano-vllm's bench.py samples at 0.6
@@ -345,7 +350,7 @@ def offline_figures(engine: Engine, warmup: Requests, offline: Requests) -> dict
     with phase_times() as phases:
         tps = run_requests(engine, offline).tokens_per_second
     steps = max(phases.pop("steps"), 1)
-    return {"offline_tps": tps, "offline_steps": steps,
+    return {"offline_tps": tps, "offline_steps": steps, "overlap": engine.loops[0].overlap,
             "offline_ms_per_step": {name: sec / steps * 1e3 for name, sec in phases.items()}}
 
 
@@ -403,21 +408,51 @@ async def stream_all(address: str, requests: Requests) -> tuple[int, float]:
         return sum(counts), time.perf_counter() - start
 
 
+def stream_share(address: str, requests: Requests, barrier, results) -> None:
+    """A client process's share of the streams, begun together with the others'; puts (tokens, start, end,
+    CPU seconds) on `results`."""
+    barrier.wait()
+    cpu, start = time.process_time(), time.time()
+    tokens, _ = asyncio.run(stream_all(address, requests))
+    results.put((tokens, start, time.time(), time.process_time() - cpu))
+
+
+def stream_from_processes(address: str, requests: Requests, processes: int) -> tuple[int, float, float]:
+    """Every request as a Generate stream at once, shared out over client processes (each with its own GIL and
+    channel): output tokens, seconds from the first stream's start to the last one's end, and the clients'
+    CPU use in cores."""
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(processes), ctx.Queue()
+    clients = [ctx.Process(target=stream_share, args=(address, requests[i::processes], barrier, results), daemon=True)
+               for i in range(processes)]
+    for client in clients:
+        client.start()
+    shares = []
+    while len(shares) < processes:
+        try:
+            shares.append(results.get(timeout=1))
+        except queue.Empty:
+            if any(c.exitcode not in (None, 0) for c in clients):
+                raise RuntimeError("a client process failed") from None
+    for client in clients:
+        client.join()
+    seconds = max(end for _, _, end, _ in shares) - min(start for _, start, _, _ in shares)
+    return sum(s[0] for s in shares), seconds, sum(s[3] for s in shares) / seconds
+
+
 def grpc_figures(config: EngineConfig, warmup: Requests, offline: Requests) -> dict[str, float]:
     """The offline workload through `lmgate serve` (a child process with the engine's settings, its engine loop
     a thread of the server or, with `dp_backend="process"`, a process of its own with its own GIL), after the
-    same warm-up; and the client's CPU use, in cores, which says whether this process rather than the server
-    was the bottleneck."""
+    same warm-up, from CLIENT_PROCESSES clients; and their CPU use, in cores, which says whether the clients
+    rather than the server were the bottleneck."""
     proc, address = serve_process(*serve_flags(config))
     try:
         asyncio.run(stream_all(address, warmup))
-        cpu = time.process_time()
-        tokens, seconds = asyncio.run(stream_all(address, offline))
-        cpu = time.process_time() - cpu
+        tokens, seconds, cores = stream_from_processes(address, offline, CLIENT_PROCESSES)
     finally:
         proc.terminate()
         proc.wait()
-    return {"grpc_tps": tokens / seconds, "grpc_client_cores": cpu / seconds}
+    return {"grpc_tps": tokens / seconds, "grpc_client_cores": cores, "grpc_client_processes": CLIENT_PROCESSES}
 
 
 # ------------------------------------------------------------------------------------------------ limits
@@ -519,7 +554,8 @@ def report(meta: dict, results: dict[str, dict], w: Workload) -> None:
               f"{ratio(r['offline_tps'], r['offline_bound_tps'])} |")
 
     print(f"\nThe same workload through gRPC, every stream at once (goal: {GRPC_GOAL:.0%} of the engine alone); the "
-          "engine loop a thread of the server, or a process of its own (--dp-backend process)\n")
+          f"engine loop a thread of the server, or a process of its own (--dp-backend process); the streams shared "
+          f"out over {CLIENT_PROCESSES} client processes, their CPU use in cores\n")
     print("| model | backend | gRPC tok/s | of the engine | client cores |")
     print("|---|---|--:|--:|--:|")
     for name, r in with_figure(results, "offline_tps"):
@@ -530,16 +566,16 @@ def report(meta: dict, results: dict[str, dict], w: Workload) -> None:
                       f"{g['grpc_client_cores']:.2f} |")
 
     print("\nWhere an offline step's time went, ms per step (mean over the run's steps), with overlap scheduling "
-          "(the engine's default on CUDA) and without: forward and sample only queue work on a GPU, fetch waits for "
+          "(the engine's default on CUDA; a CPU runs one step at a time either way) and without: forward and sample only queue work on a GPU, fetch waits for "
           "the device; host = step - fetch\n")
     print("| model | overlap | tok/s | steps | step | schedule | setup | forward | sample | fetch | update | host |")
     print("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     for name, r in with_figure(results, "offline_ms_per_step"):
-        for overlap, f in (("on", r), ("off", r.get("sequential"))):
+        for f in (r, r.get("sequential")):
             if f is None:
                 continue
             ms = f["offline_ms_per_step"]
-            print(f"| {name} | {overlap} | {fmt(f['offline_tps'])} | {f['offline_steps']} | "
+            print(f"| {name} | {'on' if f['overlap'] else 'off'} | {fmt(f['offline_tps'])} | {f['offline_steps']} | "
                   + " | ".join(f"{ms[k]:.2f}" for k in ("step", "schedule", "setup", "forward", "sample", "result", "_update"))
                   + f" | {ms['step'] - ms['result']:.2f} |")
 
