@@ -101,10 +101,11 @@ class BlockManager:
         return sum(self.ref_counts[b] == 0 for b in blocks)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Give the sequence's newly full, computed blocks their keys, so later prompts can share them."""
+        """Give the sequence's newly full, computed blocks their keys, so later prompts can share them. A block
+        whose last token is still on the device (overlap scheduling: computed, not yet read) waits for it."""
         if not self.prefix_caching:
             return
-        for j in range(len(seq.block_hashes), seq.num_computed // self.block_size):
+        for j in range(len(seq.block_hashes), min(seq.num_computed, len(seq.token_ids)) // self.block_size):
             key = self._key(seq, j, seq.block_hashes[j - 1] if j else 0)
             block = seq.block_table[j]
             if key not in self.cached and self.keys[block] is None:

@@ -176,11 +176,14 @@ class EngineLoop:
             except CommAborted:  # a tensor-parallel peer failed mid-step: as a data-parallel one would
                 raise
             except Exception as exc:  # a failed step must end its streams, not hang them
-                log.exception("engine loop %d: step failed", self.rank)
-                self._fail_all(InternalError(f"engine step failed: {exc}"))
+                self._step_failed(exc)
                 if self.runner.followers is not None:
                     raise  # its followers may be inside that step's collectives: the group must break
             self._flush()
+
+    def _step_failed(self, exc: Exception) -> None:
+        log.exception("engine loop %d: step failed", self.rank)
+        self._fail_all(InternalError(f"engine step failed: {exc}"))
 
     def step(self, requests: list[Request]) -> None:
         """One engine step: kAdd, cancellations, then the batch ops kSetup .. kDel.
@@ -194,6 +197,7 @@ class EngineLoop:
             self._add(request)
         self.runner.install_pending_weights()
         if self.weights_version != self.runner.weights_version:  # cached KV was computed by other weights
+            self._drain()  # the launched step's blocks, computed by the old weights, are keyed before the reset
             self.blocks.reset_prefix_cache()
             self.weights_version = self.runner.weights_version
         self._reap_cancelled()
@@ -225,10 +229,10 @@ class EngineLoop:
     def _complete(self, batch: BatchData) -> None:
         """kFetch (waits for the device) .. kDel of a launched step."""
         batch.result = batch.draws.result()
-        for seq in batch.seqs:
-            if seq.finish_reason is None:
-                self.blocks.cache_full_blocks(seq)
+        live = [s for s in batch.seqs if s.finish_reason is None]  # one ended since has handed its blocks back
         self._update(batch.samplers, batch)
+        for seq in live:
+            self.blocks.cache_full_blocks(seq)
         for seq in batch.finished:
             self._del(seq)
 
@@ -315,7 +319,10 @@ class EngineLoop:
         return not request.stateless and self.gateway.binding.find(request.session_id) != self.rank
 
     def _control(self, request: Request) -> None:
-        self._drain()  # a session's end, a sleep or a wakeup sees every token drawn so far
+        try:
+            self._drain()  # a session's end, a sleep or a wakeup sees every token drawn so far
+        except Exception as exc:  # that step's failure is the step's, not this request's
+            self._step_failed(exc)
         if request.kind is RequestKind.KILL:
             self._kill(request)
             return
@@ -422,7 +429,8 @@ class EngineLoop:
 
     def _cancel_all(self) -> None:
         for seq in self.scheduler.running + list(self.scheduler.waiting):
-            self._finish(seq, FinishReason.CANCELLED)
+            if seq.finish_reason is None:  # a failed kUpdate may have ended it already
+                self._finish(seq, FinishReason.CANCELLED)
             self._del(seq)
         for session in self.sessions.values():
             self.blocks.release(session.block_table)

@@ -141,7 +141,7 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
     def pairs(token_lists: list[tuple[int, list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
         row_idx = [i for i, ids in token_lists for _ in ids]
         tok_idx = [t for _, ids in token_lists for t in ids]
-        return torch.tensor(row_idx, dtype=torch.long, device=device), torch.tensor(tok_idx, dtype=torch.long, device=device)
+        return to_device(torch.tensor([row_idx, tok_idx], dtype=torch.long), device).unbind()
 
     repeat = [(i, sorted(set(r.token_ids))) for i, r in enumerate(rows)
               if r.params.repetition_penalty not in (0, 1)]
@@ -187,7 +187,10 @@ def _sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     nucleus = (top_ps < 1) & (top.values.sum(dim=-1, keepdim=True) >= top_ps)
     inside = ((top_ks <= candidates) | nucleus).squeeze(1)
     tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-    for where, values, order in _split(inside, top, probs):
+    # Where every row's top-k lies among its candidates the host knows they all do: the device is not asked
+    # (a question that waits for it, which overlap scheduling must not; top-p rows still ask).
+    known = all(0 < r.params.top_k <= candidates for r in rows)
+    for where, values, order in _split(inside, top, probs, known):
         ranks = torch.arange(values.shape[-1], device=logits.device).unsqueeze(0)
         cut = (ranks >= top_ks[where]) | ((values.cumsum(dim=-1) - values) >= top_ps[where])
         tokens[where] = order.gather(1, _draw(values.masked_fill(cut, 0.0), draws[where]).unsqueeze(1)).squeeze(1)
@@ -198,10 +201,10 @@ CANDIDATES = 256  # tokens a row's top-k / top-p looks at before it sorts the wh
 DRAW_BLOCK = 1024  # tokens a draw's second search scans: the first finds the block among block sums
 
 
-def _split(inside: torch.Tensor, top, probs: torch.Tensor):
+def _split(inside: torch.Tensor, top, probs: torch.Tensor, all_inside: bool):
     """(rows, sorted probabilities, their token ids) for the rows whose candidates suffice, then for the rest."""
-    if bool(inside.all()):
-        yield inside, top.values, top.indices
+    if all_inside or bool(inside.all()):
+        yield slice(None), top.values, top.indices
         return
     rest = ~inside
     if bool(inside.any()):

@@ -128,3 +128,43 @@ def test_preemption_with_draws_on_the_device(checkpoint, tokenizer, round_):
 def test_overlap_setting_is_checked():
     with pytest.raises(Exception, match="overlap_scheduling must be one of auto, on, off"):
         EngineConfig(overlap_scheduling="sometimes")
+
+
+@pytest.mark.parametrize("overlap", ["on", "off"])
+def test_generated_blocks_are_shared_by_a_later_prompt(checkpoint, tokenizer, overlap):
+    """A block is filled by a step whose input token the host has not read yet: its prefix-cache key waits
+    for that token. Every full block of a generation, keyed by the tokens it holds, serves a later prompt
+    that repeats the generation."""
+    with Engine(EngineConfig(dtype="float32", overlap_scheduling=overlap), checkpoint=checkpoint) as engine:
+        prompt = tokenizer.encode("Once upon a time")
+        first = engine.generate(prompt, SamplingParams(max_new_tokens=60, ignore_eos=True))
+        history = prompt + first.token_ids
+        again = engine.generate(history, SamplingParams(max_new_tokens=4, ignore_eos=True))
+        block = engine.config.block_size
+        assert again.usage.cached_tokens == (len(history) - 1) // block * block
+        assert_idle(engine)
+
+
+@pytest.mark.parametrize("overlap", ["on", "off"])
+def test_no_kv_of_replaced_weights_is_keyed_after_the_reset(checkpoint, tokenizer, overlap):
+    """New weights land (UpdateWeights installs them from another thread: a new weights version) while a
+    prompt's prefill is on the device. That KV is the old weights': the prefix cache, reset for the new
+    ones, must not offer it to the next request with the same prompt."""
+    with Engine(EngineConfig(dtype="float32", overlap_scheduling=overlap), checkpoint=checkpoint) as engine:
+        loop = engine.loops[0]
+        runner, forward, calls = loop.runner, loop.runner.forward, []
+
+        def forward_then_install(*args, **kwargs):
+            out = forward(*args, **kwargs)
+            calls.append(1)
+            if len(calls) == 1:  # right after the prefill was queued, as LocalWeights' install does
+                runner.weights_version += 1
+            return out
+
+        runner.forward = forward_then_install
+        prompt = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 5)
+        params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+        engine.generate(prompt, params)
+        assert engine.generate(prompt, params).usage.cached_tokens == 0
+        assert engine.generate(prompt, params).usage.cached_tokens > 0  # keyed again, by the new weights
+        assert_idle(engine)
