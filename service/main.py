@@ -18,6 +18,7 @@ from prometheus_client import start_http_server
 from lmgate.engine.config import DP_BACKENDS, KV_CACHE_DTYPES, OVERLAP_MODES, WEIGHT_MODES, EngineConfig
 from lmgate.engine.distributed.node import run_node
 from lmgate.engine.engine import Engine
+from lmgate.engine.engine_loop import overlap_scheduling
 from lmgate.engine.errors import EngineError
 from lmgate.engine.hardware import DTYPE_CHOICES
 from lmgate.engine.loader import read_config
@@ -224,15 +225,16 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> None:
           f"(ready in {time.perf_counter() - started:.1f}s)", flush=True)
     info = engine.info()
     log.info("started: model %s (%s), dtype %s (%s), weights %.0f MiB (--weights %s, int8 activations %s), device %s, %d engine loop(s) as %s, tensor parallel %d, x %d torch threads, KV cache "
-             "%d tokens of %s (%.0f MiB), batches of %d sequences / %d tokens, context %d, gRPC port %d (%s), metrics port %s, "
-             "replica %s",
+             "%d tokens of %s (%.0f MiB), batches of %d sequences / %d tokens, context %d, overlap scheduling %s, gRPC port %d (%s), "
+             "metrics port %s, replica %s",
              os.path.basename(engine.model_path), info.architecture, str(engine.dtype).removeprefix("torch."),
              engine.dtype_reason, info.weights_bytes / 2**20,
              engine.config.weights, "on" if engine.config.int8_activations else "off",
              engine.device, info.engine_loops, "threads" if engine.loops else "processes", args.tensor_parallel, engine.threads_per_loop,
              info.kv_blocks_total * info.kv_block_size, str(engine.kv_dtype).removeprefix("torch."),
              info.kv_cache_bytes / 2**20, args.max_batch_size,
-             args.max_batched_tokens, info.max_context_length, server.port,
+             args.max_batched_tokens, info.max_context_length,
+             "on" if overlap_scheduling(engine.config, engine.device) else "off", server.port,
              ("mutual TLS" if args.tls.client_ca else "TLS") if args.tls else "plaintext", args.metrics_port or "off",
              server.replica_id)
     stop = asyncio.Event()
