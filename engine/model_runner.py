@@ -137,7 +137,9 @@ class ModelRunner:
             if end - start == 1 and end == seq.num_tokens:  # a decode: one token, the last
                 if seq.num_pending:  # still on the device: the last step's draws fill it in there
                     plan.pending_inputs.append((first_row, seq.pending_row))
-                plan.input_ids.append(seq.token_ids[start] if start < len(seq.token_ids) else 0)
+                    plan.input_ids.append(0)
+                else:
+                    plan.input_ids.append(seq.token_ids[start])
                 plan.positions.append(start)
                 plan.slots.append(seq.block_table[start // bs] * bs + start % bs)
                 plan.decode_tables.append(seq.block_table)
