@@ -7,6 +7,7 @@ from typing import Any
 from .errors import InvalidRequest, UnsupportedModel
 
 DP_BACKENDS = ("thread", "process")
+DP_BACKEND_MODES = ("auto", *DP_BACKENDS)
 WEIGHT_MODES = ("auto", "quantized", "float")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 OVERLAP_MODES = ("auto", "on", "off")
@@ -82,7 +83,7 @@ class EngineConfig:
     max_batched_tokens: int = 256
     max_context_length: int | None = None
     engine_loops: int = 1  # data-parallel ranks
-    dp_backend: str = "thread"  # of DP_BACKENDS: ranks as threads sharing one model, or processes with one each
+    dp_backend: str = "auto"  # of DP_BACKEND_MODES: ranks as threads sharing one model, or processes with one each (auto: processes on CUDA)
     tensor_parallel: int = 1  # ranks splitting each data-parallel rank's model (always processes)
     nnodes: int = 1  # machines the ranks are spread over, evenly (more than one: the ranks are processes)
     node_rank: int = 0  # this machine's place: 0 serves and holds the first ranks; others run ranks only
@@ -105,8 +106,11 @@ class EngineConfig:
 
     @property
     def rank_processes(self) -> bool:
-        """Whether the ranks are processes: asked for, or needed by tensor parallelism or more nodes."""
-        return self.dp_backend == "process" or self.tensor_parallel > 1 or self.nnodes > 1
+        """Whether the ranks are processes: asked for; by auto on CUDA, where a loop sharing the server's GIL
+        waits for it at each of a step's hundreds of launches (the server streams while the GPU computes); or
+        needed by tensor parallelism or more nodes."""
+        auto = self.dp_backend == "auto" and self.device.startswith("cuda")
+        return auto or self.dp_backend == "process" or self.tensor_parallel > 1 or self.nnodes > 1
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_batch_size", "max_batched_tokens", "engine_loops", "tensor_parallel",
@@ -121,8 +125,8 @@ class EngineConfig:
             raise InvalidRequest(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.overlap_scheduling not in OVERLAP_MODES:
             raise InvalidRequest(f"overlap_scheduling must be one of {', '.join(OVERLAP_MODES)}, got {self.overlap_scheduling!r}")
-        if self.dp_backend not in DP_BACKENDS:
-            raise InvalidRequest(f"dp_backend must be one of {', '.join(DP_BACKENDS)}, got {self.dp_backend!r}")
+        if self.dp_backend not in DP_BACKEND_MODES:
+            raise InvalidRequest(f"dp_backend must be one of {', '.join(DP_BACKEND_MODES)}, got {self.dp_backend!r}")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise InvalidRequest(f"node_rank must be 0..{self.nnodes - 1} of nnodes {self.nnodes}, got {self.node_rank}")
         if not 0 <= self.master_port <= 65535:

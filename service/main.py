@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 from prometheus_client import start_http_server
 
-from lmgate.engine.config import DP_BACKENDS, KV_CACHE_DTYPES, OVERLAP_MODES, WEIGHT_MODES, EngineConfig
+from lmgate.engine.config import DP_BACKEND_MODES, KV_CACHE_DTYPES, OVERLAP_MODES, WEIGHT_MODES, EngineConfig
 from lmgate.engine.distributed.node import run_node
 from lmgate.engine.engine import Engine
 from lmgate.engine.engine_loop import overlap_scheduling
@@ -95,7 +95,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="address to listen on [LMGATE_HOST]")
     ap.add_argument("--port", type=PORT, default=_env("PORT", 50051), help="port; 0 picks a free one [LMGATE_PORT]")
     ap.add_argument("--engine-loops", type=COUNT, default=_env("ENGINE_LOOPS", 1), help="data-parallel engine loops, each with its own KV cache [LMGATE_ENGINE_LOOPS]")
-    ap.add_argument("--dp-backend", default=_env("DP_BACKEND", "thread"), type=_one_of(*DP_BACKENDS), metavar="{" + ",".join(DP_BACKENDS) + "}", help="thread: the engine loops are threads sharing one copy of the weights; process: each loop a process of its own (spawned), with its own copy, past the GIL [LMGATE_DP_BACKEND]")
+    ap.add_argument("--dp-backend", default=_env("DP_BACKEND", "auto"), type=_one_of(*DP_BACKEND_MODES), metavar="{" + ",".join(DP_BACKEND_MODES) + "}", help="thread: the engine loops are threads sharing one copy of the weights; process: each loop a process of its own (spawned), with its own copy, past the GIL; auto: process with --device cuda, where a loop sharing the server's GIL waits for the server at every kernel launch, else thread [LMGATE_DP_BACKEND]")
     ap.add_argument("--tensor-parallel", type=COUNT, default=_env("TENSOR_PARALLEL", 1), help="ranks each engine loop's model is split over (by whole GQA groups; always processes): --tensor-parallel 2 --engine-loops 2 makes four [LMGATE_TENSOR_PARALLEL]")
     ap.add_argument("--nnodes", type=COUNT, default=_env("NNODES", 1), help="machines the ranks (--engine-loops x --tensor-parallel) are spread over, evenly; the ranks are then processes [LMGATE_NNODES]")
     ap.add_argument("--node-rank", type=_ranged(int, 0), default=_env("NODE_RANK", 0), help="this machine's place among --nnodes: 0 serves gRPC and holds the first ranks; the others run ranks only, taking every other setting from node 0 [LMGATE_NODE_RANK]")

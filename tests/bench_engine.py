@@ -149,6 +149,10 @@ def measure_engine(args, dtype: str, prompts_for) -> tuple[Engine, float, float,
         print(f"{dtype} with one busy process beside it: lmgate {noisy:.1f} tok/s (alone {tps:.1f}), single stream "
               f"{noisy_single:.1f} (alone {single:.1f}); {engine.num_threads} threads, "
               f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}", flush=True)
+    if args.gil_neighbour:
+        with gil_neighbour():
+            held = run_engine(engine, prompts, args.output_len)
+        print(f"{dtype} with a busy Python thread in its process: lmgate {held:.1f} tok/s (alone {tps:.1f})", flush=True)
     engine.shutdown()
     return engine, tps, single, flops, max(reads)
 
@@ -163,6 +167,26 @@ def busy_neighbour() -> Iterator[None]:
     finally:
         hog.kill()
         hog.wait()
+
+
+@contextlib.contextmanager
+def gil_neighbour() -> Iterator[None]:
+    """A thread of this process running Python without pause, as the server's event loop does when the engine
+    loop is a thread beside it and every step hands it hundreds of outputs to stream: each time the loop lets
+    go of the GIL (every torch call does), it may wait a switch interval (5 ms) to get it back."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            sum(range(1000))
+
+    spinner = threading.Thread(target=spin, daemon=True)
+    spinner.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        spinner.join()
 
 
 def measure_transformers(args, path: str, dtype: torch.dtype, prompts: list[list[int]]) -> tuple[float, float, float]:
@@ -247,6 +271,7 @@ def main() -> None:
     ap.add_argument("--hf-sample", type=int, default=4, help="requests that measure transformers one at a time")
     ap.add_argument("--waves", type=int, default=3, help="waves of all requests through lmgate; the best one counts")
     ap.add_argument("--noisy-neighbour", action="store_true", help="also run lmgate with one busy process beside it")
+    ap.add_argument("--gil-neighbour", action="store_true", help="also run lmgate with a busy Python thread in its process")
     ap.add_argument("--hf-batch", type=int, default=0, help="padded batch size for transformers (0: all requests)")
     args = ap.parse_args()
 

@@ -203,7 +203,9 @@ def weight_bytes(cfg: ModelConfig) -> int:
 
 
 def engine_config(path: str, device: torch.device, w: Workload, kv_tokens: int) -> EngineConfig:
-    return EngineConfig(model=path, device=str(device), dtype="bfloat16", kv_cache_tokens=kv_tokens,
+    """The engine alone: its loop a thread of this process, outputs handed to callbacks (the gRPC runs name
+    their backend)."""
+    return EngineConfig(model=path, device=str(device), dtype="bfloat16", kv_cache_tokens=kv_tokens, dp_backend="thread",
                         max_batch_size=max(w.num_seqs, w.decode_batch), max_batched_tokens=w.max_batched_tokens,
                         max_context_length=MAX_CONTEXT)
 
@@ -600,7 +602,7 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes and workload: every code path in minutes on a CPU")
     ap.add_argument("--skip-hf", action="store_true", help="no transformers generate")
-    ap.add_argument("--grpc-backends", default="thread,process",
+    ap.add_argument("--grpc-backends", default="process,thread",
                     help="the runs through lmgate serve, by its --dp-backend (comma-separated; '' for none)")
     ap.add_argument("--num-seqs", type=int, default=0, help="offline sequences (0: 256, or 16 with --tiny)")
     ap.add_argument("--max-batched-tokens", type=int, default=0, help="tokens per engine step (0: 8192, or 256 with --tiny)")

@@ -55,7 +55,10 @@ def prompts(n: int, seed: int = 0, low: int = 5, high: int = 60) -> list[list[in
 
 
 def engine(path: str, dtype: str = "float32", **config) -> Engine:
+    """The engine loop a thread of this process, so that a test can read its loop and torch's allocator; the
+    default on CUDA, a rank process, is tested by the Sleep and gRPC tests that say so."""
     config.setdefault("kv_cache_tokens", 8192)
+    config.setdefault("dp_backend", "thread")
     return Engine(EngineConfig(model=path, device="cuda", dtype=dtype, **config))
 
 
@@ -166,6 +169,23 @@ def test_sleep_gives_device_memory_back_and_wakeup_restores_it(models):
             assert_all_blocks_free(eng)
 
 
+def test_sleep_in_a_rank_process_gives_the_gpus_memory_back(models):
+    """The default on CUDA (`dp_backend` auto: the loop a process of its own): each level frees the rank's KV
+    cache and weights, read as the GPU's free memory, which every process's use counts against."""
+    with engine(models["llama"], kv_cache_tokens=1 << 20, dp_backend="auto") as eng:
+        assert eng.config.rank_processes and not eng.loops
+        batch = prompts(4, seed=3)
+        before = greedy(eng, batch)
+        held = eng.info().kv_cache_bytes + eng.weights_bytes
+        for level in (1, 2):
+            awake = torch.cuda.mem_get_info()[0]
+            eng.sleep(level)
+            assert torch.cuda.mem_get_info()[0] >= awake + 0.9 * held
+            eng.wakeup()
+            assert greedy(eng, batch) == before
+            assert_all_blocks_free(eng)
+
+
 def test_an_automatic_kv_cache_fills_the_share_gpu_memory_utilization_leaves(models):
     """kv_cache_tokens 0: the cache takes most of what 30% of the GPU leaves beside the memory in use (the
     model is tiny), and the GPU's use, this step's activations and graphs included, stays inside that share."""
@@ -208,10 +228,12 @@ def test_tensor_parallel_layers_over_an_nccl_group_of_one(models, monkeypatch):
 
 
 def test_grpc_server_on_cuda(models):
-    """Generate, a two-turn session, Cancel, Sleep and Wakeup through a real server. In float32: the turns
-    compare tokens computed in prefills of other lengths, whose bf16 matmuls may round differently."""
+    """Generate, a two-turn session, Cancel, Sleep and Wakeup through a real server, its engine loop a rank
+    process (auto on CUDA). In float32: the turns compare tokens computed in prefills of other lengths, whose
+    bf16 matmuls may round differently."""
     server = ServerThread(EngineConfig(model=models["qwen3"], device="cuda", dtype="float32", kv_cache_tokens=8192))
     try:
+        assert server.engine.config.rank_processes
         stub = server.stub()
         params = pb.SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
         first = prompts(2, seed=4)

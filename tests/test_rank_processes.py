@@ -13,6 +13,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from lmgate.engine.config import EngineConfig
+from lmgate.engine.errors import InvalidRequest
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 from tests.serving import StreamEnds, serve_process
@@ -40,6 +42,17 @@ def test_each_rank_is_a_process_and_info_counts_them_all(process_ranks_server, s
     assert info.engine_loops == 2 and info.kv_blocks_total == 2 * 8192 // info.kv_block_size
     assert info.weights_bytes == 2 * server.info().weights_bytes > 0  # each rank holds its own copy of the weights
     assert len(rank_pids(os.getpid())) >= 2
+
+
+def test_auto_takes_processes_on_cuda_only():
+    """On a GPU the loop would share the server's GIL while it streams (README: "Ranks as processes")."""
+    assert EngineConfig().dp_backend == "auto"
+    assert not EngineConfig().rank_processes
+    assert EngineConfig(device="cuda").rank_processes and EngineConfig(device="cuda:1").rank_processes
+    assert not EngineConfig(device="cuda", dp_backend="thread").rank_processes
+    assert EngineConfig(dp_backend="process").rank_processes
+    with pytest.raises(InvalidRequest, match="dp_backend must be one of auto, thread, process"):
+        EngineConfig(dp_backend="fibers")
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="finds the rank processes through /proc")
