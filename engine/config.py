@@ -90,6 +90,7 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"  # node 0's address, reachable from every node: its store and sockets
     master_port: int = 0  # node 0's rendezvous (TCPStore) port; 0: any free one, on one node only
     default_max_new_tokens: int = 256
+    stream_interval: int = 1  # tokens a stream's output gathers before it is sent (the first and the last go at once)
     max_queued_requests: int = 1024  # per engine loop; a generate beyond it is RESOURCE_EXHAUSTED
     attention_kernel: bool = True  # CPU decode and prefill attention in C++ (built on first use), else torch ops
     weights: str = "auto"  # of WEIGHT_MODES: a GGUF's quantized matrices kept as blocks on the CPU (weights.keep_quantized)
@@ -114,7 +115,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_batch_size", "max_batched_tokens", "engine_loops", "tensor_parallel",
-                     "default_max_new_tokens", "max_queued_requests"):
+                     "default_max_new_tokens", "max_queued_requests", "stream_interval"):
             if getattr(self, name) < 1:
                 raise InvalidRequest(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.weights not in WEIGHT_MODES:

@@ -103,6 +103,7 @@ class EngineLoop:
         default_max_new_tokens: int,
         num_threads: int,
         overlap: bool = False,
+        stream_interval: int = 1,
     ) -> None:
         self.rank = rank
         self.gateway = gateway
@@ -117,6 +118,7 @@ class EngineLoop:
         self.default_max_new_tokens = default_max_new_tokens
         self.num_threads = num_threads  # torch threads for this loop's steps
         self.overlap = overlap  # a step is launched before the previous step's draws are read
+        self.stream_interval = stream_interval  # tokens a stream's output gathers before it is sent
         self._inflight: BatchData | None = None  # the launched step whose draws are not read yet (overlap)
         self.num_steps = 0
         self.pop_seconds = 0.0
@@ -133,7 +135,7 @@ class EngineLoop:
         return cls(
             rank, gateway, comm, runner, BlockManager(num_blocks, config.block_size, config.prefix_caching), tokenizer,
             config.max_batch_size, config.max_batched_tokens, max_context_length, config.default_max_new_tokens,
-            num_threads, overlap_scheduling(config, weights.device),
+            num_threads, overlap_scheduling(config, weights.device), config.stream_interval,
         )
 
     def stats(self) -> LoopStats:
@@ -366,14 +368,16 @@ class EngineLoop:
             if seq.finish_reason is not None:  # ended (or cancelled) after this step was launched
                 continue
             seq.token_ids.append(token)
-            out = RequestOutput(seq.request.request_id, seq.request.session_id, token_ids=[token])
+            out = self._unsent(seq)
+            out.token_ids.append(token)
             if lp is not None:
                 out.logprobs.append(TokenLogprob(token, lp[0], lp[1]))
             reason, stop_hit = None, False
             if token in seq.stop_ids:
                 reason = FinishReason.STOP
             else:
-                out.text, stop_hit = seq.detokenizer.step([token])
+                text, stop_hit = seq.detokenizer.step([token])
+                out.text += text
                 if stop_hit:
                     reason = FinishReason.STOP
                 elif seq.num_output >= seq.max_new_tokens or len(seq.token_ids) >= self.max_context_length:
@@ -384,13 +388,25 @@ class EngineLoop:
                 seq.finish_reason = out.finish_reason = reason
                 out.usage = self._usage(seq)
                 batch.finished.append(seq)
-            self._emit(seq.request, out)
+            if reason is not None or seq.num_output == 1 or len(out.token_ids) >= self.stream_interval:
+                seq.unsent = None  # the first token at once, for its latency; the last with its reason
+                self._emit(seq.request, out)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """End a sequence outside kUpdate (cancel, kill, shutdown), releasing the text held back."""
+        """End a sequence outside kUpdate (cancel, kill, shutdown), with the tokens and text held back."""
         seq.finish_reason = reason
-        text = seq.detokenizer.finish()
-        self._emit(seq.request, RequestOutput(seq.request.request_id, seq.request.session_id, text=text, finish_reason=reason, usage=self._usage(seq)))
+        out = self._unsent(seq)
+        seq.unsent = None
+        out.text += seq.detokenizer.finish()
+        out.finish_reason, out.usage = reason, self._usage(seq)
+        self._emit(seq.request, out)
+
+    @staticmethod
+    def _unsent(seq: Sequence) -> RequestOutput:
+        """The output gathering `seq`'s tokens until the stream interval sends it."""
+        if seq.unsent is None:
+            seq.unsent = RequestOutput(seq.request.request_id, seq.request.session_id)
+        return seq.unsent
 
     @staticmethod
     def _usage(seq: Sequence) -> Usage:

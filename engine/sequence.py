@@ -5,7 +5,7 @@ import enum
 import random
 
 from .detokenizer import IncrementalDetokenizer
-from .request import Request
+from .request import Request, RequestOutput
 
 
 class SequenceStatus(enum.Enum):
@@ -68,6 +68,7 @@ class Sequence(HoldsKV):
         self.num_pending = 0  # tokens sampled on the device whose ids the host has not read yet (overlap)
         self.pending_row = 0  # the newest pending token's row among its step's sampled ids
         self.finish_reason = None
+        self.unsent: RequestOutput | None = None  # tokens drawn but not yet sent (EngineConfig.stream_interval)
         self.conversation: list[dict] | None = None  # a chat turn's messages, this turn's included
         self.first_scheduled: float | None = None  # monotonic time it first ran in a batch
 

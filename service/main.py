@@ -108,6 +108,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--kv-cache-dtype", default=_env("KV_CACHE_DTYPE", "auto"), type=_one_of(*KV_CACHE_DTYPES), metavar="{" + ",".join(KV_CACHE_DTYPES) + "}", help="KV cache dtype; auto: the model's. float16 or bfloat16 under float32 on the CPU halve the cache's memory and the bytes decode attention reads, rounding keys and values once [LMGATE_KV_CACHE_DTYPE]")
     ap.add_argument("--max-context-length", type=_ranged(int, 0), default=_env("MAX_CONTEXT_LENGTH", 0), help="cap on prompt + output tokens; 0: the model's [LMGATE_MAX_CONTEXT_LENGTH]")
     ap.add_argument("--max-queued-requests", type=COUNT, default=_env("MAX_QUEUED_REQUESTS", 1024), help="requests waiting per engine loop before new ones get RESOURCE_EXHAUSTED [LMGATE_MAX_QUEUED_REQUESTS]")
+    ap.add_argument("--stream-interval", type=COUNT, default=_env("STREAM_INTERVAL", 1), help="tokens a stream gathers before they are sent as one message (its first token and its end go at once): 1 streams each token as it is drawn; more means fewer messages for the server and clients to handle, at the cost of smoothness [LMGATE_STREAM_INTERVAL]")
     ap.add_argument("--dtype", default=_env("DTYPE", "auto"), type=_one_of(*DTYPE_CHOICES), metavar="{" + ",".join(DTYPE_CHOICES) + "}", help="weights dtype, and the KV cache's unless --kv-cache-dtype says otherwise; auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, else float32 [LMGATE_DTYPE]")
     ap.add_argument("--attention-kernel", default=_env("ATTENTION_KERNEL", "on"), type=ON_OFF, metavar="{on,off}", help="on: CPU decode and prefill attention in C++, compiled once on first use (torch ops if that fails); off: torch ops [LMGATE_ATTENTION_KERNEL]")
     ap.add_argument("--weights", default=_env("WEIGHTS", "auto"), choices=WEIGHT_MODES, help="auto: a GGUF's quantized matrices kept as the file's blocks where the CPU kernels run them (a C++ compiler, float32, no tensor parallelism), else float; quantized: the same, with a warning where they cannot; float: expanded to float at load [LMGATE_WEIGHTS]")
@@ -167,7 +168,7 @@ def check_settings(args: argparse.Namespace) -> EngineConfig:
             tensor_parallel=args.tensor_parallel, nnodes=args.nnodes, node_rank=args.node_rank,
             master_addr=args.master_addr, master_port=args.master_port, max_queued_requests=args.max_queued_requests, attention_kernel=args.attention_kernel == "on",
             cuda_graphs=args.cuda_graphs == "on", overlap_scheduling=args.overlap_scheduling, weights=args.weights, int8_activations=args.int8_activations == "on",
-            prefix_caching=args.prefix_caching == "on", threads=args.threads,
+            prefix_caching=args.prefix_caching == "on", threads=args.threads, stream_interval=args.stream_interval,
         )
     except EngineError as exc:
         raise StartupError(str(exc)) from None

@@ -13,9 +13,10 @@ trained ones do), written as a Hugging Face directory with a tokenizer of the mo
 2. decode at 512 tokens of context: one stream (ms per token), and a batch of 64 (ms per step), with CUDA
    graphs and without;
 3. transformers `generate` on the batch's prompts: greedy, every sequence to the same length;
-4. the offline workload again through `lmgate serve` over gRPC, every stream at once: with the engine loop a
-   thread of the server, then a process of its own (`--dp-backend process`), whose GIL the server's threads
-   do not share.
+4. the offline workload again through `lmgate serve` over gRPC, every stream at once (`--grpc-runs`): with the
+   engine loop a process of its own (`--dp-backend process`, the default on CUDA), whose GIL the server's
+   threads do not share, streaming each token and then every 4 (`--stream-interval 4`); then with the loop a
+   thread of the server.
 
 The limits are measured in the same run: HBM bandwidth by a device-to-device copy, bf16 matmul FLOP/s at the
 model's largest prefill GEMM. A decode step cannot beat reading the weights and its KV once; the offline
@@ -49,7 +50,7 @@ import transformers
 
 from lmgate.client import AsyncClient
 from lmgate.client.bench import random_prompts
-from lmgate.engine.config import DP_BACKENDS, EngineConfig, ModelConfig
+from lmgate.engine.config import EngineConfig, ModelConfig
 from lmgate.engine.engine import Engine
 from lmgate.engine.engine_loop import EngineLoop
 from lmgate.engine.hardware import cpu_features
@@ -217,7 +218,7 @@ def serve_flags(config: EngineConfig) -> list[str]:
             "--max-batched-tokens", str(config.max_batched_tokens),
             "--max-context-length", str(config.max_context_length),
             "--cuda-graphs", "on" if config.cuda_graphs else "off", "--dp-backend", config.dp_backend,
-            "--overlap-scheduling", config.overlap_scheduling,
+            "--overlap-scheduling", config.overlap_scheduling, "--stream-interval", str(config.stream_interval),
             "--log-level", "WARNING"]
 
 
@@ -509,9 +510,12 @@ def measure_model(name: str, args: argparse.Namespace, w: Workload, root: str, d
         free_device_memory(device)
         if not args.skip_hf:
             result["hf_tps"] = on_fresh_thread(lambda: transformers_tps(path, device, prompts.batch, w.decode_tokens))
-        for backend in args.grpc_backends.split(",") if args.grpc_backends else []:
-            result[f"grpc_{backend}"] = grpc_figures(dataclasses.replace(config, dp_backend=backend), warmup, offline)
-            print(f"gRPC, {backend}: {result[f'grpc_{backend}']['grpc_tps']:,.0f} tok/s", flush=True)
+        result["grpc"] = {}
+        for run in args.grpc_runs.split(",") if args.grpc_runs else []:
+            backend, _, interval = run.partition(":")
+            served = dataclasses.replace(config, dp_backend=backend, stream_interval=int(interval or 1))
+            result["grpc"][run] = grpc_figures(served, warmup, offline)
+            print(f"gRPC, {run}: {result['grpc'][run]['grpc_tps']:,.0f} tok/s", flush=True)
     finally:
         shutil.rmtree(path, ignore_errors=True)
 
@@ -556,16 +560,16 @@ def report(meta: dict, results: dict[str, dict], w: Workload) -> None:
               f"{ratio(r['offline_tps'], r['offline_bound_tps'])} |")
 
     print(f"\nThe same workload through gRPC, every stream at once (goal: {GRPC_GOAL:.0%} of the engine alone); the "
-          f"engine loop a thread of the server, or a process of its own (--dp-backend process); the streams shared "
+          f"engine loop a process of its own (--dp-backend process) or a thread of the server; tokens per message "
+          f"(--stream-interval); the streams shared "
           f"out over {CLIENT_PROCESSES} client processes, their CPU use in cores\n")
-    print("| model | backend | gRPC tok/s | of the engine | client cores |")
-    print("|---|---|--:|--:|--:|")
+    print("| model | backend | stream interval | gRPC tok/s | of the engine | client cores |")
+    print("|---|---|--:|--:|--:|--:|")
     for name, r in with_figure(results, "offline_tps"):
-        for backend in DP_BACKENDS:
-            if f"grpc_{backend}" in r:
-                g = r[f"grpc_{backend}"]
-                print(f"| {name} | {backend} | {fmt(g['grpc_tps'])} | {ratio(g['grpc_tps'], r['offline_tps'])} | "
-                      f"{g['grpc_client_cores']:.2f} |")
+        for run, g in r.get("grpc", {}).items():
+            backend, _, interval = run.partition(":")
+            print(f"| {name} | {backend} | {interval or 1} | {fmt(g['grpc_tps'])} | "
+                  f"{ratio(g['grpc_tps'], r['offline_tps'])} | {g['grpc_client_cores']:.2f} |")
 
     print("\nWhere an offline step's time went, ms per step (mean over the run's steps), with overlap scheduling "
           "(the engine's default on CUDA; a CPU runs one step at a time either way) and without: forward and sample only queue work on a GPU, fetch waits for "
@@ -602,8 +606,9 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes and workload: every code path in minutes on a CPU")
     ap.add_argument("--skip-hf", action="store_true", help="no transformers generate")
-    ap.add_argument("--grpc-backends", default="process,thread",
-                    help="the runs through lmgate serve, by its --dp-backend (comma-separated; '' for none)")
+    ap.add_argument("--grpc-runs", default="process,process:4,thread",
+                    help="the runs through lmgate serve, each its --dp-backend and, after a colon, its --stream-interval "
+                         "(comma-separated; '' for none)")
     ap.add_argument("--num-seqs", type=int, default=0, help="offline sequences (0: 256, or 16 with --tiny)")
     ap.add_argument("--max-batched-tokens", type=int, default=0, help="tokens per engine step (0: 8192, or 256 with --tiny)")
     ap.add_argument("--kv-cache-tokens", type=int, default=0,

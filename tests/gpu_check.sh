@@ -70,8 +70,8 @@ weight() { case $1 in smollm2-135m) echo 2 ;; *) echo 5 ;; esac; }
 bench_args() {
     case $1 in
         qwen2.5-0.5b) ;;
-        llama-3.2-1b) echo "--grpc-backends thread" ;;
-        *) echo "--skip-hf --grpc-backends thread" ;;
+        llama-3.2-1b) echo "--grpc-runs process" ;;
+        *) echo "--skip-hf --grpc-runs process" ;;
     esac
 }
 deadline=$(( START + TOTAL_SECONDS ))

@@ -299,6 +299,34 @@ def test_engine_session_busy_and_end_during_stream_cancels(engine, tokenizer):
         engine.submit(prompt, SamplingParams(max_new_tokens=4), session_id=sid)
 
 
+def test_stream_interval_gathers_tokens_without_changing_them(engine, checkpoint, tokenizer):
+    """stream_interval 4: the first token alone (its latency), then four a message, the end with the rest; the
+    same tokens, text and logprobs as one a message, a stop string cut at the same place; a cancelled stream's
+    last output carries the tokens held back, so every drawn token reaches the client."""
+    prompt = tokenizer.encode("Once upon a time, there was a little")
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=2)
+    each = collect(engine.submit(prompt, params))
+    stop = text_of(each)[len(text_of(each)) // 2:][:3]  # a stop string in the middle of the text
+    stopped = collect(engine.submit(prompt, SamplingParams(max_new_tokens=10, ignore_eos=True, stop=(stop,))))
+    with Engine(EngineConfig(dtype="float32", kv_cache_tokens=1024, stream_interval=4), checkpoint=checkpoint) as eng:
+        gathered = collect(eng.submit(prompt, params))
+        assert [len(o.token_ids) for o in gathered] == [1, 4, 4, 1]
+        assert tokens_of(gathered) == tokens_of(each) and text_of(gathered) == text_of(each)
+        assert [lp.token_id for o in gathered for lp in o.logprobs] == tokens_of(each)
+        cut = collect(eng.submit(prompt, SamplingParams(max_new_tokens=10, ignore_eos=True, stop=(stop,))))
+        assert (tokens_of(cut), text_of(cut)) == (tokens_of(stopped), text_of(stopped))
+        assert cut[-1].finish_reason is FinishReason.STOP and len(tokens_of(cut)) < 10
+
+        stream = eng.submit(prompt, SamplingParams(max_new_tokens=400, ignore_eos=True))
+        it = iter(stream)
+        got = [next(it), next(it)]
+        stream.cancel()
+        got += list(it)
+        assert got[-1].finish_reason is FinishReason.CANCELLED
+        assert len(tokens_of(got)) == got[-1].usage.completion_tokens > 5
+        assert_idle(eng)
+
+
 def test_engine_end_cancels_a_queued_turn_before_its_id_is_reused(checkpoint):
     """End while the session's turn still waits in the queue (the one batch slot is taken), then Start with
     the same id on the same loop: the old turn ends CANCELLED with no tokens and never enters the new session.

@@ -1,6 +1,7 @@
 """The Inference service over real gRPC on loopback: streams, sessions, cancellation, errors."""
 from __future__ import annotations
 
+import itertools
 import threading
 
 import grpc
@@ -10,6 +11,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from lmgate.engine.sampling import SamplingParams
 from lmgate.v1 import lmgate_pb2 as pb
+from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
+from tests.serving import serve_process
 
 GREEDY = pb.SamplingParams(max_new_tokens=24, ignore_eos=True)
 LONG = pb.SamplingParams(max_new_tokens=2000, ignore_eos=True)
@@ -49,6 +52,25 @@ def test_generate_stateless_matches_engine(server):
     assert text == server.engine.tokenizer.decode(ids)
     assert last.finish_reason == pb.FINISH_REASON_LENGTH
     assert last.usage.completion_tokens == 24 and last.usage.prompt_tokens == len(prompt)
+
+
+def test_serve_stream_interval_sends_fewer_messages_with_the_same_tokens(server):
+    """`lmgate serve --stream-interval 3`: the first token alone, then three a message (outputs that queue up
+    behind a slow reader go as one), the same tokens as the default's one a message. The server's engine loop
+    is a rank process (the default's on CUDA)."""
+    request = pb.GenerateRequest(tokens=pb.TokenIds(ids=[504, 3575, 282]), sampling=GREEDY)
+    proc, address = serve_process("--dtype", "float32", "--kv-cache-tokens", "1024", "--stream-interval", "3",
+                                  "--dp-backend", "process")
+    try:
+        with grpc.insecure_channel(address) as channel:
+            msgs = list(pb_grpc.InferenceStub(channel).Generate(request))
+    finally:
+        proc.terminate()
+        proc.wait()
+    sent = list(itertools.accumulate(len(m.token_ids) for m in msgs))  # a slow reader may get outputs merged
+    assert len(sent) > 1 and set(sent) <= {1, 4, 7, 10, 13, 16, 19, 22, 24}
+    assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert [t for m in msgs for t in m.token_ids] == collect(server.stub().Generate(request))[0]
 
 
 def test_generate_echoes_request_id_and_accepts_token_ids(server):

@@ -32,6 +32,7 @@ def bad_settings(taken_port: str) -> list[tuple[list[str], dict[str, str], str]]
         (["--port", "0", "--metrics-port", taken_port], {}, f"--metrics-port {taken_port}: cannot listen"),
         (["--port", "99999"], {}, "--port: must be 0..65535"),
         (["--max-batch-size", "0"], {}, "--max-batch-size: must be at least 1"),
+        (["--stream-interval", "0"], {}, "--stream-interval: must be at least 1"),
         (["--grace", "nan"], {}, "--grace"),
         ([], {"LMGATE_PORT": "abc"}, "--port: invalid int value: 'abc'"),
         ([], {"LMGATE_LOG_LEVEL": "chatty"}, "--log-level: invalid choice: 'CHATTY'"),
