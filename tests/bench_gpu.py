@@ -443,19 +443,38 @@ def stream_from_processes(address: str, requests: Requests, processes: int) -> t
     return sum(s[0] for s in shares), seconds, sum(s[3] for s in shares) / seconds
 
 
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """CPU seconds used so far by process `pid` itself and by its children (a server's rank processes), from
+    /proc: user and system time."""
+    def used(p: int) -> float:
+        with open(f"/proc/{p}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            children += [int(c) for c in f.read().split()]
+    return used(pid), sum(used(c) for c in children)
+
+
 def grpc_figures(config: EngineConfig, warmup: Requests, offline: Requests) -> dict[str, float]:
     """The offline workload through `lmgate serve` (a child process with the engine's settings, its engine loop
     a thread of the server or, with `dp_backend="process"`, a process of its own with its own GIL), after the
-    same warm-up, from CLIENT_PROCESSES clients; and their CPU use, in cores, which says whether the clients
-    rather than the server were the bottleneck."""
+    same warm-up, from CLIENT_PROCESSES clients; and the CPU use, in cores, of the clients, the serving process
+    and its rank process: which of them, if any, was the bottleneck."""
     proc, address = serve_process(*serve_flags(config))
     try:
         asyncio.run(stream_all(address, warmup))
+        before = cpu_seconds(proc.pid)
         tokens, seconds, cores = stream_from_processes(address, offline, CLIENT_PROCESSES)
+        server, ranks = (b - a for a, b in zip(before, cpu_seconds(proc.pid)))
     finally:
         proc.terminate()
         proc.wait()
-    return {"grpc_tps": tokens / seconds, "grpc_client_cores": cores, "grpc_client_processes": CLIENT_PROCESSES}
+    return {"grpc_tps": tokens / seconds, "grpc_client_cores": cores, "grpc_client_processes": CLIENT_PROCESSES,
+            "grpc_server_cores": server / seconds, "grpc_rank_cores": ranks / seconds,
+            "grpc_server_us_per_token": server / tokens * 1e6}
 
 
 # ------------------------------------------------------------------------------------------------ limits
@@ -562,14 +581,17 @@ def report(meta: dict, results: dict[str, dict], w: Workload) -> None:
     print(f"\nThe same workload through gRPC, every stream at once (goal: {GRPC_GOAL:.0%} of the engine alone); the "
           f"engine loop a process of its own (--dp-backend process) or a thread of the server; tokens per message "
           f"(--stream-interval); the streams shared "
-          f"out over {CLIENT_PROCESSES} client processes, their CPU use in cores\n")
-    print("| model | backend | stream interval | gRPC tok/s | of the engine | client cores |")
-    print("|---|---|--:|--:|--:|--:|")
+          f"out over {CLIENT_PROCESSES} client processes; the CPU use, in cores, of the clients, the serving process "
+          f"(with the thread backend, its engine loop too) and its rank process\n")
+    print("| model | backend | stream interval | gRPC tok/s | of the engine | client cores | server cores | rank cores "
+          "| server CPU µs/token |")
+    print("|---|---|--:|--:|--:|--:|--:|--:|--:|")
     for name, r in with_figure(results, "offline_tps"):
         for run, g in r.get("grpc", {}).items():
             backend, _, interval = run.partition(":")
             print(f"| {name} | {backend} | {interval or 1} | {fmt(g['grpc_tps'])} | "
-                  f"{ratio(g['grpc_tps'], r['offline_tps'])} | {g['grpc_client_cores']:.2f} |")
+                  f"{ratio(g['grpc_tps'], r['offline_tps'])} | {g['grpc_client_cores']:.2f} | {g['grpc_server_cores']:.2f} | "
+                  f"{g['grpc_rank_cores']:.2f} | {g['grpc_server_us_per_token']:.1f} |")
 
     print("\nWhere an offline step's time went, ms per step (mean over the run's steps), with overlap scheduling "
           "(the engine's default on CUDA; a CPU runs one step at a time either way) and without: forward and sample only queue work on a GPU, fetch waits for "
