@@ -282,6 +282,19 @@ def test_size_one_needs_no_threads() -> None:
     assert (sub.rank, sub.size, sub.all_gather("s")) == (0, 1, ["s"])
 
 
+def _lone_rank(c: HostComm) -> str:
+    assert c.all_reduce([3, 4], RedOp.SUM) == [3, 4] and c.all_reduce(5, RedOp.MIN) == 5
+    c.abort()
+    with pytest.raises(CommAborted):
+        c.all_reduce(1, RedOp.SUM)
+    return "aborted"
+
+
+def test_gloo_group_of_one_reduces_to_its_own_value_until_aborted(on_ranks) -> None:
+    """A lone rank (one engine loop as a process) answers its every-step reduction itself."""
+    assert on_ranks("gloo", 1, _lone_rank) == ["aborted"]
+
+
 def test_create_group_rejects_empty_group() -> None:
     with pytest.raises(ValueError):
         ThreadComm.create_group(0)

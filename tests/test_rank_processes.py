@@ -5,6 +5,7 @@ The session, cancel, end, sleep and stress tests run over processes too, through
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -14,7 +15,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lmgate.engine.config import EngineConfig
-from lmgate.engine.errors import InvalidRequest
+from lmgate.engine.errors import InvalidRequest, Unavailable
+from lmgate.engine.request import FinishReason, RequestOutput, TokenLogprob, Usage
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 from tests.serving import StreamEnds, serve_process
@@ -42,6 +44,19 @@ def test_each_rank_is_a_process_and_info_counts_them_all(process_ranks_server, s
     assert info.engine_loops == 2 and info.kv_blocks_total == 2 * 8192 // info.kv_block_size
     assert info.weights_bytes == 2 * server.info().weights_bytes > 0  # each rank holds its own copy of the weights
     assert len(rank_pids(os.getpid())) >= 2
+
+
+def test_an_output_crosses_the_pipe_whole():
+    """Every field of a RequestOutput survives the pickling a rank's outputs cross to the server by."""
+    full = RequestOutput("r-1", 7, token_ids=[5, 6], text="hi", logprobs=[TokenLogprob(5, -0.5, [(5, -0.5), (9, -1.0)])],
+                         finish_reason=FinishReason.LENGTH, usage=Usage(3, 2, 1, 0.25))
+    failed = RequestOutput("r-2", 0, error=Unavailable("engine rank 0 has gone"))
+    for output in (full, failed, RequestOutput("r-3", 0)):
+        copy = pickle.loads(pickle.dumps(output))
+        assert (copy.request_id, copy.session_id, copy.token_ids, copy.text, copy.logprobs, copy.finish_reason,
+                copy.usage) == (output.request_id, output.session_id, output.token_ids, output.text, output.logprobs,
+                                output.finish_reason, output.usage)
+        assert type(copy.error) is type(output.error) and str(copy.error) == str(output.error)
 
 
 def test_auto_takes_processes_on_cuda_only():

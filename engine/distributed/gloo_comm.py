@@ -113,6 +113,9 @@ class GlooComm(HostComm):
         return [pickle.loads(d[: int(n)].numpy().tobytes()) for d, n in zip(self._gather(padded), lengths)]
 
     def all_reduce(self, value: int | list[int], op: RedOp) -> int | list[int]:
+        if self._size == 1:  # a lone rank's own value: no round trip through gloo's thread at every step's pop
+            self._check_open()
+            return list(value) if isinstance(value, list) else value
         values = value if isinstance(value, list) else [value]
         shape = -1 if isinstance(value, int) else len(values)  # -1: a scalar
         lo, hi = self._reduce(torch.tensor([-shape, shape]), ReduceOp.MAX).tolist()
@@ -166,9 +169,7 @@ class GlooComm(HostComm):
     def _run(self, start: Callable[[], Work]) -> None:
         """Start a collective, unless aborted, and wait until it completes or this communicator is aborted.
         gloo's failures (a peer gone, the timeout) abort it, so every later call raises too."""
-        with self._lock:
-            if self._aborted:
-                raise CommAborted("host communicator aborted")
+        self._check_open()
         work = start()
         future, done = work.get_future(), self._done
         # The callback runs on gloo's thread and must not hold this object: dropping the last reference to a
@@ -195,6 +196,11 @@ class GlooComm(HostComm):
             if by_peer:
                 raise CommAborted("host communicator aborted by a peer") from exc
             raise CommAborted(f"a collective failed: {str(exc).splitlines()[0]}") from exc
+
+    def _check_open(self) -> None:
+        with self._lock:
+            if self._aborted:
+                raise CommAborted("host communicator aborted")
 
     def _peer_aborted(self) -> bool:
         try:
