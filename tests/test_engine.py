@@ -299,16 +299,19 @@ def test_engine_session_busy_and_end_during_stream_cancels(engine, tokenizer):
         engine.submit(prompt, SamplingParams(max_new_tokens=4), session_id=sid)
 
 
-def test_stream_interval_gathers_tokens_without_changing_them(engine, checkpoint, tokenizer):
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_stream_interval_gathers_tokens_without_changing_them(engine, checkpoint, tokenizer, overlap):
     """stream_interval 4: the first token alone (its latency), then four a message, the end with the rest; the
     same tokens, text and logprobs as one a message, a stop string cut at the same place; a cancelled stream's
-    last output carries the tokens held back, so every drawn token reaches the client."""
+    last output carries the tokens held back, so every drawn token reaches the client. With overlap scheduling
+    too (the default on CUDA), where the draw after a stop is dropped."""
     prompt = tokenizer.encode("Once upon a time, there was a little")
     params = SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=2)
     each = collect(engine.submit(prompt, params))
     stop = text_of(each)[len(text_of(each)) // 2:][:3]  # a stop string in the middle of the text
     stopped = collect(engine.submit(prompt, SamplingParams(max_new_tokens=10, ignore_eos=True, stop=(stop,))))
-    with Engine(EngineConfig(dtype="float32", kv_cache_tokens=1024, stream_interval=4), checkpoint=checkpoint) as eng:
+    config = EngineConfig(dtype="float32", kv_cache_tokens=1024, stream_interval=4, overlap_scheduling=overlap)
+    with Engine(config, checkpoint=checkpoint) as eng:
         gathered = collect(eng.submit(prompt, params))
         assert [len(o.token_ids) for o in gathered] == [1, 4, 4, 1]
         assert tokens_of(gathered) == tokens_of(each) and text_of(gathered) == text_of(each)

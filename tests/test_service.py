@@ -57,10 +57,10 @@ def test_generate_stateless_matches_engine(server):
 def test_serve_stream_interval_sends_fewer_messages_with_the_same_tokens(server):
     """`lmgate serve --stream-interval 3`: the first token alone, then three a message (outputs that queue up
     behind a slow reader go as one), the same tokens as the default's one a message. The server's engine loop
-    is a rank process (the default's on CUDA)."""
+    is a rank process that overlaps its steps (the defaults on CUDA)."""
     request = pb.GenerateRequest(tokens=pb.TokenIds(ids=[504, 3575, 282]), sampling=GREEDY)
     proc, address = serve_process("--dtype", "float32", "--kv-cache-tokens", "1024", "--stream-interval", "3",
-                                  "--dp-backend", "process")
+                                  "--dp-backend", "process", "--overlap-scheduling", "on")
     try:
         with grpc.insecure_channel(address) as channel:
             msgs = list(pb_grpc.InferenceStub(channel).Generate(request))
