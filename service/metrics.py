@@ -53,7 +53,7 @@ class Metrics:
         self.weight_updates = counter("lmgate_weight_updates", "Completed UpdateWeights calls").labels(self.model_name)
         self.ttft = histogram("lmgate_time_to_first_token_seconds", "From the Generate call to its first token", LATENCY_BUCKETS)
         self.itl = histogram("lmgate_inter_token_latency_seconds", "Between two messages of a stream (tokens merged "
-                             "while a client is slow arrive as one)", LATENCY_BUCKETS)
+                             "while a client is slow, or gathered by --stream-interval, arrive as one)", LATENCY_BUCKETS)
         self.tpot = histogram("lmgate_time_per_output_token_seconds", "A request's decode time per token after "
                               "the first", LATENCY_BUCKETS)
         self.e2e = histogram("lmgate_e2e_request_latency_seconds", "From the Generate call to its last message", LATENCY_BUCKETS)
