@@ -1,6 +1,7 @@
 """The engine as a Python library: load a model, start the engine loops, submit, stream, cancel."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import queue
@@ -112,6 +113,7 @@ class Engine:
         self.vocab_size = min(ckpt.tokenizer.vocab_size, ckpt.config.vocab_size)
         self.sleeping: set[str] = set()  # of SLEEP_TAGS; written only under _admin_lock
         self._admin_lock = threading.Lock()  # serializes sleep / wakeup / update_weights; loops never take it
+        self._shut_down = False  # set once by `shutdown`; admin calls read it under _admin_lock
         if not config.kv_cache_tokens:
             tokens = auto_kv_cache_tokens(config, ckpt.config, self.dtype, self.kv_dtype)
             self.config = config = dataclasses.replace(config, kv_cache_tokens=tokens)
@@ -288,12 +290,20 @@ class Engine:
 
     # sleep and wake-up -------------------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _admin(self) -> Iterator[None]:
+        """One admin call at a time, none after shutdown (the ranks it would wait for have gone)."""
+        with self._admin_lock:
+            if self._shut_down:
+                raise Unavailable("the engine has shut down")
+            yield
+
     def sleep(self, level: int) -> None:
         """Close admission, end every stream (CANCELLED) and session, then free memory: level 1 the KV cache
         (weights kept in host memory), level 2 the weights too. Returns once the memory is released."""
         if level not in (1, 2):
             raise InvalidRequest(f"sleep level must be 1 or 2, got {level}")
-        with self._admin_lock:
+        with self._admin():
             self.gateway.close_admission(SLEEP_GATE, "the engine is asleep: call Admin.Wakeup first")
             if "kv_cache" not in self.sleeping:
                 self.gateway.control(RequestKind.SLEEP)  # each loop: cancel, end sessions, free its KV
@@ -312,7 +322,7 @@ class Engine:
         unknown = set(tags) - set(SLEEP_TAGS)
         if unknown:
             raise InvalidRequest(f"unknown wake-up tags {sorted(unknown)}; known: {list(SLEEP_TAGS)}")
-        with self._admin_lock:
+        with self._admin():
             wanted = set(tags or SLEEP_TAGS) & self.sleeping
             if "weights" in wanted:
                 self.ranks.restore_weights()
@@ -329,7 +339,7 @@ class Engine:
         Loops pick the new model up at their next step; a step in flight finishes on the old one."""
         if not path:
             raise InvalidRequest("path is required: a Hugging Face model directory or a .gguf file")
-        with self._admin_lock:
+        with self._admin():
             if "weights" in self.sleeping:
                 raise Unavailable("the weights are asleep: call Admin.Wakeup with tag 'weights' first")
             _check_same_shape(read_config(path), self.model_config)
@@ -344,6 +354,7 @@ class Engine:
         """Refuse new work, cancel what runs, join the loops; every stream gets its last output. Then free
         the KV caches and the weights at once, rather than whenever the garbage collector breaks the
         engine's reference cycles."""
+        self._shut_down = True
         self.gateway.shutdown()
         self.ranks.shutdown()
         self.gateway.stop_signals()

@@ -147,21 +147,27 @@ class EngineLoop:
 
     # the loop ----------------------------------------------------------------------------------------------
 
-    def run(self) -> None:
+    def run(self) -> str | None:
+        """Until the Gateway shuts down (returns None), or until this loop or a peer fails: then it stops
+        the engine and returns why, for its owner to report (`Ranks.failure`)."""
         torch.set_num_threads(self.num_threads)  # also what threads started later take as their default
+        failure = None
         try:
             use_device(self.runner.device)  # Triton launches, streams and graphs follow the current device
             self._run()
         except CommAborted:  # a peer rank failed (its thread raised, or its process died): so does this one
-            error = Unavailable("an engine rank failed; the server is stopping")
+            failure = "an engine rank failed"
+            error = Unavailable(f"{failure}; the server is stopping")
             self._fail_all(error)
             self.gateway.shutdown(error)
-        except Exception:
+        except Exception as exc:
             log.exception("engine loop %d failed; stopping the engine", self.rank)
+            failure = f"engine loop {self.rank} failed: {exc}"
             self.comm.abort()  # release the peers from their collectives
             self.gateway.shutdown()
         self._cancel_all()
         self._flush()
+        return failure
 
     def _run(self) -> None:
         while True:
@@ -315,8 +321,9 @@ class EngineLoop:
         session.num_computed = keep
 
     def _ended_while_queued(self, request: Request) -> bool:
-        """Work queued before a sleep or shutdown closed admission, or whose session ended meanwhile."""
-        if self.gateway.admission_closed() is not None:
+        """Work queued before a sleep or shutdown closed admission, or whose session ended meanwhile. A rank in
+        a process of its own has no gates: there a sleep that overtook a queued turn shows as the KV cache gone."""
+        if self.gateway.admission_closed() is not None or not self.runner.kv_caches:
             return True
         return not request.stateless and self.gateway.binding.find(request.session_id) != self.rank
 

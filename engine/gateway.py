@@ -1,19 +1,21 @@
 """The Gateway, after TurboMind's: routes requests to engine loops and delivers their outputs.
 
-Lock order (each a leaf; no thread waits on one while holding another):
-  SequenceBinding._lock, RequestQueue._lock, CancelFlag._lock, Gateway._admission_lock, Gateway._arrivals,
-  Gateway._signal_cond.
+Lock order: `Gateway._admission_lock` is held across a Start's binding and a Generate's enqueue (so that once
+a gate has closed, nothing that passed it is still on its way to a queue); under it, and otherwise each a leaf:
+  SequenceBinding._lock, RequestQueue._lock (or a RemoteQueue's), CancelFlag._lock, Gateway._arrivals.
+Gateway._signal_cond is a leaf. No thread waits on one while holding another.
 Callbacks run on the signal thread with no lock held. Engine loops wait on `_arrivals` (idle) and in the host
 communicator's collectives (every step), never while holding a lock.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import random
 import threading
 from collections import deque
-from typing import Callable
+from typing import Callable, Iterator
 
 from .errors import EngineError, ResourceExhausted, SessionExists, Unavailable
 from .distributed import HostComm, RedOp
@@ -48,7 +50,9 @@ class Gateway:
     # admission ---------------------------------------------------------------------------------------------
 
     def close_admission(self, gate: str, message: str) -> None:
-        """Refuse Start and Generate while any gate is closed (sleep, shutdown), with that gate's message."""
+        """Refuse Start and Generate while any gate is closed (sleep, shutdown), with that gate's message. On
+        return, every Start and Generate admitted before has bound its session or reached its queue: a control
+        request queued after this follows them."""
         with self._admission_lock:
             self._closed_gates[gate] = message
 
@@ -61,42 +65,45 @@ class Gateway:
         with self._admission_lock:
             return next(iter(self._closed_gates.values()), None)
 
-    def check_admission(self) -> None:
-        message = self.admission_closed()
-        if message is not None:
-            raise Unavailable(message)
+    @contextlib.contextmanager
+    def _admitted(self) -> Iterator[None]:
+        """Holds admission open for the caller's block, or raises UNAVAILABLE with a closed gate's message."""
+        with self._admission_lock:
+            if self._closed_gates:
+                raise Unavailable(next(iter(self._closed_gates.values())))
+            yield
 
     # caller side -------------------------------------------------------------------------------------------
 
     def start_session(self, session_id: int) -> int:
         """Bind a new session to an engine loop, round robin; 0 picks an unused id."""
-        self.check_admission()
-        rank = self._next_loop()
-        if session_id:
-            self.binding.bind(session_id, rank)
-            return session_id
-        while True:
-            session_id = random.getrandbits(63) + 1
-            try:
+        with self._admitted():
+            rank = self._next_loop()
+            if session_id:
                 self.binding.bind(session_id, rank)
                 return session_id
-            except SessionExists:  # an id collision: draw again
-                continue
+            while True:
+                session_id = random.getrandbits(63) + 1
+                try:
+                    self.binding.bind(session_id, rank)
+                    return session_id
+                except SessionExists:  # an id collision: draw again
+                    continue
 
     def push(self, request: Request) -> None:
         """Queue a generate request: stateless ones round robin, session turns to their session's loop."""
-        self.check_admission()
-        if request.stateless:
-            rank = self._next_loop()
-        else:
-            rank = self.binding.claim(request.session_id, request)
-        try:
-            if not self.enqueue(rank, request):
-                raise Unavailable("the engine is shutting down")
-        except (Unavailable, ResourceExhausted):  # refused: the session is free for its next turn
-            if not request.stateless:
-                self.binding.release(request.session_id, request)
-            raise
+        with self._admitted():
+            if request.stateless:
+                rank = self._next_loop()
+            else:
+                rank = self.binding.claim(request.session_id, request)
+            try:
+                if not self.enqueue(rank, request):
+                    raise Unavailable("the engine is shutting down")
+            except (Unavailable, ResourceExhausted):  # refused: the session is free for its next turn
+                if not request.stateless:
+                    self.binding.release(request.session_id, request)
+                raise
 
     def control(self, kind: RequestKind) -> None:
         """Send a control request to every engine loop and wait until each has handled it at a step boundary;

@@ -5,7 +5,7 @@ import threading
 from collections import deque
 
 from .errors import ResourceExhausted
-from .request import Request, RequestKind
+from .request import CancelFlag, Request, RequestKind
 
 
 class RequestQueue:
@@ -23,11 +23,14 @@ class RequestQueue:
 
     def push(self, request: Request) -> bool:
         """False once the queue is closed; the caller then refuses the request itself. A generate beyond
-        `max_generates` waiting is refused; kills and controls always get in."""
+        `max_generates` waiting is refused (those cancelled while waiting no longer count); kills and
+        controls always get in."""
         with self._lock:
             if self._closed:
                 return False
             if request.kind is RequestKind.GENERATE:
+                if self._num_generates >= self.max_generates:
+                    self._drop_cancelled()
                 if self._num_generates >= self.max_generates:
                     raise ResourceExhausted(f"this engine loop's queue is full ({self._num_generates} waiting); retry later")
                 self._num_generates += 1
@@ -37,21 +40,32 @@ class RequestQueue:
     def pop(self, max_infer: int) -> list[Request] | None:
         """Every kill and control request, and up to `max_infer` generate requests, in arrival order; None
         once closed and empty. Never waits. Generates that do not fit stay queued; kills and controls never
-        wait behind them (the engine loop handles a generate whose session ended meanwhile)."""
+        wait behind them (the engine loop handles a generate whose session ended meanwhile). Generates
+        cancelled while waiting are dropped: their streams have ended, and they take no place in the batch."""
         with self._lock:
             if self._closed and not self._items:
                 return None
             taken: list[Request] = []
             left: deque[Request] = deque()
             for r in self._items:
-                if r.kind is RequestKind.GENERATE and max_infer == 0:
-                    left.append(r)
-                    continue
-                max_infer -= r.kind is RequestKind.GENERATE
+                if r.kind is RequestKind.GENERATE:
+                    if r.cancel_flag.value == CancelFlag.CANCELLED:
+                        self._num_generates -= 1
+                        continue
+                    if max_infer == 0:
+                        left.append(r)
+                        continue
+                    max_infer -= 1
+                    self._num_generates -= 1
                 taken.append(r)
             self._items = left
-            self._num_generates -= sum(r.kind is RequestKind.GENERATE for r in taken)
             return taken
+
+    def _drop_cancelled(self) -> None:
+        """Under `_lock`. A generate is CANCELLED here only by `Gateway.cancel`, which has ended its stream."""
+        kept = deque(r for r in self._items if r.kind is not RequestKind.GENERATE or r.cancel_flag.value != CancelFlag.CANCELLED)
+        self._num_generates -= len(self._items) - len(kept)
+        self._items = kept
 
     @property
     def num_generates(self) -> int:

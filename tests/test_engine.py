@@ -23,7 +23,7 @@ import transformers
 from lmgate.engine.config import EngineConfig
 from lmgate.engine.engine import Engine
 from lmgate.engine.errors import ContextOverflow, InternalError, InvalidRequest, SessionBusy, SessionNotFound, Unavailable
-from lmgate.engine.request import FinishReason
+from lmgate.engine.request import FinishReason, RequestKind
 from lmgate.engine.sampling import SamplingParams
 
 REPLACEMENT = "\ufffd"
@@ -378,6 +378,44 @@ def test_engine_wakeup_that_cannot_allocate_the_kv_cache_fails_and_can_be_retrie
         eng.wakeup()
         assert not eng.sleeping and eng.generate(prompt, params).token_ids == before
         assert_idle(eng)
+
+
+def test_a_turn_that_a_sleep_overtook_ends_cancelled_instead_of_running_without_a_kv_cache(checkpoint):
+    """A rank in a process of its own has no admission gates (the serving process keeps them), and a SLEEP
+    never waits behind generates: a turn queued behind a full batch can be popped after the sleep freed the
+    loop's KV cache. It ends CANCELLED, as a sleep ends every stream; it must not run with no cache at all."""
+    with Engine(EngineConfig(dtype="float32", kv_cache_tokens=512), checkpoint=checkpoint) as eng:
+        prompt, params = [504, 3575, 282, 4649, 314], SamplingParams(max_new_tokens=8, ignore_eos=True)
+        before = eng.generate(prompt, params).token_ids
+        eng.gateway.control(RequestKind.SLEEP)  # what a rank process's gateway does with SLEEP: no gate closes
+        late = eng.generate(prompt, params)
+        assert late.finish_reason is FinishReason.CANCELLED and late.token_ids == []
+        eng.gateway.control(RequestKind.WAKE_KV)
+        assert eng.generate(prompt, params).token_ids == before
+        assert_idle(eng)
+
+
+def test_an_engine_loop_that_fails_by_itself_reports_it_and_ends_every_stream(checkpoint):
+    """An error outside any step (here the loop's pop raises) stops the engine: the streams end, and the
+    failure reaches the listeners (the server then reports NOT_SERVING and exits non-zero) instead of
+    leaving a server that refuses everything while looking healthy."""
+    with Engine(EngineConfig(dtype="float32", kv_cache_tokens=512), checkpoint=checkpoint) as eng:
+        reasons: list[str] = []
+        eng.on_failure(reasons.append)
+        running = eng.submit([504, 3575, 282], SamplingParams(max_new_tokens=400, ignore_eos=True))
+        next(iter(running))  # it runs
+        pop = eng.gateway.pop
+
+        def broken_pop(*args):
+            raise RuntimeError("the queue broke")
+
+        eng.gateway.pop = broken_pop
+        outs = list(running)  # a hang here is the bug
+        eng.gateway.pop = pop
+        assert outs[-1].finish_reason is FinishReason.CANCELLED
+        assert eng.failure == reasons[0] and "the queue broke" in reasons[0] and len(reasons) == 1
+        with pytest.raises(Unavailable):
+            eng.submit([504], SamplingParams(max_new_tokens=1))
 
 
 def _raised(call, *args) -> list[BaseException]:

@@ -5,15 +5,17 @@ The ranks here are plain threads playing engine loops, calling `Gateway.pop` as 
 from __future__ import annotations
 
 import random
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import pytest
 
-from lmgate.engine.errors import Unavailable
+from lmgate.engine.errors import ResourceExhausted, Unavailable
 from lmgate.engine.gateway import Gateway
 from lmgate.engine.distributed import CommAborted, ThreadComm
 from lmgate.engine.request import CancelFlag, Request, RequestKind
+from lmgate.engine.request_queue import RequestQueue
 from lmgate.engine.sampling import SamplingParams
 
 LOOPS = 3
@@ -142,3 +144,69 @@ def push_in_pairs(gateway: Gateway, requests: list[Request], taken: list[list[Re
         while sum(map(len, taken)) < n + 2:
             assert time.monotonic() < guard, f"request {n + 1} was never taken"
             time.sleep(0.0002)
+
+
+def test_requests_cancelled_while_queued_give_their_places_back():
+    """A cancelled stream has ended: its request no longer fills the queue, nor a place in the next batch."""
+    gw = Gateway(1, max_queued=2)
+    try:
+        dead = [generate_request() for _ in range(2)]
+        for r in dead:
+            gw.push(r)
+            gw.cancel(r)
+        live = [generate_request(), generate_request()]
+        for r in live:
+            gw.push(r)  # the queue holds 2: refused before the cancelled ones gave their places back
+        with pytest.raises(ResourceExhausted):
+            gw.push(generate_request())
+        comm = ThreadComm.create_group(1)[0]
+        assert gw.pop(0, 1, False, comm) == live[:1]
+        assert gw.queues[0].num_generates == 1
+    finally:
+        gw.shutdown()
+        gw.stop_signals()
+
+
+class PausingQueue(RequestQueue):
+    """A real queue whose pushes wait for `go` once `paused` is set: a caller preempted inside its enqueue."""
+
+    def __init__(self) -> None:
+        super().__init__(8)
+        self.paused, self.entered, self.go = threading.Event(), threading.Event(), threading.Event()
+
+    def push(self, request: Request) -> bool:
+        if self.paused.is_set():
+            self.entered.set()
+            self.go.wait()
+        return super().push(request)
+
+
+def test_a_gate_closes_only_once_every_request_it_admitted_is_queued():
+    """Sleep closes admission, then queues its control request: a Generate admitted before must be queued
+    ahead of it (in a rank process, which sees no gate, a turn queued after the sleep would run with no KV
+    cache), and one that comes after is refused."""
+    queue = PausingQueue()
+    gw = Gateway(queues=[queue])
+    try:
+        admitted = generate_request()
+        queue.paused.set()
+        with ThreadPoolExecutor(2) as pool:
+            try:
+                pushing = pool.submit(gw.push, admitted)
+                assert queue.entered.wait(60)
+                closing = pool.submit(gw.close_admission, "sleep", "asleep")
+                assert not wait([closing], timeout=0.2).done  # still waits for the push it admitted
+            finally:
+                queue.paused.clear()
+                queue.go.set()
+            pushing.result(timeout=60)
+            closing.result(timeout=60)
+        gw.enqueue(0, Request(RequestKind.SLEEP, 0, lambda _: None))
+        assert [r.kind for r in queue.pop(8)] == [RequestKind.GENERATE, RequestKind.SLEEP]
+        with pytest.raises(Unavailable, match="asleep"):
+            gw.push(generate_request())
+        with pytest.raises(Unavailable, match="asleep"):
+            gw.start_session(0)
+    finally:
+        gw.shutdown()
+        gw.stop_signals()

@@ -9,12 +9,16 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
+from typing import Callable
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from lmgate.engine.config import EngineConfig
+from lmgate.engine.config import DP_BACKENDS, EngineConfig
+from lmgate.engine.engine import Engine
+from lmgate.engine.loader import embedded_model_path
 from lmgate.engine.errors import InvalidRequest, Unavailable
 from lmgate.engine.request import FinishReason, RequestOutput, TokenLogprob, Usage
 from lmgate.v1 import lmgate_pb2 as pb
@@ -68,6 +72,38 @@ def test_auto_takes_processes_on_cuda_only():
     assert EngineConfig(dp_backend="process").rank_processes
     with pytest.raises(InvalidRequest, match="dp_backend must be one of auto, thread, process"):
         EngineConfig(dp_backend="fibers")
+
+
+def raised_on_a_thread(call: Callable[[], object]) -> BaseException | None:
+    """What `call` raised, run on a daemon thread so that a call left waiting fails the test, not hangs it."""
+    raised: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call()
+            raised.append(None)
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(GUARD)
+    assert raised, "the call never returned"
+    return raised[0]
+
+
+@pytest.mark.parametrize("backend", DP_BACKENDS)
+def test_admin_calls_after_shutdown_are_refused_not_left_waiting(checkpoint, backend):
+    """Sleep, Wakeup and UpdateWeights wait for every rank to answer: once the ranks have gone, they get
+    UNAVAILABLE. A weight call that slipped past the engine's check (racing with shutdown) too."""
+    engine = Engine(EngineConfig(dtype="float32", kv_cache_tokens=512, dp_backend=backend), checkpoint=checkpoint)
+    engine.shutdown()
+    calls = [lambda: engine.sleep(1), engine.wakeup, lambda: engine.update_weights(embedded_model_path())]
+    if backend == "process":
+        calls.append(engine.ranks.offload_weights)
+    for call in calls:
+        error = raised_on_a_thread(call)
+        assert isinstance(error, Unavailable) and "shut down" in str(error), error
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="finds the rank processes through /proc")
@@ -127,7 +163,9 @@ def test_a_rank_killed_while_idle_stops_the_server():
 
 OWNER_THAT_FORGETS_SHUTDOWN = """
 import os
-from lmgate.engine.config import EngineConfig
+from lmgate.engine.config import DP_BACKENDS, EngineConfig
+from lmgate.engine.engine import Engine
+from lmgate.engine.loader import embedded_model_path
 from lmgate.engine.engine import Engine
 engine = Engine(EngineConfig(dp_backend="process", engine_loops=1, dtype="float32", kv_cache_tokens=1024))
 print(" ".join(str(p.pid) for p in engine.ranks._procs.values()), flush=True)

@@ -120,7 +120,8 @@ def node_specs_key(node: int) -> str:
 
 class ProcessRanks(Ranks):
     """Owns the rank processes, the sockets to them, the TCPStore their `GlooComm` meets at, and the receiver
-    thread. `_lock` guards `_stats`, `_weights_bytes` and `_acks` (a condition waited on by weight calls).
+    thread. `_lock` guards `_stats`, `_weights_bytes`, `_shut_down` and `_acks` (a condition waited on by
+    weight calls).
     `_procs` holds this node's rank processes, by world rank; the others are `remote` ranks."""
 
     def __init__(self, config: EngineConfig, model_path: str, max_context_length: int, threads_per_loop: int,
@@ -157,6 +158,7 @@ class ProcessRanks(Ranks):
         self._lock = threading.Lock()
         self._acks = threading.Condition(self._lock)
         self._pending_acks: dict[int, list] = {}  # wire id -> [ranks yet to answer, first error]
+        self._shut_down = False
         self._gateway: Gateway | None = None
         self._receiver: threading.Thread | None = None
 
@@ -281,9 +283,13 @@ class ProcessRanks(Ranks):
         with self._lock:
             if self.failure is not None:
                 raise Unavailable(f"{self.failure}: the server is stopping")
+            if self._shut_down:
+                raise Unavailable("the engine has shut down")
             self._pending_acks[wire_id] = [len(links), None]
         for link in links:
-            link.send(("weights", wire_id, action, argument))
+            if not link.send(("weights", wire_id, action, argument)):  # its process has gone: no answer will come
+                with self._lock:
+                    self._ack(wire_id, Unavailable(f"engine rank {self._links.index(link)} has gone"))
         with self._lock:
             self._acks.wait_for(lambda: self._pending_acks[wire_id][0] == 0)
             error = self._pending_acks.pop(wire_id)[1]
@@ -382,8 +388,7 @@ class ProcessRanks(Ranks):
                 else:
                     signals.append((request, RequestOutput("", request.session_id, finish_reason=FinishReason.STOP)))
         self._gateway.notify(signals)
-        for listener in self._failure_listeners:
-            listener(reason)
+        self._tell_listeners(reason)
 
     # shutdown ----------------------------------------------------------------------------------------------
 
@@ -395,7 +400,8 @@ class ProcessRanks(Ranks):
         self._kill_all()
         if self._receiver is not None:
             self._receiver.join()
-        with self._lock:  # a weight call whose ranks exited before answering
+        with self._lock:  # a weight call whose ranks exited before answering; later ones are refused
+            self._shut_down = True
             for wire_id in self._pending_acks:
                 self._pending_acks[wire_id] = [0, Unavailable("the engine has shut down")]
             self._acks.notify_all()

@@ -53,3 +53,8 @@ class Ranks(abc.ABC):
     def on_failure(self, listener: Callable[[str], None]) -> None:
         """`listener(reason)` runs once if a rank dies (on the thread that noticed, without locks held)."""
         self._failure_listeners.append(listener)
+
+    def _tell_listeners(self, reason: str) -> None:
+        """Once, by whoever set `failure`, with no lock held."""
+        for listener in self._failure_listeners:
+            listener(reason)

@@ -33,6 +33,7 @@ class ThreadRanks(Ranks):
         self.queues = [RequestQueue(config.max_queued_requests) for _ in range(config.engine_loops)]
         self.loops: list[EngineLoop] = []
         self._threads: list[threading.Thread] = []
+        self._failure_lock = threading.Lock()  # guards `failure`; a leaf
 
     def start(self, gateway: Gateway) -> None:
         comms = ThreadComm.create_group(self.config.engine_loops)
@@ -41,10 +42,20 @@ class ThreadRanks(Ranks):
                              self.max_context_length, self.threads_per_loop)
             for comm in comms
         ])
-        self._threads = [threading.Thread(target=loop.run, name=f"lmgate-engine-{loop.rank}", daemon=True)
+        self._threads = [threading.Thread(target=self._serve, args=(loop,), name=f"lmgate-engine-{loop.rank}", daemon=True)
                          for loop in self.loops]
         for t in self._threads:
             t.start()
+
+    def _serve(self, loop: EngineLoop) -> None:
+        """A loop that stops by itself (it or a peer failed) has stopped the engine: the first says why."""
+        reason = loop.run()
+        with self._failure_lock:
+            first = reason is not None and self.failure is None
+            if first:
+                self.failure = reason
+        if first:
+            self._tell_listeners(reason)
 
     def stats(self) -> list[LoopStats]:
         return [loop.stats() for loop in self.loops]
