@@ -56,20 +56,24 @@ class _ClientBase(abc.ABC, Generic[StreamT]):
         chat template) or `token_ids`. `session_id` 0 is a stateless request; `request_id` "" lets the server
         pick one (every delta carries it). `sampling` are SamplingParams' fields (max_new_tokens, temperature,
         top_p, top_k, min_p, seed, stop, ...). The request is built and checked here; it is sent now, and
-        leaving the iterator early cancels it on the server.
+        leaving the iterator early cancels it on the server (a session's turn by a Cancel call first, so that
+        the session's next turn may follow at once).
         """
         request = generate_request(
             prompt, messages=messages, token_ids=token_ids, session_id=session_id, request_id=request_id, **sampling
         )
-        return self._stream(self._inference.Generate(request, timeout=self._timeout, metadata=self._session_metadata(session_id)))
+        call = self._inference.Generate(request, timeout=self._timeout, metadata=self._session_metadata(session_id))
+        return self._stream(call, session_id)
 
     def _session_metadata(self, session_id: int) -> tuple[tuple[str, str], ...]:
         """Inference metadata plus the session's routing key, so a proxy sends its calls to one replica."""
         return self._inference_metadata + session_metadata(session_id)
 
     @abc.abstractmethod
-    def _stream(self, call: Any) -> StreamT:
-        """The call's responses as Deltas, cancelling the call if the caller stops early."""
+    def _stream(self, call: Any, session_id: int) -> StreamT:
+        """The call's responses as Deltas, cancelling the call if the caller stops early. A session's turn is
+        cancelled by a Cancel call before the stream goes: dropping the stream alone tells the server
+        without an order, and a next turn that came first would find the session still generating."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,10 +105,15 @@ class Client(_ClientBase[Iterator[Delta]]):
                    else grpc.insecure_channel(target, options))
         super().__init__(channel, admin_token, api_key, timeout)
 
-    def _stream(self, call: Any) -> Iterator[Delta]:
+    def _stream(self, call: Any, session_id: int) -> Iterator[Delta]:
         try:
             for response in call:
                 yield to_delta(response)
+        except GeneratorExit:
+            if session_id:
+                with contextlib.suppress(grpc.RpcError):
+                    self.cancel(session_id=session_id)
+            raise
         finally:
             call.cancel()  # a no-op once the stream has ended; otherwise frees the server's work
 
@@ -170,10 +179,15 @@ class AsyncClient(_ClientBase[AsyncIterator[Delta]]):
                    else grpc.aio.insecure_channel(target, options))
         super().__init__(channel, admin_token, api_key, timeout)
 
-    async def _stream(self, call: Any) -> AsyncIterator[Delta]:
+    async def _stream(self, call: Any, session_id: int) -> AsyncIterator[Delta]:
         try:
             async for response in call:
                 yield to_delta(response)
+        except GeneratorExit:
+            if session_id:
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    await self.cancel(session_id=session_id)
+            raise
         finally:
             call.cancel()
 

@@ -272,6 +272,9 @@ class EngineLoop:
             self._emit(request, cancelled_output(request))
             return
         session = Session(0) if request.stateless else self.sessions.setdefault(request.session_id, Session(request.session_id))
+        if session.active is not None and session.active.request.cancel_flag.value == CancelFlag.CANCELLED:
+            self._finish(session.active, FinishReason.CANCELLED)  # a cancelled turn the next one overtook: as
+            self._del(session.active)  # `_reap_cancelled` would end it, so that its history leads into this one
         if session.active is not None:
             self._emit(request, RequestOutput(request.request_id, request.session_id, error=SessionBusy(f"session {request.session_id} is already generating")))
             return

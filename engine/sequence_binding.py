@@ -5,7 +5,7 @@ import threading
 from dataclasses import dataclass
 
 from .errors import SessionBusy, SessionExists, SessionNotFound
-from .request import Request
+from .request import CancelFlag, Request
 
 
 @dataclass(slots=True)
@@ -47,12 +47,14 @@ class SequenceBinding:
             self._bindings.clear()
 
     def claim(self, session_id: int, request: Request) -> int:
-        """Mark `request` as the session's one active generation and return the session's rank."""
+        """Mark `request` as the session's one active generation and return the session's rank. A cancelled
+        turn whose last output is still on its way gives way: the next turn follows a Cancel (or a dropped
+        stream) at once, and its loop ends the cancelled one before starting it (`EngineLoop._add_generate`)."""
         with self._lock:
             b = self._bindings.get(session_id)
             if b is None:
                 raise SessionNotFound(f"session {session_id} not found (never started, or ended)")
-            if b.active is not None:
+            if b.active is not None and b.active.cancel_flag.value != CancelFlag.CANCELLED:
                 raise SessionBusy(f"session {session_id} is already generating; cancel it or wait for it to finish")
             b.active = request
             return b.rank

@@ -230,6 +230,32 @@ def test_session_two_turns_cancel_and_end_on_exit(server):
     assert_idle(server)
 
 
+def test_a_session_turn_left_early_lets_the_next_follow_at_once(server):
+    """Leaving a turn's stream early cancels the turn (by a Cancel call, then the stream): the next turn,
+    sent at once, runs instead of being refused because the session is still generating."""
+    with Client(server.address) as client:
+        with client.start() as session:
+            for _ in range(3):
+                stream = session.generate("Count to a thousand.", max_new_tokens=500, ignore_eos=True)
+                next(stream)
+                stream.close()
+                assert list(session.generate(" Go on.", max_new_tokens=4))[-1].finish_reason == "length"
+
+    async def scenario() -> list[str | None]:
+        reasons = []
+        async with AsyncClient(server.address) as client:
+            async with await client.start() as session:
+                for _ in range(3):
+                    stream = session.generate("Count to a thousand.", max_new_tokens=500, ignore_eos=True)
+                    await anext(stream)
+                    await stream.aclose()
+                    reasons.append([d async for d in session.generate(" Go on.", max_new_tokens=4)][-1].finish_reason)
+        return reasons
+
+    assert asyncio.run(scenario()) == ["length"] * 3
+    assert_idle(server)
+
+
 def test_async_client_concurrent_streams_and_session(server):
     _, text = engine_text(server, PROMPT, 8)
 

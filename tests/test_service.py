@@ -130,6 +130,23 @@ def test_cancel_mid_stream_keeps_history(served):
     stub.End(pb.EndRequest(session_id=sid))
 
 
+def test_next_turn_follows_a_cancel_at_once(served):
+    """Cancel, then the session's next turn at once, before the cancelled stream's last message has come: the
+    next turn starts after the cancelled one (not FAILED_PRECONDITION), its history included."""
+    stub = served.stub()
+    sid = stub.Start(pb.StartRequest()).session_id
+    for _ in range(5):
+        stream = stub.Generate(pb.GenerateRequest(session_id=sid, prompt=" Count to one thousand:", sampling=LONG))
+        seen = len(wait_first_token(stream).token_ids)
+        assert stub.Cancel(pb.CancelRequest(session_id=sid)).cancelled
+        _, _, nxt = collect(stub.Generate(pb.GenerateRequest(session_id=sid, prompt=" And then?", sampling=GREEDY)))
+        assert nxt.finish_reason == pb.FINISH_REASON_LENGTH
+        assert nxt.usage.cached_tokens >= seen  # the cancelled turn's tokens are in the history it continues
+        assert collect(stream)[2].finish_reason == pb.FINISH_REASON_CANCELLED
+    stub.End(pb.EndRequest(session_id=sid))
+    assert_idle(served)
+
+
 def test_cancel_by_session(served):
     stub = served.stub()
     sid = stub.Start(pb.StartRequest()).session_id

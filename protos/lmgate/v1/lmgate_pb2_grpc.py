@@ -86,7 +86,8 @@ class InferenceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Cancel(self, request, context):
-        """Stops an active generation; its stream ends with FINISH_REASON_CANCELLED.
+        """Stops an active generation; its stream ends with FINISH_REASON_CANCELLED. The session's next turn may
+        follow at once: it starts after the cancelled one, whose tokens stay in the history.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
