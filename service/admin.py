@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 import grpc
 
@@ -28,37 +28,59 @@ class AdminServicer(pb_grpc.AdminServicer):
         self.metrics = metrics
         self.admin_token = admin_token
         self.on_state_change = on_state_change  # health follows sleep and wake-up; True: admission is closing
+        self._working: set[asyncio.Future] = set()  # engine calls under way, held until done
 
     async def Sleep(self, request: pb.SleepRequest, context: grpc.aio.ServicerContext) -> pb.SleepResponse:
-        await self._run(context, self.engine.sleep, request.level, closes_admission=request.level in (1, 2))
-        self.metrics.sleep_transitions.labels(self.metrics.model_name, f"sleep_level_{request.level}").inc()
+        await self._run(context, self.engine.sleep, request.level, lambda: self._transition(f"sleep_level_{request.level}"),
+                        closes_admission=request.level in (1, 2))
         return pb.SleepResponse()
 
     async def Wakeup(self, request: pb.WakeupRequest, context: grpc.aio.ServicerContext) -> pb.WakeupResponse:
-        await self._run(context, self.engine.wakeup, list(request.tags))
         transition = "wakeup_" + ("_".join(sorted(request.tags)) or "all")
-        self.metrics.sleep_transitions.labels(self.metrics.model_name, transition).inc()
+        await self._run(context, self.engine.wakeup, list(request.tags), lambda: self._transition(transition))
         return pb.WakeupResponse()
+
+    def _transition(self, name: str) -> None:
+        """Counted once done: a refused call (a bad level or tag) makes no series."""
+        self.metrics.sleep_transitions.labels(self.metrics.model_name, name).inc()
 
     async def UpdateWeights(
         self, request: pb.UpdateWeightsRequest, context: grpc.aio.ServicerContext
     ) -> pb.UpdateWeightsResponse:
-        await self._run(context, self.engine.update_weights, request.path)
-        self.metrics.weight_updates.inc()
+        await self._run(context, self.engine.update_weights, request.path, self.metrics.weight_updates.inc)
         return pb.UpdateWeightsResponse()
 
-    async def _run(self, context: grpc.aio.ServicerContext, call, arg, closes_admission: bool = False) -> None:
+    async def _run(self, context: grpc.aio.ServicerContext, call: Callable[[Any], None], arg: Any,
+                   count: Callable[[], None], closes_admission: bool = False) -> None:
         denial = admin_denial(context, self.admin_token)
         if denial is not None:
             await context.abort(*denial)
         if closes_admission:
             await self.on_state_change(True)
+        work = asyncio.ensure_future(self._complete(call, arg, count))
+        self._working.add(work)
+        work.add_done_callback(self._forget)
         try:
-            await asyncio.to_thread(call, arg)
+            await asyncio.shield(work)  # a caller that leaves (deadline, cancel) does not stop the engine call
         except EngineError as exc:
             await abort(context, exc)
-        except Exception as exc:  # a bug: say INTERNAL with its cause, never UNKNOWN
-            log.exception("%s failed", call.__name__)
+        except Exception as exc:  # a bug (logged by `_forget`): say INTERNAL with its cause, never UNKNOWN
             await abort(context, InternalError(f"{call.__name__} failed: {exc}"))
+
+    async def _complete(self, call: Callable[[Any], None], arg: Any, count: Callable[[], None]) -> None:
+        """The engine call to its end, whether or not its caller still waits: health and the counters then
+        say what the engine did, not what the caller saw."""
+        try:
+            await asyncio.to_thread(call, arg)
+            count()
         finally:
             await self.on_state_change()
+
+    def _forget(self, work: asyncio.Future) -> None:
+        """Logs a failed call here, where it is seen whether or not its caller stayed to hear of it."""
+        self._working.discard(work)
+        error = None if work.cancelled() else work.exception()
+        if isinstance(error, EngineError):
+            log.warning("admin call failed: %s", error)
+        elif error is not None:
+            log.error("admin call failed", exc_info=error)

@@ -6,6 +6,7 @@ import json
 import os
 import random
 import shutil
+import sys
 import threading
 import time
 import urllib.request
@@ -251,6 +252,38 @@ def test_health_not_serving_while_asleep_serving_after_full_wakeup(sleepy):
     assert [health_of(sleepy, s) for s in ("", inference, admin_service)] == [serving] * 3
     assert code_of(lambda: adm.Sleep(pb.SleepRequest(level=3))) == grpc.StatusCode.INVALID_ARGUMENT
     assert health_of(sleepy, inference) == serving  # a refused Sleep changes nothing
+
+
+def in_an_admin_call(engine) -> bool:
+    """Whether some thread is inside `Engine._admin` (waiting for its lock, when the test holds it)."""
+    for frame in sys._current_frames().values():
+        while frame is not None:
+            if frame.f_code is engine._admin.__wrapped__.__code__:
+                return True
+            frame = frame.f_back
+    return False
+
+
+def test_health_follows_an_admin_call_whose_caller_left(sleepy):
+    """A Sleep or Wakeup whose caller leaves (a deadline, a cancel) still runs to its end, and health follows
+    what the engine did: else a load balancer keeps sending work to a sleeping replica, or never again to an
+    awake one."""
+    adm = admin(sleepy)
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    for call, request, health, tags in ((adm.Sleep, pb.SleepRequest(level=1), not_serving, ["kv_cache", "weights"]),
+                                        (adm.Wakeup, pb.WakeupRequest(), serving, [])):
+        with sleepy.engine._admin_lock:  # the engine call waits here until its caller has gone
+            future = call.future(request)
+            guard = time.monotonic() + 60  # a hang guard, not a timing
+            while not in_an_admin_call(sleepy.engine):
+                assert time.monotonic() < guard, "the admin call never reached the engine"
+                time.sleep(0.01)
+            future.cancel()
+            time.sleep(0.5)  # for the cancel to reach the server first (without it the test could miss the bug)
+        while sorted(sleepy.info().sleeping_tags) != tags or health_of(sleepy, "lmgate.v1.Inference") != health:
+            assert time.monotonic() < guard, f"health says {health_of(sleepy, 'lmgate.v1.Inference')} after {call}"
+            time.sleep(0.05)
+    assert len(greedy(sleepy.stub())) == 16
 
 
 def test_rl_loop_sleep_wake_weights_update_wake_kv(sleepy, checkpoints):
