@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import urllib.parse
 
 import grpc
 
 
 def is_loopback_peer(peer: str) -> bool:
-    """gRPC peer strings: 'ipv4:127.0.0.1:5000', 'ipv6:[::1]:5000', 'unix:/path' (a local socket)."""
+    """gRPC peer strings: 'ipv4:127.0.0.1:5000', 'ipv6:[::1]:5000' (grpcio percent-encodes the brackets:
+    'ipv6:%5B::1%5D:5000'), 'unix:/path' (a local socket)."""
+    peer = urllib.parse.unquote(peer)
     if peer.startswith("unix:") or peer.startswith("unix-abstract:"):
         return True
     for prefix in ("ipv4:", "ipv6:"):

@@ -79,6 +79,16 @@ def _one_of(*values: str, convert: Callable[[str], str] = str) -> Callable[[str]
     return parse
 
 
+def _host(text: str) -> str:
+    """An address to listen on, an IPv6 one with or without brackets ("::", "[::1]"); kept without them."""
+    return text[1:-1] if text.startswith("[") and text.endswith("]") else text
+
+
+def _address(host: str, port: int) -> str:
+    """host:port as gRPC takes it: an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def _env(name: str, default: Any) -> Any:
     """LMGATE_<name> if set, as a string argparse parses (and checks) with the flag's type, else `default`."""
     return os.environ.get(f"LMGATE_{name}", default)
@@ -92,7 +102,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                  "has an environment variable, LMGATE_<FLAG> (in brackets).",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", default=_env("MODEL", None), help="HF model directory or .gguf file; unset: the embedded SmolLM2-135M-Instruct [LMGATE_MODEL]")
-    ap.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="address to listen on [LMGATE_HOST]")
+    ap.add_argument("--host", type=_host, default=_env("HOST", "127.0.0.1"), help="address to listen on: IPv4 or IPv6 (::1, or :: for every address of both families) [LMGATE_HOST]")
     ap.add_argument("--port", type=PORT, default=_env("PORT", 50051), help="port; 0 picks a free one [LMGATE_PORT]")
     ap.add_argument("--engine-loops", type=COUNT, default=_env("ENGINE_LOOPS", 1), help="data-parallel engine loops, each with its own KV cache [LMGATE_ENGINE_LOOPS]")
     ap.add_argument("--dp-backend", default=_env("DP_BACKEND", "auto"), type=_one_of(*DP_BACKEND_MODES), metavar="{" + ",".join(DP_BACKEND_MODES) + "}", help="thread: the engine loops are threads sharing one copy of the weights; process: each loop a process of its own (spawned), with its own copy, past the GIL; auto: process with --device cuda, where a loop sharing the server's GIL waits for the server at every kernel launch, else thread [LMGATE_DP_BACKEND]")
@@ -187,10 +197,10 @@ def _tls_files(args: argparse.Namespace) -> TlsFiles | None:
 
 def _check_port_free(flag: str, host: str, port: int) -> None:
     try:
-        with socket.create_server((host, port), reuse_port=False):
+        with socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET, reuse_port=False):
             pass
     except OSError as exc:
-        raise StartupError(f"{flag} {port}: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+        raise StartupError(f"{flag} {port}: cannot listen on {_address(host, port)}: {exc.strerror or exc}") from None
 
 
 def serve_node(config: EngineConfig) -> int:
@@ -214,7 +224,7 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> None:
                     engine.max_context_length, engine.model_config.max_position_embeddings, engine.config.kv_cache_tokens,
                     f", --max-context-length {args.max_context_length}" if args.max_context_length else "")
     try:
-        server = Server(engine, f"{args.host}:{args.port}", admin_token=args.admin_token, tls=args.tls,
+        server = Server(engine, _address(args.host, args.port), admin_token=args.admin_token, tls=args.tls,
                         api_key=args.api_key, replica_id=args.replica_id)
         if args.metrics_port:
             start_http_server(args.metrics_port, addr=args.host, registry=server.metrics.registry)
@@ -222,7 +232,7 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> None:
         engine.shutdown()
         raise StartupError(f"cannot listen: {exc}") from None
     await server.start()
-    print(f"lmgate serving {os.path.basename(engine.model_path)} on {args.host}:{server.port} "
+    print(f"lmgate serving {os.path.basename(engine.model_path)} on {_address(args.host, server.port)} "
           f"(ready in {time.perf_counter() - started:.1f}s)", flush=True)
     info = engine.info()
     log.info("started: model %s (%s), dtype %s (%s), weights %.0f MiB (--weights %s, int8 activations %s), device %s, %d engine loop(s) as %s, tensor parallel %d, x %d torch threads, KV cache "

@@ -6,6 +6,7 @@ import json
 import os
 import random
 import shutil
+import socket
 import sys
 import threading
 import time
@@ -24,7 +25,7 @@ from lmgate.engine.models import expand_blocks
 from lmgate.service.auth import is_loopback_peer
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
-from tests.serving import ServerThread
+from tests.serving import ServerThread, serve_process
 from tests.test_service import assert_idle
 from tests.test_shutdown import start_server
 
@@ -343,15 +344,39 @@ def test_admin_without_token_accepts_loopback(sleepy):
     ("ipv4:127.0.0.1:50051", True),
     ("ipv4:127.8.9.1:1", True),
     ("ipv6:[::1]:50051", True),
+    ("ipv6:%5B::1%5D:50051", True),  # as grpcio 1.85 writes it
     ("unix:/tmp/lmgate.sock", True),
     ("ipv4:10.1.2.3:50051", False),
     ("ipv4:192.168.1.20:4000", False),
     ("ipv6:[2001:db8::1]:443", False),
+    ("ipv6:%5B2001:db8::1%5D:443", False),
     ("ipv6:[::ffff:10.0.0.1]:80", False),
     ("garbage", False),
 ])
 def test_loopback_rule_on_peer_strings(peer, local):
     assert is_loopback_peer(peer) is local
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="this machine has no IPv6 loopback")
+@pytest.mark.parametrize("host", ["::1", "[::1]"])
+def test_serves_on_ipv6_loopback_and_takes_admin_calls_from_there(host):
+    proc, address = serve_process("--host", host, "--kv-cache-tokens", "1024")
+    try:
+        assert address.startswith("[::1]:")
+        with grpc.insecure_channel(address) as channel:
+            assert len(greedy(pb_grpc.InferenceStub(channel))) == 16
+            pb_grpc.AdminStub(channel).Wakeup(pb.WakeupRequest())  # loopback, no token: allowed
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_metrics_endpoint_exports_sleep_state(sleepy):
