@@ -218,11 +218,10 @@ class Engine:
         vocab = self.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
             raise InvalidRequest(f"stop_token_ids must be below the vocabulary size {vocab}")
-        total = len(ids) + params.max_new_tokens
-        if total > self.max_context_length:
+        least = max(params.max_new_tokens, params.min_new_tokens)
+        if len(ids) + least > self.max_context_length:
             raise ContextOverflow(
-                f"{len(ids)} prompt tokens + {params.max_new_tokens} new tokens exceed the context window "
-                f"of {self.max_context_length} tokens"
+                f"{len(ids)} prompt tokens + {least} new tokens exceed the context window of {self.max_context_length} tokens"
             )
         if len(ids) >= self.max_context_length:
             raise ContextOverflow(f"{len(ids)} prompt tokens leave no room in the context window of {self.max_context_length} tokens")

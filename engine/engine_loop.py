@@ -347,12 +347,14 @@ class EngineLoop:
         self._emit(request, RequestOutput("", 0, finish_reason=FinishReason.STOP))
 
     def _max_new_tokens(self, request: Request, prompt_len: int) -> int:
+        """The turn's most new tokens: as asked, else the default, raised to min_new_tokens; within the context."""
         room = self.max_context_length - prompt_len
         asked = request.params.max_new_tokens
-        if room <= 0 or asked > room:
-            need = f"{prompt_len} prompt tokens" + (f" + {asked} new tokens" if asked else "")
+        least = max(asked, request.params.min_new_tokens)
+        if room <= 0 or least > room:
+            need = f"{prompt_len} prompt tokens" + (f" + {least} new tokens" if least else "")
             raise ContextOverflow(f"{need} exceed the context window of {self.max_context_length} tokens")
-        return asked or min(self.default_max_new_tokens, room)
+        return asked or min(max(self.default_max_new_tokens, least), room)
 
     def _kill(self, request: Request) -> None:
         session = self.sessions.pop(request.session_id, None)

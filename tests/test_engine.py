@@ -565,6 +565,28 @@ def test_engine_min_new_tokens_and_ignore_eos_hold_off_eos(engine, tokenizer):
     assert len(ignoring) == 24 and ignoring[: n + 1] == plain
 
 
+def test_min_new_tokens_beyond_the_default_length_is_honoured_or_refused(checkpoint, tokenizer):
+    """With max_new_tokens unset, the default length (here 16) gives way to a larger min_new_tokens; one that
+    cannot fit in the context is OUT_OF_RANGE at once, not cut short."""
+    config = EngineConfig(dtype="float32", kv_cache_tokens=512, max_context_length=64, default_max_new_tokens=16)
+    with Engine(config, checkpoint=checkpoint) as eng:
+        prompt = tokenizer.encode(chat(tokenizer, ("user", "What is 2+2?")))
+        out = eng.generate(prompt, SamplingParams(min_new_tokens=20))
+        assert len(out.token_ids) == 20 and out.finish_reason is FinishReason.LENGTH
+        assert len(eng.generate(prompt, SamplingParams()).token_ids) <= 16
+        with pytest.raises(ContextOverflow, match="exceed the context window"):
+            eng.submit(prompt, SamplingParams(min_new_tokens=64 - len(prompt) + 1))
+        eng.start_session(3)
+        eng.generate(prompt, SamplingParams(max_new_tokens=4), session_id=3)  # a history of len(prompt) + 4
+        more = [504, 3575]
+        late = eng.submit(more, SamplingParams(min_new_tokens=64 - len(prompt) - 4 - len(more) + 1), session_id=3)
+        with pytest.raises(ContextOverflow, match="exceed the context window"):  # fits alone, not after the history
+            list(late)
+        assert eng.generate(more, SamplingParams(min_new_tokens=64 - len(prompt) - 4 - len(more)), session_id=3).finish_reason is FinishReason.LENGTH
+        eng.end_session(3)
+        assert_idle(eng)
+
+
 def test_engine_logprobs_top_n_and_greedy_choice(engine, tokenizer):
     out = engine.generate(tokenizer.encode("The capital of France is"), SamplingParams(max_new_tokens=8, logprobs=3, ignore_eos=True))
     assert len(out.logprobs) == len(out.token_ids) == 8
