@@ -1,7 +1,8 @@
 """The `lmgate` command: serve, generate, chat, info, tokenize, admin controls and a load generator.
 
 Every client subcommand takes --target (LMGATE_TARGET) and --admin-token (LMGATE_ADMIN_TOKEN). Exit status:
-0 on success, 1 when the server refuses (printed as `error: <CODE>: <details>`), 130 on Ctrl-C.
+0 on success, 1 when the server refuses (printed as `error: <CODE>: <details>`) or a file cannot be read or
+written, 2 for bad arguments, 130 on Ctrl-C.
 """
 from __future__ import annotations
 
@@ -21,18 +22,24 @@ from . import bench
 from .client import DEFAULT_TARGET, AsyncClient, Client, Tls
 from .wire import Delta
 
+UINT32, INT32, UINT64 = 2**32 - 1, 2**31 - 1, 2**64 - 1  # the largest values of the proto's integer fields
+
 # Flags of `generate` and `chat` whose dest is a SamplingParams field; unset ones keep the server's defaults.
 SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
                   "ignore_eos", "logprobs")
 
 
-def _number(kind: Callable[[str], Any], minimum: float, *, above: bool = False) -> Callable[[str], Any]:
-    """An argparse type for flags whose range the client relies on (the server checks sampling values itself)."""
+def _number(kind: Callable[[str], Any], minimum: float, *, above: bool = False,
+            maximum: float = math.inf) -> Callable[[str], Any]:
+    """An argparse type for flags whose range the client relies on (the server checks sampling values itself;
+    `maximum` is what the proto's field holds)."""
 
     def parse(text: str) -> Any:
         value = kind(text)
         if not (value > minimum if above else value >= minimum):  # NaN fails both
             raise argparse.ArgumentTypeError(f"must be {'above' if above else 'at least'} {minimum}, got {text}")
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"must be at most {maximum}, got {text}")
         return value
 
     parse.__name__ = kind.__name__  # argparse names the type in its error messages
@@ -64,16 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="this client's PEM key, for mutual TLS [LMGATE_TLS_KEY]")
 
     turn = argparse.ArgumentParser(add_help=False)  # generate and chat: SAMPLING_FLAGS and a system message
-    turn.add_argument("--max-new-tokens", type=_number(int, 0), help="most tokens per reply; 0: the server's default (256)")
+    turn.add_argument("--max-new-tokens", type=_number(int, 0, maximum=UINT32), help="most tokens per reply; 0: the server's default (256)")
     turn.add_argument("--temperature", type=float, help="0: greedy (the default)")
     turn.add_argument("--top-p", type=float)
-    turn.add_argument("--top-k", type=int)
+    turn.add_argument("--top-k", type=_number(int, -INT32, maximum=INT32))
     turn.add_argument("--min-p", type=float, help="drop tokens below this share of the likeliest one's probability")
     turn.add_argument("--repetition-penalty", type=float, help="above 1 discourages tokens already in the context")
-    turn.add_argument("--seed", type=_number(int, 0), help="the same seed gives the same tokens")
+    turn.add_argument("--seed", type=_number(int, 0, maximum=UINT64), help="the same seed gives the same tokens")
     turn.add_argument("--stop", nargs="+", action="extend", metavar="S", help="strings that end the reply")
     turn.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
-    turn.add_argument("--logprobs", type=_number(int, 0), help="also print each token's log-probability and this "
+    turn.add_argument("--logprobs", type=_number(int, 0, maximum=UINT32), help="also print each token's log-probability and this "
                       "many likeliest alternatives, as JSON lines on stderr")
     turn.add_argument("--system", help="a system message before the first user message")
 
@@ -145,6 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     except grpc.RpcError as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # stdout's reader left (`| head`): stop quietly, as other commands do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that the exit's flush cannot fail again
+        return 1
+    except OSError as exc:  # a TLS file that cannot be read, a --json path that cannot be written
+        print(f"error: {exc.filename}: {exc.strerror}" if exc.filename else f"error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
@@ -197,8 +210,14 @@ def _generate(args: argparse.Namespace) -> int:
     return 1 if last.finish_reason == "cancelled" else 0
 
 
+# Statuses that refuse one turn and change nothing (README: Errors): `chat` says so and takes the next line.
+TURN_REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                 grpc.StatusCode.FAILED_PRECONDITION)
+
+
 def _chat(args: argparse.Namespace) -> int:
-    """Each line is a user turn on one session, which keeps the history; EOF or Ctrl-C ends the session."""
+    """Each line is a user turn on one session, which keeps the history; a refused turn is reported and
+    skipped; EOF or Ctrl-C ends the session."""
     prompt = "> " if sys.stdin.isatty() else ""
     system = args.system
     with _client(args) as client, client.start() as session:
@@ -209,9 +228,16 @@ def _chat(args: argparse.Namespace) -> int:
                 if prompt:
                     print()
                 return 0
-            if line.strip():
+            if not line.strip():
+                continue
+            try:
                 _stream_to_stdout(session.generate(messages=_messages(system, line), **_sampling(args)))
-                system = None  # the session's history has it from now on
+            except grpc.RpcError as exc:
+                if exc.code() not in TURN_REFUSALS:
+                    raise
+                print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)  # that turn only
+                continue
+            system = None  # the session's history has it from now on
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -246,7 +272,7 @@ async def _bench(args: argparse.Namespace) -> int:
     for error in summary["errors"]:
         print(f"error: {error}", file=sys.stderr)
     if args.json:
-        config = {k: v for k, v in vars(args).items() if k not in ("run", "admin_token", "json", "command")}
+        config = {k: v for k, v in vars(args).items() if k not in ("run", "admin_token", "api_key", "json", "command")}
         config["request_rate"] = str(args.request_rate)  # JSON has no inf
         with open(args.json, "w") as f:
             json.dump({"model": info.model, "config": config, **summary}, f, indent=2)

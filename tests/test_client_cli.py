@@ -6,6 +6,7 @@ import asyncio
 import io
 import json
 import math
+import subprocess
 import sys
 
 import grpc
@@ -19,6 +20,8 @@ from lmgate.engine.config import EngineConfig
 from lmgate.engine.sampling import SamplingParams
 from lmgate.v1 import lmgate_pb2 as pb
 from tests.serving import ServerThread
+
+GUARD = 300  # seconds: a guard against a hang, never a performance bound
 
 # --------------------------------------------------------------------------- request building
 
@@ -120,6 +123,8 @@ def test_help_exits_zero(command, capsys):
     ["sleep", "--level", "3"], ["wakeup", "--tags", "everything"], ["generate", "x", "--seed", "-1"],
     ["bench", "--concurrency", "0"], ["bench", "--num-prompts", "0"], ["bench", "--request-rate", "0"],
     ["bench", "--input-len", "0"], ["bench", "--temperature", "nan"],
+    ["generate", "x", "--max-new-tokens", str(2**32)], ["generate", "x", "--seed", str(2**64)],
+    ["chat", "--top-k", str(2**31)], ["generate", "x", "--logprobs", str(2**32)],
 ])
 def test_bad_arguments_exit_two(argv, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -323,10 +328,13 @@ def test_cli_chat_keeps_one_session(server, capsys, monkeypatch):
         return turns, *(registry.get_sample_value(f"lmgate_sessions_{e}_total", model) or 0 for e in ("started", "ended"))
 
     before = counts()
-    monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\n\nWhat is 2+2?\n"))
+    too_long = "word " * server.engine.max_context_length
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"Hi\n\n{too_long}\nWhat is 2+2?\n"))
     assert main(["chat", "--target", server.address, "--system", "Be brief.", "--max-new-tokens", "8"]) == 0
-    assert capsys.readouterr().out.strip()
-    # Two turns (the blank line is skipped) on one session, which the chat ended.
+    out, err = capsys.readouterr()
+    assert out.strip() and err.startswith("error: OUT_OF_RANGE: ")
+    # Two turns (the blank line is skipped, the one too long refused and reported) on one session, which the
+    # chat ended.
     assert tuple(a - b for a, b in zip(counts(), before)) == (2, 1, 1)
     assert_idle(server)
 
@@ -348,16 +356,33 @@ def test_cli_rpc_error_exit_one(capsys):
     assert capsys.readouterr().err.startswith("error: UNAVAILABLE: ")
 
 
+def test_cli_unreadable_tls_file_is_an_error_line(capsys, tmp_path):
+    missing = str(tmp_path / "ca.pem")
+    assert main(["info", "--target", "127.0.0.1:1", "--tls-ca", missing]) == 1
+    assert capsys.readouterr().err == f"error: {missing}: No such file or directory\n"
+
+
+def test_cli_generate_into_a_closed_pipe_stops_quietly(server):
+    """`lmgate generate ... | head -c1`: the reader leaves; no traceback on stderr."""
+    proc = subprocess.Popen([sys.executable, "-m", "lmgate.client.cli", "generate", PROMPT, "--target", server.address,
+                             "--max-new-tokens", "200", "--ignore-eos"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.read(1)
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=GUARD)
+    assert proc.returncode == 1 and b"Traceback" not in err, err
+
+
 def test_cli_bench(server, capsys, tmp_path):
     path = tmp_path / "bench.json"
     argv = ["bench", "--target", server.address, "--num-prompts", "6", "--concurrency", "3", "--input-len", "10",
-            "--output-len", "4", "--ignore-eos", "--request-rate", "1000", "--json", str(path)]
+            "--output-len", "4", "--ignore-eos", "--request-rate", "1000", "--json", str(path), "--api-key", "S3CRET"]
     assert main(argv) == 0
     report = capsys.readouterr().out
     assert "Successful requests:" in report and "P99 ITL (ms):" in report
     results = json.loads(path.read_text())
     assert (results["completed"], results["failed"], results["total_input_tokens"], results["total_output_tokens"]) == (6, 0, 60, 24)
     assert results["config"]["request_rate"] == "1000.0" and results["tpot_ms"]["mean"] > 0
+    assert "S3CRET" not in path.read_text()  # the results file may be shared: no credentials in it
     big = server.engine.max_context_length
     assert main(["bench", "--target", server.address, "--input-len", str(big), "--output-len", "10"]) == 1
     assert f"beyond the server's context of {big}" in capsys.readouterr().err
