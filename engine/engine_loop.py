@@ -427,32 +427,37 @@ class EngineLoop:
 
     # kDel --------------------------------------------------------------------------------------------------
 
-    def _del(self, seq: Sequence) -> None:
-        """The sequence leaves the batch; its blocks go back to its session, or to the free list."""
+    def _del(self, seq: Sequence) -> bool:
+        """The sequence leaves the batch; its blocks go back to its session (True), or to the free list."""
         self.scheduler.remove(seq)
         session = seq.session
         session.active = None
         if seq.request.stateless or session.session_id not in self.sessions:
             self.blocks.release(seq.block_table)
-            return
+            return False
         session.token_ids, session.block_table, session.num_computed = seq.token_ids, seq.block_table, seq.num_computed
         session.block_hashes = seq.block_hashes
         session.messages = None if seq.conversation is None else [
             *seq.conversation, chat.assistant_reply(self.tokenizer, seq.output_ids)
         ]
         session.last_used = self.num_steps
+        return True
 
     # failure and shutdown ----------------------------------------------------------------------------------
 
     def _fail_all(self, error: EngineError) -> None:
-        """End every sequence with `error`, but those a failed step's kUpdate had already given their last output."""
+        """End every sequence with `error`, but those a failed step's kUpdate had already given their last output:
+        their turns ended, and their sessions keep them. No KV the failed step may have written is kept."""
         self._inflight = None  # its draws are never read
         for seq in self.scheduler.running + list(self.scheduler.waiting):
-            if seq.finish_reason is None:
+            if seq.finish_reason is not None:
+                if self._del(seq):  # its turn ended: its session keeps it in its history
+                    self.blocks.release(seq.session.block_table)
+            else:
                 self._emit(seq.request, RequestOutput(seq.request.request_id, seq.request.session_id, error=error))
-            self.scheduler.remove(seq)
-            self.blocks.release(seq.block_table)
-            seq.session.active = None
+                self.scheduler.remove(seq)
+                self.blocks.release(seq.block_table)
+                seq.session.active = None
             seq.session.drop_kv()
 
     def _cancel_all(self) -> None:

@@ -395,6 +395,31 @@ def test_a_turn_that_a_sleep_overtook_ends_cancelled_instead_of_running_without_
         assert_idle(eng)
 
 
+def test_a_turn_that_ended_in_a_step_that_then_failed_stays_in_its_session(checkpoint):
+    """A step fails after its kUpdate gave a session turn its last output (here the prefix-cache keying that
+    follows raises): the client saw the turn end, so the session's history keeps it; the KV the failed step
+    may have written is dropped, and the next turn recomputes it."""
+    with Engine(EngineConfig(dtype="float32", kv_cache_tokens=512), checkpoint=checkpoint) as eng:
+        blocks = eng.loops[0].blocks
+        keyed = blocks.cache_full_blocks
+
+        def fails_after_the_end(seq) -> None:
+            if seq.finish_reason is not None:
+                raise RuntimeError("keying failed")
+            keyed(seq)
+
+        eng.start_session(4)
+        prompt, params = [504, 3575, 282, 4649, 314], SamplingParams(max_new_tokens=4, ignore_eos=True)
+        blocks.cache_full_blocks = fails_after_the_end
+        first = eng.generate(prompt, params, session_id=4)
+        blocks.cache_full_blocks = keyed
+        assert first.finish_reason is FinishReason.LENGTH and len(first.token_ids) == 4
+        second = eng.generate([7, 8], params, session_id=4)
+        assert second.usage.prompt_tokens == len(prompt) + 4 + 2 and second.usage.cached_tokens == 0
+        eng.end_session(4)
+        assert_idle(eng)
+
+
 def test_an_engine_loop_that_fails_by_itself_reports_it_and_ends_every_stream(checkpoint):
     """An error outside any step (here the loop's pop raises) stops the engine: the streams end, and the
     failure reaches the listeners (the server then reports NOT_SERVING and exits non-zero) instead of
