@@ -25,6 +25,7 @@ from .wire import Delta, bearer_metadata, generate_request, new_session_id, sess
 DEFAULT_TARGET = "127.0.0.1:50051"
 
 StreamT = TypeVar("StreamT", Iterator[Delta], AsyncIterator[Delta])
+CANCEL_SECONDS = 5.0  # the deadline of the Cancel a session turn left early sends
 
 
 class _ClientBase(abc.ABC, Generic[StreamT]):
@@ -75,6 +76,12 @@ class _ClientBase(abc.ABC, Generic[StreamT]):
         cancelled by a Cancel call before the stream goes: dropping the stream alone tells the server
         without an order, and a next turn that came first would find the session still generating."""
 
+    def _cancel_turn(self, last: pb.GenerateResponse, session_id: int) -> tuple[pb.CancelRequest, dict[str, Any]]:
+        """Cancel's request and call options for the turn whose latest message is `last`: by its request id
+        (by the session, a late close could cancel the session's next turn), routed by the session, within
+        CANCEL_SECONDS (a server that no longer answers must not hold up the caller's `break`)."""
+        return pb.CancelRequest(request_id=last.request_id), {"timeout": CANCEL_SECONDS, "metadata": self._session_metadata(session_id)}
+
 
 @dataclass(frozen=True, slots=True)
 class Tls:
@@ -106,13 +113,15 @@ class Client(_ClientBase[Iterator[Delta]]):
         super().__init__(channel, admin_token, api_key, timeout)
 
     def _stream(self, call: Any, session_id: int) -> Iterator[Delta]:
+        last = None
         try:
-            for response in call:
-                yield to_delta(response)
+            for last in call:
+                yield to_delta(last)
         except GeneratorExit:
-            if session_id:
-                with contextlib.suppress(grpc.RpcError):
-                    self.cancel(session_id=session_id)
+            if session_id and last is not None and not last.finish_reason:
+                request, options = self._cancel_turn(last, session_id)
+                with contextlib.suppress(grpc.RpcError, ValueError):  # ValueError: the channel has closed
+                    self._inference.Cancel(request, **options)
             raise
         finally:
             call.cancel()  # a no-op once the stream has ended; otherwise frees the server's work
@@ -180,13 +189,15 @@ class AsyncClient(_ClientBase[AsyncIterator[Delta]]):
         super().__init__(channel, admin_token, api_key, timeout)
 
     async def _stream(self, call: Any, session_id: int) -> AsyncIterator[Delta]:
+        last = None
         try:
-            async for response in call:
-                yield to_delta(response)
+            async for last in call:
+                yield to_delta(last)
         except GeneratorExit:
-            if session_id:
-                with contextlib.suppress(grpc.aio.AioRpcError):
-                    await self.cancel(session_id=session_id)
+            if session_id and last is not None and not last.finish_reason:
+                request, options = self._cancel_turn(last, session_id)
+                with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):  # UsageError: the channel has closed
+                    await self._inference.Cancel(request, **options)
             raise
         finally:
             call.cancel()

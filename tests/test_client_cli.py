@@ -245,6 +245,14 @@ def test_a_session_turn_left_early_lets_the_next_follow_at_once(server):
                 next(stream)
                 stream.close()
                 assert list(session.generate(" Go on.", max_new_tokens=4))[-1].finish_reason == "length"
+            # A turn whose last delta was read, its stream closed only once the next turn runs: that close
+            # must not cancel the next turn.
+            done = session.generate(" Two words.", max_new_tokens=2, ignore_eos=True)
+            assert [next(done).finish_reason, next(done).finish_reason] == [None, "length"]
+            running = session.generate(" Go on.", max_new_tokens=50, ignore_eos=True)
+            next(running)
+            done.close()
+            assert list(running)[-1].finish_reason == "length"
 
     async def scenario() -> list[str | None]:
         reasons = []
