@@ -42,6 +42,7 @@ def common_prefix(held: Sequence[int], rendered: Sequence[int]) -> int:
     return n
 
 
-def assistant_reply(tokenizer: Tokenizer, output_ids: Sequence[int]) -> Message:
-    """A finished (or cancelled) turn's output as the message the next turn's rendering includes."""
-    return {"role": "assistant", "content": tokenizer.decode(output_ids, skip_special_tokens=True)}
+def assistant_reply(text: str) -> Message:
+    """A finished (or cancelled) turn's text, as its client received it (cut before a stop string), as the
+    message the next turn's rendering includes: what a client that sent the whole conversation would send."""
+    return {"role": "assistant", "content": text}

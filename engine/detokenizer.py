@@ -22,16 +22,14 @@ class IncrementalDetokenizer:
     exactly `tokenizer.decode(generated_ids, skip_special_tokens)`. With a hit, they concatenate
     to that text cut right before the earliest stop string.
 
-    `prompt_ids` is accepted but deliberately not used as decoding context: the contract is the
-    decode of the generated ids alone, and for decoders that strip a leading space at sequence
-    start (SentencePiece) prompt context would make the first delta start with a space that
-    `decode(generated_ids)` lacks. Windows over generated ids only agree with it by construction.
+    No prompt tokens serve as decoding context: the contract is the decode of the generated ids
+    alone, which windows over them agree with by construction. (Decoders that strip a leading space
+    at sequence start, SentencePiece's, give the first delta no leading space, as `decode` does.)
     """
 
     def __init__(
         self,
         tokenizer: Tokenizer,
-        prompt_ids: Sequence[int],
         skip_special_tokens: bool,
         stop: Sequence[str] = (),
     ) -> None:

@@ -12,11 +12,13 @@ from .transfers import to_device
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+GREEDY_BELOW = 1e-5  # a temperature under this is greedy (as vLLM): dividing by less overflows the logits
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """Zero values mean "off": temperature 0 is greedy, top_k 0 / top_p 0 or 1 / min_p 0 disable the filter."""
+    """Zero values mean "off": temperature 0 (or below GREEDY_BELOW) is greedy, top_k 0 / top_p 0 or 1 / min_p 0
+    disable the filter."""
 
     max_new_tokens: int = 0  # 0: the engine's default, bounded by the context window
     min_new_tokens: int = 0
@@ -59,7 +61,11 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
+
+    def filtered(self, vocab: int) -> bool:
+        """Whether a top-k or top-p filter applies to a vocabulary of `vocab` tokens."""
+        return 0 < self.top_k < vocab or 0 < self.top_p < 1
 
     @property
     def penalized(self) -> bool:
@@ -166,9 +172,10 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
 
 
 def _sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """Temperature, then min-p / top-k / top-p filters, then one uniform draw per row (`uniform`, computed on
-    the host) against the row's cumulative distribution. The per-row parameters cross to the device in one
-    copy (float32 holds each exactly: top-k below 2^24, draws of 24 bits)."""
+    """Temperature, then the filters in vLLM's order, each over what the one before kept: min-p, top-k, top-p;
+    then one uniform draw per row (`uniform`, computed on the host) against the row's cumulative
+    distribution. The per-row parameters cross to the device in one copy (float32 holds each exactly: top-k
+    below 2^24, draws of 24 bits)."""
     vocab = logits.shape[-1]
     columns = to_device(torch.tensor([(r.params.temperature, r.params.min_p, r.params.top_k if 0 < r.params.top_k < vocab else vocab,
                                        r.params.top_p if 0 < r.params.top_p < 1 else 1.0, uniform(r.seed, r.num_output))
@@ -177,23 +184,48 @@ def _sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     probs = torch.softmax(logits / temps, dim=-1)
     if any(r.params.min_p for r in rows):  # min-p 0 masks nothing: three passes over the vocabulary saved
         probs = probs.masked_fill(probs < min_ps * probs.amax(dim=-1, keepdim=True), 0.0)
-    if not any(0 < r.params.top_k < vocab or 0 < r.params.top_p < 1 for r in rows):
+    filtered = [i for i, r in enumerate(rows) if r.params.filtered(vocab)]
+    if not filtered:
         return _draw(probs, draws)
+    if len(filtered) == len(rows):
+        return _top_k_top_p(probs, top_ks, top_ps, draws, [r.params for r in rows])
+    # A row without top-k or top-p draws over the unsorted vocabulary whatever its batch holds: the same
+    # draw over the filters' sorted order would pick another token.
+    plain = [i for i, r in enumerate(rows) if not r.params.filtered(vocab)]
+    order = to_device(torch.tensor(plain + filtered), logits.device)
+    at_plain, at_filtered = order[: len(plain)], order[len(plain) :]
+    tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+    tokens[at_plain] = _draw(probs[at_plain], draws[at_plain])
+    tokens[at_filtered] = _top_k_top_p(probs[at_filtered], top_ks[at_filtered], top_ps[at_filtered],
+                                       draws[at_filtered], [rows[i].params for i in filtered])
+    return tokens
+
+
+def _top_k_top_p(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, draws: torch.Tensor,
+                 params: list[SamplingParams]) -> torch.Tensor:
+    """Rows that each have a top-k or a top-p: top-k keeps the k most likely tokens, then top-p the most likely
+    of those until their share of what top-k (and min-p before it) kept reaches p."""
+    vocab = probs.shape[-1]
     # The filters keep tokens in order of probability. Most rows keep few: their top CANDIDATES, found
     # without sorting the vocabulary, hold every token they keep (a top-k within them, or a nucleus whose
     # mass they reach). Only other rows sort it all. Which path a row takes depends on that row alone.
     candidates = min(CANDIDATES, vocab)
     top = probs.topk(candidates, dim=-1)
-    nucleus = (top_ps < 1) & (top.values.sum(dim=-1, keepdim=True) >= top_ps)
+    mass = probs.sum(dim=-1, keepdim=True)  # 1, less what min-p dropped
+    nucleus = (top_ps < 1) & (top_ks >= vocab) & (top.values.sum(dim=-1, keepdim=True) >= top_ps * mass)
     inside = ((top_ks <= candidates) | nucleus).squeeze(1)
-    tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+    tokens = torch.empty(len(params), dtype=torch.long, device=probs.device)
     # Where every row's top-k lies among its candidates the host knows they all do: the device is not asked
     # (a question that waits for it, which overlap scheduling must not; top-p rows still ask).
-    known = all(0 < r.params.top_k <= candidates for r in rows)
+    known = all(0 < p.top_k <= candidates for p in params)
     for where, values, order in _split(inside, top, probs, known):
-        ranks = torch.arange(values.shape[-1], device=logits.device).unsqueeze(0)
-        cut = (ranks >= top_ks[where]) | ((values.cumsum(dim=-1) - values) >= top_ps[where])
-        tokens[where] = order.gather(1, _draw(values.masked_fill(cut, 0.0), draws[where]).unsqueeze(1)).squeeze(1)
+        width = values.shape[-1]
+        ranks = torch.arange(width, device=probs.device).unsqueeze(0)
+        kept = values.masked_fill(ranks >= top_ks[where], 0.0)
+        # What top-k kept: all of it lies in `values`, but a nucleus row's candidates hold only part of it.
+        total = torch.where(top_ks[where] <= width, kept.sum(dim=-1, keepdim=True), mass[where])
+        kept = kept.masked_fill((kept.cumsum(dim=-1) - kept) >= top_ps[where] * total, 0.0)
+        tokens[where] = order.gather(1, _draw(kept, draws[where]).unsqueeze(1)).squeeze(1)
     return tokens
 
 

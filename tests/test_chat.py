@@ -44,7 +44,7 @@ def run_chat(engine: Engine, params: SamplingParams = PARAMS) -> list[tuple]:
         conversation += user(question)
         want = engine.generate(conversation, params)
         turns.append((got, want, list(conversation)))
-        conversation.append({"role": "assistant", "content": engine.tokenizer.decode(got.token_ids)})
+        conversation.append({"role": "assistant", "content": got.text})  # the reply as its client received it
     engine.end_session(sid)
     return turns
 
@@ -68,6 +68,15 @@ def test_chat_session_turns_equal_stateless_and_reuse_kv(engine):
 
 def test_chat_session_sampled_with_seed_equals_stateless(engine):
     turns = run_chat(engine, SamplingParams(max_new_tokens=10, temperature=0.8, top_p=0.9, seed=7))
+    assert_turns_equal_stateless(engine, turns)
+
+
+def test_chat_session_remembers_a_reply_cut_at_its_stop_string_as_it_was_received(engine):
+    """A stop string ends a turn inside its last token; the client never sees it, nor what followed it in
+    that token. The session's next turn renders the reply as received, as a client sending the whole
+    conversation would."""
+    turns = run_chat(engine, SamplingParams(max_new_tokens=12, stop=(",", ".", "!")))
+    assert [got.finish_reason.value for got, _, _ in turns].count("stop") >= 2
     assert_turns_equal_stateless(engine, turns)
 
 

@@ -28,7 +28,7 @@ def _chunks(ids, sizes):
 
 def _stream(tokenizer, ids, *, stop=(), skip_special_tokens=True, sizes=None):
     """Feed ids through a detokenizer; return (deltas, stop_hit, finish_text, detokenizer)."""
-    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode(PROMPT), skip_special_tokens, stop)
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens, stop)
     deltas, hit = [], False
     for chunk in _chunks(ids, sizes or iter(lambda: 1, None)):
         delta, hit = detok.step(chunk)
@@ -136,7 +136,7 @@ def test_detokenizer_stop_never_partially_emitted(tokenizer, seed):
     text = "one STO two STOP three STOP four"
     stop = "STOP"
     ids = tokenizer.encode(text)
-    detok = IncrementalDetokenizer(tokenizer, [], True, [stop])
+    detok = IncrementalDetokenizer(tokenizer, True, [stop])
     emitted, hit = "", False
     for chunk in _chunks(ids, iter(lambda: rng.randint(1, 3), None)):
         delta, hit = detok.step(chunk)

@@ -54,18 +54,26 @@ def test_penalties_match_transformers_and_the_presence_frequency_formula():
     torch.testing.assert_close(logits, logits_for(4))  # the caller's logits are left alone
 
 
+PROBES = {"top-p and top-k": dict(top_p=0.95, top_k=20), "top-k": dict(top_k=5), "no filter": {},
+          "min-p": dict(min_p=0.02)}
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_rows_token_does_not_depend_on_its_batch(device):
-    """The probe row at every position of batches of greedy, penalized, filtered and logprob rows."""
+@pytest.mark.parametrize("probe", PROBES)
+def test_a_rows_token_does_not_depend_on_its_batch(device, probe):
+    """The probe row, over many draws, at every position of batches of greedy, penalized, filtered, unfiltered
+    and logprob rows."""
     probe_logits = logits_for(1, seed=3)[0]
-    probe = row(seed=99, output=[5, 6], temperature=0.9, top_p=0.95, top_k=20)
     others = [row(), row(seed=1, temperature=1.2, min_p=0.05), row(output=[1, 1], repetition_penalty=1.2, logprobs=3),
-              row(seed=4, temperature=0.7, presence_penalty=1.0, output=[3])]
-    alone = sample(probe_logits[None].to(device), [probe]).token_ids[0]
-    for at in range(len(others) + 1):
-        batch_rows = others[:at] + [probe] + others[at:]
-        logits = torch.cat([logits_for(at, seed=10), probe_logits[None], logits_for(len(others) - at, seed=11)])
-        assert sample(logits.to(device), batch_rows).token_ids[at] == alone
+              row(seed=4, temperature=0.7, presence_penalty=1.0, output=[3]), row(seed=6, temperature=1.0, top_p=0.5),
+              row(seed=7, temperature=0.5, top_k=3)]
+    for draw in range(8):
+        probe_row = row(seed=99 + draw, output=[5, 6], temperature=0.9, **PROBES[probe])
+        alone = sample(probe_logits[None].to(device), [probe_row]).token_ids[0]
+        for at in range(len(others) + 1):
+            batch_rows = others[:at] + [probe_row] + others[at:]
+            logits = torch.cat([logits_for(at, seed=10), probe_logits[None], logits_for(len(others) - at, seed=11)])
+            assert sample(logits.to(device), batch_rows).token_ids[at] == alone, (draw, at)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -85,6 +93,22 @@ def test_draws_follow_the_filtered_distribution(device):
     assert set(draws(temperature=1.0, top_p=0.8)) == {0, 1, 2}  # 0.4 + 0.3 < 0.8: the third one is in
     assert set(draws(temperature=1.0, min_p=0.3)) == {0, 1, 2}  # at least 0.3 x 0.4
     assert set(draws(temperature=0.01)) == {0}
+    # Each filter over what the one before kept: top-p over top-k's 0.4 and 0.3 (0.4 / 0.7 > 0.5), and over
+    # min-p's 0.4, 0.3 and 0.15 (0.7 / 0.85 > 0.8).
+    assert set(draws(temperature=1.0, top_k=2, top_p=0.5)) == {0}
+    assert set(draws(temperature=1.0, min_p=0.3, top_p=0.8)) == {0, 1}
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-30, 1e-6])
+def test_a_temperature_near_zero_is_greedy_and_leaves_its_batch_alone(temperature):
+    """Below GREEDY_BELOW, logits / temperature would overflow to inf and the draw run off the vocabulary:
+    such a row is greedy, and the rows beside it sample as they would without it."""
+    logits = logits_for(3, seed=2)
+    rows = [row(seed=1, temperature=1.0, top_k=10), row(seed=2, temperature=temperature, top_p=0.9),
+            row(seed=3, temperature=0.8)]
+    tokens = sample(logits, rows).token_ids
+    assert tokens[1] == int(logits[1].argmax())
+    assert [tokens[0], tokens[2]] == sample(logits[[0, 2]], [rows[0], rows[2]]).token_ids
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -104,9 +128,9 @@ def test_rows_that_look_past_the_candidates_sort_the_vocabulary(device):
         for i, (lg, params) in enumerate(cases):
             assert tokens[i] == sample(lg[None].to(device), [rows[i]]).token_ids[0]
             probs, order = torch.softmax(lg.double(), dim=-1).sort(descending=True)
-            rank = order.tolist().index(tokens[i])
-            assert rank < params.get("top_k", vocab)
-            assert probs[:rank].sum() < params.get("top_p", 1.0)
+            rank, top_k = order.tolist().index(tokens[i]), params.get("top_k", vocab)
+            assert rank < top_k
+            assert probs[:rank].sum() < params.get("top_p", 1.0) * probs[:top_k].sum()
 
 
 def test_a_draw_at_the_top_of_the_range_lands_on_a_possible_token(monkeypatch):
