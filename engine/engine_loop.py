@@ -29,9 +29,6 @@ from .weights import LocalWeights
 
 log = logging.getLogger(__name__)
 
-DETOKENIZER_CONTEXT = 6  # prompt tokens the detokenizer sees, so the first delta's spacing is right
-
-
 @dataclass(slots=True)
 class LoopStats:
     """One loop's figures for `Engine.info`; read from other threads (or sent by a rank process) without locks,
@@ -157,14 +154,14 @@ class EngineLoop:
             self._run()
         except CommAborted:  # a peer rank failed (its thread raised, or its process died): so does this one
             failure = "an engine rank failed"
-            error = Unavailable(f"{failure}; the server is stopping")
-            self._fail_all(error)
-            self.gateway.shutdown(error)
         except Exception as exc:
             log.exception("engine loop %d failed; stopping the engine", self.rank)
             failure = f"engine loop {self.rank} failed: {exc}"
             self.comm.abort()  # release the peers from their collectives
-            self.gateway.shutdown()
+        if failure is not None:  # what this loop holds or has queued ends with the failure, not as cancelled
+            error = Unavailable(f"{failure}; the server is stopping")
+            self._fail_all(error)
+            self.gateway.shutdown(error)
         self._cancel_all()
         self._flush()
         return failure
@@ -287,10 +284,7 @@ class EngineLoop:
             self._emit(request, RequestOutput(request.request_id, request.session_id, error=exc))
             return
         self._truncate_history(session, keep)
-        history = session.token_ids + request.input_ids
-        detok = IncrementalDetokenizer(
-            self.tokenizer, history[-DETOKENIZER_CONTEXT:], request.params.skip_special_tokens, request.params.stop
-        )
+        detok = IncrementalDetokenizer(self.tokenizer, request.params.skip_special_tokens, request.params.stop)
         seq = Sequence(request, session, detok, max_new, self.tokenizer.eos_token_ids)
         seq.conversation = conversation
         session.drop_kv()  # the sequence holds the blocks until kDel
@@ -438,7 +432,7 @@ class EngineLoop:
         session.token_ids, session.block_table, session.num_computed = seq.token_ids, seq.block_table, seq.num_computed
         session.block_hashes = seq.block_hashes
         session.messages = None if seq.conversation is None else [
-            *seq.conversation, chat.assistant_reply(self.tokenizer, seq.output_ids)
+            *seq.conversation, chat.assistant_reply(seq.detokenizer.text)
         ]
         session.last_used = self.num_steps
         return True

@@ -261,6 +261,8 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> None:
         raise EngineFailed(engine.failure)
     log.info("shutting down: %.0fs grace for running streams", args.grace)
     await server.stop(args.grace)
+    if engine.failure is not None:  # a rank died while the engine stopped
+        raise EngineFailed(engine.failure)
     log.info("stopped")
 
 

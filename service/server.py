@@ -82,7 +82,8 @@ class Server:
         loop = asyncio.get_running_loop()
         self.engine.on_failure(lambda _: loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._engine_failed())))
         await self.grpc.start()
-        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        if not self.failed.is_set():  # else a rank died while this server was being built
+            await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         await self.refresh_health()
 
     async def _engine_failed(self) -> None:

@@ -421,9 +421,10 @@ def test_a_turn_that_ended_in_a_step_that_then_failed_stays_in_its_session(check
 
 
 def test_an_engine_loop_that_fails_by_itself_reports_it_and_ends_every_stream(checkpoint):
-    """An error outside any step (here the loop's pop raises) stops the engine: the streams end, and the
-    failure reaches the listeners (the server then reports NOT_SERVING and exits non-zero) instead of
-    leaving a server that refuses everything while looking healthy."""
+    """An error outside any step (here the loop's pop raises) stops the engine: the streams end UNAVAILABLE
+    (not as if their clients had cancelled them: a client retries elsewhere), and the failure reaches the
+    listeners (the server then reports NOT_SERVING and exits non-zero) instead of leaving a server that
+    refuses everything while looking healthy; a listener that comes after the failure hears of it at once."""
     with Engine(EngineConfig(dtype="float32", kv_cache_tokens=512), checkpoint=checkpoint) as eng:
         reasons: list[str] = []
         eng.on_failure(reasons.append)
@@ -435,10 +436,13 @@ def test_an_engine_loop_that_fails_by_itself_reports_it_and_ends_every_stream(ch
             raise RuntimeError("the queue broke")
 
         eng.gateway.pop = broken_pop
-        outs = list(running)  # a hang here is the bug
+        with pytest.raises(Unavailable, match="the queue broke"):
+            list(running)  # a hang here is the bug
         eng.gateway.pop = pop
-        assert outs[-1].finish_reason is FinishReason.CANCELLED
         assert eng.failure == reasons[0] and "the queue broke" in reasons[0] and len(reasons) == 1
+        late: list[str] = []
+        eng.on_failure(late.append)
+        assert late == reasons
         with pytest.raises(Unavailable):
             eng.submit([504], SamplingParams(max_new_tokens=1))
 

@@ -1,6 +1,7 @@
 """SIGTERM on a real `python -m lmgate.service.main` process: NOT_SERVING, UNAVAILABLE, streams end, exit 0."""
 from __future__ import annotations
 
+import asyncio
 import re
 import signal
 import subprocess
@@ -8,10 +9,17 @@ import sys
 import threading
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from lmgate.engine.config import EngineConfig
+from lmgate.engine.engine import Engine
+from lmgate.engine.sampling import SamplingParams
+from lmgate.service.server import Server
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
+
+GUARD = 300  # seconds: a guard against a hang, never a performance bound
 
 
 def start_server(*flags: str) -> tuple[subprocess.Popen, str]:
@@ -27,15 +35,22 @@ def start_server(*flags: str) -> tuple[subprocess.Popen, str]:
     raise AssertionError(f"server exited with {proc.wait()} before serving")
 
 
-def test_sigterm_drains_and_exits_zero():
-    proc, address = start_server("--grace", "2")
+@pytest.mark.parametrize("flags", [(), ("--engine-loops", "2", "--dp-backend", "process")],
+                         ids=["one loop", "two rank processes"])
+def test_sigterm_drains_and_exits_zero(flags):
+    """With two rank processes, a stream on each: the leaders agree to close, and one may see that agreement
+    before its own "close" arrives; it must still stop as closed (its streams CANCELLED, exit 0), not as failed."""
+    proc, address = start_server("--grace", "2", *flags)
     try:
         channel = grpc.insecure_channel(address)
         stub = pb_grpc.InferenceStub(channel)
         health = health_pb2_grpc.HealthStub(channel)
         assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
-        stream = stub.Generate(pb.GenerateRequest(prompt="Once upon a time", sampling=pb.SamplingParams(max_new_tokens=4000, ignore_eos=True)))
-        assert next(m for m in stream if m.token_ids)
+        sampling = pb.SamplingParams(max_new_tokens=4000, ignore_eos=True)
+        streams = [stub.Generate(pb.GenerateRequest(prompt=f"Once upon a time {i}", sampling=sampling), timeout=GUARD)
+                   for i in range(2)]  # stateless requests go to the ranks in turn
+        for stream in streams:
+            assert next(m for m in stream if m.token_ids)
         proc.send_signal(signal.SIGTERM)
         while health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING:
             pass
@@ -45,8 +60,37 @@ def test_sigterm_drains_and_exits_zero():
         except grpc.RpcError as err:
             assert err.code() == grpc.StatusCode.UNAVAILABLE
             assert "shutting down" in err.details()
-        # The running stream gets its grace period, then ends with its last message, never hangs.
-        assert [m.finish_reason for m in stream][-1] == pb.FINISH_REASON_CANCELLED
-        assert proc.wait(timeout=60) == 0
+        # The running streams get their grace period, then end with their last message, never hang.
+        for stream in streams:
+            assert [m.finish_reason for m in stream][-1] == pb.FINISH_REASON_CANCELLED
+        assert proc.wait(timeout=GUARD) == 0
     finally:
         proc.kill()
+
+
+def test_a_server_built_after_its_engine_failed_says_not_serving_and_stops(checkpoint):
+    """A rank may die while the server is still being built (start-up is when memory peaks): the server hears
+    of it when it starts, so it never says SERVING to a load balancer, and `failed` tells its owner to stop."""
+    engine = Engine(EngineConfig(dtype="float32", kv_cache_tokens=512), checkpoint=checkpoint)
+    try:
+        def broken_pop(*args):
+            raise RuntimeError("the queue broke")
+
+        failed = threading.Event()
+        engine.on_failure(lambda _: failed.set())
+        engine.gateway.pop = broken_pop
+        engine.submit([504], SamplingParams(max_new_tokens=1))  # wakes the loop, which fails
+        assert failed.wait(GUARD)
+
+        async def start_and_check() -> int:
+            server = Server(engine, "127.0.0.1:0")
+            await server.start()
+            await asyncio.wait_for(server.failed.wait(), GUARD)
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                status = (await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())).status
+            await server.stop(0)
+            return status
+
+        assert asyncio.run(start_and_check()) == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        engine.shutdown()

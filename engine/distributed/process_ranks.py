@@ -221,18 +221,24 @@ class ProcessRanks(Ranks):
                 time.sleep(0.01)
 
     def _receive_during_start(self, waiting: set[int]) -> tuple:
+        """The next message, or the error of a local rank that exited: one that said ready too, since it leaves
+        when a peer it waits on in a collective (a remote rank still loading) has died."""
         poller = zmq.Poller()
         poller.register(self._outputs, zmq.POLLIN)
-        local = [r for r in waiting if r in self._procs]
+        local = list(self._procs)
         for rank in local:
             poller.register(self._procs[rank].sentinel, zmq.POLLIN)
         ready = dict(poller.poll())
         if self._outputs in ready:
             return self._outputs.recv_pyobj()
         rank = next(r for r in local if self._procs[r].sentinel in ready)
-        if self._outputs.poll(EXIT_DRAIN_SECONDS * 1000):
-            return self._outputs.recv_pyobj()  # most likely its "failed"
-        raise InternalError(f"engine rank {rank} exited while starting (exit status {self._procs[rank].exitcode})")
+        deadline = time.monotonic() + EXIT_DRAIN_SECONDS
+        while (left := deadline - time.monotonic()) > 0 and self._outputs.poll(left * 1000):
+            message = self._outputs.recv_pyobj()  # the others' heartbeats, or (most likely) its "failed"
+            if message[0] == "failed":
+                return message
+        raise InternalError(f"engine rank {rank} exited while starting (exit status {self._procs[rank].exitcode}); "
+                            f"ranks {sorted(waiting)} had not said ready")
 
     # state -------------------------------------------------------------------------------------------------
 
@@ -331,8 +337,10 @@ class ProcessRanks(Ranks):
                     self._links[rank].send(("ping",))
 
     def _rank_ended(self, rank: int) -> None:
-        """A rank's process is gone: after a close it said "exited" (perhaps still in flight); otherwise it died."""
-        deadline = time.monotonic() + EXIT_DRAIN_SECONDS  # not from each message: the others' heartbeats never stop
+        """A rank's process is gone: after a close it said "exited" (perhaps still in flight); otherwise it died.
+        After a failure the ranks are killed: nothing more is waited for."""
+        wait = 0.0 if self.failure else EXIT_DRAIN_SECONDS
+        deadline = time.monotonic() + wait  # not from each message: the others' heartbeats never stop
         while rank not in self._exited and self._outputs.poll(max(0.0, deadline - time.monotonic()) * 1000):
             self._handle(self._outputs.recv_pyobj())
         if rank not in self._exited:

@@ -250,7 +250,8 @@ class RankProcess:
             if self.loop is None:
                 self.closing = self._follow()
                 return
-            self.loop.run()
+            if self.loop.run() is None:  # the leaders agreed to close: maybe before this one's "close" arrived
+                self.closing = True
             if self.closing:  # else followers may sit in a step's all-reduce: this process's exit breaks it
                 try:
                     self.runner.stop_followers()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import abc
+import threading
 from typing import Callable
 
 from ..engine_loop import LoopStats
@@ -20,8 +21,9 @@ class Ranks(abc.ABC):
     threads_per_loop: int
 
     def __init__(self) -> None:
-        self.failure: str | None = None  # why a rank died; set once, then the server stops
+        self.failure: str | None = None  # why a rank died; set once (before `_tell_listeners`), then the server stops
         self._failure_listeners: list[Callable[[str], None]] = []
+        self._listeners_lock = threading.Lock()  # guards the list; a leaf, never held while calling out
 
     @abc.abstractmethod
     def start(self, gateway: Gateway) -> None: ...
@@ -51,10 +53,18 @@ class Ranks(abc.ABC):
         """After `Gateway.shutdown`: wait for every rank to stop, then free their memory."""
 
     def on_failure(self, listener: Callable[[str], None]) -> None:
-        """`listener(reason)` runs once if a rank dies (on the thread that noticed, without locks held)."""
-        self._failure_listeners.append(listener)
+        """`listener(reason)` runs once if a rank dies (on the thread that noticed, without locks held); at once,
+        on this thread, if one died already (a rank may die while its owner is still starting up)."""
+        with self._listeners_lock:
+            reason = self.failure
+            if reason is None:
+                self._failure_listeners.append(listener)
+                return
+        listener(reason)
 
     def _tell_listeners(self, reason: str) -> None:
-        """Once, by whoever set `failure`, with no lock held."""
-        for listener in self._failure_listeners:
+        """Once, by whoever set `failure` (which a listener registered from now on sees), with no lock held."""
+        with self._listeners_lock:
+            listeners = list(self._failure_listeners)
+        for listener in listeners:
             listener(reason)
