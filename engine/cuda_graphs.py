@@ -16,12 +16,16 @@ Without CUDA (`capture=False`, the tests on a CPU), the same buffers and padding
 from __future__ import annotations
 
 import bisect
+import logging
 from collections import OrderedDict
 
 import torch
 
 from .attention import AttentionMetadata, DecodeTables
+from .memory import DEVICE_CACHE_LOCK
 from .models.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
 
 _INPUTS = 5  # token ids, positions, slots, KV lengths, rows of the table store: one row each
 
@@ -153,7 +157,14 @@ class DecodeGraphs:
             self.drop()
             self._captured_for = (id(model), weights_version)
         if b not in self._graphs:
-            self._graphs[b] = self._capture(model, kv_caches, b)
+            try:
+                with DEVICE_CACHE_LOCK:
+                    self._graphs[b] = self._capture(model, kv_caches, b)
+            except Exception:  # out of memory, say: slower steps, but steps
+                log.exception("capturing the CUDA graph of %d rows failed; decode steps run eagerly from now on", b)
+                self.drop()
+                self.capture = False
+                return self._forward(model, kv_caches, b)
         graph, logits = self._graphs[b]
         graph.replay()
         return logits
@@ -178,7 +189,8 @@ class DecodeGraphs:
             self._forward(model, kv_caches, b)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: another engine loop's thread may use the device while this one captures.
+        # thread_local: another engine loop's thread may run steps while this one captures (not capture:
+        # the caller holds DEVICE_CACHE_LOCK).
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = self._forward(model, kv_caches, b)
         self._pool = graph.pool()

@@ -7,6 +7,7 @@ import torch
 
 from .attention import MAX_DECODE_SPLITS
 from .config import EngineConfig, ModelConfig
+from .cuda_graphs import buckets
 from .errors import InvalidRequest
 from .models.tensor_parallel import shard_config, shard_of
 
@@ -69,11 +70,14 @@ def activation_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dtyp
     """The most a step of `model` (a tensor-parallel rank's shard) holds beside weights and KV: a prefill
     chunk's widest activations (a layer's input and its MLP's gate and up), the sampler's [rows, vocab] float32
     tensors (logits, probabilities, their running sum, one spare), and decode attention's per-split partial
-    sums at the longest context (a CUDA graph keeps them)."""
+    sums at the longest context (a CUDA graph keeps them); with CUDA graphs, the float32 logits each bucket's
+    graph keeps as its output (Qwen2.5's vocabulary at 256 rows: 1.3 GiB over the buckets)."""
     chunk = 2 * config.max_batched_tokens * (model.hidden_size + 2 * model.intermediate_size) * dtype.itemsize
     sampler = 4 * config.max_batch_size * model.vocab_size * 4
     decode = config.max_batch_size * model.num_heads * MAX_DECODE_SPLITS * (model.head_dim + 2) * 4
-    return chunk + sampler + decode
+    graphed = config.cuda_graphs and config.tensor_parallel == 1  # as EngineLoop.build decides
+    graph_logits = sum(buckets(config.max_batch_size)) * model.vocab_size * 4 if graphed else 0
+    return chunk + sampler + decode + graph_logits
 
 
 def kv_tokens_in_budget(free: int, total: int, utilization: float, fixed: int, bytes_per_token: int,

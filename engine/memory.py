@@ -1,10 +1,19 @@
-"""The process heap: keeping freed step buffers for reuse, and giving memory back to the system on sleep."""
+"""The process heap: keeping freed step buffers for reuse, and giving memory back to the system on sleep; and
+the CUDA allocator's cache, which engine loops on threads of one process share."""
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import functools
 import gc
+import threading
+
+import torch
+
+# One CUDA graph capture in a process at a time, and no emptying of the allocator's cache during one: torch
+# captures on one stream per process, and its allocator asserts that no capture is underway when the cache
+# is emptied (entering a capture empties it too). Engine loops that are threads of one process take turns.
+DEVICE_CACHE_LOCK = threading.Lock()
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
 M_MMAP_THRESHOLD = -3
@@ -39,3 +48,9 @@ def release_host_memory() -> None:
     libc = _libc()
     if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
+
+
+def empty_device_cache() -> None:
+    """Give the CUDA allocator's free blocks back to the device (Sleep), never during another loop's capture."""
+    with DEVICE_CACHE_LOCK:
+        torch.cuda.empty_cache()

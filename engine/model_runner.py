@@ -12,6 +12,7 @@ import torch
 from .attention import (AttentionMetadata, DecodeTables, GatheredDecode, PrefillChunk, PrefillTables, decode_mask,
                         gather_rows)
 from .cuda_graphs import DecodeGraphs
+from .memory import empty_device_cache
 from .models.llama import LlamaForCausalLM
 from .sampling import SampleFuture, SampleRow, launch_sample
 from .distributed.host_comm import HostComm
@@ -85,7 +86,7 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.drop()
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+            empty_device_cache()
 
     def allocate_kv_cache(self) -> None:
         self._tell_followers("allocate_kv")

@@ -10,6 +10,7 @@ import torch
 from .config import EngineConfig
 from .kernels import compiler_found, load_cpu_kernels
 from .loader import Checkpoint, load_checkpoint
+from .memory import empty_device_cache
 from .model_runner import ModelRunner
 from .models import build_model, count_weight_bytes, expand_blocks
 from .models.llama import LlamaForCausalLM
@@ -82,7 +83,7 @@ class LocalWeights:
         """Sleep level 1: weights kept in host memory, moved off an accelerator, untouched on the CPU."""
         if self.model is not None and self.device.type != "cpu":
             self.model.to("cpu")
-            torch.cuda.empty_cache()
+            empty_device_cache()
         self._offloaded = True
 
     def drop(self) -> None:

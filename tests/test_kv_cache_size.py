@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lmgate.engine.config import EngineConfig
+from lmgate.engine.cuda_graphs import buckets
 from lmgate.engine.engine import Engine
 from lmgate.engine.errors import InvalidRequest
 from lmgate.engine.kv_cache import CPU_KV_CACHE_TOKENS, activation_bytes, kv_tokens_in_budget
@@ -38,12 +39,17 @@ def test_no_room_is_refused_with_what_took_it():
 def test_activations_grow_with_the_step(checkpoint):
     def step(tp: int = 1, **config) -> int:  # the embedded SmolLM2: 9 query heads, 3 KV heads
         shard = shard_config(checkpoint.config, shard_of(checkpoint.config, 0, tp))
-        return activation_bytes(EngineConfig(**config), shard, torch.float32)
+        return activation_bytes(EngineConfig(tensor_parallel=tp, **config), shard, torch.float32)
 
     base = step(max_batched_tokens=256, max_batch_size=64)
     assert step(max_batched_tokens=8192, max_batch_size=64) > base
     assert step(max_batched_tokens=256, max_batch_size=256) > base
     assert step(tp=3, max_batched_tokens=256, max_batch_size=64) < base  # a tensor-parallel shard's heads
+    # Each bucket's CUDA graph keeps its float32 logits: 1 + 2 + 4 + 8 + ... + 64 = 295 rows of the vocabulary.
+    eager = step(max_batched_tokens=256, max_batch_size=64, cuda_graphs=False)
+    assert base - eager == sum(buckets(64)) * checkpoint.config.vocab_size * 4 == 295 * 49152 * 4
+    assert step(tp=3, max_batched_tokens=256, max_batch_size=64) == step(
+        tp=3, max_batched_tokens=256, max_batch_size=64, cuda_graphs=False)  # no graphs under tensor parallelism
 
 
 def test_settings_out_of_range_are_refused():
