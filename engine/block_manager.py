@@ -103,7 +103,7 @@ class BlockManager:
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Give the sequence's newly full, computed blocks their keys, so later prompts can share them. A block
         whose last token is still on the device (overlap scheduling: computed, not yet read) waits for it."""
-        if not self.prefix_caching:
+        if not self.prefix_caching or not seq.keyable:
             return
         for j in range(len(seq.block_hashes), min(seq.num_computed, len(seq.token_ids)) // self.block_size):
             key = self._key(seq, j, seq.block_hashes[j - 1] if j else 0)
@@ -128,9 +128,11 @@ class BlockManager:
 
     def _lookup(self, seq: Sequence) -> range:
         """The block indices of a sequence the prefix cache may supply: from the end of its KV, if that is at
-        a block boundary, up to the block that holds its last token."""
+        a block boundary and every block before it is keyed, up to the block that holds its last token. (A turn
+        that ended with its step unread hands its session blocks not keyed yet: the next turn keys them.)"""
         start = len(seq.block_table)
-        if not self.prefix_caching or seq.num_computed != start * self.block_size:
+        if (not self.prefix_caching or not seq.keyable or seq.num_computed != start * self.block_size
+                or len(seq.block_hashes) != start):
             return range(0)
         return range(start, max(start, (len(seq.token_ids) - 1) // self.block_size))
 

@@ -168,11 +168,11 @@ class Engine:
 
     # requests ----------------------------------------------------------------------------------------------
 
-    def encode_prompt(self, prompt: Prompt) -> list[int]:
+    def encode_prompt(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text, id or chat-messages prompt (messages rendered alone), checked against the
-        vocabulary."""
+        vocabulary. A text gets the model's special tokens (a BOS) only with `add_special_tokens`."""
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt, add_special_tokens)
         elif chat.is_chat(prompt):
             ids = chat.render_ids(self.tokenizer, prompt)
         else:
@@ -198,9 +198,10 @@ class Engine:
         without, a `Stream` to iterate is returned. Bad input raises here and leaves nothing behind.
 
         Chat messages in a session are the turn's new messages: the session keeps its conversation and each
-        turn renders the whole of it (engine/chat.py)."""
+        turn renders the whole of it (engine/chat.py). A session's text turn continues its context, so only
+        its first gets the model's special tokens (a BOS), as a stateless text prompt does."""
         params = params or SamplingParams()
-        ids = self.encode_prompt(prompt)
+        ids = self.encode_prompt(prompt, add_special_tokens=not session_id)
         self._check_request(ids, params)
         stream = None if on_output else Stream(self)
         request = Request(
@@ -208,6 +209,8 @@ class Engine:
         )
         if session_id and chat.is_chat(prompt):
             request.messages = [dict(m) for m in prompt]
+        elif session_id and isinstance(prompt, str):
+            request.first_turn_ids = self.tokenizer.encode("")  # what a text's encoding starts with
         self.gateway.push(request)
         if stream is None:
             return request

@@ -204,6 +204,8 @@ class EngineLoop:
         if self.weights_version != self.runner.weights_version:  # cached KV was computed by other weights
             self._drain()  # the launched step's blocks, computed by the old weights, are keyed before the reset
             self.blocks.reset_prefix_cache()
+            for holder in [*self.sessions.values(), *self.scheduler.running, *self.scheduler.waiting]:
+                holder.keyable = not holder.block_table  # KV of the old weights is kept, never shared
             self.weights_version = self.runner.weights_version
         self._reap_cancelled()
         if self._inflight is not None and any(s.params.penalized for s in self._inflight.samplers):
@@ -275,6 +277,8 @@ class EngineLoop:
         if session.active is not None:
             self._emit(request, RequestOutput(request.request_id, request.session_id, error=SessionBusy(f"session {request.session_id} is already generating")))
             return
+        if not session.token_ids:  # a session's first text turn starts as a stateless prompt does
+            request.input_ids = request.first_turn_ids + request.input_ids
         try:
             keep, conversation = len(session.token_ids), None
             if request.messages is not None:
@@ -430,7 +434,7 @@ class EngineLoop:
             self.blocks.release(seq.block_table)
             return False
         session.token_ids, session.block_table, session.num_computed = seq.token_ids, seq.block_table, seq.num_computed
-        session.block_hashes = seq.block_hashes
+        session.block_hashes, session.keyable = seq.block_hashes, seq.keyable
         session.messages = None if seq.conversation is None else [
             *seq.conversation, chat.assistant_reply(seq.detokenizer.text)
         ]

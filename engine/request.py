@@ -105,6 +105,9 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     stateless: bool = True
     messages: list[dict] | None = None  # a session turn given as chat messages (chat.py); input_ids set by its loop
+    # A session's text turn: the special tokens a stateless prompt would start with (a BOS, where the model
+    # has one), put before input_ids by its loop if the session holds no tokens yet (its first turn).
+    first_turn_ids: list[int] = field(default_factory=list)
     unique_id: int = -1  # assigned by Gateway.pop, monotonically increasing
     cancel_flag: CancelFlag = field(default_factory=CancelFlag)
     on_cancel: Callable[[], None] | None = None  # tells a loop in another process that an active request was cancelled

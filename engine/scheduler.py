@@ -106,16 +106,19 @@ class Scheduler:
 
     def _make_room(self, needed: int, seq: Sequence, taking: Iterable[int] = ()) -> bool:
         """True once `needed` blocks are free besides the free ones among `taking` (cached blocks about to be
-        taken), after dropping idle sessions' KV, least recently used first."""
+        taken), after dropping idle sessions' KV, least recently used first, then the KV that waiting turns
+        took over from their sessions, newest first: else a waiting turn could hold blocks that the head of
+        the queue needs, and nothing would be admitted again."""
         def room() -> bool:
             return self.blocks.can_allocate(needed + self.blocks.num_free_of(taking))
 
         if room():
             return True
         idle = [s for s in self.sessions.values() if s.active is None and s.block_table and s is not seq.session]
-        for session in sorted(idle, key=lambda s: s.last_used):
-            self.blocks.release(session.block_table)
-            session.drop_kv()
+        waiting = [s for s in reversed(self.waiting) if s is not seq and s.block_table]
+        for holder in sorted(idle, key=lambda s: s.last_used) + waiting:
+            self.blocks.release(holder.block_table)
+            holder.drop_kv()
             if room():
                 return True
         return False

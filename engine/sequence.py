@@ -22,9 +22,13 @@ class HoldsKV:
         self.block_table: list[int] = []
         self.num_computed = 0  # leading tokens whose KV is in block_table
         self.block_hashes: list[int] = []  # prefix-cache hash of each full, computed block (block_manager.py)
+        # False once weights change under this KV: its blocks, and those computed after them (which attend to
+        # them), never enter the prefix cache, nor take blocks from it, until the KV is dropped.
+        self.keyable = True
 
     def drop_kv(self) -> None:
         self.block_table, self.num_computed, self.block_hashes = [], 0, []
+        self.keyable = True
 
 
 class Session(HoldsKV):
@@ -59,6 +63,7 @@ class Sequence(HoldsKV):
         self.num_prompt_tokens = len(self.token_ids)
         self.num_cached_tokens = session.num_computed
         self.block_table, self.num_computed, self.block_hashes = session.block_table, session.num_computed, session.block_hashes
+        self.keyable = session.keyable
         self.max_new_tokens = max_new_tokens
         self.stop_ids = frozenset(self.params.stop_token_ids) | (frozenset() if self.params.ignore_eos else eos_ids)
         self.detokenizer = detokenizer
@@ -71,6 +76,12 @@ class Sequence(HoldsKV):
         self.unsent: RequestOutput | None = None  # tokens drawn but not yet sent (EngineConfig.stream_interval)
         self.conversation: list[dict] | None = None  # a chat turn's messages, this turn's included
         self.first_scheduled: float | None = None  # monotonic time it first ran in a batch
+
+    def drop_kv(self) -> None:
+        """Its KV will be recomputed: only what the prefix cache gives back when it is admitted again counts
+        as cached."""
+        super().drop_kv()
+        self.num_cached_tokens = 0
 
     @property
     def output_ids(self) -> list[int]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 from lmgate.engine.errors import InvalidRequest
 from lmgate.engine.request import FinishReason, RequestOutput
 from lmgate.engine.sampling import SamplingParams
-from lmgate.engine.tokenizer import Tokenizer
 from lmgate.v1 import lmgate_pb2 as pb
 
 _FINISH = {
@@ -36,13 +35,13 @@ def sampling_params(s: pb.SamplingParams) -> SamplingParams:
     )
 
 
-def prompt(request: pb.GenerateRequest, tokenizer: Tokenizer) -> list[int] | list[dict[str, str]]:
-    """The turn's input: token ids, or chat messages for the engine to render (a session renders its whole
-    conversation). A stateless text prompt gets the model's special tokens (a BOS where the model uses one);
-    a session turn does not, since it continues a context that already has them."""
+def prompt(request: pb.GenerateRequest) -> str | list[int] | list[dict[str, str]]:
+    """The turn's input: text or chat messages for the engine to encode or render (a session renders its whole
+    conversation; a text gets the model's special tokens, a BOS where it uses one, when stateless or the
+    session's first turn), or token ids as they are."""
     kind = request.WhichOneof("input")
     if kind == "prompt":
-        return tokenizer.encode(request.prompt, add_special_tokens=request.session_id == 0)
+        return request.prompt
     if kind == "tokens":
         return list(request.tokens.ids)
     if kind == "messages":

@@ -62,7 +62,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         try:
             if request_id in self._requests:
                 raise InvalidRequest(f"request_id {request_id!r} is already in use by an active request")
-            prompt = convert.prompt(request, self.engine.tokenizer)
+            prompt = convert.prompt(request)
             params = convert.sampling_params(request.sampling)
             engine_request = self.engine.submit(
                 prompt, params, session_id=request.session_id, request_id=request_id,

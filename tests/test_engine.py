@@ -11,8 +11,10 @@ token budget build their own engine from the shared checkpoint (cheap: the weigh
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
+import shutil
 import threading
 import time
 
@@ -25,6 +27,7 @@ from lmgate.engine.engine import Engine
 from lmgate.engine.errors import ContextOverflow, InternalError, InvalidRequest, SessionBusy, SessionNotFound, Unavailable
 from lmgate.engine.request import FinishReason, RequestKind
 from lmgate.engine.sampling import SamplingParams
+from tests.test_models import hf_tokenizer_dir, tiny_models  # noqa: F401  (fixtures)
 
 REPLACEMENT = "\ufffd"
 NEW = 32  # tokens per reference-equivalence request
@@ -279,6 +282,31 @@ def test_engine_session_turn_reuses_kv_and_equals_stateless(engine, tokenizer):
         engine.submit(turn2, params, session_id=sid)
     with pytest.raises(SessionNotFound):
         engine.submit(turn2, params, session_id=987654321)  # never started
+
+
+def test_a_sessions_first_text_turn_gets_the_bos_a_stateless_prompt_gets(tiny_models, tmp_path):
+    """A model whose tokenizer adds a BOS (Llama, Mistral): a session's first text turn starts with it, as the
+    same text sent stateless does, and equals it; a later turn continues the context, with no BOS inside it."""
+    path = tmp_path / "bos"
+    shutil.copytree(tiny_models("llama").path, path)
+    config_file = path / "tokenizer_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "add_bos_token": True}))
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    with Engine(EngineConfig(dtype="float32", model=str(path), kv_cache_tokens=1024)) as eng:
+        bos, text = eng.tokenizer.bos_token_id, eng.tokenizer.encode("The river", add_special_tokens=False)
+        assert bos is not None and eng.tokenizer.encode("The river") == [bos] + text
+        stateless = eng.generate("The river", params)
+        eng.start_session(3)
+        first = eng.generate("The river", params, session_id=3)
+        second = eng.generate(" flows", params, session_id=3)
+        history = eng.loops[0].sessions[3].token_ids
+        eng.end_session(3)
+        assert first.token_ids == stateless.token_ids
+        assert first.usage.prompt_tokens == stateless.usage.prompt_tokens == 1 + len(text)
+        more = eng.tokenizer.encode(" flows", add_special_tokens=False)
+        assert second.usage.prompt_tokens == 1 + len(text) + 6 + len(more)
+        assert history == [bos] + text + first.token_ids + more + second.token_ids and history.count(bos) == 1
+        assert_idle(eng)
 
 
 def test_engine_session_busy_and_end_during_stream_cancels(engine, tokenizer):

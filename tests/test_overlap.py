@@ -6,6 +6,7 @@ cancels and session ends between a step's launch and its read, preemption. Each 
 engine run one step at a time."""
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -175,4 +176,38 @@ def test_no_kv_of_replaced_weights_is_keyed_after_the_reset(checkpoint, tokenize
         engine.generate(prompt, params)
         assert engine.generate(prompt, params).usage.cached_tokens == 0
         assert engine.generate(prompt, params).usage.cached_tokens > 0  # keyed again, by the new weights
+        assert_idle(engine)
+
+
+@pytest.mark.parametrize("overlap", ["on", "off"])
+def test_a_turn_cancelled_while_its_first_chunk_runs_leaves_a_session_that_goes_on(checkpoint, tokenizer, overlap):
+    """A session turn's first prefill chunk (two whole blocks) is launched, then the turn is cancelled. Its
+    session keeps that chunk's KV; with overlap its blocks were not keyed yet (the step was unread), and the
+    next turn's prefix lookup failed: every stream of the loop ended INTERNAL. Now the next turn continues
+    the conversation as a stateless request on the whole of it does."""
+    config = EngineConfig(dtype="float32", overlap_scheduling=overlap, max_batched_tokens=32)
+    with Engine(config, checkpoint=checkpoint) as engine:
+        runner = engine.loops[0].runner
+        forward, turns, submitted = runner.forward, [], threading.Event()
+
+        def forward_then_cancel(*args, **kwargs):
+            out = forward(*args, **kwargs)
+            runner.forward = forward
+            submitted.wait()
+            turns[0].cancel()
+            return out
+
+        first = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 6)
+        second = tokenizer.encode(" And then?")
+        params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+        engine.start_session(21)
+        runner.forward = forward_then_cancel
+        turns.append(engine.submit(first, params, session_id=21))
+        submitted.set()
+        cancelled = list(turns[0])[-1]
+        assert cancelled.finish_reason is FinishReason.CANCELLED and cancelled.usage.completion_tokens == 0
+        assert len(first) > config.max_batched_tokens
+        after = engine.generate(second, params, session_id=21)
+        assert after.token_ids == engine.generate(first + second, params).token_ids
+        engine.end_session(21)
         assert_idle(engine)

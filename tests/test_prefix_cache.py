@@ -14,6 +14,7 @@ from lmgate.engine.engine import Engine
 from lmgate.engine.request import FinishReason
 from lmgate.engine.sampling import SamplingParams
 from lmgate.engine.sequence import Session
+from tests.test_sleep import checkpoints  # noqa: F401  (fixture)
 
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
 
@@ -161,6 +162,29 @@ def test_new_weights_empty_the_prefix_cache(checkpoint):
         assert eng.generate(prompt, GREEDY).usage.cached_tokens == 96
         eng.update_weights(checkpoint.path)
         assert eng.generate(prompt, GREEDY).usage.cached_tokens == 0
+
+
+def test_kv_computed_beside_replaced_weights_is_never_shared(checkpoint, checkpoints):
+    """A session's KV outlives new weights, and so do the blocks its next turn computes with the new weights:
+    they attend to the old KV. None of it may enter the prefix cache: a later stateless request whose prompt
+    starts with that conversation once took such a block and answered differently from the same request
+    computed afresh."""
+    logprobs = SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=1)
+    with Engine(config(), checkpoint=checkpoint) as eng:
+        eng.start_session(5)
+        eng.generate(words(60, 40), SamplingParams(max_new_tokens=1), session_id=5)
+        eng.update_weights(checkpoints["changed"])
+        eng.generate(words(61, 30), SamplingParams(max_new_tokens=1), session_id=5)
+        history = eng.loops[0].sessions[5].token_ids
+        prompt = history[:48] + words(62, 11)  # three whole blocks of the conversation, then new tokens
+        fresh = eng.generate(prompt, logprobs)
+        again = eng.generate(prompt, logprobs)
+        assert again.usage.cached_tokens > 0  # the first request's own blocks serve the second
+        assert again.token_ids == fresh.token_ids
+        for a, b in zip(again.logprobs, fresh.logprobs):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+        eng.end_session(5)
+        assert_all_free(eng)
 
 
 def test_block_manager_evicts_least_recently_released_cached_block():

@@ -88,3 +88,28 @@ def test_a_sequence_whose_last_token_is_still_on_the_device_is_not_scheduled_aga
     preempted.token_ids.append(9)
     preempted.num_pending = 0
     assert preempted in scheduler.schedule() and preempted.num_scheduled == 4
+
+
+def test_a_waiting_turn_gives_up_its_sessions_kv_to_the_head_of_the_queue():
+    """Two sessions' next turns arrive at once, each taking over its session's two blocks of four, each
+    needing a third. The head of the queue needs a block only the other waiting turn holds: once it
+    could not take it, nothing was ever admitted again. Now the turn behind it drops that KV (recomputed
+    when it runs, and not counted as cached) and the head runs."""
+    blocks = BlockManager(4, 16)
+    sessions, turns = {}, []
+    for sid in (1, 2):
+        session = sessions[sid] = Session(sid)
+        session.token_ids = list(range(25))
+        session.block_table, session.num_computed = blocks.allocate(2), 24
+        request = Request(RequestKind.GENERATE, sid, lambda out: None, input_ids=list(range(100, 110)))
+        turn = Sequence(request, session, detokenizer=None, max_new_tokens=8, eos_ids=frozenset())
+        session.active = turn
+        turns.append(turn)
+    scheduler = Scheduler(blocks, sessions, max_batch_size=8, max_batched_tokens=64)
+    for turn in turns:
+        scheduler.add(turn)
+    head, behind = turns
+    assert head.num_cached_tokens == behind.num_cached_tokens == 24
+    assert scheduler.schedule() == [head] and head.num_scheduled == 11 and len(head.block_table) == 3
+    assert list(scheduler.waiting) == [behind] and not behind.block_table and behind.num_computed == 0
+    assert behind.num_cached_tokens == 0 and head.num_cached_tokens == 24
