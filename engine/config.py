@@ -1,6 +1,7 @@
 """Model and engine configuration: fixed inputs, read once at start-up."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,9 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool = False
     qk_norm: bool = False
+    # Per rotary frequency, what its inverse frequency is divided by: Llama 3.1's and 3.2's scaled RoPE
+    # (llama.cpp's rope_freqs factors); empty: plain RoPE.
+    rope_freq_factors: tuple[float, ...] = ()
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -39,10 +43,21 @@ class ModelConfig:
         if arch not in ARCHITECTURES:
             raise UnsupportedModel(f"architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
         heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         rope = cfg.get("rope_parameters") or {}  # transformers >= 5 writes rope_theta and scaling here
+        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        factors: tuple[float, ...] = ()
         for key, scaling in (("rope_scaling", cfg.get("rope_scaling")), ("rope_parameters", rope)):
-            if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-                raise UnsupportedModel(f"{key} {scaling!r} is not supported")
+            kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
+            if kind == "llama3":
+                factors = llama3_rope_factors(scaling, theta, head_dim)
+            elif kind not in (None, "default"):
+                raise UnsupportedModel(f"{key} {scaling!r} is not supported (of scaled RoPE, only llama3)")
+        if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
+            raise UnsupportedModel(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
+        context = cfg.get("max_position_embeddings", 2048)
+        if _sliding_window(cfg, arch):  # within the window, full attention is windowed attention: it stops there
+            context = min(context, cfg["sliding_window"])
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -51,13 +66,14 @@ class ModelConfig:
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=cfg.get("rope_theta", rope.get("rope_theta", 10000.0)),
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            rope_theta=theta,
+            max_position_embeddings=context,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
             qk_norm=arch == "Qwen3ForCausalLM",
+            rope_freq_factors=factors,
         )
 
     @property
@@ -66,6 +82,37 @@ class ModelConfig:
         h, i = self.hidden_size, self.intermediate_size
         attn = h * self.head_dim * (self.num_heads * 2 + self.num_kv_heads * 2)
         return self.num_layers * (attn + 3 * h * i) + self.vocab_size * h
+
+
+def llama3_rope_factors(scaling: dict[str, Any], theta: float, head_dim: int) -> tuple[float, ...]:
+    """Llama 3.1's RoPE scaling as a divisor per frequency: short wavelengths (below the original context over
+    high_freq_factor) kept, long ones (beyond it over low_freq_factor) slowed by `factor`, those between
+    blended smoothly; as transformers' `llama3` rope type and llama.cpp's rope_freqs."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelength = 2 * math.pi * theta ** (i / head_dim)
+        if wavelength < original / high:
+            factors.append(1.0)
+        elif wavelength > original / low:
+            factors.append(float(factor))
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return tuple(factors)
+
+
+def _sliding_window(cfg: dict[str, Any], arch: str) -> bool:
+    """Whether some layer attends only to the last `sliding_window` tokens (Mistral 7B v0.1; Qwen2 with
+    use_sliding_window), as transformers decides it."""
+    if not cfg.get("sliding_window"):
+        return False
+    if cfg.get("layer_types"):
+        return "sliding_attention" in cfg["layer_types"]
+    if arch == "MistralForCausalLM":
+        return True
+    return bool(cfg.get("use_sliding_window")) and cfg.get("max_window_layers", 0) < cfg["num_hidden_layers"]
 
 
 @dataclass(slots=True)

@@ -52,6 +52,12 @@ def read_gguf_config(reader: GGUFReader) -> ModelConfig:
     hidden = _field(reader, f"{arch}.embedding_length")
     heads = _field(reader, f"{arch}.attention.head_count")
     names = {t.name for t in reader.tensors}
+    # Llama 3.1 and 3.2 ship their scaled RoPE as a divisor per frequency (a rope_freqs tensor); other scaling
+    # (linear, YaRN) is refused, as in a config.json, never run as plain RoPE.
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise UnsupportedModel(f"GGUF RoPE scaling {scaling!r} is not supported (only llama3's rope_freqs)")
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     return ModelConfig(
         architecture=_ARCHES[arch],
         vocab_size=_field(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data),
@@ -67,6 +73,7 @@ def read_gguf_config(reader: GGUFReader) -> ModelConfig:
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
+        rope_freq_factors=() if freqs is None else tuple(np.asarray(freqs.data, dtype=np.float32).ravel().tolist()),
     )
 
 

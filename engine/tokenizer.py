@@ -24,12 +24,27 @@ CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 # llama.cpp token types (gguf.TokenType).
 _UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
 
-# llama.cpp "pre" names whose split regex differs from plain GPT-2 ByteLevel.
+# llama.cpp "pre" names (the regex a byte-level vocabulary's merges were learned over) of the models lmgate
+# runs, as transformers' GGUF loader maps them; the GPT-2 ones take ByteLevel's own, and any other is refused:
+# split another way, a prompt's tokens are not the model's.
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_PRE_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT}
+_QWEN2_SPLIT = (  # as Llama 3's, but every digit alone
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_SPLIT = (  # Mistral NeMo's
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_SPLITS = {
+    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
+    "dbrx": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT, "tekken": _TEKKEN_SPLIT,
+}
+_GPT2_PRE = (None, "default", "gpt-2", "gpt2")
 
 
 class Tokenizer:
@@ -120,7 +135,7 @@ class Tokenizer:
         if isinstance(template, list):  # [{name, template}, ...]: the "default" one is the chat template
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         jinja_file = os.path.join(path, "chat_template.jinja")
-        if template is None and os.path.exists(jinja_file):
+        if os.path.exists(jinja_file):  # before tokenizer_config.json's, as transformers reads them
             with open(jinja_file, encoding="utf-8") as f:
                 template = f.read()
         return cls(
@@ -182,12 +197,13 @@ class Tokenizer:
             if role not in CHAT_ROLES:
                 raise ValueError(f"unknown message role {role!r}; expected one of {sorted(CHAT_ROLES)}")
         template = _compile_template(self.chat_template)
-        bos = None if self.bos_token_id is None else self._backend.id_to_token(self.bos_token_id)
-        eos = None if self._eos_token_id is None else self._backend.id_to_token(self._eos_token_id)
+        # As transformers: tools and documents are none, and a special token the model lacks is undefined (a
+        # template that prints it prints nothing, not "None").
+        specials = {name: self._backend.id_to_token(i) for name, i in
+                    (("bos_token", self.bos_token_id), ("eos_token", self._eos_token_id)) if i is not None}
         try:
-            return template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos
-            )
+            return template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+                                   documents=None, **specials)
         except jinja2.TemplateError as e:  # raise_exception() or a missing field: the messages don't fit
             raise ValueError(f"chat template rejected the messages: {e}") from e
 
@@ -206,8 +222,11 @@ def _byte_level_bpe(vocab: dict[str, int], merges: list[str], pre: str | None) -
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )
-    else:
+    elif pre in _GPT2_PRE:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        known = sorted(["smollm", *_PRE_SPLITS, *filter(None, _GPT2_PRE)])
+        raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported (supported: {', '.join(known)})")
     backend.decoder = decoders.ByteLevel()
     return backend
 

@@ -63,8 +63,7 @@ from lmgate.engine.threads import on_fresh_thread
 from gpu_models import write_model  # beside this file: all run as scripts
 from serving import serve_process
 
-# The published config.json of each model. Llama-3.2-1B's rope_scaling ("llama3") is left out: lmgate refuses
-# it, and it changes the rotary frequencies, not the cost.
+# The published config.json of each model.
 MODELS: dict[str, dict] = {
     "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                          num_attention_heads=14, num_key_value_heads=2, head_dim=64, vocab_size=151936,
@@ -73,7 +72,9 @@ MODELS: dict[str, dict] = {
     "llama-3.2-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
                          tie_word_embeddings=True, rope_theta=500000.0, rms_norm_eps=1e-5,
-                         max_position_embeddings=131072),
+                         max_position_embeddings=131072,
+                         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                           original_max_position_embeddings=8192)),
     "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
                          tie_word_embeddings=True, rope_theta=100000.0, rms_norm_eps=1e-5,

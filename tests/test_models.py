@@ -61,8 +61,12 @@ ARCHS = {
     "mistral": (transformers.MistralConfig, dict(num_hidden_layers=2, rope_theta=1e6, rms_norm_eps=1e-5)),
     "qwen2": (transformers.Qwen2Config, dict(num_hidden_layers=2, rope_theta=1e6)),
     "qwen3": (transformers.Qwen3Config, dict(num_hidden_layers=2, head_dim=32, rope_theta=1e6)),
+    # Llama 3.1's scaled RoPE, its original context shorter than a prompt here: tests of its own
+    "llama3": (transformers.LlamaConfig, dict(num_hidden_layers=2, rope_theta=500000.0, rope_parameters=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32,
+        rope_theta=500000.0))),
 }
-ARCH_NAMES = list(ARCHS)
+ARCH_NAMES = [name for name in ARCHS if name != "llama3"]
 
 PROMPT = "The quick brown fox jumps over the lazy dog, then naps under 3 old oak trees."
 PROMPT_B = "Paged attention keeps blocks apart."
@@ -134,7 +138,7 @@ def _make_model(name: str, root, tokenizer_dir: str) -> TinyModel:
     cfg = cls(**_COMMON, **overrides)
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
-    _randomize(hf, seed=ARCH_NAMES.index(name) + 1)
+    _randomize(hf, seed=list(ARCHS).index(name) + 1)
     if cfg.tie_word_embeddings:
         assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
     hf.eval()
@@ -331,7 +335,7 @@ def test_engine_greedy_tokens_match_transformers(tiny, prompt_ids, kernel):
 
 
 # --------------------------------------------------------------------------------------------- GGUF
-_GGUF_ARCH = {"llama": "llama", "llama_tied": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_GGUF_ARCH = {"llama": "llama", "llama_tied": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "llama3": "llama"}
 _GGUF_LAYER = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -388,6 +392,8 @@ def _write_gguf(tiny: TinyModel, path: str, tokenizer_fields, quantize=None) -> 
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
     for key, value, vtype, sub_type in tokenizer_fields:
         w.add_key_value(key, value, vtype, sub_type)
+    if cfg.rope_parameters.get("rope_type") == "llama3":  # as llama.cpp converts it: a divisor per frequency
+        w.add_tensor("rope_freqs.weight", _llama3_freq_divisors(cfg))
     for name, t in tiny.hf.state_dict().items():
         data = t.detach().float().numpy().copy()
         if name == "model.embed_tokens.weight":
@@ -414,6 +420,31 @@ def _write_gguf(tiny: TinyModel, path: str, tokenizer_fields, quantize=None) -> 
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def _llama3_freq_divisors(cfg) -> np.ndarray:
+    """transformers' plain inverse frequencies over its llama3 ones."""
+    scaled, _ = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["llama3"](cfg, CPU)
+    head_dim = cfg.head_dim
+    plain = 1.0 / (cfg.rope_parameters["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    return (plain / scaled).numpy()
+
+
+def test_llama3_scaled_rope_matches_transformers(tiny_models, tmp_path, tokenizer_fields, prompt_ids):
+    """Llama 3.1 and 3.2: RoPE scaled per frequency, read from config.json (rope_type llama3) and from a GGUF
+    (its rope_freqs tensor): greedy tokens past the original context are transformers'."""
+    tiny = tiny_models("llama3")
+    ckpt = tiny.ours()[0]
+    divisors = _llama3_freq_divisors(tiny.hf.config)
+    assert ckpt.config.rope_freq_factors == pytest.approx(divisors.tolist(), rel=1e-6)
+    assert min(divisors) == 1.0 and max(divisors) == 8.0  # kept, slowed, and blended between
+    assert len(prompt_ids) + NEW_TOKENS > 32
+    path = str(tmp_path / "llama3.gguf")
+    _write_gguf(tiny, path, tokenizer_fields)
+    for model in (tiny.path, path):
+        with Engine(EngineConfig(dtype="float32", model=model, kv_cache_tokens=1024)) as engine:
+            out = engine.generate(prompt_ids, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+        assert out.token_ids == tiny.hf_greedy(prompt_ids), model
 
 
 @pytest.mark.parametrize("name", ["llama", "llama_tied", "qwen2", "qwen3"])
@@ -449,6 +480,26 @@ def test_gguf_unsupported_architecture_refused(tmp_path):
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(UnsupportedModel, match="gpt2"):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize("how", ["linear", "yarn"])
+def test_gguf_rope_scaling_refused(tmp_path, how):
+    """Scaled RoPE other than Llama 3's (a rope_freqs tensor) is refused, as in a config.json, never run as
+    plain RoPE."""
+    path = str(tmp_path / "scaled.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    for key, value in dict(block_count=1, embedding_length=8, feed_forward_length=16, context_length=131072).items():
+        w.add_uint32(f"llama.{key}", value)
+    w.add_uint32("llama.attention.head_count", 2)
+    w.add_string("llama.rope.scaling.type", how)
+    w.add_float32("llama.rope.scaling.factor", 8.0)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedModel, match="RoPE scaling"):
         load_checkpoint(path)
 
 
@@ -532,10 +583,10 @@ def test_config_unsupported_architecture_refused(arch, tmp_path, tiny_models):
 
 
 @pytest.mark.parametrize("key", ["rope_scaling", "rope_parameters"])
-@pytest.mark.parametrize("rope_type", ["linear", "llama3", "yarn"])
+@pytest.mark.parametrize("rope_type", ["linear", "dynamic", "yarn"])
 def test_config_rope_scaling_refused(key, rope_type, tiny_models):
-    """Scaled RoPE is not implemented: refused whether written the transformers 4 way (rope_scaling) or the
-    transformers 5 way (rope_type inside rope_parameters), never silently run as plain RoPE."""
+    """Scaled RoPE other than llama3 is not implemented: refused whether written the transformers 4 way
+    (rope_scaling) or the transformers 5 way (rope_type inside rope_parameters), never run as plain RoPE."""
     cfg = json.loads(open(os.path.join(tiny_models("llama").path, "config.json")).read())
     cfg[key] = {"rope_type": rope_type, "factor": 2.0, "rope_theta": 50000.0}
     with pytest.raises(UnsupportedModel, match=key):
@@ -620,3 +671,29 @@ def test_ids_the_model_cannot_embed_are_refused(tmp_path):
             engine.generate([5, 700], SamplingParams(max_new_tokens=2))
         assert len(engine.generate([5, 599], SamplingParams(max_new_tokens=2, ignore_eos=True)).token_ids) == 2
         assert engine.info().kv_blocks_free == engine.info().kv_blocks_total
+
+
+@pytest.mark.parametrize("name,extra,context", [
+    ("mistral", dict(sliding_window=8), 8),  # Mistral 7B v0.1: every layer windowed
+    ("mistral", dict(sliding_window=None), 4096),
+    ("qwen2", dict(sliding_window=8, use_sliding_window=False), 4096),  # Qwen2.5's configs: the window unused
+    ("qwen2", dict(sliding_window=8, use_sliding_window=True, max_window_layers=1), 8),
+    ("qwen2", dict(sliding_window=8, use_sliding_window=True, max_window_layers=2), 4096),
+])
+def test_config_sliding_window_caps_the_context(name, extra, context, tiny_models):
+    """Attention over a sliding window equals full attention within the window: the context stops there, where
+    lmgate's full attention and the model's windowed attention would part."""
+    cfg = json.loads(open(os.path.join(tiny_models(name).path, "config.json")).read())
+    cfg.pop("layer_types", None)
+    cfg.update(max_position_embeddings=4096, num_hidden_layers=2, **extra)
+    assert ModelConfig.from_hf(cfg).max_position_embeddings == context
+    if extra.get("use_sliding_window"):  # transformers' own list of Qwen2's layer types agrees
+        hf_types = transformers.AutoConfig.for_model(**{**cfg, "model_type": name}).layer_types
+        assert ("sliding_attention" in hf_types) == (context == 8)
+
+
+def test_config_activation_other_than_silu_refused(tiny_models):
+    cfg = json.loads(open(os.path.join(tiny_models("llama").path, "config.json")).read())
+    cfg["hidden_act"] = "gelu"
+    with pytest.raises(UnsupportedModel, match="hidden_act 'gelu'"):
+        ModelConfig.from_hf(cfg)

@@ -1,3 +1,4 @@
+import json
 import os
 
 import gguf
@@ -117,6 +118,23 @@ def test_tokenizer_from_hf_dir_reads_eos_lists_and_jinja_file(hf_tokenizer, tmp_
     assert loaded.apply_chat_template([{"role": "user", "content": "x"}]) == "x"
 
 
+def test_tokenizer_chat_template_renders_as_transformers_does(hf_tokenizer, tmp_path):
+    """chat_template.jinja before tokenizer_config.json's template; no tools or documents; a special token the
+    model lacks is undefined, not the text "None"."""
+    hf_tokenizer.save_pretrained(tmp_path)
+    config = tmp_path / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "chat_template": "OLD {{ messages[0]['content'] }}"}))
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% if tools is not none %}[TOOLS]{% endif %}{% if documents is not none %}[DOCS]{% endif %}"
+        "{{ bos_token }}NEW {{ messages[0]['content'] }}")
+    messages = [{"role": "user", "content": "hi"}]
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    ours = Tokenizer.from_hf_dir(str(tmp_path))
+    assert ours.apply_chat_template(messages) == theirs.apply_chat_template(messages, tokenize=False) == "<|im_start|>NEW hi"
+    ours.bos_token_id = None
+    assert ours.apply_chat_template(messages) == "NEW hi"
+
+
 def _tiny_llama_gguf(path: str) -> None:
     """A SentencePiece-style ('llama') vocabulary with scores and no merges, as such GGUFs ship."""
     pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
@@ -163,3 +181,40 @@ def test_tokenizer_gguf_rejects_unsupported_model(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match="unsupported GGUF tokenizer model 'bert'"):
         Tokenizer.from_gguf(gguf.GGUFReader(path))
+
+
+def _vocabulary_gguf(path, source: str, pre: str) -> None:
+    """A qwen2 GGUF with the embedded model's byte-level vocabulary, stating pre-tokenizer `pre`."""
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    for key, value in dict(vocab_size=49152, context_length=4096, embedding_length=64, block_count=1,
+                           feed_forward_length=128).items():
+        writer.add_uint32(f"qwen2.{key}", value)
+    writer.add_uint32("qwen2.attention.head_count", 4)
+    for key, f in reader.fields.items():
+        if key.startswith("tokenizer."):
+            kind = f.types[0]
+            writer.add_key_value(key, pre if key == "tokenizer.ggml.pre" else f.contents(), kind,
+                                 f.types[1] if kind == gguf.GGUFValueType.ARRAY else None)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 64), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("pre", ["qwen2", "tekken", "llama-bpe"])
+def test_tokenizer_gguf_splits_text_as_its_pre_tokenizer_says(gguf_path, tmp_path, pre):
+    """Qwen2's GGUFs (and DeepSeek-R1's distills) split every digit alone, Mistral NeMo's keep a leading
+    punctuation mark with the word: each splits as transformers builds it from the same file."""
+    _vocabulary_gguf(tmp_path / "vocab.gguf", gguf_path, pre)
+    ours = Tokenizer.from_gguf(gguf.GGUFReader(str(tmp_path / "vocab.gguf")))
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="vocab.gguf")
+    for text in TEXTS + ["a\n\n\nb  \n c", "Year 2024: 12345 items", "(Hello) .World I'M here, you'LL see"]:
+        assert ours.encode(text, add_special_tokens=False) == theirs.encode(text, add_special_tokens=False), text
+
+
+def test_tokenizer_gguf_refuses_a_pre_tokenizer_it_does_not_know(gguf_path, tmp_path):
+    _vocabulary_gguf(tmp_path / "vocab.gguf", gguf_path, "made-up")
+    with pytest.raises(ValueError, match="pre-tokenizer 'made-up' is not supported"):
+        Tokenizer.from_gguf(gguf.GGUFReader(str(tmp_path / "vocab.gguf")))

@@ -36,7 +36,8 @@ def build_model(
     if not quantized:
         weights = expand_blocks(weights)
     model = instantiate(cfg, weights)
-    model.model.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+    model.model.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings,
+                                             cfg.rope_freq_factors)
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     if device.type == "cpu":
         cpu_linears(model, batch_hint)
