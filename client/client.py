@@ -266,8 +266,9 @@ class _SessionBase(Generic[StreamT]):
         request_id: str = "",
         **sampling: Any,
     ) -> StreamT:
-        """One turn: the new input is appended to the history (a prompt gets no BOS; messages are rendered
-        on their own, so send only the new ones). One turn at a time: a second is FAILED_PRECONDITION."""
+        """One turn: the new input is appended to the history (a prompt gets the model's BOS on the session's
+        first turn only; messages are rendered on their own, so send only the new ones). One turn at a time:
+        a second is FAILED_PRECONDITION."""
         if self.history is None:
             return self.client.generate(
                 prompt, messages=messages, token_ids=token_ids, session_id=self.id, request_id=request_id, **sampling

@@ -6,7 +6,8 @@ that matters (token 0 at position 0, slot -1 so the Triton store skips it, 0 tok
 reads nothing), and the first n rows of the graph's static logits are the step's. Prefill and mixed steps run
 eagerly. A graph holds the addresses of the weights, the KV cache and its own buffers: the runner drops the
 graphs when it frees the KV cache (Sleep), and `run` captures again when the model or its version changed
-(Wakeup, UpdateWeights), one bucket at a time as steps first need it.
+(Wakeup, UpdateWeights), one bucket at a time as steps first need it. A capture that fails (out of memory)
+leaves decode steps eager until the graphs are next dropped.
 
 Block tables are not rebuilt per step: `TableStore` keeps a row per sequence, written as the sequence's
 table grows, and a step gathers its rows on the device.
@@ -99,6 +100,7 @@ class DecodeGraphs:
         self.sizes = buckets(max_batch_size)
         self.max_blocks = max_blocks  # block-table width: a sequence at the context limit fills it
         self.capture = capture
+        self.capture_failed = False  # a capture failed: eager steps until `drop` (new model, weights or KV cache)
         size = self.sizes[-1]
         # One flat int64 buffer, so that a step's per-row inputs cross to the device in a single copy; two on
         # the host, taken in turn: a step's copy may still be queued while the next step is loaded (overlap).
@@ -156,14 +158,20 @@ class DecodeGraphs:
         if self._captured_for != (id(model), weights_version):
             self.drop()
             self._captured_for = (id(model), weights_version)
+        if self.capture_failed:
+            return self._forward(model, kv_caches, b)
         if b not in self._graphs:
+            stream = torch.cuda.current_stream() if self._device.is_cuda else None
             try:
                 with DEVICE_CACHE_LOCK:
                     self._graphs[b] = self._capture(model, kv_caches, b)
             except Exception:  # out of memory, say: slower steps, but steps
-                log.exception("capturing the CUDA graph of %d rows failed; decode steps run eagerly from now on", b)
-                self.drop()
-                self.capture = False
+                log.exception("capturing the CUDA graph of %d rows failed; decode steps run eagerly until the "
+                              "model, its weights or the KV cache change", b)
+                if stream is not None:  # a capture that failed to end leaves its thread on the capture stream
+                    torch.cuda.set_stream(stream)
+                self._graphs.clear()
+                self.capture_failed = True
                 return self._forward(model, kv_caches, b)
         graph, logits = self._graphs[b]
         graph.replay()
@@ -174,6 +182,7 @@ class DecodeGraphs:
         self._graphs.clear()
         self._pool = None
         self._captured_for = None
+        self.capture_failed = False
 
     def _forward(self, model: LlamaForCausalLM, kv_caches, b: int) -> torch.Tensor:
         input_ids, positions, meta = self.views(b)

@@ -202,15 +202,17 @@ class Engine:
         its first gets the model's special tokens (a BOS), as a stateless text prompt does."""
         params = params or SamplingParams()
         ids = self.encode_prompt(prompt, add_special_tokens=not session_id)
-        self._check_request(ids, params)
+        # what a text's encoding starts with (a BOS): counted here as if this were the session's first turn,
+        # which a later turn's history outweighs
+        first_turn_ids = self.tokenizer.encode("") if session_id and isinstance(prompt, str) else []
+        self._check_request(first_turn_ids + ids, params)
         stream = None if on_output else Stream(self)
         request = Request(
             RequestKind.GENERATE, session_id, on_output or stream.put, request_id, ids, params, stateless=not session_id
         )
+        request.first_turn_ids = first_turn_ids
         if session_id and chat.is_chat(prompt):
             request.messages = [dict(m) for m in prompt]
-        elif session_id and isinstance(prompt, str):
-            request.first_turn_ids = self.tokenizer.encode("")  # what a text's encoding starts with
         self.gateway.push(request)
         if stream is None:
             return request

@@ -320,6 +320,7 @@ class EngineLoop:
         self.blocks.release(session.block_table[kept:])
         session.block_table, session.block_hashes = session.block_table[:kept], session.block_hashes[: keep // bs]
         session.num_computed = keep
+        session.keyable = session.keyable or not kept  # no KV of replaced weights is left
 
     def _ended_while_queued(self, request: Request) -> bool:
         """Work queued before a sleep or shutdown closed admission, or whose session ended meanwhile. A rank in

@@ -306,6 +306,11 @@ def test_a_sessions_first_text_turn_gets_the_bos_a_stateless_prompt_gets(tiny_mo
         more = eng.tokenizer.encode(" flows", add_special_tokens=False)
         assert second.usage.prompt_tokens == 1 + len(text) + 6 + len(more)
         assert history == [bos] + text + first.token_ids + more + second.token_ids and history.count(bos) == 1
+        # The BOS counts against the context window when the turn is submitted, not later as a stream error.
+        eng.start_session(4)
+        with pytest.raises(ContextOverflow):
+            eng.submit("The river", SamplingParams(max_new_tokens=eng.max_context_length - len(text)), session_id=4)
+        eng.end_session(4)
         assert_idle(eng)
 
 
