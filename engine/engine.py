@@ -202,9 +202,8 @@ class Engine:
         its first gets the model's special tokens (a BOS), as a stateless text prompt does."""
         params = params or SamplingParams()
         ids = self.encode_prompt(prompt, add_special_tokens=not session_id)
-        # what a text's encoding starts with (a BOS): counted here as if this were the session's first turn,
-        # which a later turn's history outweighs
-        first_turn_ids = self.tokenizer.encode("") if session_id and isinstance(prompt, str) else []
+        # a BOS, counted here as if this were the session's first turn, which a later turn's history outweighs
+        first_turn_ids = list(self.tokenizer.prefix_ids) if session_id and isinstance(prompt, str) else []
         self._check_request(first_turn_ids + ids, params)
         stream = None if on_output else Stream(self)
         request = Request(

@@ -68,6 +68,7 @@ class Tokenizer:
         # A tokenizer.json may already add BOS in its post-processor; only prepend it ourselves if not.
         added_by_backend = bos_token_id in backend.encode("", add_special_tokens=True).ids
         self._prepend_bos = add_bos_token and bos_token_id is not None and not added_by_backend
+        self.prefix_ids: tuple[int, ...] = tuple(self.encode(""))  # what every text's encoding starts with (a BOS)
 
     # ----------------------------------------------------------------- loading
     @classmethod

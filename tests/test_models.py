@@ -470,15 +470,22 @@ def test_gguf_roundtrip_matches_hf_directory(name, tiny_models, tmp_path, tokeni
     assert out.token_ids == tiny.hf_greedy(prompt_ids)
 
 
-def test_gguf_unsupported_architecture_refused(tmp_path):
-    path = str(tmp_path / "gpt2.gguf")
-    w = gguf.GGUFWriter(path, "gpt2")
-    w.add_uint32("gpt2.block_count", 1)
+def _metadata_gguf(path: str, arch: str, fields: dict) -> str:
+    """A GGUF of `arch` with these metadata fields (ints as uint32, floats as float32, strings) and one
+    tensor: enough for the loader to read its config, and refuse it."""
+    w = gguf.GGUFWriter(path, arch)
+    for key, value in fields.items():
+        {int: w.add_uint32, float: w.add_float32, str: w.add_string}[type(value)](key, value)
     w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return path
+
+
+def test_gguf_unsupported_architecture_refused(tmp_path):
+    path = _metadata_gguf(str(tmp_path / "gpt2.gguf"), "gpt2", {"gpt2.block_count": 1})
     with pytest.raises(UnsupportedModel, match="gpt2"):
         load_checkpoint(path)
 
@@ -487,18 +494,10 @@ def test_gguf_unsupported_architecture_refused(tmp_path):
 def test_gguf_rope_scaling_refused(tmp_path, how):
     """Scaled RoPE other than Llama 3's (a rope_freqs tensor) is refused, as in a config.json, never run as
     plain RoPE."""
-    path = str(tmp_path / "scaled.gguf")
-    w = gguf.GGUFWriter(path, "llama")
-    for key, value in dict(block_count=1, embedding_length=8, feed_forward_length=16, context_length=131072).items():
-        w.add_uint32(f"llama.{key}", value)
-    w.add_uint32("llama.attention.head_count", 2)
-    w.add_string("llama.rope.scaling.type", how)
-    w.add_float32("llama.rope.scaling.factor", 8.0)
-    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    fields = {"llama.block_count": 1, "llama.embedding_length": 8, "llama.feed_forward_length": 16,
+              "llama.context_length": 131072, "llama.attention.head_count": 2, "llama.rope.scaling.type": how,
+              "llama.rope.scaling.factor": 8.0}
+    path = _metadata_gguf(str(tmp_path / "scaled.gguf"), "llama", fields)
     with pytest.raises(UnsupportedModel, match="RoPE scaling"):
         load_checkpoint(path)
 
