@@ -396,6 +396,8 @@ class EngineLoop:
             if reason is not None:
                 if not stop_hit:
                     out.text += seq.detokenizer.finish()
+                    if seq.detokenizer.stopped:  # a stop string that only the final decode revealed
+                        reason = FinishReason.STOP
                 seq.finish_reason = out.finish_reason = reason
                 out.usage = self._usage(seq)
                 batch.finished.append(seq)

@@ -45,6 +45,15 @@ _PRE_SPLITS = {
     "dbrx": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT, "tekken": _TEKKEN_SPLIT,
 }
 _GPT2_PRE = (None, "default", "gpt-2", "gpt2")
+# Vocabularies whose merges llama.cpp ignores for a word that is a token whole, and which start text with BOS
+# where the GGUF does not say (its llama-bpe group and tekken), as their tokenizer.json files do.
+_WHOLE_WORD_PRE = frozenset({"llama3", "llama-v3", "llama-bpe", "tekken"})
+# Texts that end a turn whatever the GGUF's eos/eot keys say, as llama.cpp treats them: an older Llama 3
+# Instruct GGUF names only <|end_of_text|>, while its model ends each reply with <|eot_id|>.
+_END_OF_GENERATION_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>",
+    "<|end_of_text|>", "<end_of_utterance>",
+})
 
 
 class Tokenizer:
@@ -85,8 +94,9 @@ class Tokenizer:
         merges = field("tokenizer.ggml.merges")
         vocab = {tok: i for i, tok in enumerate(tokens)}
         if kind == "gpt2":
-            backend = _byte_level_bpe(vocab, merges or [], field("tokenizer.ggml.pre"))
-            add_bos_default = False
+            pre = field("tokenizer.ggml.pre")
+            backend = _byte_level_bpe(vocab, merges or [], pre)
+            add_bos_default = pre in _WHOLE_WORD_PRE
         elif kind == "llama":
             unk_id = field("tokenizer.ggml.unknown_token_id")
             unk = None if unk_id is None else tokens[unk_id]
@@ -108,6 +118,8 @@ class Tokenizer:
             for key in ("eos_token_id", "eot_token_id", "eom_token_id")
             if (i := field(f"tokenizer.ggml.{key}")) is not None
         ]
+        eos_ids += [i for i, (t, ty) in enumerate(typed) if ty == _CONTROL and t in _END_OF_GENERATION_TEXTS
+                    and i not in eos_ids]
         return cls(
             backend,
             bos_token_id=field("tokenizer.ggml.bos_token_id"),
@@ -197,21 +209,23 @@ class Tokenizer:
             role = m.get("role") if isinstance(m, dict) else None
             if role not in CHAT_ROLES:
                 raise ValueError(f"unknown message role {role!r}; expected one of {sorted(CHAT_ROLES)}")
-        template = _compile_template(self.chat_template)
         # As transformers: tools and documents are none, and a special token the model lacks is undefined (a
         # template that prints it prints nothing, not "None").
         specials = {name: self._backend.id_to_token(i) for name, i in
                     (("bos_token", self.bos_token_id), ("eos_token", self._eos_token_id)) if i is not None}
         try:
-            return template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+            return _compile_template(self.chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
                                    documents=None, **specials)
+        except jinja2.TemplateSyntaxError as e:  # the model's template, not the messages
+            raise ValueError(f"this model's chat template does not compile: {e}") from e
         except jinja2.TemplateError as e:  # raise_exception() or a missing field: the messages don't fit
             raise ValueError(f"chat template rejected the messages: {e}") from e
 
 
 # --------------------------------------------------------------------- helpers
 def _byte_level_bpe(vocab: dict[str, int], merges: list[str], pre: str | None) -> _Backend:
-    backend = _Backend(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False))
+    backend = _Backend(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False,
+                                  ignore_merges=pre in _WHOLE_WORD_PRE))
     if pre == "smollm":  # as SmolLM2's own tokenizer.json: every digit is its own pre-token
         backend.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
@@ -268,6 +282,17 @@ def _read_json(path: str) -> dict[str, Any]:
         return json.load(f)
 
 
+class _GenerationBlock(jinja2.ext.Extension):
+    """transformers' `{% generation %}...{% endgeneration %}`: it marks the assistant's text for training
+    masks; rendering keeps what it encloses as it is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> list:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 @functools.lru_cache(maxsize=16)
 def _compile_template(source: str) -> jinja2.Template:
     """Same environment transformers uses, so templates written for it render identically."""
@@ -279,7 +304,8 @@ def _compile_template(source: str) -> jinja2.Template:
         # Jinja's own tojson HTML-escapes; transformers overrides it like this.
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols, _GenerationBlock])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

@@ -19,6 +19,7 @@ from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 READY_TIMEOUT = 60.0  # a guard against a proxy that never comes up, not a performance bound
+PORT_ATTEMPTS = 3
 
 
 def _free_port() -> int:
@@ -62,32 +63,51 @@ PROXIES = {"nginx": _nginx, "envoy": _envoy}
 def running_proxy(kind: str, replicas: dict[str, str], run_dir: Path) -> Iterator[str]:
     """deploy/'s file for `kind` in front of `replicas` (replica id -> "127.0.0.1:port"); yields the proxy's
     address once calls through it have reached every replica. Skips the test where `kind` is not installed."""
-    port = _free_port()
-    with open(run_dir / "stderr.log", "wb") as stderr:
-        process = subprocess.Popen(PROXIES[kind](list(replicas.values()), run_dir, port), stdout=subprocess.DEVNULL,
-                                   stderr=stderr)
-    address = f"127.0.0.1:{port}"
+    for attempt in range(PORT_ATTEMPTS):
+        port = _free_port()
+        with open(run_dir / "stderr.log", "wb") as stderr:
+            process = subprocess.Popen(PROXIES[kind](list(replicas.values()), run_dir, port),
+                                       stdout=subprocess.DEVNULL, stderr=stderr)
+        address = f"127.0.0.1:{port}"
+        try:
+            if _wait_until_every_replica_answers(address, process, run_dir, set(replicas)):
+                break
+        except BaseException:
+            _stop(process)
+            raise
+        # Another process took the free port between our probe and the proxy's bind: try another one.
+    else:
+        raise AssertionError(f"{kind} found no free port in {PORT_ATTEMPTS} tries")
     try:
-        _wait_until_every_replica_answers(address, process, run_dir, set(replicas))
         yield address
     finally:
-        process.terminate()
-        try:
-            process.wait(READY_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        _stop(process)
 
 
-def _wait_until_every_replica_answers(address: str, process: subprocess.Popen, run_dir: Path, names: set[str]) -> None:
+def _stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(READY_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def _wait_until_every_replica_answers(address: str, process: subprocess.Popen, run_dir: Path, names: set[str]) -> bool:
+    """True once every replica has answered through the proxy; False if the proxy exited because its port was
+    taken."""
     deadline = time.monotonic() + READY_TIMEOUT
     seen: set[str] = set()
     with grpc.insecure_channel(address) as channel:
         stub = pb_grpc.InferenceStub(channel)
         while seen != names:
-            assert process.poll() is None, (run_dir / "stderr.log").read_text()
+            if process.poll() is not None:
+                log = (run_dir / "stderr.log").read_text()
+                assert "Address already in use" in log, log
+                return False
             assert time.monotonic() < deadline, f"only {sorted(seen)} answered through the proxy"
             try:
                 seen.add(stub.Info(pb.InfoRequest(), timeout=5).replica_id)
             except grpc.RpcError:  # not listening yet, or health checks not passed yet
                 time.sleep(0.1)
+    return True

@@ -23,6 +23,7 @@ import torch
 import transformers
 
 from lmgate.engine.config import EngineConfig
+from lmgate.engine.detokenizer import IncrementalDetokenizer
 from lmgate.engine.engine import Engine
 from lmgate.engine.errors import ContextOverflow, InternalError, InvalidRequest, SessionBusy, SessionNotFound, Unavailable
 from lmgate.engine.request import FinishReason, RequestKind
@@ -584,6 +585,25 @@ def test_engine_stop_string_cuts_text_before_it(engine, tokenizer):
     assert stop not in text
     ids = tokens_of(outs)
     assert ids == ref.token_ids[: len(ids)] and len(ids) < NEW
+
+
+def test_engine_stop_string_revealed_by_the_last_token_ends_with_stop(engine, tokenizer):
+    """A last token that completes a character and starts another is held back whole while it streams; the
+    final decode reveals a stop string in it, and the reason is STOP, not LENGTH."""
+    prompt = tokenizer.encode(" ".join(["Да добро"] * 6))
+    ref = engine.generate(prompt, GREEDY).token_ids
+    for k in range(1, len(ref)):
+        detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
+        emitted = "".join(detokenizer.step([t])[0] for t in ref[: k + 1])
+        held = tokenizer.decode(ref[: k + 1]).rstrip("\ufffd")[len(emitted):]
+        if held and held not in emitted:
+            break
+    else:
+        pytest.fail(f"no token in {ref} holds back complete text")
+    outs = collect(engine.submit(prompt, SamplingParams(max_new_tokens=k + 1, ignore_eos=True, stop=(held,))))
+    assert outs[-1].finish_reason is FinishReason.STOP
+    assert text_of(outs) == emitted
+    assert tokens_of(outs) == ref[: k + 1]
 
 
 def test_engine_stop_token_ids_end_generation(engine, tokenizer):

@@ -70,7 +70,8 @@ def test_tokenizer_chat_tokens_are_single_special_ids(tokenizer):
 def test_tokenizer_gguf_special_ids(tokenizer, hf_tokenizer):
     assert tokenizer.vocab_size == len(hf_tokenizer) == 49152
     assert tokenizer.bos_token_id == hf_tokenizer.bos_token_id == 1
-    assert tokenizer.eos_token_ids == frozenset({hf_tokenizer.eos_token_id}) == frozenset({2})
+    # <|im_end|> as the GGUF says, and <|endoftext|> too, as llama.cpp ends generation at it by its text.
+    assert tokenizer.eos_token_ids == {hf_tokenizer.eos_token_id, 0} == {2, 0}
     # add_bos_token is False in this GGUF: no BOS is prepended.
     assert tokenizer.encode("hi") == tokenizer.encode("hi", add_special_tokens=False)
 
@@ -135,6 +136,22 @@ def test_tokenizer_chat_template_renders_as_transformers_does(hf_tokenizer, tmp_
     assert ours.apply_chat_template(messages) == "NEW hi"
 
 
+def test_tokenizer_chat_template_generation_blocks_render_and_broken_templates_are_value_errors(hf_tokenizer, tmp_path):
+    """transformers' {% generation %} tag (training masks) renders its body; a template that does not compile
+    is the model's fault, told as such, and never a crash of the caller."""
+    hf_tokenizer.save_pretrained(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}A: {{ m['content'] }}"
+        "{% endgeneration %}{% else %}U: {{ m['content'] }}{% endif %}\n{% endfor %}")
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    ours = Tokenizer.from_hf_dir(str(tmp_path))
+    assert ours.apply_chat_template(messages) == theirs.apply_chat_template(messages, tokenize=False) == "U: hiA: hello"
+    ours.chat_template = "{% for m in messages %}{{ m['content'] }"
+    with pytest.raises(ValueError, match="does not compile"):
+        ours.apply_chat_template(messages)
+
+
 def _tiny_llama_gguf(path: str) -> None:
     """A SentencePiece-style ('llama') vocabulary with scores and no merges, as such GGUFs ship."""
     pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
@@ -181,6 +198,40 @@ def test_tokenizer_gguf_rejects_unsupported_model(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match="unsupported GGUF tokenizer model 'bert'"):
         Tokenizer.from_gguf(gguf.GGUFReader(path))
+
+
+def _llama3_vocabulary_gguf(path: str, **add_bos_token: bool) -> None:
+    """A byte-level vocabulary in which "abc" is a token no merge builds, with Llama 3's special tokens and
+    only eos_token_id among the end keys, as older Llama 3 Instruct GGUFs ship."""
+    tokens = ["a", "b", "c", "ab", "bc", "abc", "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"]
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("llama-bpe")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * 6 + [3] * 3)
+    writer.add_token_merges(["a b", "b c"])
+    writer.add_bos_token_id(6)
+    writer.add_eos_token_id(7)
+    if add_bos_token:
+        writer.add_add_bos_token(add_bos_token["add_bos_token"])
+    writer.add_tensor("dummy", np.zeros(1, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_tokenizer_llama3_gguf_takes_whole_words_bos_and_eot_as_llama_cpp_does(tmp_path):
+    """A llama-bpe GGUF without add_bos_token starts text with BOS, takes a word that is a token whole
+    (ignore_merges, as Llama 3's tokenizer.json), and ends generation at <|eot_id|> too."""
+    path = str(tmp_path / "llama3.gguf")
+    _llama3_vocabulary_gguf(path)
+    tok = Tokenizer.from_gguf(gguf.GGUFReader(path))
+    assert tok.prefix_ids == (6,)
+    assert tok.encode("abc") == [6, 5]
+    assert tok.eos_token_ids == {7, 8}
+    _llama3_vocabulary_gguf(path, add_bos_token=False)  # the file's own word wins
+    assert Tokenizer.from_gguf(gguf.GGUFReader(path)).encode("abc") == [5]
 
 
 def _vocabulary_gguf(path, source: str, pre: str) -> None:
