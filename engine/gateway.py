@@ -1,7 +1,8 @@
 """The Gateway, after TurboMind's: routes requests to engine loops and delivers their outputs.
 
 Lock order: `Gateway._admission_lock` is held across a Start's binding and a Generate's enqueue (so that once
-a gate has closed, nothing that passed it is still on its way to a queue); under it, and otherwise each a leaf:
+a gate has closed, nothing that passed it is still on its way to a queue), and across an End's unbinding and
+enqueue (so that a Start reusing the id follows the old session's KILL); under it, and otherwise each a leaf:
   SequenceBinding._lock, RequestQueue._lock (or a RemoteQueue's), CancelFlag._lock, Gateway._arrivals.
 Gateway._signal_cond is a leaf. No thread waits on one while holding another.
 Callbacks run on the signal thread with no lock held. Engine loops wait on `_arrivals` (idle) and in the host
@@ -107,18 +108,23 @@ class Gateway:
 
     def control(self, kind: RequestKind) -> None:
         """Send a control request to every engine loop and wait until each has handled it at a step boundary;
-        raises the first error a loop answered with (a KV cache that could not be allocated again). A loop
-        that has shut down counts as done."""
+        raises the first error a loop answered with (a KV cache that could not be allocated again), or
+        UNAVAILABLE where the engine shut down before a loop handled it: the caller must not go on to free
+        what that loop may still be using."""
         pending = threading.Semaphore(0)
         errors: list[EngineError] = []
+        shut_down = Unavailable("the engine is shutting down")
 
         def answered(output: RequestOutput) -> None:
             if output.error is not None:
                 errors.append(output.error)
+            elif output.finish_reason is FinishReason.CANCELLED:  # closed in the queue, never handled
+                errors.append(shut_down)
             pending.release()
 
         for rank in range(len(self.queues)):
             if not self.enqueue(rank, Request(kind, 0, answered)):
+                errors.append(shut_down)
                 pending.release()
         for _ in self.queues:
             pending.acquire()
@@ -130,24 +136,32 @@ class Gateway:
         cancelled its active generation and freed its KV. Ending an unknown session is a no-op.
 
         A turn still queued is cancelled here: kills overtake queued turns, so it would otherwise outlive End,
-        and run inside a new session started with the same id on the same loop."""
-        bound = self.binding.unbind(session_id)
-        if bound is not None and bound.active is not None:
-            self.cancel(bound.active)
-        done = RequestOutput("", session_id, finish_reason=FinishReason.STOP)
+        and run inside a new session started with the same id on the same loop. Under the admission lock, a
+        Start of the same id binds only once the KILL is queued, so its turns follow the KILL."""
         request = Request(RequestKind.KILL, session_id, on_done)
-        if bound is None or not self.enqueue(bound.rank, request):
-            self.notify([(request, done)])
+        with self._admission_lock:
+            bound = self.binding.unbind(session_id)
+            active = bound.active if bound is not None else None
+            was = active.cancel_flag.exchange(CancelFlag.CANCELLED) if active is not None else None
+            queued = bound is not None and self.enqueue(bound.rank, request)
+        if active is not None:
+            self._cancelled(active, was)
+        if not queued:
+            self.notify([(request, RequestOutput("", session_id, finish_reason=FinishReason.STOP))])
 
     def cancel(self, request: Request) -> bool:
         """Flip the flag; a queued request ends here and now, an active one at its loop's next step (a loop in
         another process is told through the request's `on_cancel`)."""
         old = request.cancel_flag.exchange(CancelFlag.CANCELLED)
-        if old == CancelFlag.QUEUED:
-            self.notify([(request, cancelled_output(request))])
-        elif old == CancelFlag.ACTIVE and request.on_cancel is not None:
-            request.on_cancel()
+        self._cancelled(request, old)
         return old != CancelFlag.CANCELLED
+
+    def _cancelled(self, request: Request, was: CancelFlag) -> None:
+        """What flipping a request's flag from `was` to CANCELLED asks for, done with no lock held."""
+        if was == CancelFlag.QUEUED:
+            self.notify([(request, cancelled_output(request))])
+        elif was == CancelFlag.ACTIVE and request.on_cancel is not None:
+            request.on_cancel()
 
     def enqueue(self, rank: int, request: Request) -> bool:
         """Put a request in loop `rank`'s queue and wake the loops; False once that queue is closed."""

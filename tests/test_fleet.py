@@ -84,6 +84,17 @@ def test_stateless_calls_reach_every_replica(proxy):
     assert set(answered) == set(REPLICAS), answered
 
 
+def test_admin_calls_are_refused_through_the_proxy(proxy, replicas):
+    """Replicas trust Admin calls from loopback, and the proxy's connections come from loopback: the proxy
+    itself refuses Admin, so no client reaching it can put a replica to sleep."""
+    with grpc.insecure_channel(proxy) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            pb_grpc.AdminStub(channel).Sleep(pb.SleepRequest(level=1), timeout=READY_TIMEOUT)
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, refused.value
+    assert "each replica's own address" in refused.value.details()
+    assert not any(s.engine.sleeping for s in replicas)
+
+
 @pytest.mark.parametrize("proxy", ["envoy"], indirect=True)  # nginx's open-source build has no active checks
 def test_envoy_health_checks_take_a_sleeping_replica_out_and_back(proxy, replicas):
     """Asleep, a replica reports NOT_SERVING; Envoy stops sending it calls, and sends them again after wake-up."""

@@ -168,14 +168,16 @@ def test_requests_cancelled_while_queued_give_their_places_back():
 
 
 class PausingQueue(RequestQueue):
-    """A real queue whose pushes wait for `go` once `paused` is set: a caller preempted inside its enqueue."""
+    """A real queue whose pushes (of `kind`, or all) wait for `go` once `paused` is set: a caller preempted
+    inside its enqueue."""
 
-    def __init__(self) -> None:
+    def __init__(self, kind: RequestKind | None = None) -> None:
         super().__init__(8)
+        self.kind = kind
         self.paused, self.entered, self.go = threading.Event(), threading.Event(), threading.Event()
 
     def push(self, request: Request) -> bool:
-        if self.paused.is_set():
+        if self.paused.is_set() and self.kind in (None, request.kind):
             self.entered.set()
             self.go.wait()
         return super().push(request)
@@ -210,3 +212,46 @@ def test_a_gate_closes_only_once_every_request_it_admitted_is_queued():
     finally:
         gw.shutdown()
         gw.stop_signals()
+
+
+def test_a_session_started_with_an_ended_sessions_id_follows_the_old_ones_kill():
+    """End unbinds the id, then queues its KILL: a Start and turn of the same id in between must queue behind
+    that KILL, or the loop would run the new turn on the old session's history and then kill it."""
+    queue = PausingQueue(RequestKind.KILL)
+    gw = Gateway(queues=[queue])
+    try:
+        gw.start_session(7)
+        queue.paused.set()
+
+        def start_again() -> None:
+            gw.start_session(7)
+            gw.push(generate_request(7))
+
+        with ThreadPoolExecutor(2) as pool:
+            try:
+                ending = pool.submit(gw.kill, 7, lambda _: None)
+                assert queue.entered.wait(60)
+                starting = pool.submit(start_again)
+                wait([starting], timeout=0.5)
+            finally:
+                queue.go.set()
+            ending.result(timeout=60)
+            starting.result(timeout=60)
+        assert [r.kind for r in queue.pop(8)] == [RequestKind.KILL, RequestKind.GENERATE]
+    finally:
+        gw.shutdown()
+        gw.stop_signals()
+
+
+def test_a_control_closed_in_its_queue_is_unavailable_not_done(gateway):
+    """Sleep frees the weights once every loop has handled its SLEEP: a SLEEP that shutdown cancelled in the
+    queue was handled by no loop, which may still be stepping on those weights."""
+    with ThreadPoolExecutor(1) as pool:
+        sleeping = pool.submit(gateway.control, RequestKind.SLEEP)
+        while sum(queue.state()[0] for queue in gateway.queues) < LOOPS:
+            time.sleep(0.01)
+        gateway.shutdown()
+        with pytest.raises(Unavailable, match="shutting down"):
+            sleeping.result(timeout=60)
+    with pytest.raises(Unavailable, match="shutting down"):
+        gateway.control(RequestKind.WAKE_KV)
