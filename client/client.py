@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Generic, Iterable, Iterator, Mapping, Sequence, TypeVar
+from typing import Any, AsyncIterator, Callable, Generic, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 import grpc
 
@@ -63,8 +64,12 @@ class _ClientBase(abc.ABC, Generic[StreamT]):
         request = generate_request(
             prompt, messages=messages, token_ids=token_ids, session_id=session_id, request_id=request_id, **sampling
         )
-        call = self._inference.Generate(request, timeout=self._timeout, metadata=self._session_metadata(session_id))
-        return self._stream(call, session_id)
+        return self._send(request)
+
+    def _send(self, request: pb.GenerateRequest) -> StreamT:
+        """Starts the Generate call; its responses as Deltas."""
+        metadata = self._session_metadata(request.session_id)
+        return self._stream(self._inference.Generate(request, timeout=self._timeout, metadata=metadata), request.session_id)
 
     def _session_metadata(self, session_id: int) -> tuple[tuple[str, str], ...]:
         """Inference metadata plus the session's routing key, so a proxy sends its calls to one replica."""
@@ -256,6 +261,7 @@ class _SessionBase(Generic[StreamT]):
         self.client = client
         self.id = session_id
         self.history = History() if resume else None
+        self._latest: StreamT | None = None  # the latest turn's stream, closed when the next turn starts
 
     def generate(
         self,
@@ -267,13 +273,24 @@ class _SessionBase(Generic[StreamT]):
         **sampling: Any,
     ) -> StreamT:
         """One turn: the new input is appended to the history (a prompt gets the model's BOS on the session's
-        first turn only; messages are rendered on their own, so send only the new ones). One turn at a time:
-        a second is FAILED_PRECONDITION."""
+        first turn only; messages are rendered on their own, so send only the new ones). The turn is sent
+        when its stream is first read. One turn at a time: the previous turn's stream, if left unfinished
+        (a `break` that kept it), is closed first, which cancels that turn; one that another thread or task
+        is still reading makes this turn FAILED_PRECONDITION."""
         if self.history is None:
-            return self.client.generate(
+            request = generate_request(
                 prompt, messages=messages, token_ids=token_ids, session_id=self.id, request_id=request_id, **sampling
             )
-        return self._resumable(self.history.turn_input(prompt, messages, token_ids), request_id, sampling)
+            start = functools.partial(self.client._send, request)
+        else:
+            start = functools.partial(self._resumable, self.history.turn_input(prompt, messages, token_ids),
+                                      request_id, sampling)
+        self._latest = self._after(self._latest, start)
+        return self._latest
+
+    @abc.abstractmethod
+    def _after(self, previous: StreamT | None, start: Callable[[], StreamT]) -> StreamT:
+        """The stream `start` gives, started once `previous` is closed."""
 
     @abc.abstractmethod
     def _resumable(self, turn: dict[str, Any], request_id: str, sampling: dict[str, Any]) -> StreamT:
@@ -287,6 +304,12 @@ class Session(_SessionBase[Iterator[Delta]]):
     """A session of a `Client`; `with client.start() as session:` ends it on exit."""
 
     client: Client
+
+    def _after(self, previous: Iterator[Delta] | None, start: Callable[[], Iterator[Delta]]) -> Iterator[Delta]:
+        if previous is not None:
+            with contextlib.suppress(ValueError):  # another thread is reading it: the server refuses this turn
+                previous.close()
+        yield from start()
 
     def _resumable(self, turn: dict[str, Any], request_id: str, sampling: dict[str, Any]) -> Iterator[Delta]:
         deltas: list[Delta] = []
@@ -331,6 +354,18 @@ class AsyncSession(_SessionBase[AsyncIterator[Delta]]):
     """A session of an `AsyncClient`; `async with await client.start() as session:` ends it on exit."""
 
     client: AsyncClient
+
+    async def _after(self, previous: AsyncIterator[Delta] | None,
+                     start: Callable[[], AsyncIterator[Delta]]) -> AsyncIterator[Delta]:
+        if previous is not None:
+            with contextlib.suppress(RuntimeError):  # another task is reading it: the server refuses this turn
+                await previous.aclose()
+        stream = start()
+        try:
+            async for delta in stream:
+                yield delta
+        finally:
+            await stream.aclose()
 
     async def _resumable(self, turn: dict[str, Any], request_id: str, sampling: dict[str, Any]) -> AsyncIterator[Delta]:
         deltas: list[Delta] = []

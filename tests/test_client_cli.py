@@ -245,6 +245,11 @@ def test_a_session_turn_left_early_lets_the_next_follow_at_once(server):
                 next(stream)
                 stream.close()
                 assert list(session.generate(" Go on.", max_new_tokens=4))[-1].finish_reason == "length"
+            for _ in range(3):  # left by a `break` that keeps the stream: the next turn closes it first
+                stream = session.generate("Count to a thousand.", max_new_tokens=500, ignore_eos=True)
+                for _ in stream:
+                    break
+                assert list(session.generate(" Go on.", max_new_tokens=4))[-1].finish_reason == "length"
             # A turn whose last delta was read, its stream closed only once the next turn runs: that close
             # must not cancel the next turn.
             done = session.generate(" Two words.", max_new_tokens=2, ignore_eos=True)
@@ -263,9 +268,13 @@ def test_a_session_turn_left_early_lets_the_next_follow_at_once(server):
                     await anext(stream)
                     await stream.aclose()
                     reasons.append([d async for d in session.generate(" Go on.", max_new_tokens=4)][-1].finish_reason)
+                for _ in range(3):  # asyncio closes a generator left by `break` only later, in a task of its own
+                    async for _ in session.generate("Count to a thousand.", max_new_tokens=500, ignore_eos=True):
+                        break
+                    reasons.append([d async for d in session.generate(" Go on.", max_new_tokens=4)][-1].finish_reason)
         return reasons
 
-    assert asyncio.run(scenario()) == ["length"] * 3
+    assert asyncio.run(scenario()) == ["length"] * 6
     assert_idle(server)
 
 
