@@ -27,6 +27,7 @@ UINT32, INT32, UINT64 = 2**32 - 1, 2**31 - 1, 2**64 - 1  # the largest values of
 # Flags of `generate` and `chat` whose dest is a SamplingParams field; unset ones keep the server's defaults.
 SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
                   "ignore_eos", "logprobs")
+FALSE_WORDS = ("", "0", "false", "no", "off")  # an environment yes-or-no that means no
 
 
 def _number(kind: Callable[[str], Any], minimum: float, *, above: bool = False,
@@ -61,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="bearer token sent on Admin calls [LMGATE_ADMIN_TOKEN]")
     common.add_argument("--api-key", default=os.environ.get("LMGATE_API_KEY"),
                         help="bearer token sent on Inference calls [LMGATE_API_KEY]")
-    common.add_argument("--tls", action="store_true", default=bool(os.environ.get("LMGATE_TLS")),
+    common.add_argument("--tls", action="store_true", default=os.environ.get("LMGATE_TLS", "").lower() not in FALSE_WORDS,
                         help="TLS, trusting the system's CAs (implied by --tls-ca) [LMGATE_TLS]")
     common.add_argument("--tls-ca", default=os.environ.get("LMGATE_TLS_CA"),
                         help="PEM bundle the server's certificate chains to [LMGATE_TLS_CA]")

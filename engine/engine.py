@@ -171,6 +171,8 @@ class Engine:
     def encode_prompt(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text, id or chat-messages prompt (messages rendered alone), checked against the
         vocabulary. A text gets the model's special tokens (a BOS) only with `add_special_tokens`."""
+        if not prompt:  # before encoding: an empty text would still encode to a BOS
+            raise InvalidRequest("the prompt is empty")
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt, add_special_tokens)
         elif chat.is_chat(prompt):

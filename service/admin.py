@@ -36,7 +36,7 @@ class AdminServicer(pb_grpc.AdminServicer):
         return pb.SleepResponse()
 
     async def Wakeup(self, request: pb.WakeupRequest, context: grpc.aio.ServicerContext) -> pb.WakeupResponse:
-        transition = "wakeup_" + ("_".join(sorted(request.tags)) or "all")
+        transition = "wakeup_" + ("_".join(sorted(set(request.tags))) or "all")  # one series per set of tags
         await self._run(context, self.engine.wakeup, list(request.tags), lambda: self._transition(transition))
         return pb.WakeupResponse()
 

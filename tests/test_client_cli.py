@@ -145,6 +145,13 @@ def test_common_flags_on_every_subcommand_with_environment_defaults(monkeypatch)
         assert (args.target, args.admin_token) == ("h:1", "t2"), command
 
 
+@pytest.mark.parametrize("value, tls", [("", False), ("0", False), ("false", False), ("No", False), ("1", True),
+                                        ("true", True)])
+def test_lmgate_tls_is_read_as_a_yes_or_no(monkeypatch, value, tls):
+    monkeypatch.setenv("LMGATE_TLS", value)
+    assert build_parser().parse_args(["info"]).tls is tls
+
+
 def test_sampling_flags_are_sampling_fields():
     assert set(SAMPLING_FLAGS) <= SAMPLING_FIELDS
     args = build_parser().parse_args(

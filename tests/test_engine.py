@@ -312,6 +312,8 @@ def test_a_sessions_first_text_turn_gets_the_bos_a_stateless_prompt_gets(tiny_mo
         with pytest.raises(ContextOverflow):
             eng.submit("The river", SamplingParams(max_new_tokens=eng.max_context_length - len(text)), session_id=4)
         eng.end_session(4)
+        with pytest.raises(InvalidRequest, match="empty"):  # an empty text is no prompt, though it encodes to a BOS
+            eng.submit("", params)
         assert_idle(eng)
 
 
@@ -451,6 +453,8 @@ def test_a_turn_that_ended_in_a_step_that_then_failed_stays_in_its_session(check
         second = eng.generate([7, 8], params, session_id=4)
         assert second.usage.prompt_tokens == len(prompt) + 4 + 2 and second.usage.cached_tokens == 0
         eng.end_session(4)
+        with pytest.raises(InvalidRequest, match="empty"):  # an empty text is no prompt, though it encodes to a BOS
+            eng.submit("", params)
         assert_idle(eng)
 
 

@@ -390,8 +390,10 @@ def test_metrics_endpoint_exports_sleep_state(sleepy):
         assert f'lmgate_sleeping{{model_name="{model}",tag="kv_cache"}} 1.0' in text
         assert f'lmgate_sleep_transitions_total{{model_name="{model}",transition="sleep_level_1"}}' in text
         assert "lmgate_output_tokens_total" in text and "lmgate_time_to_first_token_seconds_count" in text
-        admin(sleepy).Wakeup(pb.WakeupRequest())
+        admin(sleepy).Wakeup(pb.WakeupRequest(tags=["weights", "kv_cache", "weights"]))  # a tag named twice once
         text = urllib.request.urlopen(url).read().decode()
         assert f'lmgate_sleeping{{model_name="{model}",tag="kv_cache"}} 0.0' in text
+        assert f'transition="wakeup_kv_cache_weights"}} 1.0' in text
+        assert "weights_weights" not in text
     finally:
         httpd.shutdown()
