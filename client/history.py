@@ -36,7 +36,10 @@ class History:
         return {**turn, "token_ids": self.token_ids + list(turn["token_ids"])}
 
     def record(self, turn: dict[str, Any], deltas: list[Delta]) -> None:
-        """A finished (or stopped) turn: its input and what came back, as the server's history now holds it."""
+        """A finished (or stopped) turn: its input and what came back, as the server's history now holds it
+        (a turn cancelled before its first token, not at all)."""
+        if deltas and deltas[-1].finish_reason == "cancelled" and not any(d.token_ids for d in deltas):
+            return
         text = "".join(d.text for d in deltas)
         if turn["prompt"] is not None:
             self.kind, self.text = "prompt", self.text + turn["prompt"] + text

@@ -20,7 +20,7 @@ from .distributed.thread_ranks import ThreadRanks
 from .engine_loop import EngineLoop
 from .models.tensor_parallel import shard_of
 from .errors import ContextOverflow, InvalidRequest, Unavailable, UnsupportedModel
-from .gateway import Gateway
+from .gateway import SLEEP_GATE, Gateway
 from .hardware import choose_dtype, cpu_features, matmul_gflops
 from .kv_cache import auto_kv_cache_tokens, kv_bytes_per_token, kv_cache_dtype
 from .loader import Checkpoint, embedded_model_path, load_checkpoint, read_config
@@ -35,7 +35,6 @@ log = logging.getLogger(__name__)
 Prompt = str | list[int] | list[chat.Message]  # text, token ids, or chat messages
 
 SLEEP_TAGS = ("weights", "kv_cache")
-SLEEP_GATE = "sleep"
 SHAPE_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                 "num_kv_heads", "head_dim", "attention_bias", "qk_norm")
 

@@ -12,7 +12,7 @@ from .batch import BatchData
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
 from .errors import ContextOverflow, EngineError, InternalError, InvalidRequest, SessionBusy, Unavailable
-from .gateway import Gateway, Signal, cancelled_output
+from .gateway import SLEEP_GATE, Gateway, Signal, cancelled_output
 from .distributed import CommAborted, HostComm
 from .distributed.placement import use_device
 from .config import EngineConfig
@@ -323,9 +323,10 @@ class EngineLoop:
         session.keyable = session.keyable or not kept  # no KV of replaced weights is left
 
     def _ended_while_queued(self, request: Request) -> bool:
-        """Work queued before a sleep or shutdown closed admission, or whose session ended meanwhile. A rank in
-        a process of its own has no gates: there a sleep that overtook a queued turn shows as the KV cache gone."""
-        if self.gateway.admission_closed() is not None or not self.runner.kv_caches:
+        """Work queued before a sleep closed admission, or whose session ended meanwhile. (Work queued before a
+        server's shutdown runs in its grace period.) A rank in a process of its own has no gates: there a sleep
+        that overtook a queued turn shows as the KV cache gone."""
+        if self.gateway.gate_closed(SLEEP_GATE) or not self.runner.kv_caches:
             return True
         return not request.stateless and self.gateway.binding.find(request.session_id) != self.rank
 
@@ -438,10 +439,15 @@ class EngineLoop:
             return False
         session.token_ids, session.block_table, session.num_computed = seq.token_ids, seq.block_table, seq.num_computed
         session.block_hashes, session.keyable = seq.block_hashes, seq.keyable
+        session.last_used = self.num_steps
+        if seq.num_output == 0 and seq.finish_reason is FinishReason.CANCELLED:
+            # Cancelled before its first token: the turn leaves no trace, as one cancelled while still queued
+            # does, so the history never depends on when the Cancel came. (Its input's KV goes with it.)
+            self._truncate_history(session, len(seq.token_ids) - len(seq.request.input_ids))
+            return True
         session.messages = None if seq.conversation is None else [
             *seq.conversation, chat.assistant_reply(seq.detokenizer.text)
         ]
-        session.last_used = self.num_steps
         return True
 
     # failure and shutdown ----------------------------------------------------------------------------------

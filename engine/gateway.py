@@ -27,6 +27,7 @@ from .sequence_binding import SequenceBinding
 log = logging.getLogger(__name__)
 
 Signal = tuple[Request, RequestOutput]
+SLEEP_GATE = "sleep"  # closed from a Sleep until the Wakeup that leaves nothing asleep
 
 
 class Gateway:
@@ -61,10 +62,9 @@ class Gateway:
         with self._admission_lock:
             self._closed_gates.pop(gate, None)
 
-    def admission_closed(self) -> str | None:
-        """The message of a closed gate, or None while admission is open."""
+    def gate_closed(self, gate: str) -> bool:
         with self._admission_lock:
-            return next(iter(self._closed_gates.values()), None)
+            return gate in self._closed_gates
 
     @contextlib.contextmanager
     def _admitted(self) -> Iterator[None]:

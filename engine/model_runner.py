@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
@@ -12,12 +13,15 @@ import torch
 from .attention import (AttentionMetadata, DecodeTables, GatheredDecode, PrefillChunk, PrefillTables, decode_mask,
                         gather_rows)
 from .cuda_graphs import DecodeGraphs
-from .memory import empty_device_cache
+from .memory import empty_device_cache, release_host_memory
 from .models.llama import LlamaForCausalLM
 from .sampling import SampleFuture, SampleRow, launch_sample
-from .distributed.host_comm import HostComm
+from .distributed.host_comm import HostComm, RedOp
+from .errors import InternalError
 from .sequence import Sequence
 from .transfers import to_device
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -76,7 +80,7 @@ class ModelRunner:
         self.graphs = graphs  # decode steps from CUDA graphs (Triton path, no tensor parallelism), else None
         self.followers: HostComm | None = None  # a tensor-parallel leader's group: what it does, they do
         self.group_kv_share = 1.0  # the tensor-parallel group's KV heads over this rank's
-        self.install_weights: Callable[[int], None] = lambda version: None  # a TP rank's LocalWeights.install_staged
+        self.install_weights: Callable[[int], None] = lambda version: None  # a rank process's LocalWeights.install_staged
         self._pending_weights: int | None = None  # the staged version to install; a leaf lock guards it
         self._pending_lock = threading.Lock()
 
@@ -87,17 +91,42 @@ class ModelRunner:
             self.graphs.drop()
         if self.device.type == "cuda":
             empty_device_cache()
+        else:  # in a rank process too, not only where the Engine runs
+            release_host_memory()
 
     def allocate_kv_cache(self) -> None:
+        """Every rank of the group allocates its own; if any cannot, all free theirs again and this raises (a
+        Wakeup that fails, the server still up), rather than a group with KV on some ranks only."""
         self._tell_followers("allocate_kv")
+        error = None
         if not self.kv_caches:
-            self.kv_caches = self.make_kv_cache()
+            try:
+                self.kv_caches = self.make_kv_cache()
+            except Exception as exc:  # out of memory, most likely
+                error = exc
+        if self.followers is not None and self.followers.all_reduce(int(error is not None), RedOp.MAX):
+            self.release_kv_cache()
+            cause = error or "see the other ranks' logs"
+            raise InternalError(f"a rank of the tensor-parallel group could not allocate its KV cache: {cause}")
+        if error is not None:
+            raise error
+
+    def allocate_kv_cache_as_follower(self, group: HostComm) -> None:
+        """A tensor-parallel follower's side of `allocate_kv_cache`: it tells the leader whether it could."""
+        failed = False
+        if not self.kv_caches:
+            try:
+                self.kv_caches = self.make_kv_cache()
+            except Exception:
+                log.exception("could not allocate this rank's KV cache")
+                failed = True
+        group.all_reduce(int(failed), RedOp.MAX)
 
     def stop_followers(self) -> None:
         self._tell_followers("stop")
 
     def switch_weights_at_next_step(self, version: int) -> None:
-        """From a tensor-parallel leader's control thread, once every rank of its group staged `version`."""
+        """From a rank process's control thread (a group's leader), once every rank staged `version`."""
         with self._pending_lock:
             self._pending_weights = version
 

@@ -60,9 +60,10 @@ class LocalWeights:
 
     Changed only by one admin caller at a time (the Engine's admin lock, a rank's control thread). Weights are
     swapped by replacing the model object and bumping each runner's `weights_version`: a loop reads
-    `runner.model` once per step, so a step in flight finishes on the old one. A tensor-parallel rank's new
-    shard is only staged by `load`: its group's leader puts every rank's in at one step (`install_staged`),
-    as a step that mixed old and new shards would compute nothing.
+    `runner.model` once per step, so a step in flight finishes on the old one. A rank process's new weights
+    are only staged by `load`: every rank loads first, and only if all could does each group's leader put its
+    group's in, at one step (`install_staged`). A tensor-parallel step that mixed old and new shards would
+    compute nothing, and data-parallel ranks on different weights would answer alike requests differently.
     """
 
     def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, batch_hint: int,
@@ -75,7 +76,7 @@ class LocalWeights:
         self.config = shard_config(ckpt.config, tp.shard) if tp else ckpt.config  # the model this process runs
         self.runners: list[ModelRunner] = []
         self.model: LlamaForCausalLM | None = self._build(ckpt)
-        # tensor parallelism: by version until installed, each with the `path` it followed
+        # a rank process's loads: by version until installed, each with the `path` it followed
         self._staged: dict[int, tuple[LlamaForCausalLM, str]] = {}
         self._offloaded = False
 
@@ -99,15 +100,15 @@ class LocalWeights:
             self.model.to(self.device)
         self._offloaded = False
 
-    def load(self, path: str, version: int = 0) -> None:
-        """Replace the weights with a checkpoint's (its shape checked by the caller); under tensor parallelism,
-        stage them as `version` for `install_staged`."""
+    def load(self, path: str, version: int | None = None) -> None:
+        """Replace the weights with a checkpoint's (its shape checked by the caller); with a `version` (a rank
+        process), only stage them as that version for `install_staged`."""
         ckpt = on_fresh_thread(lambda: load_checkpoint(path))
         model = self._build(ckpt)
-        if self.tp:
-            self._staged[version] = model, self.path
-        else:
+        if version is None:
             self._install(model)
+        else:
+            self._staged[version] = model, self.path
         self.path = ckpt.path
 
     def install_staged(self, version: int) -> None:
@@ -120,7 +121,7 @@ class LocalWeights:
             self._install(staged[0])
 
     def discard_staged(self, version: int) -> None:
-        """A staged model its group will not switch to (another rank failed to load it): `path` goes back to
+        """A staged model the ranks will not switch to (another rank failed to load it): `path` goes back to
         what it named before, or a level-2 sleep's restore would load the discarded checkpoint on this rank
         alone."""
         staged = self._staged.pop(version, None)

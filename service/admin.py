@@ -29,6 +29,7 @@ class AdminServicer(pb_grpc.AdminServicer):
         self.admin_token = admin_token
         self.on_state_change = on_state_change  # health follows sleep and wake-up; True: admission is closing
         self._working: set[asyncio.Future] = set()  # engine calls under way, held until done
+        self._sleeps_pending = 0  # Sleep calls not yet done; read and written on the event loop only
 
     async def Sleep(self, request: pb.SleepRequest, context: grpc.aio.ServicerContext) -> pb.SleepResponse:
         await self._run(context, self.engine.sleep, request.level, lambda: self._transition(f"sleep_level_{request.level}"),
@@ -56,8 +57,9 @@ class AdminServicer(pb_grpc.AdminServicer):
         if denial is not None:
             await context.abort(*denial)
         if closes_admission:
+            self._sleeps_pending += 1
             await self.on_state_change(True)
-        work = asyncio.ensure_future(self._complete(call, arg, count))
+        work = asyncio.ensure_future(self._complete(call, arg, count, closes_admission))
         self._working.add(work)
         work.add_done_callback(self._forget)
         try:
@@ -67,14 +69,16 @@ class AdminServicer(pb_grpc.AdminServicer):
         except Exception as exc:  # a bug (logged by `_forget`): say INTERNAL with its cause, never UNKNOWN
             await abort(context, InternalError(f"{call.__name__} failed: {exc}"))
 
-    async def _complete(self, call: Callable[[Any], None], arg: Any, count: Callable[[], None]) -> None:
+    async def _complete(self, call: Callable[[Any], None], arg: Any, count: Callable[[], None],
+                        closes_admission: bool) -> None:
         """The engine call to its end, whether or not its caller still waits: health and the counters then
-        say what the engine did, not what the caller saw."""
+        say what the engine did, not what the caller saw (and a Sleep still to run counts as asleep)."""
         try:
             await asyncio.to_thread(call, arg)
             count()
         finally:
-            await self.on_state_change()
+            self._sleeps_pending -= closes_admission
+            await self.on_state_change(self._sleeps_pending > 0)
 
     def _forget(self, work: asyncio.Future) -> None:
         """Logs a failed call here, where it is seen whether or not its caller stayed to hear of it."""

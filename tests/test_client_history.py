@@ -45,3 +45,11 @@ def test_turns_of_another_kind_are_refused():
     h.record(h.turn_input("Hi.", None, None), [delta(" Yo", [1])])
     with pytest.raises(ValueError, match="one kind of input"):
         h.turn_input(None, None, [1])
+
+
+def test_a_turn_cancelled_before_its_first_token_leaves_no_trace():
+    """As on the server: such a turn's input does not join the history."""
+    h = History()
+    h.record(h.turn_input("Hi.", None, None), [delta(" Hello", [1])])
+    h.record(h.turn_input(" Long story?", None, None), [Delta("r", 1, [], "", [], "cancelled", None)])
+    assert h.text == "Hi. Hello"

@@ -317,6 +317,28 @@ def test_a_sessions_first_text_turn_gets_the_bos_a_stateless_prompt_gets(tiny_mo
         assert_idle(eng)
 
 
+def test_a_session_turn_cancelled_before_its_first_token_leaves_no_trace(checkpoint, tokenizer):
+    """Cancelled in its prefill (many chunks of 16 tokens), a turn leaves the history as it was, as one
+    cancelled while still queued does: the next turn's context never depends on when the Cancel came."""
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    with Engine(EngineConfig(dtype="float32", max_batched_tokens=16, kv_cache_tokens=4096), checkpoint=checkpoint) as eng:
+        sid = eng.start_session()
+        eng.generate("Hi.", params, session_id=sid)
+        history = list(eng.loops[0].sessions[sid].token_ids)
+        stream = eng.submit("word " * 1500, params, session_id=sid)
+        guard = time.monotonic() + 60  # a hang guard, not a timing
+        while eng.info().running_sequences == 0:
+            assert time.monotonic() < guard, "the turn never started"
+        assert stream.cancel()
+        outs = collect(stream)
+        assert outs[-1].finish_reason is FinishReason.CANCELLED and not tokens_of(outs)
+        after = eng.generate(" Bye.", params, session_id=sid)
+        assert after.usage.prompt_tokens == len(history) + len(tokenizer.encode(" Bye.", add_special_tokens=False))
+        assert eng.loops[0].sessions[sid].token_ids[: len(history)] == history
+        eng.end_session(sid)
+        assert_idle(eng)
+
+
 def test_engine_session_busy_and_end_during_stream_cancels(engine, tokenizer):
     sid = engine.start_session()
     prompt = tokenizer.encode(chat(tokenizer, ("user", "Tell me a long story.")))

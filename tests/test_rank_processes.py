@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +22,7 @@ from lmgate.engine.engine import Engine
 from lmgate.engine.loader import embedded_model_path
 from lmgate.engine.errors import InvalidRequest, Unavailable
 from lmgate.engine.request import FinishReason, RequestOutput, TokenLogprob, Usage
+from lmgate.engine.sampling import SamplingParams
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 from tests.serving import StreamEnds, serve_process
@@ -104,6 +106,23 @@ def test_admin_calls_after_shutdown_are_refused_not_left_waiting(checkpoint, bac
     for call in calls:
         error = raised_on_a_thread(call)
         assert isinstance(error, Unavailable) and "shut down" in str(error), error
+
+
+def test_an_engine_shut_down_frees_its_master_port_at_once(checkpoint):
+    """A fixed --master-port (as several nodes need): an engine started again on it right after a shutdown,
+    while the old engine object lives on, binds it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = EngineConfig(dtype="float32", kv_cache_tokens=512, dp_backend="process", master_port=port)
+    first = Engine(config, checkpoint=checkpoint)
+    first.shutdown()
+    second = Engine(config, checkpoint=checkpoint)
+    try:
+        assert len(second.generate([1, 2, 3], SamplingParams(max_new_tokens=2, ignore_eos=True)).token_ids) == 2
+    finally:
+        second.shutdown()
+    assert first.failure is None
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="finds the rank processes through /proc")

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import grpc
 import pytest
@@ -33,6 +34,32 @@ def start_server(*flags: str) -> tuple[subprocess.Popen, str]:
             threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep draining its log
             return proc, m.group(1)
     raise AssertionError(f"server exited with {proc.wait()} before serving")
+
+
+@pytest.mark.parametrize("flags", [(), ("--dp-backend", "process")], ids=["a thread", "a rank process"])
+def test_sigterm_serves_a_request_queued_before_it_in_the_grace_period(flags):
+    """One sequence per step: a request admitted before SIGTERM but still queued behind a running one runs in
+    the grace period, as the running one does, rather than ending CANCELLED with nothing."""
+    proc, address = start_server("--grace", str(GUARD), "--max-batch-size", "1", *flags)
+    try:
+        channel = grpc.insecure_channel(address)
+        stub = pb_grpc.InferenceStub(channel)
+        sampling = pb.SamplingParams(max_new_tokens=48, ignore_eos=True)
+        running = stub.Generate(pb.GenerateRequest(prompt="Once upon a time", sampling=sampling), timeout=GUARD)
+        assert next(m for m in running if m.token_ids)
+        few = pb.SamplingParams(max_new_tokens=5, ignore_eos=True)
+        queued = stub.Generate(pb.GenerateRequest(prompt="Hello", sampling=few), timeout=GUARD)
+        deadline = time.monotonic() + GUARD
+        while not (info := stub.Info(pb.InfoRequest())).queued_requests + info.waiting_requests:
+            assert time.monotonic() < deadline, "the second request never reached the engine"
+        proc.send_signal(signal.SIGTERM)
+        assert list(running)[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        replies = list(queued)
+        assert replies[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert sum(len(m.token_ids) for m in replies) == 5
+        assert proc.wait(timeout=GUARD) == 0
+    finally:
+        proc.kill()
 
 
 @pytest.mark.parametrize("flags", [(), ("--engine-loops", "2", "--dp-backend", "process")],

@@ -5,6 +5,7 @@ import dataclasses
 import json
 import os
 import random
+import resource
 import shutil
 import socket
 import sys
@@ -201,6 +202,28 @@ def test_update_weights_changes_output_and_back(sleepy, checkpoints):
     assert greedy(stub) == original
 
 
+def test_update_weights_one_rank_cannot_load_leaves_every_rank_on_the_old_weights(sleepy, checkpoints):
+    """Rank processes each load the new weights; one runs out of memory doing so (its address space capped):
+    the call fails and no rank switches, or requests would answer differently by the rank they reach."""
+    if sleepy.engine.config.dp_backend != "process":
+        pytest.skip("engine loops as threads share one model")
+    stub, adm = sleepy.stub(), admin(sleepy)
+    original = greedy(stub)
+    pid = max(p.pid for p in sleepy.engine.ranks._procs.values())  # this server's ranks, not another test's
+    with open(f"/proc/{pid}/status") as f:
+        size = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    _, hard = resource.prlimit(pid, resource.RLIMIT_AS)
+    resource.prlimit(pid, resource.RLIMIT_AS, (size + (64 << 20), hard))  # far less than a copy of the weights
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            adm.UpdateWeights(pb.UpdateWeightsRequest(path=checkpoints["changed"]))
+    finally:
+        resource.prlimit(pid, resource.RLIMIT_AS, (hard, hard))
+    assert err.value.code() == grpc.StatusCode.INTERNAL, err.value
+    assert [greedy(stub) for _ in range(4)] == [original] * 4  # round robin: each rank twice
+    assert_idle(sleepy)
+
+
 @pytest.fixture(scope="module")
 def not_checkpoints(tmp_path_factory) -> dict[str, str]:
     """Paths an operator could pass by mistake, each with words its refusal must say."""
@@ -285,6 +308,25 @@ def test_health_follows_an_admin_call_whose_caller_left(sleepy):
             assert time.monotonic() < guard, f"health says {health_of(sleepy, 'lmgate.v1.Inference')} after {call}"
             time.sleep(0.05)
     assert len(greedy(sleepy.stub())) == 16
+
+
+def test_health_stays_not_serving_while_a_sleep_waits_behind_another_admin_call(sleepy):
+    """From the moment Sleep is called, health says NOT_SERVING: another admin call that ends meanwhile (here
+    one refused at once) must not turn it back to SERVING while the Sleep has still to run."""
+    adm = admin(sleepy)
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+    with sleepy.engine._admin_lock:  # the Sleep waits here
+        sleeping = adm.Sleep.future(pb.SleepRequest(level=1))
+        guard = time.monotonic() + 60  # a hang guard, not a timing
+        while not in_an_admin_call(sleepy.engine):
+            assert time.monotonic() < guard, "the Sleep never reached the engine"
+            time.sleep(0.01)
+        assert health_of(sleepy, "lmgate.v1.Inference") == not_serving
+        assert code_of(lambda: adm.UpdateWeights(pb.UpdateWeightsRequest(path=""))) == grpc.StatusCode.INVALID_ARGUMENT
+        assert health_of(sleepy, "lmgate.v1.Inference") == not_serving
+    sleeping.result(timeout=60)
+    adm.Wakeup(pb.WakeupRequest())
+    assert health_of(sleepy, "lmgate.v1.Inference") == health_pb2.HealthCheckResponse.SERVING
 
 
 def test_rl_loop_sleep_wake_weights_update_wake_kv(sleepy, checkpoints):

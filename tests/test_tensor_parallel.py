@@ -107,6 +107,30 @@ def test_update_weights_under_tp2_switches_every_rank_of_the_group(checkpoint, c
     assert changed == want != before == after
 
 
+def _resident_bytes(pids: list[int]) -> int:
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/status") as f:
+            total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    return total
+
+
+def test_sleep_gives_the_kv_cache_back_to_the_os_in_every_rank_process(checkpoint, tokenizer):
+    """Level 1 frees the KV cache where it lives: in the leader's and the follower's processes, returned to
+    the OS (freed tensors otherwise stay resident), and Wakeup gives the same outputs."""
+    prompts = [tokenizer.encode("The capital of France is")]
+    with Engine(EngineConfig(dtype="float32", tensor_parallel=2, kv_cache_tokens=8192), checkpoint) as tp:
+        before = [t for t, _ in _outputs(tp, prompts)]
+        kv_bytes = tp.info().kv_cache_bytes
+        ranks = [p.pid for p in tp.ranks._procs.values()]
+        awake = _resident_bytes(ranks)
+        tp.sleep(1)
+        asleep = _resident_bytes(ranks)
+        assert awake - asleep >= kv_bytes // 2, (awake, asleep, kv_bytes)
+        tp.wakeup()
+        assert [t for t, _ in _outputs(tp, prompts)] == before
+
+
 def test_a_split_the_model_cannot_take_is_refused_before_any_rank_starts(tiny_models):
     with pytest.raises(InvalidRequest, match="tensor parallelism 5"):
         Engine(EngineConfig(dtype="float32", model=tiny_models("llama").path, tensor_parallel=5))

@@ -27,7 +27,7 @@ import zmq
 from ..config import EngineConfig
 from ..engine_loop import LoopStats
 from ..errors import EngineError, InternalError, Unavailable
-from ..gateway import Gateway, Signal
+from ..gateway import Gateway, Signal, cancelled_output
 from ..request import CancelFlag, FinishReason, Request, RequestKind, RequestOutput
 from .gloo_comm import GlooComm
 from .rank_process import HEARTBEAT_SECONDS, HEARTBEAT_TIMEOUT, RankSpec, request_fields, run_rank
@@ -268,17 +268,15 @@ class ProcessRanks(Ranks):
         self._weights("restore")
 
     def load_weights(self, path: str) -> None:
-        """Under tensor parallelism in two phases: every rank stages its shard, then each group's leader puts
-        its group's in at its next step; none switches unless all loaded."""
+        """In two phases: every rank stages its weights (or shard), then each group's leader puts its group's
+        in at its next step; none switches unless all loaded."""
         version = next(self._ids)
         try:
             self._weights("load", path, wire_id=version)
         except EngineError:
-            if self.tp_size > 1:
-                self._weights("discard", version)
+            self._weights("discard", version)
             raise
-        if self.tp_size > 1:
-            self._weights("install", version, links=self.queues)
+        self._weights("install", version, links=self.queues)
 
     def _weights(self, action: str, argument: object = None, links: list[RemoteQueue] | None = None,
                  wire_id: int | None = None) -> None:
@@ -408,6 +406,9 @@ class ProcessRanks(Ranks):
         self._kill_all()
         if self._receiver is not None:
             self._receiver.join()
+        # What a rank never answered (one that stopped with its peers before it read its own "close"): every
+        # stream ends, and an End or a control waiting on its request returns.
+        self._gateway.notify([(r, _unanswered(r)) for queue in self.queues for r in queue.fail()])
         with self._lock:  # a weight call whose ranks exited before answering; later ones are refused
             self._shut_down = True
             for wire_id in self._pending_acks:
@@ -423,6 +424,16 @@ class ProcessRanks(Ranks):
             link.close_socket()
         self._outputs.close(linger=0)
         self._context.term()
+        self._store = None  # its port is free once it goes, not when the collector breaks this object's cycles
+
+
+def _unanswered(request: Request) -> RequestOutput:
+    """The last output of a request its rank dropped at shutdown: a generate or a control CANCELLED (a Sleep
+    then knows no loop handled it), a session's End done."""
+    if request.kind is RequestKind.GENERATE:
+        return cancelled_output(request)
+    reason = FinishReason.STOP if request.kind is RequestKind.KILL else FinishReason.CANCELLED
+    return RequestOutput("", request.session_id, finish_reason=reason)
 
 
 def kill_processes(procs: Iterable[BaseProcess]) -> None:

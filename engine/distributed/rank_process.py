@@ -9,8 +9,8 @@ Gateway, its queue filled from the serving process. The loops of all ranks agree
     ("cancel", wire_id)            a request it sent was cancelled
     ("wake",)                      a request arrived at another rank: idle loops here must step with it
     ("weights", wire_id, action, argument)   offload / drop / restore / load (argument: the path), done
-                                   off the loop thread; under tensor parallelism a load only stages, as
-                                   version wire_id, and "install" (to leaders) or "discard" of it follows
+                                   off the loop thread; a load only stages, as version wire_id, and
+                                   "install" (to leaders) or "discard" of it follows once every rank answered
     ("close",)                     shut down: cancel everything, stop the loop, exit 0
     ("ping",)                      every HEARTBEAT_SECONDS: the serving process is alive
   (a tensor-parallel follower gets only "weights": its leader tells it the rest over their GlooComm)
@@ -191,11 +191,11 @@ class RankProcess:
                 spec.dp_rank, dp_comm, self.gateway, self.weights, ckpt.tokenizer, c, spec.max_context_length,
                 spec.num_threads))
             self.runner = self.loop.runner
+            self.runner.install_weights = self.weights.install_staged
             if spec.tp_size > 1:
                 self.runner.followers = self.tp_comm
                 group_kv = sum(len(shard_of(ckpt.config, r, spec.tp_size).kv_heads) for r in range(spec.tp_size))
                 self.runner.group_kv_share = group_kv / self.weights.config.num_kv_heads
-                self.runner.install_weights = self.weights.install_staged
             outbox.stats = self.loop.stats
         else:
             self.runner = on_fresh_thread(lambda: build_runner(self.weights, c, spec.max_context_length))
@@ -252,6 +252,7 @@ class RankProcess:
                 return
             if self.loop.run() is None:  # the leaders agreed to close: maybe before this one's "close" arrived
                 self.closing = True
+                self.gateway.shutdown()  # so what is still queued here is answered now, not left unread
             if self.closing:  # else followers may sit in a step's all-reduce: this process's exit breaks it
                 try:
                     self.runner.stop_followers()
@@ -274,7 +275,7 @@ class RankProcess:
                 elif command == "release_kv":
                     runner.release_kv_cache()
                 elif command == "allocate_kv":
-                    runner.allocate_kv_cache()
+                    runner.allocate_kv_cache_as_follower(self.tp_comm)
                 elif command == "install_weights":
                     self.weights.install_staged(plan)  # the argument: a version
                 elif command == "stop":

@@ -87,7 +87,8 @@ class InferenceServicer:
 
     def Cancel(self, request, context):
         """Stops an active generation; its stream ends with FINISH_REASON_CANCELLED. The session's next turn may
-        follow at once: it starts after the cancelled one, whose tokens stay in the history.
+        follow at once: it starts after the cancelled one, whose input and generated tokens stay in the history;
+        a turn cancelled before its first token (queued, or in prefill) leaves the history as it was.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
