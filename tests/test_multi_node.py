@@ -9,6 +9,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import time
 
 import grpc
 import pytest
@@ -16,6 +17,7 @@ import pytest
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 from tests.serving import LMGATE, StreamEnds, serve_process
+from tests.test_rank_processes import rank_pids
 from tests.test_engine import hf_greedy, hf_model  # noqa: F401  (fixture)
 
 NEW = 24
@@ -74,13 +76,22 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def _common_flags(*flags: str) -> tuple[str, ...]:
+    port = str(_free_port(NODE0))
+    return ("--nnodes", "2", "--master-addr", NODE0, "--master-port", port, "--kv-cache-tokens", "2048", *flags)
+
+
+def _start_node1(netns: str, common: tuple[str, ...]) -> subprocess.Popen:
+    """Node 1 in `netns`; it waits for node 0. A session of its own: its ranks share its process group, which
+    the tests stop and kill as one node."""
+    return subprocess.Popen(["ip", "netns", "exec", netns, *LMGATE, "serve", "--node-rank", "1", *common],
+                            start_new_session=True)
+
+
 def start_nodes(netns: str, *flags: str) -> tuple[subprocess.Popen, subprocess.Popen, str]:
     """Node 1 in `netns` (it waits for node 0), then node 0 here; both processes and node 0's gRPC address."""
-    port = str(_free_port(NODE0))
-    common = ("--nnodes", "2", "--master-addr", NODE0, "--master-port", port, "--kv-cache-tokens", "2048", *flags)
-    # A session of its own: its ranks share its process group, which the tests stop and kill as one node.
-    node1 = subprocess.Popen(["ip", "netns", "exec", netns, *LMGATE, "serve", "--node-rank", "1", *common],
-                             start_new_session=True)
+    common = _common_flags(*flags)
+    node1 = _start_node1(netns, common)
     try:
         node0, address = serve_process("--node-rank", "0", *common)
     except BaseException:
@@ -155,5 +166,44 @@ def test_a_node_whose_server_died_stops_its_ranks_and_exits_non_zero(node1_netns
         node0.kill()
         node0.wait()
         assert node1.wait(timeout=GUARD) == 1  # its rank heard nothing for the heartbeat timeout
+    finally:
+        _kill(node1, node0)
+
+
+def _ranks_of(pid: int) -> list[int]:
+    """The rank processes a node's `lmgate serve` has spawned, once it has them (a guard against a hang)."""
+    deadline = time.monotonic() + GUARD
+    while not (ranks := rank_pids(pid)):
+        assert time.monotonic() < deadline, "the node never started its ranks"
+        time.sleep(0.05)
+    return ranks
+
+
+def test_a_rank_of_node_1_that_dies_while_starting_stops_node_0(node1_netns):
+    """A remote rank says nothing before it is ready: node 1 reports its death in node 0's store, and node 0
+    gives up starting (and exits non-zero) instead of waiting for it for ever."""
+    common = _common_flags("--engine-loops", "2")
+    node1 = _start_node1(node1_netns, common)
+    node0 = subprocess.Popen([*LMGATE, "serve", "--node-rank", "0", "--port", "0", *common])
+    try:
+        os.kill(_ranks_of(node1.pid)[0], signal.SIGKILL)
+        assert node1.wait(timeout=GUARD) == 1
+        assert node0.wait(timeout=GUARD) != 0
+    finally:
+        _kill(node1, node0)
+
+
+def test_node_0_killed_while_starting_leaves_no_rank_of_node_1_behind(node1_netns):
+    """Node 1's ranks have not yet heard from node 0 (which would time out a silence): node 0's store going
+    away tells node 1 to kill them and exit."""
+    common = _common_flags("--engine-loops", "2")
+    node1 = _start_node1(node1_netns, common)
+    node0 = subprocess.Popen([*LMGATE, "serve", "--node-rank", "0", "--port", "0", *common])
+    try:
+        ranks = _ranks_of(node1.pid)
+        node0.kill()
+        node0.wait()
+        assert node1.wait(timeout=GUARD) == 1
+        assert not any(os.path.exists(f"/proc/{pid}") for pid in ranks)
     finally:
         _kill(node1, node0)

@@ -118,6 +118,11 @@ def node_specs_key(node: int) -> str:
     return f"lmgate/node/{node}/specs"
 
 
+def node_failed_key(node: int) -> str:
+    """The TCPStore key under which `node` says that one of its ranks exited with an error."""
+    return f"lmgate/node/{node}/failed"
+
+
 class ProcessRanks(Ranks):
     """Owns the rank processes, the sockets to them, the TCPStore their `GlooComm` meets at, and the receiver
     thread. `_lock` guards `_stats`, `_weights_bytes`, `_shut_down` and `_acks` (a condition waited on by
@@ -221,16 +226,24 @@ class ProcessRanks(Ranks):
                 time.sleep(0.01)
 
     def _receive_during_start(self, waiting: set[int]) -> tuple:
-        """The next message, or the error of a local rank that exited: one that said ready too, since it leaves
-        when a peer it waits on in a collective (a remote rank still loading) has died."""
+        """The next message (("tick",) after a quiet HEARTBEAT_SECONDS), or the error of a rank that exited:
+        a local one, or one another node reports (a remote rank sends nothing before it is ready). A local
+        one that said ready too, since it leaves when a peer it waits on in a collective has died."""
         poller = zmq.Poller()
         poller.register(self._outputs, zmq.POLLIN)
         local = list(self._procs)
         for rank in local:
             poller.register(self._procs[rank].sentinel, zmq.POLLIN)
-        ready = dict(poller.poll())
+        ready = dict(poller.poll(HEARTBEAT_SECONDS * 1000))
         if self._outputs in ready:
             return self._outputs.recv_pyobj()
+        if not ready:
+            for node in range(1, self.config.nnodes):
+                if self._store.check([node_failed_key(node)]):
+                    reason = self._store.get(node_failed_key(node)).decode()
+                    raise InternalError(f"node {node}: {reason} while starting; ranks {sorted(waiting)} had not "
+                                        "said ready")
+            return ("tick",)
         rank = next(r for r in local if self._procs[r].sentinel in ready)
         deadline = time.monotonic() + EXIT_DRAIN_SECONDS
         while (left := deadline - time.monotonic()) > 0 and self._outputs.poll(left * 1000):
