@@ -19,12 +19,11 @@ class IncrementalDetokenizer:
     """Turns one sequence's generated tokens into text deltas, as they arrive.
 
     Invariant: without a stop-string hit, the deltas from `step` plus `finish()` concatenate to
-    exactly `tokenizer.decode(generated_ids, skip_special_tokens)`. With a hit, they concatenate
-    to that text cut right before the earliest stop string.
-
-    No prompt tokens serve as decoding context: the contract is the decode of the generated ids
-    alone, which windows over them agree with by construction. (Decoders that strip a leading space
-    at sequence start, SentencePiece's, give the first delta no leading space, as `decode` does.)
+    exactly the text the generated ids add after `context` (the prompt's last token):
+    `decode(context + generated)` past `decode(context)`. With a hit, they concatenate to that text
+    cut right before the earliest stop string. The context is what makes a SentencePiece reply
+    continue its prompt: that decoder strips a leading space at the start of a text, so decoded
+    alone, "▁world" after the prompt "hello" would give "helloworld".
     """
 
     def __init__(
@@ -32,12 +31,14 @@ class IncrementalDetokenizer:
         tokenizer: Tokenizer,
         skip_special_tokens: bool,
         stop: Sequence[str] = (),
+        context: Sequence[int] = (),
     ) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         self._stop = [s for s in stop if s]
+        self._context = list(context)
         self._ids: list[int] = []  # generated ids
-        self._next_text = tokenizer.decode_stream(skip_special_tokens)
+        self._next_text = tokenizer.decode_stream(skip_special_tokens, self._context)
         self._decoded = ""  # generated text confirmed so far (complete characters only)
         self.text = ""  # text emitted so far: a prefix of _decoded without stop strings
         self.stopped = False  # a stop string was hit; everything after it is dropped
@@ -58,7 +59,7 @@ class IncrementalDetokenizer:
         """Generation ended for another reason (length, eos, cancel): release held-back text."""
         if self.stopped:
             return ""
-        full = self._decode(self._ids)
+        full = self._decode(self._context + self._ids)[len(self._decode(self._context)):]
         if full.startswith(self._decoded):  # always so, unless a decoder is context-sensitive
             self._decoded = full
         return self._release(final=True)

@@ -288,7 +288,8 @@ class EngineLoop:
             self._emit(request, RequestOutput(request.request_id, request.session_id, error=exc))
             return
         self._truncate_history(session, keep)
-        detok = IncrementalDetokenizer(self.tokenizer, request.params.skip_special_tokens, request.params.stop)
+        detok = IncrementalDetokenizer(self.tokenizer, request.params.skip_special_tokens, request.params.stop,
+                                       context=request.input_ids[-1:])
         seq = Sequence(request, session, detok, max_new, self.tokenizer.eos_token_ids)
         seq.conversation = conversation
         session.drop_kv()  # the sequence holds the blocks until kDel

@@ -174,12 +174,14 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def decode_stream(self, skip_special_tokens: bool = True) -> Callable[[int], str]:
-        """A function of each next id: the text it completes, "" while the text ends inside a character
-        (tokenizers' `DecodeStream`: one call per id, its window of recent ids kept in Rust). Where ids that
-        are not valid UTF-8 make the window's texts stop being prefixes of one another (a byte-fallback
-        decoder fusing stray bytes), the window starts afresh at that id instead of raising."""
-        backend, stream = self._backend, decoders.DecodeStream(skip_special_tokens=skip_special_tokens)
+    def decode_stream(self, skip_special_tokens: bool = True, context: Sequence[int] = ()) -> Callable[[int], str]:
+        """A function of each next id: the text it adds after `context` and the ids before it, "" while the
+        text ends inside a character (tokenizers' `DecodeStream`: one call per id, its window of recent ids
+        kept in Rust). Where ids that are not valid UTF-8 make the window's texts stop being prefixes of one
+        another (a byte-fallback decoder fusing stray bytes), the window starts afresh at that id instead of
+        raising."""
+        backend = self._backend
+        stream = decoders.DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens)
 
         def step(token_id: int) -> str:
             nonlocal stream

@@ -1,11 +1,13 @@
 import random
 
+import gguf
 import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models
 
 from lmgate.engine.detokenizer import IncrementalDetokenizer
 from lmgate.engine.tokenizer import Tokenizer
+from tests.test_tokenizer import _tiny_llama_gguf
 
 TEXTS = [
     "Party time 🎉🚀 with family 👩‍👩‍👧 in 🇫🇷!",
@@ -193,3 +195,18 @@ def test_detokenizer_stray_bytes_through_a_byte_fallback_decoder_do_not_raise():
         for i in ids:
             raw.step(backend, i)
     assert "".join(stream(i) for i in ids).endswith("a world")
+
+
+def test_detokenizer_continues_a_sentencepiece_prompt_with_its_space(tmp_path):
+    """SentencePiece's decoder strips the leading space of a text: decoded alone, a reply's first "▁world"
+    would lose its space and run into the prompt. With the prompt's last token as context, prompt text plus
+    the deltas is the decode of the whole, as vLLM and llama.cpp's server stream it."""
+    path = str(tmp_path / "tiny.gguf")
+    _tiny_llama_gguf(path)
+    tok = Tokenizer.from_gguf(gguf.GGUFReader(path))
+    prompt = tok.encode("hello")
+    generated = tok.encode(" world hello", add_special_tokens=False)
+    for stop in ((), ("zz",)):  # streamed at once, and held back while a stop string could start
+        d = IncrementalDetokenizer(tok, True, stop, context=prompt[-1:])
+        deltas = [d.step([t])[0] for t in generated] + [d.finish()]
+        assert "hello" + "".join(deltas) == tok.decode(prompt + generated) == "hello world hello"
