@@ -204,7 +204,8 @@ class RankProcess:
         self.requests = context.socket(zmq.PULL)
         self.requests.connect(spec.requests_address)
         self.live: weakref.WeakValueDictionary[int, Request] = weakref.WeakValueDictionary()  # for cancels
-        self.closing = False
+        self.closing = False  # "close" came (or the leaders agreed to stop): exit 0
+        self.failed = False  # the loop failed, even after a "close": exit 1
 
     def serve(self) -> int:
         """Exit status: 0 after a close (a follower: its leader's stop), 1 when the loop stopped by itself (a
@@ -240,7 +241,7 @@ class RankProcess:
         thread.join()
         self.gateway.stop_signals()  # delivers, and so sends, the last outputs
         self.weights.drop()
-        if not self.closing:
+        if self.failed or not self.closing:
             return 1
         self.outbox.send(("exited", self.spec.rank))
         return 0
@@ -250,14 +251,16 @@ class RankProcess:
             if self.loop is None:
                 self.closing = self._follow()
                 return
-            if self.loop.run() is None:  # the leaders agreed to close: maybe before this one's "close" arrived
+            self.failed = self.loop.run() is not None
+            if not self.failed:  # the leaders agreed to close: maybe before this one's "close" arrived
                 self.closing = True
                 self.gateway.shutdown()  # so what is still queued here is answered now, not left unread
-            if self.closing:  # else followers may sit in a step's all-reduce: this process's exit breaks it
                 try:
                     self.runner.stop_followers()
                 except CommAborted:
                     pass  # a follower has gone: the serving process sees its exit
+            # Else the loop failed, maybe mid-step after a "close": followers may sit in that step's
+            # all-reduce, which this process's exit breaks (a "stop" would wait for them as long as they for it).
         finally:
             os.write(stopped, b"x")
 
