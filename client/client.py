@@ -248,6 +248,14 @@ class AsyncClient(_ClientBase[AsyncIterator[Delta]]):
         await self.close()
 
 
+@dataclass(slots=True)
+class _Turn:
+    """A session's turn: its stream, and whether reading it has sent it yet."""
+
+    stream: Any = None
+    sent: bool = False
+
+
 class _SessionBase(Generic[StreamT]):
     """A conversation on the server: each turn continues its history and reuses its KV cache.
 
@@ -261,7 +269,7 @@ class _SessionBase(Generic[StreamT]):
         self.client = client
         self.id = session_id
         self.history = History() if resume else None
-        self._latest: StreamT | None = None  # the latest turn's stream, closed when the next turn starts
+        self._latest: _Turn | None = None  # closed when the next turn is sent, if it was sent itself
 
     def generate(
         self,
@@ -274,9 +282,9 @@ class _SessionBase(Generic[StreamT]):
     ) -> StreamT:
         """One turn: the new input is appended to the history (a prompt gets the model's BOS on the session's
         first turn only; messages are rendered on their own, so send only the new ones). The turn is sent
-        when its stream is first read. One turn at a time: the previous turn's stream, if left unfinished
-        (a `break` that kept it), is closed first, which cancels that turn; one that another thread or task
-        is still reading makes this turn FAILED_PRECONDITION."""
+        when its stream is first read. One turn at a time: the previous turn's stream, if sent and left
+        unfinished (a `break` that kept it), is closed first, which cancels that turn; one that another thread
+        or task is still reading makes this turn FAILED_PRECONDITION."""
         if self.history is None:
             request = generate_request(
                 prompt, messages=messages, token_ids=token_ids, session_id=self.id, request_id=request_id, **sampling
@@ -285,12 +293,14 @@ class _SessionBase(Generic[StreamT]):
         else:
             start = functools.partial(self._resumable, self.history.turn_input(prompt, messages, token_ids),
                                       request_id, sampling)
-        self._latest = self._after(self._latest, start)
-        return self._latest
+        turn = _Turn()
+        turn.stream = self._after(self._latest, turn, start)
+        self._latest = turn
+        return turn.stream
 
     @abc.abstractmethod
-    def _after(self, previous: StreamT | None, start: Callable[[], StreamT]) -> StreamT:
-        """The stream `start` gives, started once `previous` is closed."""
+    def _after(self, previous: _Turn | None, turn: _Turn, start: Callable[[], StreamT]) -> StreamT:
+        """`turn`'s stream: the one `start` gives, sent once `previous` is closed (if it was sent)."""
 
     @abc.abstractmethod
     def _resumable(self, turn: dict[str, Any], request_id: str, sampling: dict[str, Any]) -> StreamT:
@@ -305,10 +315,11 @@ class Session(_SessionBase[Iterator[Delta]]):
 
     client: Client
 
-    def _after(self, previous: Iterator[Delta] | None, start: Callable[[], Iterator[Delta]]) -> Iterator[Delta]:
-        if previous is not None:
+    def _after(self, previous: _Turn | None, turn: _Turn, start: Callable[[], Iterator[Delta]]) -> Iterator[Delta]:
+        turn.sent = True
+        if previous is not None and previous.sent:
             with contextlib.suppress(ValueError):  # another thread is reading it: the server refuses this turn
-                previous.close()
+                previous.stream.close()
         yield from start()
 
     def _resumable(self, turn: dict[str, Any], request_id: str, sampling: dict[str, Any]) -> Iterator[Delta]:
@@ -355,11 +366,12 @@ class AsyncSession(_SessionBase[AsyncIterator[Delta]]):
 
     client: AsyncClient
 
-    async def _after(self, previous: AsyncIterator[Delta] | None,
+    async def _after(self, previous: _Turn | None, turn: _Turn,
                      start: Callable[[], AsyncIterator[Delta]]) -> AsyncIterator[Delta]:
-        if previous is not None:
+        turn.sent = True
+        if previous is not None and previous.sent:
             with contextlib.suppress(RuntimeError):  # another task is reading it: the server refuses this turn
-                await previous.aclose()
+                await previous.stream.aclose()
         stream = start()
         try:
             async for delta in stream:

@@ -1,8 +1,9 @@
 """The Gateway, after TurboMind's: routes requests to engine loops and delivers their outputs.
 
 Lock order: `Gateway._admission_lock` is held across a Start's binding and a Generate's enqueue (so that once
-a gate has closed, nothing that passed it is still on its way to a queue), and across an End's unbinding and
-enqueue (so that a Start reusing the id follows the old session's KILL); under it, and otherwise each a leaf:
+a gate has closed, nothing that passed it is still on its way to a queue), and across an End's unbinding,
+cancel and enqueue (so that a Start reusing the id follows the old session's KILL); under it, and otherwise
+each a leaf:
   SequenceBinding._lock, RequestQueue._lock (or a RemoteQueue's), CancelFlag._lock, Gateway._arrivals.
 Gateway._signal_cond is a leaf. No thread waits on one while holding another.
 Callbacks run on the signal thread with no lock held. Engine loops wait on `_arrivals` (idle) and in the host
@@ -143,9 +144,11 @@ class Gateway:
             bound = self.binding.unbind(session_id)
             active = bound.active if bound is not None else None
             was = active.cancel_flag.exchange(CancelFlag.CANCELLED) if active is not None else None
+            if was == CancelFlag.ACTIVE and active.on_cancel is not None:
+                active.on_cancel()  # a rank process hears of it before the KILL (its queue's lock is a leaf)
             queued = bound is not None and self.enqueue(bound.rank, request)
-        if active is not None:
-            self._cancelled(active, was)
+        if was == CancelFlag.QUEUED:
+            self.notify([(active, cancelled_output(active))])
         if not queued:
             self.notify([(request, RequestOutput("", session_id, finish_reason=FinishReason.STOP))])
 
@@ -153,15 +156,11 @@ class Gateway:
         """Flip the flag; a queued request ends here and now, an active one at its loop's next step (a loop in
         another process is told through the request's `on_cancel`)."""
         old = request.cancel_flag.exchange(CancelFlag.CANCELLED)
-        self._cancelled(request, old)
-        return old != CancelFlag.CANCELLED
-
-    def _cancelled(self, request: Request, was: CancelFlag) -> None:
-        """What flipping a request's flag from `was` to CANCELLED asks for, done with no lock held."""
-        if was == CancelFlag.QUEUED:
+        if old == CancelFlag.QUEUED:
             self.notify([(request, cancelled_output(request))])
-        elif was == CancelFlag.ACTIVE and request.on_cancel is not None:
+        elif old == CancelFlag.ACTIVE and request.on_cancel is not None:
             request.on_cancel()
+        return old != CancelFlag.CANCELLED
 
     def enqueue(self, rank: int, request: Request) -> bool:
         """Put a request in loop `rank`'s queue and wake the loops; False once that queue is closed."""

@@ -80,7 +80,7 @@ class ModelRunner:
         self.graphs = graphs  # decode steps from CUDA graphs (Triton path, no tensor parallelism), else None
         self.followers: HostComm | None = None  # a tensor-parallel leader's group: what it does, they do
         self.group_kv_share = 1.0  # the tensor-parallel group's KV heads over this rank's
-        self.install_weights: Callable[[int], None] = lambda version: None  # a rank process's LocalWeights.install_staged
+        self.install_weights: Callable[[int], None] = lambda version: None  # a TP leader's LocalWeights.install_staged
         self._pending_weights: int | None = None  # the staged version to install; a leaf lock guards it
         self._pending_lock = threading.Lock()
 
@@ -126,7 +126,7 @@ class ModelRunner:
         self._tell_followers("stop")
 
     def switch_weights_at_next_step(self, version: int) -> None:
-        """From a rank process's control thread (a group's leader), once every rank staged `version`."""
+        """From a tensor-parallel leader's control thread, once every rank of its group staged `version`."""
         with self._pending_lock:
             self._pending_weights = version
 

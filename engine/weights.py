@@ -115,7 +115,7 @@ class LocalWeights:
         """Staged `version` in place of the current model, older stages dropped: on the loop or follower
         thread, at the step its group's leader chose (every rank of the group has staged it by then)."""
         staged = self._staged.pop(version, None)
-        for older in [v for v in self._staged if v < version]:
+        for older in [v for v in list(self._staged) if v < version]:  # a copy: the weights thread may stage
             del self._staged[older]
         if staged is not None:
             self._install(staged[0])

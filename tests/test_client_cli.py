@@ -257,6 +257,10 @@ def test_a_session_turn_left_early_lets_the_next_follow_at_once(server):
                 for _ in stream:
                     break
                 assert list(session.generate(" Go on.", max_new_tokens=4))[-1].finish_reason == "length"
+            # A turn not yet read is not yet sent: the next one does not close it, and it runs when read.
+            unread = session.generate(" One.", max_new_tokens=2, ignore_eos=True)
+            assert list(session.generate(" Two.", max_new_tokens=2))[-1].finish_reason == "length"
+            assert list(unread)[-1].finish_reason == "length"
             # A turn whose last delta was read, its stream closed only once the next turn runs: that close
             # must not cancel the next turn.
             done = session.generate(" Two words.", max_new_tokens=2, ignore_eos=True)

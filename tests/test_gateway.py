@@ -22,7 +22,8 @@ LOOPS = 3
 
 
 def generate_request(session_id: int = 0) -> Request:
-    return Request(RequestKind.GENERATE, session_id, lambda _: None, input_ids=[1, 2, 3], params=SamplingParams())
+    return Request(RequestKind.GENERATE, session_id, lambda _: None, input_ids=[1, 2, 3], params=SamplingParams(),
+                   stateless=not session_id)
 
 
 @pytest.fixture
@@ -215,12 +216,18 @@ def test_a_gate_closes_only_once_every_request_it_admitted_is_queued():
 
 
 def test_a_session_started_with_an_ended_sessions_id_follows_the_old_ones_kill():
-    """End unbinds the id, then queues its KILL: a Start and turn of the same id in between must queue behind
-    that KILL, or the loop would run the new turn on the old session's history and then kill it."""
+    """End unbinds the id, cancels its running turn, then queues its KILL: a Start and turn of the same id in
+    between must queue behind all that, or the loop would run the new turn on the old session's history (or
+    beside its turn still running) and then kill it."""
     queue = PausingQueue(RequestKind.KILL)
     gw = Gateway(queues=[queue])
     try:
         gw.start_session(7)
+        running = generate_request(7)
+        gw.push(running)
+        assert gw.pop(0, 8, False, ThreadComm.create_group(1)[0]) == [running]
+        told = []
+        running.on_cancel = lambda: told.append(queue.entered.is_set())  # a rank process is told by message
         queue.paused.set()
 
         def start_again() -> None:
@@ -238,6 +245,7 @@ def test_a_session_started_with_an_ended_sessions_id_follows_the_old_ones_kill()
             ending.result(timeout=60)
             starting.result(timeout=60)
         assert [r.kind for r in queue.pop(8)] == [RequestKind.KILL, RequestKind.GENERATE]
+        assert told == [False]  # the running turn's cancel went out before the KILL
     finally:
         gw.shutdown()
         gw.stop_signals()

@@ -191,8 +191,8 @@ class RankProcess:
                 spec.dp_rank, dp_comm, self.gateway, self.weights, ckpt.tokenizer, c, spec.max_context_length,
                 spec.num_threads))
             self.runner = self.loop.runner
-            self.runner.install_weights = self.weights.install_staged
             if spec.tp_size > 1:
+                self.runner.install_weights = self.weights.install_staged
                 self.runner.followers = self.tp_comm
                 group_kv = sum(len(shard_of(ckpt.config, r, spec.tp_size).kv_heads) for r in range(spec.tp_size))
                 self.runner.group_kv_share = group_kv / self.weights.config.num_kv_heads
@@ -317,8 +317,10 @@ class RankProcess:
                 gateway.binding.clear()  # the loop ends every session; queued turns end CANCELLED
             if request.kind is RequestKind.KILL:
                 gateway.binding.unbind(request.session_id)  # queued turns end CANCELLED; the loop frees its KV
-            if not gateway.enqueue(self.spec.dp_rank, request):  # a stopping rank counts as done (Gateway.control)
-                request.on_output(RequestOutput("", request.session_id, finish_reason=FinishReason.STOP))
+            if not gateway.enqueue(self.spec.dp_rank, request):  # a stopping rank: an End is done, while a
+                # control was not handled (so a Sleep gets UNAVAILABLE, as `Gateway.control` says)
+                reason = FinishReason.STOP if request.kind is RequestKind.KILL else FinishReason.CANCELLED
+                request.on_output(RequestOutput("", request.session_id, finish_reason=reason))
                 gateway.outbox.flush()
                 gateway.wake_loops()
             return
@@ -332,6 +334,14 @@ class RankProcess:
             gateway.outbox.flush()
             gateway.wake_loops()
 
+    def _install(self, version: int) -> None:
+        """A lone rank's staged weights go in at once (its loop reads the model once per step, and an idle
+        loop may not step for long); a tensor-parallel group's at its leader's next step, all ranks at once."""
+        if self.spec.tp_size > 1:
+            self.runner.switch_weights_at_next_step(version)
+        else:
+            self.weights.install_staged(version)
+
     def _weights(self, wire_id: int, action: str, argument: object) -> None:
         """`argument`: a load's path; the version (the load's wire id) to install or discard."""
         error = None
@@ -340,7 +350,7 @@ class RankProcess:
             {"offload": self.weights.offload, "drop": self.weights.drop, "restore": self.weights.restore,
              "load": lambda: self.weights.load(argument, version=wire_id),
              "discard": lambda: self.weights.discard_staged(argument),
-             "install": lambda: self.runner.switch_weights_at_next_step(argument)}[action]()
+             "install": lambda: self._install(argument)}[action]()
             if action == "drop":
                 release_host_memory()
         except Exception as exc:
