@@ -182,9 +182,10 @@ def test_no_kv_of_replaced_weights_is_keyed_after_the_reset(checkpoint, tokenize
 @pytest.mark.parametrize("overlap", ["on", "off"])
 def test_a_turn_cancelled_while_its_first_chunk_runs_leaves_a_session_that_goes_on(checkpoint, tokenizer, overlap):
     """A session turn's first prefill chunk (two whole blocks) is launched, then the turn is cancelled. Its
-    session keeps that chunk's KV; with overlap its blocks were not keyed yet (the step was unread), and the
-    next turn's prefix lookup failed: every stream of the loop ended INTERNAL. Now the next turn continues
-    the conversation as a stateless request on the whole of it does."""
+    session once kept that chunk's KV; with overlap its blocks were not keyed yet (the step was unread), and
+    the next turn's prefix lookup failed: every stream of the loop ended INTERNAL. A turn cancelled before its
+    first token now leaves the history as it was (its KV freed, launched step or not): the next turn runs as
+    a stateless request on its own input does."""
     config = EngineConfig(dtype="float32", overlap_scheduling=overlap, max_batched_tokens=32)
     with Engine(config, checkpoint=checkpoint) as engine:
         runner = engine.loops[0].runner
@@ -208,6 +209,7 @@ def test_a_turn_cancelled_while_its_first_chunk_runs_leaves_a_session_that_goes_
         assert cancelled.finish_reason is FinishReason.CANCELLED and cancelled.usage.completion_tokens == 0
         assert len(first) > config.max_batched_tokens
         after = engine.generate(second, params, session_id=21)
-        assert after.token_ids == engine.generate(first + second, params).token_ids
+        assert after.token_ids == engine.generate(second, params).token_ids
+        assert after.usage.prompt_tokens == len(second)
         engine.end_session(21)
         assert_idle(engine)
