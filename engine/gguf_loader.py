@@ -103,8 +103,9 @@ def read_gguf_weights(reader: GGUFReader, config: ModelConfig) -> dict[str, torc
         if name is None:
             continue
         shape = [int(d) for d in reversed(t.shape)]
-        heads = config.num_heads if name.endswith("q_proj.weight") else config.num_kv_heads
-        rotated = permute and name.endswith(("q_proj.weight", "k_proj.weight"))
+        heads = config.num_heads if ".q_proj." in name else config.num_kv_heads
+        # llama.cpp's converter interleaves the rotary halves of Q's and K's rows: weights and biases alike
+        rotated = permute and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias"))
         if int(t.tensor_type) in BLOCK_LAYOUTS and len(shape) == 2:
             rows = np.asarray(t.data).reshape(shape[0], -1)
             weights[name] = gguf_blocks(_unpermute(rows, heads) if rotated else rows, int(t.tensor_type), tuple(shape))

@@ -15,12 +15,24 @@ def read_hf_config(path: Path) -> ModelConfig:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise UnsupportedModel(f"{path} has no config.json")
-    return ModelConfig.from_hf(json.loads(cfg_file.read_text()))
+    config = json.loads(cfg_file.read_text())
+    if not isinstance(config, dict):
+        raise UnsupportedModel(f"{cfg_file} is not a JSON object")
+    model_config = ModelConfig.from_hf(config)
+    if not (path / "tokenizer.json").is_file():  # checked before any weight loads
+        raise UnsupportedModel(f"{path} has no tokenizer.json (lmgate reads the fast tokenizer's file)")
+    return model_config
 
 
 def read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
-    """All tensors of the directory's safetensors shards, by their Hugging Face names."""
-    files = sorted(path.glob("*.safetensors"))
+    """The tensors of the directory's safetensors shards, by their Hugging Face names: those its
+    model.safetensors.index.json names where it has one (a repository may also hold other files, such as
+    Mistral's consolidated.safetensors or an adapter's), else every *.safetensors file."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({path / name for name in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(path.glob("*.safetensors"))
     if not files:
         raise UnsupportedModel(f"{path} has no *.safetensors files")
     weights: dict[str, torch.Tensor] = {}

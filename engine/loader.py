@@ -12,6 +12,7 @@ from typing import Iterator
 
 import torch
 from gguf import GGUFReader
+from safetensors import SafetensorError
 
 from .config import ModelConfig
 from .errors import EngineError, UnsupportedModel
@@ -92,7 +93,7 @@ def _unreadable_refused(path: str) -> Iterator[None]:
         yield
     except EngineError:
         raise
-    except (ValueError, KeyError, TypeError, IndexError, OSError) as exc:
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError, OSError, SafetensorError) as exc:
         kind = "GGUF file" if Path(path).is_file() else "Hugging Face model directory"
         raise UnsupportedModel(f"{path} is not a readable {kind}: {exc or type(exc).__name__}") from None
 

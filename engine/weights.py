@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -38,7 +39,7 @@ def quantized_gguf(config: EngineConfig, path: str, device: torch.device) -> boo
     """Whether `--weights` would keep this model's quantized matrices as blocks, given float32: a GGUF file,
     blocks allowed, a compiler for the kernels. `--dtype auto` then chooses float32 (hardware.choose_dtype).
     Asked before anything is loaded or built, so bad settings are refused first."""
-    return path.lower().endswith(".gguf") and _blocks_allowed(config, device) and compiler_found()
+    return os.path.isfile(path) and _blocks_allowed(config, device) and compiler_found()  # a file is a GGUF
 
 
 def keep_quantized(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> bool:

@@ -121,7 +121,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--stream-interval", type=COUNT, default=_env("STREAM_INTERVAL", 1), help="tokens a stream gathers before they are sent as one message (its first token and its end go at once): 1 streams each token as it is drawn; more means fewer messages for the server and clients to handle, at the cost of smoothness [LMGATE_STREAM_INTERVAL]")
     ap.add_argument("--dtype", default=_env("DTYPE", "auto"), type=_one_of(*DTYPE_CHOICES), metavar="{" + ",".join(DTYPE_CHOICES) + "}", help="weights dtype, and the KV cache's unless --kv-cache-dtype says otherwise; auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, else float32 [LMGATE_DTYPE]")
     ap.add_argument("--attention-kernel", default=_env("ATTENTION_KERNEL", "on"), type=ON_OFF, metavar="{on,off}", help="on: CPU decode and prefill attention in C++, compiled once on first use (torch ops if that fails); off: torch ops [LMGATE_ATTENTION_KERNEL]")
-    ap.add_argument("--weights", default=_env("WEIGHTS", "auto"), choices=WEIGHT_MODES, help="auto: a GGUF's quantized matrices kept as the file's blocks where the CPU kernels run them (a C++ compiler, float32, no tensor parallelism), else float; quantized: the same, with a warning where they cannot; float: expanded to float at load [LMGATE_WEIGHTS]")
+    ap.add_argument("--weights", default=_env("WEIGHTS", "auto"), type=_one_of(*WEIGHT_MODES), metavar="{" + ",".join(WEIGHT_MODES) + "}", help="auto: a GGUF's quantized matrices kept as the file's blocks where the CPU kernels run them (a C++ compiler, float32, no tensor parallelism), else float; quantized: the same, with a warning where they cannot; float: expanded to float at load [LMGATE_WEIGHTS]")
     ap.add_argument("--int8-activations", default=_env("INT8_ACTIVATIONS", "off"), type=ON_OFF, metavar="{on,off}", help="on: with quantized weights, every step rounds activations to int8 per block of 32 for Q4_0, Q4_1, Q8_0, Q4_K and Q5_K matrices, as llama.cpp does: faster where compute binds, but not the float model (measured by perplexity; greedy tokens may differ) [LMGATE_INT8_ACTIVATIONS]")
     ap.add_argument("--cuda-graphs", default=_env("CUDA_GRAPHS", "on"), type=ON_OFF, metavar="{on,off}", help="on: with --device cuda, decode steps replay CUDA graphs captured per batch-size bucket (not under --tensor-parallel); off: every step eager [LMGATE_CUDA_GRAPHS]")
     ap.add_argument("--overlap-scheduling", default=_env("OVERLAP_SCHEDULING", "auto"), type=_one_of(*OVERLAP_MODES), metavar="{" + ",".join(OVERLAP_MODES) + "}", help="on: each step goes to the device before the last step's tokens are read, so the host's work (scheduling, detokenizing, streaming) runs while the device computes; a sequence that stops may run one step more, its token dropped; off: one step at a time; auto: on with --device cuda (not under --tensor-parallel) [LMGATE_OVERLAP_SCHEDULING]")
@@ -157,6 +157,9 @@ def check_settings(args: argparse.Namespace) -> EngineConfig:
             _check_port_free(flag, host, port)
     if args.port and args.port == args.metrics_port:
         raise StartupError(f"--port and --metrics-port are both {args.port}")
+    for flag, secret in (("--api-key", args.api_key), ("--admin-token", args.admin_token)):
+        if secret is not None and not secret.strip():  # an unset secret resolved to "" would turn the check off
+            raise StartupError(f"{flag} is empty: give a secret, or leave it unset")
     args.tls = _tls_files(args)
     try:
         device = torch.device(args.device)

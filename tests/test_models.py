@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import gguf
 import numpy as np
 import pytest
+import safetensors
+import safetensors.torch
 import torch
 import transformers
 
@@ -65,8 +67,12 @@ ARCHS = {
     "llama3": (transformers.LlamaConfig, dict(num_hidden_layers=2, rope_theta=500000.0, rope_parameters=dict(
         rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32,
         rope_theta=500000.0))),
+    # Q/K/V biases in a Llama GGUF (early Qwen conversions): only their loading is tested, as lmgate's Llama
+    # has no o_proj bias
+    "llama_bias": (transformers.LlamaConfig, dict(num_hidden_layers=2, head_dim=32, rope_theta=50000.0,
+                                                  attention_bias=True)),
 }
-ARCH_NAMES = [name for name in ARCHS if name != "llama3"]
+ARCH_NAMES = [name for name in ARCHS if name not in ("llama3", "llama_bias")]
 
 PROMPT = "The quick brown fox jumps over the lazy dog, then naps under 3 old oak trees."
 PROMPT_B = "Paged attention keeps blocks apart."
@@ -335,7 +341,8 @@ def test_engine_greedy_tokens_match_transformers(tiny, prompt_ids, kernel):
 
 
 # --------------------------------------------------------------------------------------------- GGUF
-_GGUF_ARCH = {"llama": "llama", "llama_tied": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "llama3": "llama"}
+_GGUF_ARCH = {"llama": "llama", "llama_tied": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "llama3": "llama",
+              "llama_bias": "llama"}
 _GGUF_LAYER = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -371,9 +378,9 @@ def tokenizer_fields(gguf_path) -> list[tuple[str, object, gguf.GGUFValueType, g
     return fields
 
 
-def _write_gguf(tiny: TinyModel, path: str, tokenizer_fields, quantize=None) -> None:
+def _write_gguf(tiny: TinyModel, path: str, tokenizer_fields, quantize=None, drop: tuple[str, ...] = ()) -> None:
     """`quantize(gguf_name, float32 array)`: (bytes, quantization type) for a tensor stored quantized, or
-    None to store it as float32."""
+    None to store it as float32. Tensors whose name ends with one of `drop` are left out."""
     cfg = tiny.hf.config
     arch = _GGUF_ARCH[tiny.name]
     head_dim = tiny.hf.model.layers[0].self_attn.head_dim
@@ -395,6 +402,8 @@ def _write_gguf(tiny: TinyModel, path: str, tokenizer_fields, quantize=None) -> 
     if cfg.rope_parameters.get("rope_type") == "llama3":  # as llama.cpp converts it: a divisor per frequency
         w.add_tensor("rope_freqs.weight", _llama3_freq_divisors(cfg))
     for name, t in tiny.hf.state_dict().items():
+        if name.endswith(drop):
+            continue
         data = t.detach().float().numpy().copy()
         if name == "model.embed_tokens.weight":
             gname = "token_embd.weight"
@@ -407,9 +416,9 @@ def _write_gguf(tiny: TinyModel, path: str, tokenizer_fields, quantize=None) -> 
         else:
             _, _, layer, rest = name.split(".", 3)
             gname = f"blk.{layer}.{_GGUF_LAYER[rest]}"
-            if arch == "llama" and rest == "self_attn.q_proj.weight":
+            if arch == "llama" and rest in ("self_attn.q_proj.weight", "self_attn.q_proj.bias"):
                 data = _llama_cpp_permute(data, cfg.num_attention_heads)
-            elif arch == "llama" and rest == "self_attn.k_proj.weight":
+            elif arch == "llama" and rest in ("self_attn.k_proj.weight", "self_attn.k_proj.bias"):
                 data = _llama_cpp_permute(data, cfg.num_key_value_heads)
         stored = quantize(gname, data) if quantize else None
         if stored is None:
@@ -445,6 +454,18 @@ def test_llama3_scaled_rope_matches_transformers(tiny_models, tmp_path, tokenize
         with Engine(EngineConfig(dtype="float32", model=model, kv_cache_tokens=1024)) as engine:
             out = engine.generate(prompt_ids, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
         assert out.token_ids == tiny.hf_greedy(prompt_ids), model
+
+
+def test_gguf_llama_q_and_k_biases_come_back_in_hugging_face_order(tiny_models, tmp_path, tokenizer_fields):
+    """llama.cpp's converter interleaves the rotary halves of Q's and K's biases as it does their rows."""
+    tiny = tiny_models("llama_bias")
+    path = str(tmp_path / "llama_bias.gguf")
+    _write_gguf(tiny, path, tokenizer_fields, drop=("o_proj.bias",))
+    weights, theirs = load_checkpoint(path).weights, tiny.hf.state_dict()
+    for layer in range(2):
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            name = f"model.layers.{layer}.self_attn.{proj}.bias"
+            assert torch.equal(weights[name], theirs[name].float()), name
 
 
 @pytest.mark.parametrize("name", ["llama", "llama_tied", "qwen2", "qwen3"])
@@ -579,6 +600,33 @@ def test_config_unsupported_architecture_refused(arch, tmp_path, tiny_models):
         read_config(str(tmp_path / "m"))
     with pytest.raises(UnsupportedModel, match=arch):
         load_checkpoint(str(tmp_path / "m"))
+
+
+def test_a_directory_reads_the_shards_its_index_names(tiny_models, tmp_path):
+    """A repository may hold other safetensors files beside the model's shards (Mistral's
+    consolidated.safetensors, an adapter): with an index, only the shards it names are read."""
+    model = shutil.copytree(tiny_models("llama").path, tmp_path / "m")
+    shards = sorted(p.name for p in model.glob("*.safetensors"))
+    names = safetensors.safe_open(str(model / shards[0]), "pt").keys()
+    (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {n: shards[0] for n in names}}))
+    safetensors.torch.save_file({"tok_embeddings.weight": torch.zeros(2, 2)}, str(model / "consolidated.safetensors"))
+    assert "tok_embeddings.weight" not in load_checkpoint(str(model)).weights
+
+
+@pytest.mark.parametrize("damage", ["no tokenizer.json", "config a list", "truncated weights"])
+def test_a_damaged_directory_is_refused_in_one_line(tiny_models, tmp_path, damage):
+    """What a partial download or a repository without a fast tokenizer looks like: UnsupportedModel (the
+    server's one-line start-up error, exit status 2), never a parser's traceback."""
+    model = shutil.copytree(tiny_models("llama").path, tmp_path / "m")
+    if damage == "no tokenizer.json":
+        (model / "tokenizer.json").unlink()
+    elif damage == "config a list":
+        (model / "config.json").write_text("[]")
+    else:
+        shard = next(model.glob("*.safetensors"))
+        shard.write_bytes(shard.read_bytes()[:1000])
+    with pytest.raises(UnsupportedModel, match=str(model)):
+        load_checkpoint(str(model))
 
 
 @pytest.mark.parametrize("key", ["rope_scaling", "rope_parameters"])

@@ -18,7 +18,7 @@ from lmgate.engine.kernels import compiler_found, load_cpu_kernels
 from lmgate.engine.loader import load_checkpoint
 from lmgate.engine.models.quantized_linear import GGUFBlocks, GGUFStack, QuantizedEmbedding, QuantizedLinear, cat_rows
 from lmgate.engine.sampling import SamplingParams
-from lmgate.engine.weights import keep_quantized
+from lmgate.engine.weights import keep_quantized, quantized_gguf
 from tests.conftest import CountingFusedDecode
 from tests.test_engine import NEW, hf_greedy, hf_model, reference_prompts  # noqa: F401  (fixtures)
 from tests.test_models import TinyModel, _write_gguf, prompt_ids, tokenizer_fields  # noqa: F401  (fixtures)
@@ -234,6 +234,15 @@ def test_weights_stay_float_where_the_kernels_cannot_run():
     assert not keep_quantized(EngineConfig(weights="quantized"), torch.float32, torch.device("cuda"))
     for mode in ("auto", "quantized"):
         assert keep_quantized(EngineConfig(weights=mode), torch.float32, cpu) == (compiler_found() and load_cpu_kernels())
+
+
+def test_a_gguf_file_without_the_extension_keeps_its_blocks(gguf_path, tmp_path):
+    """An Ollama blob (sha256-...) is a GGUF file all the same: --dtype auto and --weights treat it as one."""
+    blob = tmp_path / "sha256-0123abcd"
+    blob.symlink_to(gguf_path)
+    cpu = torch.device("cpu")
+    assert quantized_gguf(EngineConfig(), str(blob), cpu) == quantized_gguf(EngineConfig(), gguf_path, cpu) == compiler_found()
+    assert not quantized_gguf(EngineConfig(), str(tmp_path), cpu)  # a Hugging Face directory
 
 
 def test_a_truncated_tensor_is_a_clear_load_error(tiny_gguf_model, tokenizer_fields, tmp_path):
