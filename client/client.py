@@ -248,14 +248,6 @@ class AsyncClient(_ClientBase[AsyncIterator[Delta]]):
         await self.close()
 
 
-@dataclass(slots=True)
-class _Turn:
-    """A session's turn: its stream, and whether reading it has sent it yet."""
-
-    stream: Any = None
-    sent: bool = False
-
-
 class _SessionBase(Generic[StreamT]):
     """A conversation on the server: each turn continues its history and reuses its KV cache.
 
@@ -269,7 +261,7 @@ class _SessionBase(Generic[StreamT]):
         self.client = client
         self.id = session_id
         self.history = History() if resume else None
-        self._latest: _Turn | None = None  # closed when the next turn is sent, if it was sent itself
+        self._sent: Any = None  # the stream of the turn sent last, closed when the next is sent
 
     def generate(
         self,
@@ -293,14 +285,11 @@ class _SessionBase(Generic[StreamT]):
         else:
             start = functools.partial(self._resumable, self.history.turn_input(prompt, messages, token_ids),
                                       request_id, sampling)
-        turn = _Turn()
-        turn.stream = self._after(self._latest, turn, start)
-        self._latest = turn
-        return turn.stream
+        return self._after(start)
 
     @abc.abstractmethod
-    def _after(self, previous: _Turn | None, turn: _Turn, start: Callable[[], StreamT]) -> StreamT:
-        """`turn`'s stream: the one `start` gives, sent once `previous` is closed (if it was sent)."""
+    def _after(self, start: Callable[[], StreamT]) -> StreamT:
+        """The stream `start` gives, sent once the turn sent before it is closed."""
 
     @abc.abstractmethod
     def _resumable(self, turn: dict[str, Any], request_id: str, sampling: dict[str, Any]) -> StreamT:
@@ -315,12 +304,12 @@ class Session(_SessionBase[Iterator[Delta]]):
 
     client: Client
 
-    def _after(self, previous: _Turn | None, turn: _Turn, start: Callable[[], Iterator[Delta]]) -> Iterator[Delta]:
-        turn.sent = True
-        if previous is not None and previous.sent:
+    def _after(self, start: Callable[[], Iterator[Delta]]) -> Iterator[Delta]:
+        if self._sent is not None:
             with contextlib.suppress(ValueError):  # another thread is reading it: the server refuses this turn
-                previous.stream.close()
-        yield from start()
+                self._sent.close()
+        self._sent = stream = start()
+        yield from stream
 
     def _resumable(self, turn: dict[str, Any], request_id: str, sampling: dict[str, Any]) -> Iterator[Delta]:
         deltas: list[Delta] = []
@@ -366,13 +355,11 @@ class AsyncSession(_SessionBase[AsyncIterator[Delta]]):
 
     client: AsyncClient
 
-    async def _after(self, previous: _Turn | None, turn: _Turn,
-                     start: Callable[[], AsyncIterator[Delta]]) -> AsyncIterator[Delta]:
-        turn.sent = True
-        if previous is not None and previous.sent:
+    async def _after(self, start: Callable[[], AsyncIterator[Delta]]) -> AsyncIterator[Delta]:
+        if self._sent is not None:
             with contextlib.suppress(RuntimeError):  # another task is reading it: the server refuses this turn
-                await previous.stream.aclose()
-        stream = start()
+                await self._sent.aclose()
+        self._sent = stream = start()
         try:
             async for delta in stream:
                 yield delta

@@ -24,7 +24,7 @@ from .gateway import SLEEP_GATE, Gateway
 from .hardware import choose_dtype, cpu_features, matmul_gflops
 from .kv_cache import auto_kv_cache_tokens, kv_bytes_per_token, kv_cache_dtype
 from .loader import Checkpoint, embedded_model_path, load_checkpoint, read_config
-from .memory import keep_freed_memory, release_host_memory
+from .memory import keep_freed_memory
 from .request import Request, RequestKind, RequestOutput
 from .sampling import SamplingParams
 from .threads import available_cpus, on_fresh_thread
@@ -318,7 +318,6 @@ class Engine:
                 self.sleeping.add("weights")
             if level == 2:
                 self.ranks.drop_weights()
-            release_host_memory()
             log.info("asleep at level %d", level)
 
     def wakeup(self, tags: list[str] | tuple[str, ...] = ()) -> None:

@@ -143,24 +143,29 @@ class Gateway:
         with self._admission_lock:
             bound = self.binding.unbind(session_id)
             active = bound.active if bound is not None else None
-            was = active.cancel_flag.exchange(CancelFlag.CANCELLED) if active is not None else None
-            if was == CancelFlag.ACTIVE and active.on_cancel is not None:
-                active.on_cancel()  # a rank process hears of it before the KILL (its queue's lock is a leaf)
+            was = self._flag_cancelled(active) if active is not None else None  # a rank process hears first
             queued = bound is not None and self.enqueue(bound.rank, request)
         if was == CancelFlag.QUEUED:
             self.notify([(active, cancelled_output(active))])
         if not queued:
-            self.notify([(request, RequestOutput("", session_id, finish_reason=FinishReason.STOP))])
+            self.notify([(request, unanswered_output(request))])
 
     def cancel(self, request: Request) -> bool:
         """Flip the flag; a queued request ends here and now, an active one at its loop's next step (a loop in
         another process is told through the request's `on_cancel`)."""
-        old = request.cancel_flag.exchange(CancelFlag.CANCELLED)
+        old = self._flag_cancelled(request)
         if old == CancelFlag.QUEUED:
             self.notify([(request, cancelled_output(request))])
-        elif old == CancelFlag.ACTIVE and request.on_cancel is not None:
-            request.on_cancel()
         return old != CancelFlag.CANCELLED
+
+    @staticmethod
+    def _flag_cancelled(request: Request) -> CancelFlag:
+        """Flip the flag to CANCELLED, telling a loop in another process of an active request (`on_cancel`:
+        its queue's lock is a leaf); the flag it had."""
+        old = request.cancel_flag.exchange(CancelFlag.CANCELLED)
+        if old == CancelFlag.ACTIVE and request.on_cancel is not None:
+            request.on_cancel()
+        return old
 
     def enqueue(self, rank: int, request: Request) -> bool:
         """Put a request in loop `rank`'s queue and wake the loops; False once that queue is closed."""
@@ -232,7 +237,7 @@ class Gateway:
         for queue in self.queues:
             for request in queue.close():
                 if request.kind is RequestKind.KILL:
-                    self.notify([(request, RequestOutput("", request.session_id, finish_reason=FinishReason.STOP))])
+                    self.notify([(request, unanswered_output(request))])
                 elif error is None:
                     self.cancel(request)
                 elif request.cancel_flag.compare_exchange(CancelFlag.QUEUED, CancelFlag.CANCELLED):
@@ -277,3 +282,12 @@ def cancelled_output(request: Request) -> RequestOutput:
         finish_reason=FinishReason.CANCELLED,
         usage=Usage(prompt_tokens=len(request.input_ids)),
     )
+
+
+def unanswered_output(request: Request) -> RequestOutput:
+    """The last output of a request no engine loop will handle: a generate or a control CANCELLED (a Sleep
+    then knows that no loop handled it), a session's End done."""
+    if request.kind is RequestKind.GENERATE:
+        return cancelled_output(request)
+    reason = FinishReason.STOP if request.kind is RequestKind.KILL else FinishReason.CANCELLED
+    return RequestOutput("", request.session_id, finish_reason=reason)

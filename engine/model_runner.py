@@ -98,12 +98,7 @@ class ModelRunner:
         """Every rank of the group allocates its own; if any cannot, all free theirs again and this raises (a
         Wakeup that fails, the server still up), rather than a group with KV on some ranks only."""
         self._tell_followers("allocate_kv")
-        error = None
-        if not self.kv_caches:
-            try:
-                self.kv_caches = self.make_kv_cache()
-            except Exception as exc:  # out of memory, most likely
-                error = exc
+        error = self._allocate_own_kv_cache()
         if self.followers is not None and self.followers.all_reduce(int(error is not None), RedOp.MAX):
             self.release_kv_cache()
             cause = error or "see the other ranks' logs"
@@ -113,14 +108,17 @@ class ModelRunner:
 
     def allocate_kv_cache_as_follower(self, group: HostComm) -> None:
         """A tensor-parallel follower's side of `allocate_kv_cache`: it tells the leader whether it could."""
-        failed = False
+        group.all_reduce(int(self._allocate_own_kv_cache() is not None), RedOp.MAX)
+
+    def _allocate_own_kv_cache(self) -> Exception | None:
+        """This rank's KV cache, unless it has one; what kept it from allocating (out of memory, most likely)."""
         if not self.kv_caches:
             try:
                 self.kv_caches = self.make_kv_cache()
-            except Exception:
+            except Exception as exc:
                 log.exception("could not allocate this rank's KV cache")
-                failed = True
-        group.all_reduce(int(failed), RedOp.MAX)
+                return exc
+        return None
 
     def stop_followers(self) -> None:
         self._tell_followers("stop")

@@ -22,7 +22,8 @@ READY_TIMEOUT = 60.0  # a guard against a proxy that never comes up, not a perfo
 PORT_ATTEMPTS = 3
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """As tests/serving.py's: bench_fleet.py runs this file as a module of its own directory, not of tests."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -64,7 +65,7 @@ def running_proxy(kind: str, replicas: dict[str, str], run_dir: Path) -> Iterato
     """deploy/'s file for `kind` in front of `replicas` (replica id -> "127.0.0.1:port"); yields the proxy's
     address once calls through it have reached every replica. Skips the test where `kind` is not installed."""
     for attempt in range(PORT_ATTEMPTS):
-        port = _free_port()
+        port = free_port()
         with open(run_dir / "stderr.log", "wb") as stderr:
             process = subprocess.Popen(PROXIES[kind](list(replicas.values()), run_dir, port),
                                        stdout=subprocess.DEVNULL, stderr=stderr)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +23,19 @@ from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 # `lmgate` as this interpreter runs it: the console script is not installed where lmgate was (the GPU machine
 # may install it with --target).
 LMGATE = [sys.executable, "-m", "lmgate.client.cli"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now (another process may take it before the caller binds it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def status_bytes(pid: int, field: str = "VmRSS") -> int:
+    """A memory figure of /proc/<pid>/status (VmRSS, VmSize, ...), in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(f"{field}:"))
 
 
 class ServerThread:

@@ -7,7 +7,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
 
@@ -16,7 +15,7 @@ import pytest
 
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
-from tests.serving import LMGATE, StreamEnds, serve_process
+from tests.serving import LMGATE, StreamEnds, free_port, serve_process
 from tests.test_rank_processes import rank_pids
 from tests.test_engine import hf_greedy, hf_model  # noqa: F401  (fixture)
 
@@ -70,14 +69,8 @@ def _remove(netns: str, link: str) -> None:
     subprocess.run(["ip", "netns", "del", netns], capture_output=True)
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def _common_flags(*flags: str) -> tuple[str, ...]:
-    port = str(_free_port(NODE0))
+    port = str(free_port(NODE0))
     return ("--nnodes", "2", "--master-addr", NODE0, "--master-port", port, "--kv-cache-tokens", "2048", *flags)
 
 

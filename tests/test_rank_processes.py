@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,7 +24,7 @@ from lmgate.engine.request import FinishReason, RequestOutput, TokenLogprob, Usa
 from lmgate.engine.sampling import SamplingParams
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
-from tests.serving import StreamEnds, serve_process
+from tests.serving import StreamEnds, free_port, serve_process
 
 LONG = pb.SamplingParams(max_new_tokens=4000, ignore_eos=True)
 GUARD = 300  # seconds: a guard against a hang, far above what any run takes, never a performance bound
@@ -111,10 +110,7 @@ def test_admin_calls_after_shutdown_are_refused_not_left_waiting(checkpoint, bac
 def test_an_engine_shut_down_frees_its_master_port_at_once(checkpoint):
     """A fixed --master-port (as several nodes need): an engine started again on it right after a shutdown,
     while the old engine object lives on, binds it."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    config = EngineConfig(dtype="float32", kv_cache_tokens=512, dp_backend="process", master_port=port)
+    config = EngineConfig(dtype="float32", kv_cache_tokens=512, dp_backend="process", master_port=free_port())
     first = Engine(config, checkpoint=checkpoint)
     first.shutdown()
     second = Engine(config, checkpoint=checkpoint)

@@ -26,7 +26,7 @@ from lmgate.engine.models import expand_blocks
 from lmgate.service.auth import is_loopback_peer
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
-from tests.serving import ServerThread, serve_process
+from tests.serving import ServerThread, serve_process, status_bytes
 from tests.test_service import assert_idle
 from tests.test_shutdown import start_server
 
@@ -210,8 +210,7 @@ def test_update_weights_one_rank_cannot_load_leaves_every_rank_on_the_old_weight
     stub, adm = sleepy.stub(), admin(sleepy)
     original = greedy(stub)
     pid = max(p.pid for p in sleepy.engine.ranks._procs.values())  # this server's ranks, not another test's
-    with open(f"/proc/{pid}/status") as f:
-        size = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    size = status_bytes(pid, "VmSize")
     _, hard = resource.prlimit(pid, resource.RLIMIT_AS)
     resource.prlimit(pid, resource.RLIMIT_AS, (size + (64 << 20), hard))  # far less than a copy of the weights
     try:
@@ -343,11 +342,6 @@ def test_rl_loop_sleep_wake_weights_update_wake_kv(sleepy, checkpoints):
     assert greedy(stub) == original
 
 
-def _rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-
-
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc to read a process's RSS")
 def test_level2_sleep_releases_weights_memory():
     proc, address = start_server("--kv-cache-tokens", "1024")
@@ -355,9 +349,9 @@ def test_level2_sleep_releases_weights_memory():
         channel = grpc.insecure_channel(address)
         stub, adm = pb_grpc.InferenceStub(channel), pb_grpc.AdminStub(channel)
         weights = stub.Info(pb.InfoRequest()).weights_bytes
-        before = _rss_bytes(proc.pid)
+        before = status_bytes(proc.pid)
         adm.Sleep(pb.SleepRequest(level=2))
-        after = _rss_bytes(proc.pid)
+        after = status_bytes(proc.pid)
         assert before - after >= 0.8 * weights, (before, after, weights)
         adm.Wakeup(pb.WakeupRequest())
         assert len(greedy(stub)) == 16

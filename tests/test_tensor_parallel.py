@@ -9,6 +9,7 @@ from lmgate.engine.engine import Engine
 from lmgate.engine.errors import InvalidRequest
 from lmgate.engine.models.tensor_parallel import shard_of
 from lmgate.engine.sampling import SamplingParams
+from tests.serving import status_bytes
 from tests.test_engine import hf_greedy, hf_model  # noqa: F401  (fixture)
 from tests.test_models import ARCH_NAMES, hf_tokenizer_dir, prompt_ids, tiny_models  # noqa: F401  (fixtures)
 from tests.test_sleep import checkpoints  # noqa: F401  (fixture)
@@ -107,14 +108,6 @@ def test_update_weights_under_tp2_switches_every_rank_of_the_group(checkpoint, c
     assert changed == want != before == after
 
 
-def _resident_bytes(pids: list[int]) -> int:
-    total = 0
-    for pid in pids:
-        with open(f"/proc/{pid}/status") as f:
-            total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-    return total
-
-
 def test_sleep_gives_the_kv_cache_back_to_the_os_in_every_rank_process(checkpoint, tokenizer):
     """Level 1 frees the KV cache where it lives: in the leader's and the follower's processes, returned to
     the OS (freed tensors otherwise stay resident), and Wakeup gives the same outputs."""
@@ -123,9 +116,9 @@ def test_sleep_gives_the_kv_cache_back_to_the_os_in_every_rank_process(checkpoin
         before = [t for t, _ in _outputs(tp, prompts)]
         kv_bytes = tp.info().kv_cache_bytes
         ranks = [p.pid for p in tp.ranks._procs.values()]
-        awake = _resident_bytes(ranks)
+        awake = sum(map(status_bytes, ranks))
         tp.sleep(1)
-        asleep = _resident_bytes(ranks)
+        asleep = sum(map(status_bytes, ranks))
         assert awake - asleep >= kv_bytes // 2, (awake, asleep, kv_bytes)
         tp.wakeup()
         assert [t for t, _ in _outputs(tp, prompts)] == before

@@ -27,7 +27,7 @@ import zmq
 from ..config import EngineConfig
 from ..engine_loop import LoopStats
 from ..errors import EngineError, InternalError, Unavailable
-from ..gateway import Gateway, Signal, cancelled_output
+from ..gateway import Gateway, Signal, unanswered_output
 from ..request import CancelFlag, FinishReason, Request, RequestKind, RequestOutput
 from .gloo_comm import GlooComm
 from .rank_process import HEARTBEAT_SECONDS, HEARTBEAT_TIMEOUT, RankSpec, request_fields, run_rank
@@ -421,7 +421,7 @@ class ProcessRanks(Ranks):
             self._receiver.join()
         # What a rank never answered (one that stopped with its peers before it read its own "close"): every
         # stream ends, and an End or a control waiting on its request returns.
-        self._gateway.notify([(r, _unanswered(r)) for queue in self.queues for r in queue.fail()])
+        self._gateway.notify([(r, unanswered_output(r)) for queue in self.queues for r in queue.fail()])
         with self._lock:  # a weight call whose ranks exited before answering; later ones are refused
             self._shut_down = True
             for wire_id in self._pending_acks:
@@ -438,15 +438,6 @@ class ProcessRanks(Ranks):
         self._outputs.close(linger=0)
         self._context.term()
         self._store = None  # its port is free once it goes, not when the collector breaks this object's cycles
-
-
-def _unanswered(request: Request) -> RequestOutput:
-    """The last output of a request its rank dropped at shutdown: a generate or a control CANCELLED (a Sleep
-    then knows no loop handled it), a session's End done."""
-    if request.kind is RequestKind.GENERATE:
-        return cancelled_output(request)
-    reason = FinishReason.STOP if request.kind is RequestKind.KILL else FinishReason.CANCELLED
-    return RequestOutput("", request.session_id, finish_reason=reason)
 
 
 def kill_processes(procs: Iterable[BaseProcess]) -> None:

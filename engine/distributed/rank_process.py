@@ -42,11 +42,11 @@ import zmq
 from ..config import EngineConfig
 from ..engine_loop import EngineLoop, LoopStats, build_runner
 from ..errors import EngineError, InternalError
-from ..gateway import Gateway, Signal
+from ..gateway import Gateway, Signal, unanswered_output
 from ..hardware import choose_dtype
 from ..loader import load_checkpoint
 from ..memory import keep_freed_memory, release_host_memory
-from ..request import FinishReason, Request, RequestKind, RequestOutput
+from ..request import Request, RequestKind, RequestOutput
 from ..threads import on_fresh_thread
 from ..models.tensor_parallel import shard_of
 from ..weights import LocalWeights, TensorParallel, keep_quantized, quantized_gguf
@@ -204,8 +204,7 @@ class RankProcess:
         self.requests = context.socket(zmq.PULL)
         self.requests.connect(spec.requests_address)
         self.live: weakref.WeakValueDictionary[int, Request] = weakref.WeakValueDictionary()  # for cancels
-        self.closing = False  # "close" came (or the leaders agreed to stop): exit 0
-        self.failed = False  # the loop failed, even after a "close": exit 1
+        self.clean_exit = False  # the loop stopped by a close (or its leader's stop), not by a failure: exit 0
 
     def serve(self) -> int:
         """Exit status: 0 after a close (a follower: its leader's stop), 1 when the loop stopped by itself (a
@@ -241,7 +240,7 @@ class RankProcess:
         thread.join()
         self.gateway.stop_signals()  # delivers, and so sends, the last outputs
         self.weights.drop()
-        if self.failed or not self.closing:
+        if not self.clean_exit:
             return 1
         self.outbox.send(("exited", self.spec.rank))
         return 0
@@ -249,11 +248,10 @@ class RankProcess:
     def _run(self, stopped: int) -> None:
         try:
             if self.loop is None:
-                self.closing = self._follow()
+                self.clean_exit = self._follow()
                 return
-            self.failed = self.loop.run() is not None
-            if not self.failed:  # the leaders agreed to close: maybe before this one's "close" arrived
-                self.closing = True
+            self.clean_exit = self.loop.run() is None
+            if self.clean_exit:  # the leaders agreed to close: maybe before this one's "close" arrived
                 self.gateway.shutdown()  # so what is still queued here is answered now, not left unread
                 try:
                     self.runner.stop_followers()
@@ -303,7 +301,6 @@ class RankProcess:
         elif kind == "weights":
             threading.Thread(target=self._weights, args=message[1:], name="lmgate-weights").start()
         elif kind == "close":
-            self.closing = True
             self.gateway.shutdown()
 
     def _request(self, wire_id: int, request: Request) -> None:
@@ -317,10 +314,8 @@ class RankProcess:
                 gateway.binding.clear()  # the loop ends every session; queued turns end CANCELLED
             if request.kind is RequestKind.KILL:
                 gateway.binding.unbind(request.session_id)  # queued turns end CANCELLED; the loop frees its KV
-            if not gateway.enqueue(self.spec.dp_rank, request):  # a stopping rank: an End is done, while a
-                # control was not handled (so a Sleep gets UNAVAILABLE, as `Gateway.control` says)
-                reason = FinishReason.STOP if request.kind is RequestKind.KILL else FinishReason.CANCELLED
-                request.on_output(RequestOutput("", request.session_id, finish_reason=reason))
+            if not gateway.enqueue(self.spec.dp_rank, request):  # a stopping rank
+                request.on_output(unanswered_output(request))
                 gateway.outbox.flush()
                 gateway.wake_loops()
             return

@@ -9,6 +9,7 @@ from ..config import EngineConfig
 from ..engine_loop import EngineLoop, LoopStats
 from ..gateway import Gateway
 from ..loader import Checkpoint
+from ..memory import release_host_memory
 from ..request_queue import RequestQueue
 from ..threads import on_fresh_thread
 from ..weights import LocalWeights, keep_quantized
@@ -65,6 +66,7 @@ class ThreadRanks(Ranks):
 
     def drop_weights(self) -> None:
         self.weights.drop()
+        release_host_memory()  # as a rank process does: freed tensors otherwise stay resident
 
     def restore_weights(self) -> None:
         self.weights.restore()
