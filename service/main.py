@@ -167,6 +167,10 @@ def check_settings(args: argparse.Namespace) -> EngineConfig:
         raise StartupError(f"--device {args.device!r}: {exc}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise StartupError(f"--device {args.device}: this torch build sees no CUDA device (torch {torch.__version__})")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise StartupError(f"--device {args.device}: this machine has {count} CUDA device{'s' if count > 1 else ''}, "
+                           f"cuda:0 to cuda:{count - 1}")
     if device.type not in ("cpu", "cuda"):
         raise StartupError(f"--device {args.device}: only cpu and cuda are supported")
     try:

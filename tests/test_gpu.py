@@ -6,6 +6,8 @@ The models are written on the spot (tests/gpu_models.py): the lent GPU machine h
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -263,3 +265,12 @@ def test_grpc_server_on_cuda(models):
         assert server.engine.info().kv_blocks_free == server.engine.info().kv_blocks_total
     finally:
         server.stop()
+
+
+def test_a_device_index_past_the_machines_gpus_exits_two():
+    """One line naming the devices there are, before anything loads, not a traceback from the first CUDA call."""
+    count = torch.cuda.device_count()
+    result = subprocess.run([sys.executable, "-m", "lmgate.service.main", "--port", "0", "--device", f"cuda:{count}"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert f"cuda:0 to cuda:{count - 1}" in result.stderr and "Traceback" not in result.stderr

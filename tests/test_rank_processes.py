@@ -121,6 +121,40 @@ def test_an_engine_shut_down_frees_its_master_port_at_once(checkpoint):
     assert first.failure is None
 
 
+def listening_addresses(port: int) -> list[str]:
+    """The local addresses (hex, as /proc/net writes them) of every socket listening on TCP `port`."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, hex_port = local.rsplit(":", 1)
+                if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                    found.append(address)
+    return found
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads the listening sockets from /proc/net")
+def test_on_one_machine_only_this_user_reaches_the_ranks(checkpoint):
+    """Rank messages are pickles, which run code as they load: the sockets they cross are files in a directory
+    only this user may enter (removed at shutdown), and the rendezvous store listens on loopback alone, not
+    on every interface as a TCPStore binds by itself."""
+    engine = Engine(EngineConfig(dtype="float32", kv_cache_tokens=512, dp_backend="process", engine_loops=2),
+                    checkpoint=checkpoint)
+    try:
+        specs = engine.ranks._specs
+        addresses = {a for spec in specs for a in (spec.requests_address, spec.outputs_address)}
+        assert len(addresses) == 3 and all(a.startswith("ipc://") for a in addresses)
+        folder = {os.path.dirname(a.removeprefix("ipc://")) for a in addresses}.pop()
+        info = os.stat(folder)
+        assert (info.st_mode & 0o777, info.st_uid) == (0o700, os.getuid())
+        assert listening_addresses(specs[0].store_port) == ["0100007F"]  # 127.0.0.1, and nothing else
+        assert len(engine.generate([1, 2, 3], SamplingParams(max_new_tokens=2, ignore_eos=True)).token_ids) == 2
+    finally:
+        engine.shutdown()
+    assert not os.path.exists(folder)
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="finds the rank processes through /proc")
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
 def test_a_rank_killed_or_hung_mid_stream_ends_every_stream_and_the_server_exits_non_zero(how):

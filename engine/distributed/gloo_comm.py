@@ -76,9 +76,19 @@ class GlooComm(HostComm):
 
     @staticmethod
     def create_store(host: str = "127.0.0.1", port: int = 0) -> TCPStore:
-        """The rendezvous the ranks `connect` to, served by this process on every interface (port 0: any
-        free port, see `.port`); `host` is the address the ranks are told."""
-        return TCPStore(host, port, is_master=True, wait_for_workers=False)
+        """The rendezvous the ranks `connect` to, served by this process at host:port (port 0: any free port,
+        see `.port`). On `host` alone: a TCPStore left to bind itself listens on every interface, where any
+        machine could write the keys gloo's ranks meet by."""
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((host, port))
+            listener.listen(socket.SOMAXCONN)
+        except OSError:
+            listener.close()
+            raise
+        return TCPStore(host, listener.getsockname()[1], is_master=True, wait_for_workers=False,
+                        master_listen_fd=listener.detach())  # the store owns the socket, and closes it when it goes
 
     @property
     def store(self) -> Store:

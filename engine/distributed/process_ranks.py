@@ -7,7 +7,8 @@ the Gateway's signals, and notices a rank that dies.
 
 With more than one node, the ranks are spread evenly: node 0 (this process) spawns the first share, and
 publishes the others' `RankSpec`s in its TCPStore, where each other node's `run_node` (node.py) finds them.
-Its sockets then listen on `master_addr`, and its remote ranks are watched by heartbeats.
+Its sockets then listen on `master_addr`, and its remote ranks are watched by heartbeats. On one machine the
+sockets are files in a private directory, and the store listens on `master_addr` (loopback) only.
 """
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ import itertools
 import logging
 import multiprocessing
 import multiprocessing.util
+import os
 import pickle
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Iterable
@@ -138,21 +142,24 @@ class ProcessRanks(Ranks):
         size = config.world_size
         per_node = size // config.nnodes
         host = socket.gethostbyname(config.master_addr)  # node 0's own address: other nodes reach it there
-        self._context = zmq.Context()
-        self._outputs = self._context.socket(zmq.PULL)
-        outputs_port = self._outputs.bind_to_random_port(f"tcp://{host}")
         self._store = GlooComm.create_store(host, config.master_port)
+        self._context = zmq.Context()
+        # One machine's sockets are files in a directory only this user may enter: a TCP port would take
+        # pickles (run on unpickling) from any local user, and hand them the prompts.
+        self._socket_dir = tempfile.mkdtemp(prefix="lmgate-") if config.nnodes == 1 else None
+        self._outputs = self._context.socket(zmq.PULL)
+        outputs_address = self._bind(self._outputs, "outputs", host)
         self._ids = ids = itertools.count(1)  # wire ids of requests and weight calls
         self._links: list[RemoteQueue] = []  # one per rank process, by world rank
         self._specs = []
         for rank in range(size):
             push = self._context.socket(zmq.PUSH)
             push.setsockopt(zmq.SNDHWM, 0)  # never block a caller: the rank takes what it is sent
-            port = push.bind_to_random_port(f"tcp://{host}")
+            requests_address = self._bind(push, f"rank-{rank}", host)
             self._links.append(RemoteQueue(push, rank // tp, ids, self))
-            self._specs.append(RankSpec(config, model_path, rank, size, tp, host, self._store.port, f"tcp://{host}:{port}",
-                                        f"tcp://{host}:{outputs_port}", threads_per_loop, max_context_length,
-                                        log_level, node=rank // per_node))
+            self._specs.append(RankSpec(config, model_path, rank, size, tp, host, self._store.port, requests_address,
+                                        outputs_address, threads_per_loop, max_context_length, log_level,
+                                        node=rank // per_node))
         self.queues = self._links[::tp]  # the tensor-parallel leaders take the requests
         self.remote = set(range(per_node, size))
         self._procs: dict[int, BaseProcess] = {}
@@ -166,6 +173,15 @@ class ProcessRanks(Ranks):
         self._shut_down = False
         self._gateway: Gateway | None = None
         self._receiver: threading.Thread | None = None
+
+    def _bind(self, sock: zmq.Socket, name: str, host: str) -> str:
+        """Where `sock` listens for its rank(s): a socket file `name` on one machine, else a free TCP port on
+        `host` (several machines: their network is trusted, as torch.distributed's own is)."""
+        if self._socket_dir is None:
+            return f"tcp://{host}:{sock.bind_to_random_port(f'tcp://{host}')}"
+        address = f"ipc://{os.path.join(self._socket_dir, name)}"
+        sock.bind(address)
+        return address
 
     # start -------------------------------------------------------------------------------------------------
 
@@ -437,6 +453,8 @@ class ProcessRanks(Ranks):
             link.close_socket()
         self._outputs.close(linger=0)
         self._context.term()
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
         self._store = None  # its port is free once it goes, not when the collector breaks this object's cycles
 
 
