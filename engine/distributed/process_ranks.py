@@ -343,7 +343,9 @@ class ProcessRanks(Ranks):
         pinged = 0.0
         while running:
             ready = dict(poller.poll(HEARTBEAT_SECONDS * 1000))
-            while self._outputs.poll(0):
+            # A backlog that never empties must not stop the pings below: unpinged remote ranks would leave.
+            drained_by = time.monotonic() + HEARTBEAT_SECONDS
+            while self._outputs.poll(0) and time.monotonic() < drained_by:
                 self._handle(self._outputs.recv_pyobj())
             for rank in [r for r in running - self.remote if self._procs[r].sentinel in ready]:
                 poller.unregister(self._procs[rank].sentinel)
