@@ -66,10 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="TLS, trusting the system's CAs (implied by --tls-ca) [LMGATE_TLS]")
     common.add_argument("--tls-ca", default=os.environ.get("LMGATE_TLS_CA"),
                         help="PEM bundle the server's certificate chains to [LMGATE_TLS_CA]")
-    common.add_argument("--tls-cert", default=os.environ.get("LMGATE_TLS_CERT"),
-                        help="this client's PEM certificate, for mutual TLS [LMGATE_TLS_CERT]")
-    common.add_argument("--tls-key", default=os.environ.get("LMGATE_TLS_KEY"),
-                        help="this client's PEM key, for mutual TLS [LMGATE_TLS_KEY]")
+    # Not LMGATE_TLS_CERT and LMGATE_TLS_KEY: those are the server's own, in whose environment an operator
+    # runs `lmgate sleep`.
+    common.add_argument("--tls-cert", default=os.environ.get("LMGATE_CLIENT_CERT"),
+                        help="this client's PEM certificate, for mutual TLS (with --tls-key) [LMGATE_CLIENT_CERT]")
+    common.add_argument("--tls-key", default=os.environ.get("LMGATE_CLIENT_KEY"),
+                        help="the PEM key of --tls-cert [LMGATE_CLIENT_KEY]")
 
     turn = argparse.ArgumentParser(add_help=False)  # generate and chat: SAMPLING_FLAGS and a system message
     turn.add_argument("--max-new-tokens", type=_number(int, 0, maximum=UINT32), help="most tokens per reply; 0: the server's default (256)")
@@ -148,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         return serve(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        parser.error("--tls-cert and --tls-key go together (a client certificate and its key)")
     try:
         return args.run(args)
     except grpc.RpcError as exc:

@@ -97,6 +97,10 @@ class Tls:
     cert: str | None = None
     key: str | None = None
 
+    def __post_init__(self) -> None:
+        if bool(self.cert) != bool(self.key):  # grpc would abort the process on a certificate without its key
+            raise ValueError("Tls: cert and key go together (a client certificate and its key)")
+
     def credentials(self) -> grpc.ChannelCredentials:
         read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
         return grpc.ssl_channel_credentials(read(self.ca), read(self.key), read(self.cert))

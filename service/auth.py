@@ -24,16 +24,28 @@ def is_loopback_peer(peer: str) -> bool:
     return False
 
 
+def bearer_token(metadata) -> str | None:
+    """The credential of 'authorization: Bearer <credential>' among `metadata` (the scheme in any case, as
+    RFC 7235 has it), else None."""
+    scheme, _, credential = dict(metadata or ()).get("authorization", "").partition(" ")
+    return credential if scheme.lower() == "bearer" and credential else None
+
+
+def same_secret(sent: str | None, secret: str) -> bool:
+    """In constant time, so that the time taken tells nothing of how much of the secret was right."""
+    return sent is not None and hmac.compare_digest(sent.encode(), secret.encode())
+
+
 def admin_denial(context: grpc.aio.ServicerContext, token: str | None) -> tuple[grpc.StatusCode, str] | None:
     """The status to refuse this Admin call with, or None to let it through."""
     if token is None:
         if is_loopback_peer(context.peer()):
             return None
         return grpc.StatusCode.PERMISSION_DENIED, "Admin calls are accepted from loopback only unless --admin-token is set"
-    sent = dict(context.invocation_metadata()).get("authorization")
+    sent = bearer_token(context.invocation_metadata())
     if sent is None:
         return grpc.StatusCode.UNAUTHENTICATED, "Admin calls need 'authorization: Bearer <token>' metadata"
-    if not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
+    if not same_secret(sent, token):
         return grpc.StatusCode.PERMISSION_DENIED, "wrong admin token"
     return None
 
@@ -43,17 +55,17 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     its own token, and health and reflection stay open for load balancers and tools."""
 
     def __init__(self, api_key: str, service: str) -> None:
-        self._expected = f"Bearer {api_key}".encode()
+        self._api_key = api_key
         self._prefix = f"/{service}/"
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
         if handler is None or not details.method.startswith(self._prefix):
             return handler
-        sent = dict(details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(sent.encode(), self._expected):
+        sent = bearer_token(details.invocation_metadata)
+        if same_secret(sent, self._api_key):
             return handler
-        message = "missing API key: send 'authorization: Bearer <key>'" if not sent else "wrong API key"
+        message = "missing API key: send 'authorization: Bearer <key>'" if sent is None else "wrong API key"
 
         async def refuse(request, context: grpc.aio.ServicerContext):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)

@@ -12,7 +12,7 @@ import sys
 import grpc
 import pytest
 
-from lmgate.client import AsyncClient, Client, Delta, Session
+from lmgate.client import AsyncClient, Client, Delta, Session, Tls
 from lmgate.client import bench
 from lmgate.client.cli import SAMPLING_FLAGS, build_parser, main
 from lmgate.client.wire import SAMPLING_FIELDS, bearer_metadata, generate_request, sampling_params, to_delta
@@ -125,6 +125,7 @@ def test_help_exits_zero(command, capsys):
     ["bench", "--input-len", "0"], ["bench", "--temperature", "nan"],
     ["generate", "x", "--max-new-tokens", str(2**32)], ["generate", "x", "--seed", str(2**64)],
     ["chat", "--top-k", str(2**31)], ["generate", "x", "--logprobs", str(2**32)],
+    ["info", "--tls-cert", "c.pem"], ["info", "--tls-key", "k.pem"],  # grpc aborts the process on a lone cert
 ])
 def test_bad_arguments_exit_two(argv, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -150,6 +151,25 @@ def test_common_flags_on_every_subcommand_with_environment_defaults(monkeypatch)
 def test_lmgate_tls_is_read_as_a_yes_or_no(monkeypatch, value, tls):
     monkeypatch.setenv("LMGATE_TLS", value)
     assert build_parser().parse_args(["info"]).tls is tls
+
+
+def test_the_servers_own_certificate_variables_are_not_the_clients(monkeypatch):
+    """An operator runs `lmgate sleep` where the server's LMGATE_TLS_CERT / _KEY are set: the CLI does not
+    present the server's certificate as its own; its own are LMGATE_CLIENT_CERT / _KEY."""
+    monkeypatch.setenv("LMGATE_TLS_CERT", "server.pem")
+    monkeypatch.setenv("LMGATE_TLS_KEY", "server-key.pem")
+    args = build_parser().parse_args(["info"])
+    assert (args.tls_cert, args.tls_key) == (None, None)
+    monkeypatch.setenv("LMGATE_CLIENT_CERT", "client.pem")
+    monkeypatch.setenv("LMGATE_CLIENT_KEY", "client-key.pem")
+    args = build_parser().parse_args(["info"])
+    assert (args.tls_cert, args.tls_key) == ("client.pem", "client-key.pem")
+
+
+@pytest.mark.parametrize("cert, key", [("c.pem", None), (None, "k.pem")])
+def test_a_client_certificate_without_its_key_is_refused(cert, key):
+    with pytest.raises(ValueError, match="cert and key go together"):
+        Tls(cert=cert, key=key)
 
 
 def test_sampling_flags_are_sampling_fields():

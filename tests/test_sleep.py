@@ -367,6 +367,8 @@ def test_admin_auth_with_token(checkpoint):
         assert code_of(lambda: adm.Wakeup(wake)) == grpc.StatusCode.UNAUTHENTICATED
         assert code_of(lambda: adm.Wakeup(wake, metadata=[("authorization", "Bearer nope")])) == grpc.StatusCode.PERMISSION_DENIED
         assert code_of(lambda: adm.Wakeup(wake, metadata=[("authorization", "Bearer s3cret")])) is None
+        assert code_of(lambda: adm.Wakeup(wake, metadata=[("authorization", "bearer s3cret")])) is None  # RFC 7235
+        assert code_of(lambda: adm.Wakeup(wake, metadata=[("authorization", "Basic s3cret")])) == grpc.StatusCode.UNAUTHENTICATED
         assert server.info().vocab_size  # Inference needs no token
     finally:
         server.stop()

@@ -23,6 +23,8 @@ from lmgate.client import Client, Tls
 from lmgate.client.cli import main
 from lmgate.engine.config import EngineConfig
 from lmgate.service.server import TlsFiles
+from lmgate.v1 import lmgate_pb2 as pb
+from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 from tests.serving import ServerThread
 from tests.test_sleep import code_of
 
@@ -110,6 +112,8 @@ def test_tls_with_api_key_accepts_the_key_and_refuses_the_rest(tls_server, pki):
     with grpc.secure_channel(target(tls_server), tls.credentials()) as channel:  # health needs no key
         status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="")).status
         assert status == health_pb2.HealthCheckResponse.SERVING
+        info = pb_grpc.InferenceStub(channel).Info
+        assert info(pb.InfoRequest(), metadata=[("authorization", f"BEARER {API_KEY}")]).model  # the scheme in any case
     with Client(target(tls_server), api_key=API_KEY, timeout=10) as plaintext:
         assert code_of(plaintext.info) == grpc.StatusCode.UNAVAILABLE
 
