@@ -96,18 +96,23 @@ def test_admin_calls_are_refused_through_the_proxy(proxy, replicas):
 
 
 @pytest.mark.parametrize("proxy", ["envoy"], indirect=True)  # nginx's open-source build has no active checks
-def test_envoy_health_checks_take_a_sleeping_replica_out_and_back(proxy, replicas):
-    """Asleep, a replica reports NOT_SERVING; Envoy stops sending it calls, and sends them again after wake-up."""
-    asleep = replicas[2]
-    with Client(asleep.address) as admin:
-        admin.sleep()
-        try:
-            # 20 in a row avoid r2 by chance with probability (2/3)^20 < 0.1%; while Envoy still sends it calls,
-            # they fail UNAVAILABLE and the run starts again
-            assert _until_answered_by(proxy, lambda r: r != "r2", 20), "calls still reached the sleeping replica"
-        finally:
+def test_envoy_health_checks_take_sleeping_replicas_out_and_back(proxy, replicas):
+    """Asleep, a replica reports NOT_SERVING; Envoy stops sending it calls, and sends them again after wake-up.
+    Two of three asleep (an RL step's training phase): below Envoy's default panic threshold, 50% healthy, it
+    would send calls to every replica again; the file sets none."""
+    admins = [Client(s.address) for s in replicas[1:]]
+    try:
+        for admin in admins:
+            admin.sleep()
+        # 20 in a row from r0 by chance with probability (1/3)^20; while Envoy still sends the sleeping replicas
+        # calls, they fail UNAVAILABLE and the run starts again
+        assert _until_answered_by(proxy, lambda r: r == "r0", 20), "calls still reached the sleeping replicas"
+    finally:
+        for admin in admins:
             admin.wakeup()
-    assert _until_answered_by(proxy, lambda r: r == "r2", 1), "the woken replica never came back"
+            admin.close()
+    for name in REPLICAS[1:]:
+        assert _until_answered_by(proxy, lambda r: r == name, 1), f"the woken replica {name} never came back"
 
 
 def _until_answered_by(address: str, wanted, consecutive: int) -> bool:
