@@ -71,8 +71,10 @@ ARCHS = {
     # has no o_proj bias
     "llama_bias": (transformers.LlamaConfig, dict(num_hidden_layers=2, head_dim=32, rope_theta=50000.0,
                                                   attention_bias=True)),
+    # A head_dim that is not a power of two (h2o-danube's 80, open_llama_3b's 100): the Triton path's own test
+    "llama_head_24": (transformers.LlamaConfig, dict(num_hidden_layers=2, head_dim=24, rope_theta=50000.0)),
 }
-ARCH_NAMES = [name for name in ARCHS if name not in ("llama3", "llama_bias")]
+ARCH_NAMES = [name for name in ARCHS if name not in ("llama3", "llama_bias", "llama_head_24")]
 
 PROMPT = "The quick brown fox jumps over the lazy dog, then naps under 3 old oak trees."
 PROMPT_B = "Paged attention keeps blocks apart."

@@ -25,20 +25,21 @@ BLOCK, D = 16, 32
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
-def make_cache(kvh: int, num_blocks: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def make_cache(kvh: int, num_blocks: int, dtype: torch.dtype, seed: int, d: int = D,
+               block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    shape = (kvh, num_blocks, BLOCK, D)
+    shape = (kvh, num_blocks, block, d)
     return (torch.randn(shape, generator=g).to(dtype).to(DEVICE), torch.randn(shape, generator=g).to(dtype).to(DEVICE))
 
 
-def tables_for(lengths: list[int], num_blocks: int, seed: int) -> tuple[list[list[int]], torch.Tensor]:
+def tables_for(lengths: list[int], num_blocks: int, seed: int, block: int = BLOCK) -> tuple[list[list[int]], torch.Tensor]:
     """Distinct random blocks per sequence, out of order; the table padded with block 0."""
     rng = random.Random(seed)
     ids = list(range(num_blocks))
     rng.shuffle(ids)
     tables, at = [], 0
     for n in lengths:
-        need = -(-n // BLOCK)
+        need = -(-n // block)
         tables.append(ids[at : at + need])
         at += need
     width = max(len(t) for t in tables)
@@ -47,7 +48,7 @@ def tables_for(lengths: list[int], num_blocks: int, seed: int) -> tuple[list[lis
 
 def context(cache: torch.Tensor, table: list[int], n: int) -> torch.Tensor:
     """[KVH, n, D] float64: a sequence's first n tokens of KV, gathered by its table."""
-    return cache[:, table].reshape(cache.shape[0], -1, D)[:, :n].double()
+    return cache[:, table].reshape(cache.shape[0], -1, cache.shape[-1])[:, :n].double()
 
 
 def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix: int, scale: float) -> torch.Tensor:
@@ -62,11 +63,12 @@ def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_store_kv_writes_slots_and_skips_padding(dtype):
+@pytest.mark.parametrize("d", [D, 80])  # 80: a head_dim that is not a power of two (h2o-danube, Llama-shaped)
+def test_store_kv_writes_slots_and_skips_padding(dtype, d):
     kvh, num_blocks = 3, 5
-    k_cache, v_cache = (torch.zeros(kvh, num_blocks, BLOCK, D, dtype=dtype, device=DEVICE) for _ in range(2))
-    k = torch.randn(6, kvh, D).to(dtype).to(DEVICE)
-    v = torch.randn(6, kvh, D).to(dtype).to(DEVICE)
+    k_cache, v_cache = (torch.zeros(kvh, num_blocks, BLOCK, d, dtype=dtype, device=DEVICE) for _ in range(2))
+    k = torch.randn(6, kvh, d).to(dtype).to(DEVICE)
+    v = torch.randn(6, kvh, d).to(dtype).to(DEVICE)
     slots = torch.tensor([0, 17, 79, -1, 33, 5], device=DEVICE)
     triton_kernels.store_kv(k, v, k_cache, v_cache, slots)
     want_k, want_v = (torch.zeros_like(k_cache) for _ in range(2))
@@ -80,12 +82,13 @@ def test_store_kv_writes_slots_and_skips_padding(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kvh", [(9, 3), (4, 4), (6, 1)])
 @pytest.mark.parametrize("max_splits", [1, 2, 64])  # 300 tokens: 1 piece, 2 of 192 keys, 5 of 64
-def test_decode_attention_matches_reference(dtype, heads, kvh, max_splits):
+@pytest.mark.parametrize("d,block", [(D, BLOCK), (80, BLOCK), (D, 80)])  # 80: neither a power of two
+def test_decode_attention_matches_reference(dtype, heads, kvh, max_splits, d, block):
     lengths = [1, 15, 16, 17, 0, 70, 33, 300]  # 0: a CUDA graph bucket's padded row, which reads nothing
-    k_cache, v_cache = make_cache(kvh, 40, dtype, seed=heads)
-    tables, table_tensor = tables_for(lengths, 40, seed=kvh)
-    q = torch.randn(len(lengths), heads, D).to(dtype).to(DEVICE)
-    scale = 1 / math.sqrt(D)
+    k_cache, v_cache = make_cache(kvh, 40, dtype, seed=heads, d=d, block=block)
+    tables, table_tensor = tables_for(lengths, 40, seed=kvh, block=block)
+    q = torch.randn(len(lengths), heads, d).to(dtype).to(DEVICE)
+    scale = 1 / math.sqrt(d)
     got = triton_kernels.decode_attention(q, k_cache, v_cache, table_tensor, torch.tensor(lengths, device=DEVICE),
                                           scale, max_splits)
     assert got.shape == q.shape and got.dtype == dtype
@@ -113,16 +116,17 @@ def test_a_decodes_sums_depend_on_its_own_length_only():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kvh", [(9, 3), (4, 2)])
-def test_prefill_attention_over_cached_prefix_matches_reference(dtype, heads, kvh):
+@pytest.mark.parametrize("d,block", [(D, BLOCK), (80, BLOCK), (D, 80)])
+def test_prefill_attention_over_cached_prefix_matches_reference(dtype, heads, kvh, d, block):
     # (chunk length, prefix already cached): a whole prompt, chunks after a prefix, a one-token chunk
     chunks = [(23, 0), (16, 16), (5, 37), (1, 48), (40, 3)]
     lengths = [m + p for m, p in chunks]
-    k_cache, v_cache = make_cache(kvh, 32, dtype, seed=7)
-    tables, table_tensor = tables_for(lengths, 32, seed=3)
+    k_cache, v_cache = make_cache(kvh, 32, dtype, seed=7, d=d, block=block)
+    tables, table_tensor = tables_for(lengths, 32, seed=3, block=block)
     total = sum(m for m, _ in chunks)
-    q = torch.randn(total, heads, D).to(dtype).to(DEVICE)
+    q = torch.randn(total, heads, d).to(dtype).to(DEVICE)
     starts = [sum(m for m, _ in chunks[:c]) for c in range(len(chunks))]
-    scale = 1 / math.sqrt(D)
+    scale = 1 / math.sqrt(d)
     got = triton_kernels.prefill_attention(
         q, k_cache, v_cache, table_tensor, torch.tensor(starts, device=DEVICE),
         torch.tensor([m for m, _ in chunks], device=DEVICE), torch.tensor(lengths, device=DEVICE), scale,
@@ -133,9 +137,11 @@ def test_prefill_attention_over_cached_prefix_matches_reference(dtype, heads, kv
         torch.testing.assert_close(got[starts[c] : starts[c] + m].double(), want, rtol=TOL[dtype], atol=TOL[dtype])
 
 
-@pytest.mark.parametrize("graphs,overlap", [(False, False), (True, False), (True, True), ("failing", False)],
-                         ids=["eager", "graph-buffers", "graph-buffers-overlap", "graph-capture-fails"])
-def test_engine_greedy_tokens_equal_on_the_triton_path(tiny_models, monkeypatch, graphs, overlap):
+@pytest.mark.parametrize("graphs,overlap,model", [(False, False, "llama"), (True, False, "llama"), (True, True, "llama"),
+                                                  ("failing", False, "llama"), (True, False, "llama_head_24")],
+                         ids=["eager", "graph-buffers", "graph-buffers-overlap", "graph-capture-fails",
+                              "graph-buffers-head-dim-24"])
+def test_engine_greedy_tokens_equal_on_the_triton_path(tiny_models, monkeypatch, graphs, overlap, model):
     """Chunked prefills (some after a cached prefix), decodes and mixed steps through the Triton kernels, the
     layer ops' included, give the torch path's tokens. With `graphs`, decode-only steps go through the
     CUDA-graph runner's static buffers, padded to their bucket (three sequences in a bucket of four), run
@@ -157,7 +163,7 @@ def test_engine_greedy_tokens_equal_on_the_triton_path(tiny_models, monkeypatch,
     for name in ("rms_norm", "rotary"):
         counted(layer_ops, name)
     counted(DecodeGraphs, "run")
-    with Engine(EngineConfig(dtype="float32", model=tiny_models("llama").path, kv_cache_tokens=1024,
+    with Engine(EngineConfig(dtype="float32", model=tiny_models(model).path, kv_cache_tokens=1024,
                              attention_kernel=False, max_batched_tokens=16, prefix_caching=False)) as eng:
         texts = ("The quick brown fox jumps over the lazy dog, twice.", "Paged attention keeps blocks apart.",
                  "Graphs replay.")
