@@ -1,15 +1,24 @@
 """KV block ids, reference counts, the free list and the prefix cache. Owned by one engine loop's thread."""
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable
 
 from .sequence import Sequence
 
-# A full block's identity: the hash of the block before it (0 for the first) and its own tokens. The tokens
-# are compared exactly, so two prefixes share a block only if their whole chains of hashes and this block's
-# tokens agree.
-BlockKey = tuple[int, tuple[int, ...]]
+# A full block's identity: the digest of the block before it (b"" for the first) and its own tokens. The tokens
+# are compared exactly, and the digest stands for the whole prefix before them: a cryptographic one, as
+# vLLM's after CVE-2025-25183. Python's hash() of ints is theirs modulo 2**61 - 1 and unsalted, so a client
+# could craft a prompt whose first block chains like another user's and have its later blocks served there.
+BlockKey = tuple[bytes, tuple[int, ...]]
+
+
+def chain_digest(key: BlockKey) -> bytes:
+    """The digest a block's successor keys itself by: of the parent's digest and this block's tokens."""
+    parent, tokens = key
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
 class BlockManager:
@@ -74,14 +83,14 @@ class BlockManager:
         them, once the scheduler knows there is room for the chunk after them."""
         lookup = self._lookup(seq)
         found: list[int] = []
-        parent = seq.block_hashes[lookup.start - 1] if lookup.start else 0
+        parent = seq.block_hashes[lookup.start - 1] if lookup.start else b""
         for j in lookup:
             key = self._key(seq, j, parent)
             block = self.cached.get(key)
             if block is None:
                 break
             found.append(block)
-            parent = hash(key)
+            parent = chain_digest(key)
         return found
 
     def take_prefix(self, seq: Sequence, blocks: list[int]) -> int:
@@ -90,7 +99,7 @@ class BlockManager:
         self.queried_tokens += len(self._lookup(seq)) * self.block_size
         self.retain(blocks)
         seq.block_table.extend(blocks)
-        seq.block_hashes.extend(hash(self.keys[b]) for b in blocks)
+        seq.block_hashes.extend(chain_digest(self.keys[b]) for b in blocks)
         seq.num_computed += len(blocks) * self.block_size
         self.hit_tokens += len(blocks) * self.block_size
         return len(blocks) * self.block_size
@@ -106,12 +115,12 @@ class BlockManager:
         if not self.prefix_caching or not seq.keyable:
             return
         for j in range(len(seq.block_hashes), min(seq.num_computed, len(seq.token_ids)) // self.block_size):
-            key = self._key(seq, j, seq.block_hashes[j - 1] if j else 0)
+            key = self._key(seq, j, seq.block_hashes[j - 1] if j else b"")
             block = seq.block_table[j]
             if key not in self.cached and self.keys[block] is None:
                 self.cached[key] = block
                 self.keys[block] = key
-            seq.block_hashes.append(hash(key))
+            seq.block_hashes.append(chain_digest(key))
 
     def make_private(self, block: int) -> bool:
         """Whether a block may be written over: one holder only. It leaves the prefix cache, as its tokens are
@@ -136,8 +145,8 @@ class BlockManager:
             return range(0)
         return range(start, max(start, (len(seq.token_ids) - 1) // self.block_size))
 
-    def _key(self, seq: Sequence, j: int, parent: int) -> BlockKey:
-        """Block j's key, `parent` being the hash of block j - 1's key (0 for the first block)."""
+    def _key(self, seq: Sequence, j: int, parent: bytes) -> BlockKey:
+        """Block j's key, `parent` being the digest of block j - 1's key (b"" for the first block)."""
         return parent, tuple(seq.token_ids[j * self.block_size : (j + 1) * self.block_size])
 
     def _forget(self, block: int) -> None:

@@ -21,7 +21,7 @@ class HoldsKV:
     def __init__(self) -> None:
         self.block_table: list[int] = []
         self.num_computed = 0  # leading tokens whose KV is in block_table
-        self.block_hashes: list[int] = []  # prefix-cache hash of each full, computed block (block_manager.py)
+        self.block_hashes: list[bytes] = []  # prefix-cache digest of each full, computed block (block_manager.py)
         # False once weights change under this KV: its blocks, and those computed after them (which attend to
         # them), never enter the prefix cache, nor take blocks from it, until the KV is dropped.
         self.keyable = True

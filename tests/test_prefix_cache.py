@@ -209,3 +209,26 @@ def test_block_manager_evicts_least_recently_released_cached_block():
     assert bm.take_prefix(again, bm.match_prefix(again)) == 2 and again.block_table == first.block_table[:1]
     other = Seq([5, 6, 7, 8, 9])
     assert bm.take_prefix(other, bm.match_prefix(other)) == 4 and other.block_table == second.block_table
+
+
+def test_a_block_is_shared_only_after_the_same_whole_prefix():
+    """Two first blocks whose Python hashes agree (an int hashes modulo 2**61 - 1), then the same second
+    block: the chain names the whole prefix, so the second prompt computes its own second block instead of
+    attending to the first one's context."""
+    bm = BlockManager(num_blocks=6, block_size=2)
+
+    class Seq(Session):
+        def __init__(self, tokens):
+            super().__init__(0)
+            self.token_ids = tokens
+
+    victim, crafted = [7, 8, 3, 4, 9], [7 + 2**61 - 1, 8, 3, 4, 9]
+    assert hash(tuple(victim[:2])) == hash(tuple(crafted[:2]))
+    first = Seq(victim)
+    first.block_table, first.num_computed = bm.allocate(2), 4
+    bm.cache_full_blocks(first)
+    assert bm.match_prefix(Seq(victim)) == first.block_table
+    attacker = Seq(crafted)  # its first block computed itself (it matches nothing), then a look for the rest
+    attacker.block_table, attacker.num_computed = bm.allocate(1), 2
+    bm.cache_full_blocks(attacker)
+    assert bm.match_prefix(attacker) == []
