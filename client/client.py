@@ -126,7 +126,7 @@ class Client(_ClientBase[Iterator[Delta]]):
         try:
             for last in call:
                 yield to_delta(last)
-        except GeneratorExit:
+        except BaseException:  # closed early, or an exception thrown in while it waited (a deadline, Ctrl-C)
             if session_id and last is not None and not last.finish_reason:
                 request, options = self._cancel_turn(last, session_id)
                 with contextlib.suppress(grpc.RpcError, ValueError):  # ValueError: the channel has closed
@@ -202,7 +202,7 @@ class AsyncClient(_ClientBase[AsyncIterator[Delta]]):
         try:
             async for last in call:
                 yield to_delta(last)
-        except GeneratorExit:
+        except BaseException:  # closed early, or an exception thrown in while it waited (a timeout's CancelledError)
             if session_id and last is not None and not last.finish_reason:
                 request, options = self._cancel_turn(last, session_id)
                 with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):  # UsageError: the channel has closed

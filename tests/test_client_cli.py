@@ -3,6 +3,7 @@ call against a real server with the embedded model on loopback."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import math
@@ -303,9 +304,17 @@ def test_a_session_turn_left_early_lets_the_next_follow_at_once(server):
                     async for _ in session.generate("Count to a thousand.", max_new_tokens=500, ignore_eos=True):
                         break
                     reasons.append([d async for d in session.generate(" Go on.", max_new_tokens=4)][-1].finish_reason)
+                for _ in range(3):  # left by an exception thrown in while it waits (here a timeout's)
+                    stream = session.generate("Count to a thousand.", max_new_tokens=500, ignore_eos=True)
+                    await anext(stream)
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(0.01):  # the trigger, not a bound: 499 tokens take far longer
+                            async for _ in stream:
+                                pass
+                    reasons.append([d async for d in session.generate(" Go on.", max_new_tokens=4)][-1].finish_reason)
         return reasons
 
-    assert asyncio.run(scenario()) == ["length"] * 6
+    assert asyncio.run(scenario()) == ["length"] * 9
     assert_idle(server)
 
 
