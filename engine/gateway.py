@@ -156,13 +156,13 @@ class Gateway:
         old = self._flag_cancelled(request)
         if old == CancelFlag.QUEUED:
             self.notify([(request, cancelled_output(request))])
-        return old != CancelFlag.CANCELLED
+        return old in (CancelFlag.QUEUED, CancelFlag.ACTIVE)
 
     @staticmethod
     def _flag_cancelled(request: Request) -> CancelFlag:
         """Flip the flag to CANCELLED, telling a loop in another process of an active request (`on_cancel`:
         its queue's lock is a leaf); the flag it had."""
-        old = request.cancel_flag.exchange(CancelFlag.CANCELLED)
+        old = request.cancel_flag.cancel()
         if old == CancelFlag.ACTIVE and request.on_cancel is not None:
             request.on_cancel()
         return old
@@ -267,8 +267,10 @@ class Gateway:
 
     def _deliver(self, request: Request, output: RequestOutput) -> None:
         # Release the session before the last output reaches the client, so its next turn is never refused.
-        if output.finished and request.kind is RequestKind.GENERATE and not request.stateless:
-            self.binding.release(request.session_id, request)
+        if output.finished and request.kind is RequestKind.GENERATE:
+            request.cancel_flag.exchange(CancelFlag.FINISHED)  # a Cancel from now on, before the client has read it, cancels nothing
+            if not request.stateless:
+                self.binding.release(request.session_id, request)
         try:
             request.on_output(output)
         except Exception:

@@ -57,10 +57,11 @@ class RequestOutput:
 
 
 class CancelFlag:
-    """TurboMind's three-state flag: 0 queued, 1 active, -1 cancelled. Each transition is one atomic swap,
-    so exactly one side (the canceller or the engine) handles a given cancel."""
+    """TurboMind's three-state flag: 0 queued, 1 active, -1 cancelled; and 2 finished, once the last output
+    is handed to the caller (a Cancel then cancels nothing). Each transition is one atomic swap, so exactly
+    one side (the canceller or the engine) handles a given cancel."""
 
-    QUEUED, ACTIVE, CANCELLED = 0, 1, -1
+    QUEUED, ACTIVE, CANCELLED, FINISHED = 0, 1, -1, 2
 
     def __init__(self) -> None:
         self._value = self.QUEUED
@@ -73,6 +74,14 @@ class CancelFlag:
     def exchange(self, new: int) -> int:
         with self._lock:
             old, self._value = self._value, new
+            return old
+
+    def cancel(self) -> int:
+        """CANCELLED unless finished; the state it had."""
+        with self._lock:
+            old = self._value
+            if old != self.FINISHED:
+                self._value = self.CANCELLED
             return old
 
     def compare_exchange(self, expected: int, new: int) -> bool:

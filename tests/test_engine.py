@@ -339,6 +339,20 @@ def test_a_session_turn_cancelled_before_its_first_token_leaves_no_trace(checkpo
         assert_idle(eng)
 
 
+def test_a_cancel_after_the_last_output_cancels_nothing(engine, tokenizer):
+    """The server's Cancel may come after the engine handed over a stream's end and before the client read
+    it: it answers false (the proto: true only if a generation was running or queued and now is cancelled)."""
+    stream = engine.submit(tokenizer.encode("Hello"), SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert list(stream)[-1].finish_reason is FinishReason.LENGTH
+    assert stream.cancel() is False
+    running = engine.submit(tokenizer.encode("Hello"), SamplingParams(max_new_tokens=300, ignore_eos=True))
+    outputs = iter(running)
+    next(outputs)
+    assert running.cancel() is True and running.cancel() is False
+    assert list(outputs)[-1].finish_reason is FinishReason.CANCELLED
+    assert_idle(engine)
+
+
 def test_engine_session_busy_and_end_during_stream_cancels(engine, tokenizer):
     sid = engine.start_session()
     prompt = tokenizer.encode(chat(tokenizer, ("user", "Tell me a long story.")))
