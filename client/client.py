@@ -27,6 +27,10 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 
 StreamT = TypeVar("StreamT", Iterator[Delta], AsyncIterator[Delta])
 CANCEL_SECONDS = 5.0  # the deadline of the Cancel a session turn left early sends
+# A resumable session's turn that gets one of these starts the session again and replays its conversation:
+# NOT_FOUND, the session is gone (its replica restarted, or the route leads to another); ABORTED, the route
+# leads back to a copy from before it moved, whose history is not the conversation's.
+RESTART_CODES = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ABORTED)
 
 
 class _ClientBase(abc.ABC, Generic[StreamT]):
@@ -50,20 +54,21 @@ class _ClientBase(abc.ABC, Generic[StreamT]):
         token_ids: Sequence[int] | None = None,
         session_id: int = 0,
         request_id: str = "",
+        session_epoch: int | None = None,
         **sampling: Any,
     ) -> StreamT:
         """Streams one turn as `Delta`s; the last carries finish_reason and usage.
 
         Give exactly one of `prompt`, `messages` ([{"role": ..., "content": ...}], rendered by the server's
         chat template) or `token_ids`. `session_id` 0 is a stateless request; `request_id` "" lets the server
-        pick one (every delta carries it). `sampling` are SamplingParams' fields (max_new_tokens, temperature,
+        pick one (every delta carries it); `session_epoch`, the session's copy the turn is for (ABORTED
+        elsewhere; None: any). `sampling` are SamplingParams' fields (max_new_tokens, temperature,
         top_p, top_k, min_p, seed, stop, ...). The request is built and checked here; it is sent now, and
         leaving the iterator early cancels it on the server (a session's turn by a Cancel call first, so that
         the session's next turn may follow at once).
         """
-        request = generate_request(
-            prompt, messages=messages, token_ids=token_ids, session_id=session_id, request_id=request_id, **sampling
-        )
+        request = generate_request(prompt, messages=messages, token_ids=token_ids, session_id=session_id,
+                                   request_id=request_id, session_epoch=session_epoch, **sampling)
         return self._send(request)
 
     def _send(self, request: pb.GenerateRequest) -> StreamT:
@@ -138,12 +143,17 @@ class Client(_ClientBase[Iterator[Delta]]):
     def start(self, session_id: int = 0, *, resume: bool = False) -> Session:
         """Opens a session (0: a random id picked here, so its first call can carry the routing key too); use
         it as a context manager to end it. `resume`: see `Session`."""
-        return Session(self, self.open(session_id or new_session_id()), resume)
+        return Session(self, *self._start(session_id or new_session_id()), resume)
 
     def open(self, session_id: int) -> int:
         """The Start call itself: opens the session `session_id` where its routing key leads."""
+        return self._start(session_id)[0]
+
+    def _start(self, session_id: int) -> tuple[int, int]:
+        """Start: the session's id and the epoch of the copy it opened."""
         request = pb.StartRequest(session_id=session_id)
-        return self._inference.Start(request, timeout=self._timeout, metadata=self._session_metadata(session_id)).session_id
+        reply = self._inference.Start(request, timeout=self._timeout, metadata=self._session_metadata(session_id))
+        return reply.session_id, reply.epoch
 
     def cancel(self, request_id: str | None = None, session_id: int = 0) -> bool:
         """Cancels a request by id, or a session's active turn; True if something was running or queued."""
@@ -212,11 +222,15 @@ class AsyncClient(_ClientBase[AsyncIterator[Delta]]):
             call.cancel()
 
     async def start(self, session_id: int = 0, *, resume: bool = False) -> AsyncSession:
-        return AsyncSession(self, await self.open(session_id or new_session_id()), resume)
+        return AsyncSession(self, *await self._start(session_id or new_session_id()), resume)
 
     async def open(self, session_id: int) -> int:
+        return (await self._start(session_id))[0]
+
+    async def _start(self, session_id: int) -> tuple[int, int]:
         request = pb.StartRequest(session_id=session_id)
-        return (await self._inference.Start(request, timeout=self._timeout, metadata=self._session_metadata(session_id))).session_id
+        reply = await self._inference.Start(request, timeout=self._timeout, metadata=self._session_metadata(session_id))
+        return reply.session_id, reply.epoch
 
     async def cancel(self, request_id: str | None = None, session_id: int = 0) -> bool:
         request = pb.CancelRequest(request_id=request_id or "", session_id=session_id)
@@ -256,14 +270,17 @@ class _SessionBase(Generic[StreamT]):
     """A conversation on the server: each turn continues its history and reuses its KV cache.
 
     With `resume=True` the session also keeps its conversation here: when a turn finds the session gone
-    (NOT_FOUND: its replica restarted, or a proxy now routes it to another), the session is started again
-    under the same id and the whole conversation is sent as that turn's prefix. The caller sees one slower
+    (NOT_FOUND: its replica restarted, or a proxy now routes it to another) or finds an older copy of it
+    (ABORTED: the route came back to a replica it had left, whose copy missed the turns since), the session
+    is started again under the same id and the whole conversation is sent as that turn's prefix. The caller sees one slower
     turn whose tokens are those of a stateless request over the whole conversation. Its turns must all be of
     one kind (prompts, messages or token ids)."""
 
-    def __init__(self, client: _ClientBase[StreamT], session_id: int, resume: bool = False) -> None:
+    def __init__(self, client: _ClientBase[StreamT], session_id: int, epoch: int | None = None,
+                 resume: bool = False) -> None:
         self.client = client
         self.id = session_id
+        self.epoch = epoch  # the copy of the session this one's turns are for (None: any)
         self.history = History() if resume else None
         self._sent: Any = None  # the stream of the turn sent last, closed when the next is sent
 
@@ -282,9 +299,8 @@ class _SessionBase(Generic[StreamT]):
         unfinished (a `break` that kept it), is closed first, which cancels that turn; one that another thread
         or task is still reading makes this turn FAILED_PRECONDITION."""
         if self.history is None:
-            request = generate_request(
-                prompt, messages=messages, token_ids=token_ids, session_id=self.id, request_id=request_id, **sampling
-            )
+            request = generate_request(prompt, messages=messages, token_ids=token_ids, session_id=self.id,
+                                       request_id=request_id, session_epoch=self.epoch, **sampling)
             start = functools.partial(self.client._send, request)
         else:
             start = functools.partial(self._resumable, self.history.turn_input(prompt, messages, token_ids),
@@ -317,14 +333,17 @@ class Session(_SessionBase[Iterator[Delta]]):
 
     def _resumable(self, turn: dict[str, Any], request_id: str, sampling: dict[str, Any]) -> Iterator[Delta]:
         deltas: list[Delta] = []
-        stream = self.client.generate(**turn, session_id=self.id, request_id=request_id, **sampling)
+        stream = self.client.generate(**turn, session_id=self.id, request_id=request_id, session_epoch=self.epoch, **sampling)
         try:
             deltas.append(next(stream))
         except grpc.RpcError as err:
-            if err.code() != grpc.StatusCode.NOT_FOUND:
+            if err.code() not in RESTART_CODES:
                 raise
-            self.client.open(self.id)
-            stream = self.client.generate(**self.history.replay(turn), session_id=self.id, request_id=request_id, **sampling)
+            if err.code() == grpc.StatusCode.ABORTED:  # a copy from before the session moved: not ours
+                self.client.end(self.id)
+            _, self.epoch = self.client._start(self.id)
+            stream = self.client.generate(**self.history.replay(turn), session_id=self.id, request_id=request_id,
+                                          session_epoch=self.epoch, **sampling)
             try:
                 deltas.append(next(stream))
             except BaseException:  # the reopened session is empty: end it, so the next turn replays again
@@ -372,14 +391,17 @@ class AsyncSession(_SessionBase[AsyncIterator[Delta]]):
 
     async def _resumable(self, turn: dict[str, Any], request_id: str, sampling: dict[str, Any]) -> AsyncIterator[Delta]:
         deltas: list[Delta] = []
-        stream = self.client.generate(**turn, session_id=self.id, request_id=request_id, **sampling)
+        stream = self.client.generate(**turn, session_id=self.id, request_id=request_id, session_epoch=self.epoch, **sampling)
         try:
             deltas.append(await anext(stream))
         except grpc.aio.AioRpcError as err:
-            if err.code() != grpc.StatusCode.NOT_FOUND:
+            if err.code() not in RESTART_CODES:
                 raise
-            await self.client.open(self.id)
-            stream = self.client.generate(**self.history.replay(turn), session_id=self.id, request_id=request_id, **sampling)
+            if err.code() == grpc.StatusCode.ABORTED:
+                await self.client.end(self.id)
+            _, self.epoch = await self.client._start(self.id)
+            stream = self.client.generate(**self.history.replay(turn), session_id=self.id, request_id=request_id,
+                                          session_epoch=self.epoch, **sampling)
             try:
                 deltas.append(await anext(stream))
             except BaseException:

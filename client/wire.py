@@ -64,6 +64,7 @@ def generate_request(
     token_ids: Sequence[int] | None = None,
     session_id: int = 0,
     request_id: str = "",
+    session_epoch: int | None = None,
     **sampling: Any,
 ) -> pb.GenerateRequest:
     """The GenerateRequest for exactly one input: a text prompt, chat messages ({"role", "content"} dicts,
@@ -71,7 +72,8 @@ def generate_request(
     given = [name for name, value in (("prompt", prompt), ("messages", messages), ("token_ids", token_ids)) if value is not None]
     if len(given) != 1:
         raise TypeError(f"generate() takes exactly one of prompt, messages, token_ids; got {given or 'none'}")
-    request = pb.GenerateRequest(session_id=session_id, request_id=request_id, sampling=sampling_params(**sampling))
+    request = pb.GenerateRequest(session_id=session_id, request_id=request_id, session_epoch=session_epoch,
+                                 sampling=sampling_params(**sampling))
     if prompt is not None:
         request.prompt = prompt
     elif messages is not None:

@@ -194,13 +194,15 @@ class Engine:
         session_id: int = 0,
         request_id: str = "",
         on_output: Callable[[RequestOutput], None] | None = None,
+        session_epoch: int | None = None,
     ) -> Stream | Request:
         """Queue a generation. With `on_output`, it runs on the signal thread and the `Request` is returned;
         without, a `Stream` to iterate is returned. Bad input raises here and leaves nothing behind.
 
         Chat messages in a session are the turn's new messages: the session keeps its conversation and each
         turn renders the whole of it (engine/chat.py). A session's text turn continues its context, so only
-        its first gets the model's special tokens (a BOS), as a stateless text prompt does."""
+        its first gets the model's special tokens (a BOS), as a stateless text prompt does. `session_epoch`:
+        the session's copy the caller's history belongs to (`session_epoch`), else SessionStale; None: any."""
         params = params or SamplingParams()
         ids = self.encode_prompt(prompt, add_special_tokens=not session_id)
         # a BOS, counted here as if this were the session's first turn, which a later turn's history outweighs
@@ -211,6 +213,7 @@ class Engine:
             RequestKind.GENERATE, session_id, on_output or stream.put, request_id, ids, params, stateless=not session_id
         )
         request.first_turn_ids = first_turn_ids
+        request.session_epoch = session_epoch
         if session_id and chat.is_chat(prompt):
             request.messages = [dict(m) for m in prompt]
         self.gateway.push(request)
@@ -256,6 +259,11 @@ class Engine:
 
     def start_session(self, session_id: int = 0) -> int:
         return self.gateway.start_session(session_id)
+
+    def session_epoch(self, session_id: int) -> int:
+        """Which copy of the session this engine holds (drawn at its start): turns that name another are
+        refused with SessionStale."""
+        return self.gateway.binding.epoch(session_id)
 
     def end_session(self, session_id: int, on_done: Callable[[RequestOutput], None] | None = None) -> None:
         """Cancel the session's active generation, free its KV, forget it. Blocks unless `on_done` is given."""

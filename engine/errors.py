@@ -25,6 +25,11 @@ class SessionBusy(EngineError):
     """The session already has an active generation; turns never interleave."""
 
 
+class SessionStale(EngineError):
+    """The turn names a copy of the session (its epoch) other than the one here: the session was started
+    again elsewhere, and this copy's history is not the caller's."""
+
+
 class Unavailable(EngineError):
     """The engine is sleeping, shutting down or not ready; retry later."""
 

@@ -113,6 +113,7 @@ class Request:
     input_ids: list[int] = field(default_factory=list)
     params: SamplingParams = field(default_factory=SamplingParams)
     stateless: bool = True
+    session_epoch: int | None = None  # the copy of the session the caller's history belongs to (None: any)
     messages: list[dict] | None = None  # a session turn given as chat messages (chat.py); input_ids set by its loop
     # A session's text turn: the special tokens a stateless prompt would start with (a BOS, where the model
     # has one), put before input_ids by its loop if the session holds no tokens yet (its first turn).

@@ -1,10 +1,11 @@
 """Which engine loop holds each session, and which request is generating on it."""
 from __future__ import annotations
 
+import random
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from .errors import SessionBusy, SessionExists, SessionNotFound
+from .errors import SessionBusy, SessionExists, SessionNotFound, SessionStale
 from .request import CancelFlag, Request
 
 
@@ -12,6 +13,9 @@ from .request import CancelFlag, Request
 class Binding:
     rank: int
     active: Request | None = None  # the session's generating request, queued or running
+    # Which copy of the session this is: a Start draws it, and a turn that names another is refused, so a
+    # client whose session was started again elsewhere never continues from this copy's history.
+    epoch: int = field(default_factory=lambda: random.getrandbits(63))
 
 
 class SequenceBinding:
@@ -46,6 +50,13 @@ class SequenceBinding:
         with self._lock:
             self._bindings.clear()
 
+    def epoch(self, session_id: int) -> int:
+        with self._lock:
+            b = self._bindings.get(session_id)
+            if b is None:
+                raise SessionNotFound(f"session {session_id} not found (never started, or ended)")
+            return b.epoch
+
     def claim(self, session_id: int, request: Request) -> int:
         """Mark `request` as the session's one active generation and return the session's rank. A cancelled
         turn whose last output is still on its way gives way: the next turn follows a Cancel (or a dropped
@@ -54,6 +65,9 @@ class SequenceBinding:
             b = self._bindings.get(session_id)
             if b is None:
                 raise SessionNotFound(f"session {session_id} not found (never started, or ended)")
+            if request.session_epoch is not None and request.session_epoch != b.epoch:
+                raise SessionStale(f"session {session_id} here is not the copy of epoch {request.session_epoch} "
+                                   "(it was started again elsewhere): end it and start it again")
             if b.active is not None and b.active.cancel_flag.value != CancelFlag.CANCELLED:
                 raise SessionBusy(f"session {session_id} is already generating; cancel it or wait for it to finish")
             b.active = request

@@ -45,10 +45,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def Start(self, request: pb.StartRequest, context: grpc.aio.ServicerContext) -> pb.StartResponse:
         try:
             session_id = self.engine.start_session(request.session_id)
+            epoch = self.engine.session_epoch(session_id)  # NOT_FOUND if an End came between
         except EngineError as exc:
             await abort(context, exc)
         self.metrics.sessions_started.inc()
-        return pb.StartResponse(session_id=session_id)
+        return pb.StartResponse(session_id=session_id, epoch=epoch)
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -67,6 +68,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             engine_request = self.engine.submit(
                 prompt, params, session_id=request.session_id, request_id=request_id,
                 on_output=lambda out: relay.put(outputs, out),
+                session_epoch=request.session_epoch if request.HasField("session_epoch") else None,
             )
         except EngineError as exc:
             self.metrics.refused(exc)

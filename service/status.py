@@ -11,6 +11,7 @@ _CODES: dict[type[errors.EngineError], grpc.StatusCode] = {
     errors.SessionNotFound: grpc.StatusCode.NOT_FOUND,
     errors.SessionExists: grpc.StatusCode.ALREADY_EXISTS,
     errors.SessionBusy: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.SessionStale: grpc.StatusCode.ABORTED,
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.UnsupportedModel: grpc.StatusCode.INVALID_ARGUMENT,

@@ -25,7 +25,7 @@ import transformers
 from lmgate.engine.config import EngineConfig
 from lmgate.engine.detokenizer import IncrementalDetokenizer
 from lmgate.engine.engine import Engine
-from lmgate.engine.errors import ContextOverflow, InternalError, InvalidRequest, SessionBusy, SessionNotFound, Unavailable
+from lmgate.engine.errors import ContextOverflow, InternalError, InvalidRequest, SessionBusy, SessionNotFound, SessionStale, Unavailable
 from lmgate.engine.request import FinishReason, RequestKind
 from lmgate.engine.sampling import SamplingParams
 from tests.test_models import hf_tokenizer_dir, tiny_models  # noqa: F401  (fixtures)
@@ -350,6 +350,22 @@ def test_a_cancel_after_the_last_output_cancels_nothing(engine, tokenizer):
     next(outputs)
     assert running.cancel() is True and running.cancel() is False
     assert list(outputs)[-1].finish_reason is FinishReason.CANCELLED
+    assert_idle(engine)
+
+
+def test_a_turn_naming_another_copy_of_its_session_is_refused_and_changes_nothing(engine, tokenizer):
+    sid = engine.start_session()
+    epoch = engine.session_epoch(sid)
+    prompt, params = tokenizer.encode("Hello"), SamplingParams(max_new_tokens=3, ignore_eos=True)
+    with pytest.raises(SessionStale):
+        engine.submit(prompt, params, session_id=sid, session_epoch=epoch ^ 1)
+    assert engine.info().queued_requests == 0
+    assert list(engine.submit(prompt, params, session_id=sid, session_epoch=epoch))[-1].finish_reason is FinishReason.LENGTH
+    assert list(engine.submit(prompt, params, session_id=sid))[-1].finish_reason is FinishReason.LENGTH  # None: any
+    engine.end_session(sid)
+    engine.start_session(sid)
+    assert engine.session_epoch(sid) != epoch  # a copy started again is another copy
+    engine.end_session(sid)
     assert_idle(engine)
 
 

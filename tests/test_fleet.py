@@ -146,6 +146,32 @@ def test_client_side_ring_hash_without_a_proxy(replicas):
         assert {client.info().replica_id for _ in range(40)} == set(REPLICAS)
 
 
+def test_a_resumable_session_whose_route_comes_back_replays_over_the_copy_it_left(replicas):
+    """A resumable session's route moves to another replica and back (a proxy's health check that failed
+    once). The copy it left missed the turn in between: the turn that comes back is ABORTED there, and the
+    session ends that copy, starts again and replays, so its tokens are a stateless request's over the whole
+    conversation, not a continuation of the old copy's history."""
+    turn = dict(max_new_tokens=8, ignore_eos=True)
+    with Client(replicas[0].address) as home, Client(replicas[1].address) as away:
+        session = home.start(resume=True)
+        first_epoch = session.epoch
+        list(session.generate("Tell me about the sea.", **turn))
+        session.client = away  # the route leads elsewhere: NOT_FOUND there, so started and replayed
+        list(session.generate(" And then?", **turn))
+        session.client = home  # and back, to a copy that has the first turn only
+        text = session.history.text + " Why?"
+        resumed = [t for d in session.generate(" Why?", **turn) for t in d.token_ids]
+        alone = [t for d in home.generate(text, **turn) for t in d.token_ids]
+        assert resumed == alone and session.epoch != first_epoch
+        with pytest.raises(grpc.RpcError) as err:  # a turn naming the old copy, as a stale client would
+            list(home.generate(" Hm.", session_id=session.id, session_epoch=first_epoch, **turn))
+        assert err.value.code() == grpc.StatusCode.ABORTED
+        assert [t for d in session.generate(" Go on.", **turn) for t in d.token_ids]  # the refusal changed nothing
+        session.end()
+        away.end(session.id)
+    assert all(s.engine.info().active_sessions == 0 for s in replicas)
+
+
 def test_a_resumable_session_survives_its_replica(tmp_path):
     """Three `lmgate serve` processes behind nginx; the one holding two sessions is killed (SIGKILL). The next
     turn of the session started with resume=True succeeds elsewhere, with the tokens of a stateless request

@@ -25,10 +25,12 @@ class StartRequest(_message.Message):
     def __init__(self, session_id: _Optional[int] = ...) -> None: ...
 
 class StartResponse(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "epoch")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     session_id: int
-    def __init__(self, session_id: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, session_id: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -85,20 +87,22 @@ class SamplingParams(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., include_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("session_id", "request_id", "prompt", "tokens", "messages", "sampling")
+    __slots__ = ("session_id", "request_id", "prompt", "tokens", "messages", "sampling", "session_epoch")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SESSION_EPOCH_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     request_id: str
     prompt: str
     tokens: TokenIds
     messages: ChatMessages
     sampling: SamplingParams
-    def __init__(self, session_id: _Optional[int] = ..., request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    session_epoch: int
+    def __init__(self, session_id: _Optional[int] = ..., request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., tokens: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., session_epoch: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top")
