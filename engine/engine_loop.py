@@ -128,6 +128,7 @@ class EngineLoop:
         """A loop over `weights`' model with a KV cache of its own (allocated here: call on a fresh thread)."""
         num_blocks = config.kv_cache_tokens // config.block_size
         runner = build_runner(weights, config, max_context_length)
+        runner.vocab_size = tokenizer.vocab_size
 
         return cls(
             rank, gateway, comm, runner, BlockManager(num_blocks, config.block_size, config.prefix_caching), tokenizer,

@@ -77,6 +77,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.attention = attention  # of ATTENTION_PATHS; chosen at build, read per step
+        self.vocab_size: int | None = None  # ids a sampler may draw (the tokenizer's), where below the model's
         self.graphs = graphs  # decode steps from CUDA graphs (Triton path, no tensor parallelism), else None
         self.followers: HostComm | None = None  # a tensor-parallel leader's group: what it does, they do
         self.group_kv_share = 1.0  # the tensor-parallel group's KV heads over this rank's
@@ -249,4 +250,4 @@ class ModelRunner:
 
     def sample(self, logits: torch.Tensor, inputs: StepInputs) -> SampleFuture:
         """Sampling on the model's device, queued; its `result` (kFetch) brings the ids back in one copy."""
-        return launch_sample(logits, inputs.sample_rows)
+        return launch_sample(logits, inputs.sample_rows, self.vocab_size)
