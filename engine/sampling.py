@@ -157,7 +157,7 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
               if r.params.repetition_penalty not in (0, 1)]
     if repeat:
         row_idx, tok_idx = pairs(repeat)
-        penalty = torch.tensor([rows[i].params.repetition_penalty for i, ids in repeat for _ in ids], device=device)
+        penalty = to_device(torch.tensor([rows[i].params.repetition_penalty for i, ids in repeat for _ in ids]), device)
         vals = logits[row_idx, tok_idx]
         logits[row_idx, tok_idx] = torch.where(vals > 0, vals / penalty, vals * penalty)
     counted = [i for i, r in enumerate(rows) if (r.params.presence_penalty or r.params.frequency_penalty) and r.num_output]
@@ -165,9 +165,9 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
         row_idx, tok_idx = pairs([(j, rows[i].token_ids[rows[i].num_prompt :]) for j, i in enumerate(counted)])
         counts = torch.zeros((len(counted), logits.shape[-1]), device=device)
         counts.index_put_((row_idx, tok_idx), torch.ones_like(tok_idx, dtype=counts.dtype), accumulate=True)
-        freq = torch.tensor([[rows[i].params.frequency_penalty] for i in counted], device=device)
-        presence = torch.tensor([[rows[i].params.presence_penalty] for i in counted], device=device)
-        at = torch.tensor(counted, device=device)
+        freq, presence = to_device(torch.tensor([[[rows[i].params.frequency_penalty] for i in counted],
+                                                 [[rows[i].params.presence_penalty] for i in counted]]), device)
+        at = to_device(torch.tensor(counted), device)
         logits[at] -= freq * counts + presence * (counts > 0).float()
     banned = [(i, r.banned_ids) for i, r in enumerate(rows) if r.banned_ids]
     if banned:
