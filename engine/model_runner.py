@@ -244,10 +244,18 @@ class ModelRunner:
         tensor-parallel follower (`logits=False`), whose replicated LM head would only repeat its leader's."""
         model = self.model
         if inputs.bucket:  # every decode samples, in order: the first rows of the bucket's logits
-            return self.graphs.run(model, self.weights_version, self.kv_caches, inputs.bucket)[: len(inputs.logit_rows)]
-        hidden = model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        return model.compute_logits(hidden[inputs.logit_rows]) if logits else None
+            out = self.graphs.run(model, self.weights_version, self.kv_caches, inputs.bucket)[: len(inputs.logit_rows)]
+        else:
+            hidden = model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            if not logits:
+                return None
+            out = model.compute_logits(hidden[inputs.logit_rows])
+        if self.vocab_size is not None and self.vocab_size < out.shape[-1]:
+            # An embedding padded past its tokenizer (Qwen2.5: 151,936 rows for 151,665 tokens): those ids are
+            # no tokens, and a client could not send them back. Here, where logits are inference tensors.
+            out[:, self.vocab_size:] = float("-inf")
+        return out
 
     def sample(self, logits: torch.Tensor, inputs: StepInputs) -> SampleFuture:
         """Sampling on the model's device, queued; its `result` (kFetch) brings the ids back in one copy."""
-        return launch_sample(logits, inputs.sample_rows, self.vocab_size)
+        return launch_sample(logits, inputs.sample_rows)

@@ -119,15 +119,11 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
     return launch_sample(logits, rows).result()
 
 
-def launch_sample(logits: torch.Tensor, rows: list[SampleRow], vocab_size: int | None = None) -> "SampleFuture":
+def launch_sample(logits: torch.Tensor, rows: list[SampleRow]) -> "SampleFuture":
     """logits: [rows, vocab] fp32 on the model's device, which does all the work; the chosen ids (and the
     logprobs asked for) come back to the host in one copy, queued here and read by `SampleFuture.result`.
     Each row's result depends only on that row, so a seeded request gives the same tokens whatever else shares
-    its batch. Ids from `vocab_size` on (an embedding padded past its tokenizer, as Qwen2.5's 151,936 rows
-    for 151,665 tokens) are set to -inf in `logits` itself: they are no tokens, and a client could not send
-    them back as input."""
-    if vocab_size is not None and vocab_size < logits.shape[-1]:
-        logits[:, vocab_size:] = float("-inf")
+    its batch."""
     raw = logits
     logits = _apply_penalties(logits, rows)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]

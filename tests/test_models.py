@@ -342,6 +342,33 @@ def test_engine_greedy_tokens_match_transformers(tiny, prompt_ids, kernel):
     assert out.token_ids == expected
 
 
+@pytest.mark.parametrize("dp_backend", ["thread", "process"])
+def test_ids_past_the_tokenizer_are_never_generated(tmp_path, hf_tokenizer_dir, dp_backend):
+    """An embedding padded past its tokenizer (Qwen2.5: 151,936 rows for 151,665 tokens). Here a padding row's
+    logit is the largest at every step (the final norm keeps one dimension, which only two padding rows of the
+    head read, with opposite signs): still only the tokenizer's ids come out, greedy, sampled, or offered as
+    logprob alternatives."""
+    config = transformers.LlamaConfig(**{**_COMMON, "vocab_size": VOCAB + 64}, num_hidden_layers=1)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        hf.model.norm.weight.zero_()
+        hf.model.norm.weight[0] = 1.0
+        hf.lm_head.weight.zero_()
+        hf.lm_head.weight[VOCAB, 0], hf.lm_head.weight[VOCAB + 1, 0] = 100.0, -100.0
+    hf.save_pretrained(str(tmp_path))
+    for f in os.listdir(hf_tokenizer_dir):
+        shutil.copy(os.path.join(hf_tokenizer_dir, f), tmp_path / f)
+    with Engine(EngineConfig(dtype="float32", model=str(tmp_path), kv_cache_tokens=1024, dp_backend=dp_backend)) as engine:
+        assert engine.vocab_size == VOCAB
+        prompt = engine.tokenizer.encode("Hello")
+        for params in (SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=3),
+                       SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=1.0, seed=1)):
+            out = engine.generate(prompt, params)
+            assert out.error is None and len(out.token_ids) == 6
+            assert all(t < VOCAB for t in out.token_ids), out.token_ids
+            assert all(t < VOCAB for lp in out.logprobs for t, _ in lp.top)
+
+
 # --------------------------------------------------------------------------------------------- GGUF
 _GGUF_ARCH = {"llama": "llama", "llama_tied": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "llama3": "llama",
               "llama_bias": "llama"}

@@ -191,13 +191,3 @@ def test_a_step_where_no_row_samples():
     result = sample(torch.empty(0, VOCAB), [])
     assert result.token_ids == [] and result.logprobs == []
 
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_ids_past_the_tokenizers_vocabulary_are_never_drawn(device):
-    """An embedding padded past its tokenizer (Qwen2.5): the padding's logits, here the largest, are no tokens."""
-    logits = logits_for(3).to(device)
-    logits[:, VOCAB - 4 :] = 100.0
-    rows = [row(), row(seed=1, temperature=5.0), row(seed=2, temperature=1.0, top_k=3, logprobs=5)]
-    result = sampling.launch_sample(logits, rows, vocab_size=VOCAB - 4).result()
-    assert all(t < VOCAB - 4 for t in result.token_ids)
-    assert all(t < VOCAB - 4 for t, _ in result.logprobs[2][1])  # nor offered as alternatives
