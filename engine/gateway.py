@@ -268,7 +268,9 @@ class Gateway:
     def _deliver(self, request: Request, output: RequestOutput) -> None:
         # Release the session before the last output reaches the client, so its next turn is never refused.
         if output.finished and request.kind is RequestKind.GENERATE:
-            request.cancel_flag.exchange(CancelFlag.FINISHED)  # a Cancel from now on, before the client has read it, cancels nothing
+            # A Cancel from now on, before the client has read it, cancels nothing. Only from ACTIVE: a cancelled
+            # request stays CANCELLED, which its queue drops it by and its session's next turn is admitted by.
+            request.cancel_flag.compare_exchange(CancelFlag.ACTIVE, CancelFlag.FINISHED)
             if not request.stateless:
                 self.binding.release(request.session_id, request)
         try:

@@ -57,9 +57,10 @@ class RequestOutput:
 
 
 class CancelFlag:
-    """TurboMind's three-state flag: 0 queued, 1 active, -1 cancelled; and 2 finished, once the last output
-    is handed to the caller (a Cancel then cancels nothing). Each transition is one atomic swap, so exactly
-    one side (the canceller or the engine) handles a given cancel."""
+    """TurboMind's three-state flag: 0 queued, 1 active, -1 cancelled; and 2 finished, once an active request's
+    last output is handed to the caller (a Cancel then cancels nothing; a cancelled one stays cancelled).
+    Each transition is one atomic swap, so exactly one side (the canceller or the engine) handles a given
+    cancel."""
 
     QUEUED, ACTIVE, CANCELLED, FINISHED = 0, 1, -1, 2
 

@@ -69,6 +69,8 @@ class Tokenizer:
         chat_template: str | None,
     ) -> None:
         self._backend = backend
+        # One past the largest id: a count of the tokens would fall short where added tokens leave gaps
+        self._id_bound = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         self.bos_token_id = bos_token_id
         self.eos_token_ids: frozenset[int] = frozenset(eos_token_ids)
         self._eos_token_id = eos_token_ids[0] if eos_token_ids else None  # the one templates call eos_token
@@ -162,8 +164,8 @@ class Tokenizer:
     # ------------------------------------------------------------------- codec
     @property
     def vocab_size(self) -> int:
-        """Number of ids, added tokens included."""
-        return self._backend.get_vocab_size(with_added_tokens=True)
+        """One past the largest id, added tokens included: the ids it knows are below it (with gaps, perhaps)."""
+        return self._id_bound
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids

@@ -151,10 +151,14 @@ def test_requests_cancelled_while_queued_give_their_places_back():
     """A cancelled stream has ended: its request no longer fills the queue, nor a place in the next batch."""
     gw = Gateway(1, max_queued=2)
     try:
+        delivered = threading.Semaphore(0)
         dead = [generate_request() for _ in range(2)]
         for r in dead:
+            r.on_output = lambda _: delivered.release()
             gw.push(r)
             gw.cancel(r)
+        for _ in dead:  # their cancelled outputs handed over, as a client reading its stream would see
+            assert delivered.acquire(timeout=60)
         live = [generate_request(), generate_request()]
         for r in live:
             gw.push(r)  # the queue holds 2: refused before the cancelled ones gave their places back

@@ -155,6 +155,20 @@ def test_on_one_machine_only_this_user_reaches_the_ranks(checkpoint):
     assert not os.path.exists(folder)
 
 
+def test_an_owner_that_exits_without_shutdown_leaves_no_socket_directory(tmp_path):
+    """A script that forgets `shutdown` (or an error before the server's handlers are in place): its ranks
+    are killed at exit, and their sockets' directory goes with them."""
+    script = ("from lmgate.engine.config import EngineConfig\n"
+              "from lmgate.engine.engine import Engine\n"
+              "engine = Engine(EngineConfig(dtype='float32', kv_cache_tokens=512, dp_backend='process'))\n"
+              "import os, sys; print(os.listdir(sys.argv[1]))\n")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
+                          timeout=GUARD, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    assert "lmgate-" in done.stdout  # it was there while the engine ran
+    assert not [name for name in os.listdir(tmp_path) if name.startswith("lmgate-")]
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="finds the rank processes through /proc")
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
 def test_a_rank_killed_or_hung_mid_stream_ends_every_stream_and_the_server_exits_non_zero(how):

@@ -4,7 +4,9 @@ import os
 import gguf
 import numpy as np
 import pytest
+import tokenizers
 import transformers
+from tokenizers.models import WordLevel
 
 from lmgate.engine.tokenizer import Tokenizer
 
@@ -269,3 +271,16 @@ def test_tokenizer_gguf_refuses_a_pre_tokenizer_it_does_not_know(gguf_path, tmp_
     _vocabulary_gguf(tmp_path / "vocab.gguf", gguf_path, "made-up")
     with pytest.raises(ValueError, match="pre-tokenizer 'made-up' is not supported"):
         Tokenizer.from_gguf(gguf.GGUFReader(str(tmp_path / "vocab.gguf")))
+
+
+def test_vocab_size_bounds_every_id_where_ids_leave_gaps(tmp_path):
+    """Three tokens at ids 0, 1 and 5, and an added one: a count (4) would put `b` past the vocabulary, where
+    the engine refuses it as input and masks its logit."""
+    backend = tokenizers.Tokenizer(WordLevel({"<unk>": 0, "a": 1, "b": 5}, unk_token="<unk>"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    backend.add_special_tokens(["<|end|>"])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|end|>"}))
+    loaded = Tokenizer.from_hf_dir(str(tmp_path))
+    assert loaded.encode("a b", add_special_tokens=False) == [1, 5]
+    assert loaded.vocab_size == 6

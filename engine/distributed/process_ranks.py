@@ -147,6 +147,9 @@ class ProcessRanks(Ranks):
         # One machine's sockets are files in a directory only this user may enter: a TCP port would take
         # pickles (run on unpickling) from any local user, and hand them the prompts.
         self._socket_dir = tempfile.mkdtemp(prefix="lmgate-") if config.nnodes == 1 else None
+        if self._socket_dir is not None:  # gone at shutdown; at exit, or when collected, where shutdown never ran
+            multiprocessing.util.Finalize(self, shutil.rmtree, args=(self._socket_dir,), kwargs={"ignore_errors": True},
+                                          exitpriority=0)
         self._outputs = self._context.socket(zmq.PULL)
         outputs_address = self._bind(self._outputs, "outputs", host)
         self._ids = ids = itertools.count(1)  # wire ids of requests and weight calls
