@@ -202,7 +202,7 @@ class Engine:
         Chat messages in a session are the turn's new messages: the session keeps its conversation and each
         turn renders the whole of it (engine/chat.py). A session's text turn continues its context, so only
         its first gets the model's special tokens (a BOS), as a stateless text prompt does. `session_epoch`:
-        the session's copy the caller's history belongs to (`session_epoch`), else SessionStale; None: any."""
+        the copy of the session the caller's history belongs to (else SessionStale); None: any."""
         params = params or SamplingParams()
         ids = self.encode_prompt(prompt, add_special_tokens=not session_id)
         # a BOS, counted here as if this were the session's first turn, which a later turn's history outweighs
@@ -210,10 +210,10 @@ class Engine:
         self._check_request(first_turn_ids + ids, params)
         stream = None if on_output else Stream(self)
         request = Request(
-            RequestKind.GENERATE, session_id, on_output or stream.put, request_id, ids, params, stateless=not session_id
+            RequestKind.GENERATE, session_id, on_output or stream.put, request_id, ids, params, stateless=not session_id,
+            session_epoch=session_epoch,
         )
         request.first_turn_ids = first_turn_ids
-        request.session_epoch = session_epoch
         if session_id and chat.is_chat(prompt):
             request.messages = [dict(m) for m in prompt]
         self.gateway.push(request)

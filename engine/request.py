@@ -72,11 +72,6 @@ class CancelFlag:
     def value(self) -> int:
         return self._value
 
-    def exchange(self, new: int) -> int:
-        with self._lock:
-            old, self._value = self._value, new
-            return old
-
     def cancel(self) -> int:
         """CANCELLED unless finished; the state it had."""
         with self._lock:

@@ -147,9 +147,10 @@ class ProcessRanks(Ranks):
         # One machine's sockets are files in a directory only this user may enter: a TCP port would take
         # pickles (run on unpickling) from any local user, and hand them the prompts.
         self._socket_dir = tempfile.mkdtemp(prefix="lmgate-") if config.nnodes == 1 else None
-        if self._socket_dir is not None:  # gone at shutdown; at exit, or when collected, where shutdown never ran
-            multiprocessing.util.Finalize(self, shutil.rmtree, args=(self._socket_dir,), kwargs={"ignore_errors": True},
-                                          exitpriority=0)
+        # Removed at shutdown; at exit, or when collected, where shutdown never ran. A Finalize runs once.
+        self._remove_socket_dir = multiprocessing.util.Finalize(
+            self, shutil.rmtree, args=(self._socket_dir,), kwargs={"ignore_errors": True},
+            exitpriority=0) if self._socket_dir is not None else lambda: None
         self._outputs = self._context.socket(zmq.PULL)
         outputs_address = self._bind(self._outputs, "outputs", host)
         self._ids = ids = itertools.count(1)  # wire ids of requests and weight calls
@@ -458,8 +459,7 @@ class ProcessRanks(Ranks):
             link.close_socket()
         self._outputs.close(linger=0)
         self._context.term()
-        if self._socket_dir is not None:
-            shutil.rmtree(self._socket_dir, ignore_errors=True)
+        self._remove_socket_dir()
         self._store = None  # its port is free once it goes, not when the collector breaks this object's cycles
 
 
