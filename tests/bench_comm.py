@@ -14,7 +14,7 @@ import threading
 import time
 
 from lmgate.engine.distributed import HostComm, RedOp, ThreadComm
-from lmgate.engine.distributed.gloo_comm import GlooComm
+from lmgate.engine.distributed.gloo_comm import GlooComm, new_secret
 
 PAYLOAD = bytes(64 * 1024)
 
@@ -47,8 +47,8 @@ def on_threads(ranks: int, iterations: int) -> dict[str, float]:
     return results[0]
 
 
-def _gloo_rank(port: int, rank: int, ranks: int, iterations: int, out) -> None:
-    result = timings(GlooComm.connect("127.0.0.1", port, rank, ranks), iterations)
+def _gloo_rank(port: int, secret: bytes, rank: int, ranks: int, iterations: int, out) -> None:
+    result = timings(GlooComm.connect("127.0.0.1", port, rank, ranks, secret), iterations)
     if rank == 0:
         out.put(result)
 
@@ -56,8 +56,9 @@ def _gloo_rank(port: int, rank: int, ranks: int, iterations: int, out) -> None:
 def on_processes(ranks: int, iterations: int) -> dict[str, float]:
     ctx = multiprocessing.get_context("spawn")
     store = GlooComm.create_store()
+    secret = new_secret()
     out = ctx.Queue()
-    procs = [ctx.Process(target=_gloo_rank, args=(store.port, r, ranks, iterations, out)) for r in range(ranks)]
+    procs = [ctx.Process(target=_gloo_rank, args=(store.port, secret, r, ranks, iterations, out)) for r in range(ranks)]
     for p in procs:
         p.start()
     result = out.get()

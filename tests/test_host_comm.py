@@ -15,7 +15,7 @@ from collections.abc import Callable
 import pytest
 
 from lmgate.engine.distributed import CommAborted, HostComm, RedOp, ThreadComm, gloo_comm
-from lmgate.engine.distributed.gloo_comm import GlooComm
+from lmgate.engine.distributed.gloo_comm import GlooComm, new_secret
 
 SIZES = [1, 2, 4]
 BACKENDS = ["thread", "gloo"]
@@ -51,11 +51,11 @@ def run_ranks(comms: list[ThreadComm], fn: Callable[[ThreadComm], object]) -> li
     return results
 
 
-def _rank_process(port: int, rank: int, size: int, jobs, results) -> None:
+def _rank_process(port: int, secret: bytes, rank: int, size: int, jobs, results) -> None:
     """A spawned rank: join the group, then run each job, fn(comm, *args), on a group split fresh from it,
     sending back ("ok", value) or ("error", traceback). After an error it exits: that closes its connections,
     so a peer waiting for it raises instead of waiting until the guard."""
-    comm = GlooComm.connect("127.0.0.1", port, rank, size)
+    comm = GlooComm.connect("127.0.0.1", port, rank, size, secret)
     for fn, args in iter(jobs.get, None):
         try:
             results.put((rank, "ok", fn(comm.split(color=0, key=rank), *args)))
@@ -79,7 +79,8 @@ class RankProcesses:
         self.store = GlooComm.create_store()
         self.jobs = [ctx.Queue() for _ in range(size)]
         self.results = ctx.Queue()
-        self.procs = [ctx.Process(target=_rank_process, args=(self.store.port, r, size, self.jobs[r], self.results),
+        secret = new_secret()
+        self.procs = [ctx.Process(target=_rank_process, args=(self.store.port, secret, r, size, self.jobs[r], self.results),
                                   daemon=True)  # never outlive the test process
                       for r in range(size)]
         for p in self.procs:
@@ -453,7 +454,7 @@ def test_gloo_abort_then_closed_connection_still_reports_the_abort(on_ranks, siz
 
 def _late_broadcast(c: GlooComm, patient: bool) -> str:
     """A broadcast whose root comes 3 s late, on a group whose limit on a collective is 1 s."""
-    short = GlooComm(c._store, c.rank, c.size, prefix=f"late/{patient}", timeout=datetime.timedelta(seconds=1),
+    short = GlooComm(c._store, c.rank, c.size, c._secret, prefix=f"late/{patient}", timeout=datetime.timedelta(seconds=1),
                      hostname=c.hostname)
     if c.rank == 0:
         time.sleep(3)
@@ -472,3 +473,38 @@ def test_a_patient_broadcast_waits_for_its_root_past_the_limit(on_ranks, patient
         assert results == ["late", "late"]
     else:
         assert results[1] == "gave up"
+
+
+class _Marker:
+    """Unpickling one records it in the process that unpickles (a stand-in for code a pickle could run)."""
+
+    def __reduce__(self):
+        return _record_unpickled, ()
+
+
+_unpickled: list[bool] = []
+
+
+def _record_unpickled() -> str:
+    _unpickled.append(True)
+    return "unpickled"
+
+
+def _impostor_broadcast(c: GlooComm) -> tuple[str, bool]:
+    """Rank 0 sends under a secret of its own, as a process that took a peer's place on the ports would."""
+    impostor = GlooComm(c._store, c.rank, c.size, new_secret() if c.rank == 0 else c._secret, prefix="impostor",
+                        hostname=c.hostname)
+    try:
+        impostor.broadcast(_Marker() if c.rank == 0 else None)
+        outcome = "passed"
+    except CommAborted as exc:
+        outcome = str(exc)
+    return outcome, bool(_unpickled)
+
+
+def test_gloo_never_unpickles_a_value_its_secret_did_not_sign(on_ranks):
+    """The store and gloo's connections are TCP that any local user reaches; a value they send must not be
+    unpickled (which runs code)."""
+    assert on_ranks("gloo", 2, _impostor_broadcast) == [
+        ("passed", False),
+        ("a message not signed with this group's secret: is another process on its ports?", False)]

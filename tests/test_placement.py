@@ -15,7 +15,7 @@ from lmgate.engine.errors import InvalidRequest
 
 def spec(rank: int, size: int, tp: int, nnodes: int) -> RankSpec:
     config = EngineConfig(engine_loops=size // tp, tensor_parallel=tp, nnodes=nnodes, master_port=29500)
-    return RankSpec(config, "", rank, size, tp, "", 0, "", "", 1, 1, 0, node=rank // (size // nnodes))
+    return RankSpec(config, "", rank, size, tp, "", 0, b"", "", "", 1, 1, 0, node=rank // (size // nnodes))
 
 
 @pytest.mark.parametrize("tp, dp, nnodes, gpus", [(2, 1, 1, 2), (2, 2, 1, 4), (2, 2, 1, 2), (4, 2, 2, 4), (2, 3, 1, 3)])

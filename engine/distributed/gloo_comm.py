@@ -7,11 +7,18 @@ sorts ranks by global rank, so it cannot honour the key.
 
 Values cross as pickles: `broadcast` and `all_gather` send a length, then the bytes. `all_reduce` reduces
 int64 tensors, after a first reduce that checks every rank passed the same shape.
+
+The store and gloo's connections are plain TCP, which other users of a machine reach too (the store even
+lists its keys), and unpickling runs code. So every pickle is signed with the group's secret, which its
+ranks get from their parent and never through the store, and one that fails the check is never unpickled.
 """
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
 import pickle
+import secrets
 import socket
 import threading
 from typing import Callable
@@ -26,6 +33,7 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)  # one collective; idle ranks w
 # A patient broadcast's wait for its root (HostComm.broadcast): a follower of an idle leader waits inside
 # one, and with the default limit died after 10 idle minutes. A peer that dies still breaks it at once.
 PATIENT_TIMEOUT = datetime.timedelta(days=365)
+SIGNATURE_BYTES = 32
 ABORT_POLL = 0.1  # seconds a waiting collective goes between looks at its peers' abort keys
 _OPS = {RedOp.SUM: ReduceOp.SUM, RedOp.MIN: ReduceOp.MIN, RedOp.MAX: ReduceOp.MAX}
 
@@ -44,16 +52,18 @@ class GlooComm(HostComm):
     as gloo notices the closed connection.
     """
 
-    def __init__(self, store: Store, rank: int, size: int, prefix: str = "lmgate",
+    def __init__(self, store: Store, rank: int, size: int, secret: bytes, prefix: str = "lmgate",
                  timeout: datetime.timedelta = DEFAULT_TIMEOUT, abort_keys: tuple[str, ...] = (),
                  hostname: str = "127.0.0.1") -> None:
-        """Collective over the `size` processes: each must call it with its own rank and the same prefix.
+        """Collective over the `size` processes: each must call it with its own rank and the same secret and
+        prefix. `secret`: the key that signs the values they send (`new_secret`), up to 64 bytes.
         `abort_keys`: the store keys of the communicators it was split from, whose abort aborts it too.
         `hostname`: this process's address that its peers reach it by (`local_address`)."""
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} out of range for a group of {size}")
         self.hostname = hostname
         self._store = store
+        self._secret = secret
         self._prefix = prefix
         self._timeout = timeout
         self._rank = rank
@@ -67,12 +77,12 @@ class GlooComm(HostComm):
         self._abort_keys = (*abort_keys, f"{prefix}/aborted")
 
     @classmethod
-    def connect(cls, host: str, port: int, rank: int, size: int,
+    def connect(cls, host: str, port: int, rank: int, size: int, secret: bytes,
                 timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> GlooComm:
         """Join the group whose `TCPStore` listens at host:port (made by `create_store`), from any machine
         that reaches it."""
         store = TCPStore(host, port, is_master=False, timeout=timeout)
-        return cls(store, rank, size, timeout=timeout, hostname=local_address(host, port))
+        return cls(store, rank, size, secret, timeout=timeout, hostname=local_address(host, port))
 
     @staticmethod
     def create_store(host: str = "127.0.0.1", port: int = 0) -> TCPStore:
@@ -106,21 +116,21 @@ class GlooComm(HostComm):
     def broadcast(self, value: T, root: int = 0, patient: bool = False) -> T:
         if not 0 <= root < self._size:
             raise ValueError(f"root {root} out of range for a group of {self._size}")
-        data = _encode(value) if self._rank == root else torch.empty(0, dtype=torch.uint8)
+        data = self._encode(value) if self._rank == root else torch.empty(0, dtype=torch.uint8)
         length = torch.tensor([data.numel()])
         self._run(lambda: self._group.broadcast([length], _broadcast_options(root, PATIENT_TIMEOUT if patient else None)))
         if self._rank != root:
             data = torch.empty(int(length), dtype=torch.uint8)
         self._run(lambda: self._group.broadcast([data], _broadcast_options(root)))
-        return value if self._rank == root else pickle.loads(data.numpy().tobytes())
+        return value if self._rank == root else self._decode(data.numpy().tobytes())
 
     def all_gather(self, value: T) -> list[T]:
-        data = _encode(value)
+        data = self._encode(value)
         lengths = self._gather(torch.tensor([data.numel()]))
         longest = max(int(n) for n in lengths)
         padded = torch.zeros(longest, dtype=torch.uint8)
         padded[: data.numel()] = data
-        return [pickle.loads(d[: int(n)].numpy().tobytes()) for d, n in zip(self._gather(padded), lengths)]
+        return [self._decode(d[: int(n)].numpy().tobytes()) for d, n in zip(self._gather(padded), lengths)]
 
     def all_reduce(self, value: int | list[int], op: RedOp) -> int | list[int]:
         if self._size == 1:  # a lone rank's own value: no round trip through gloo's thread at every step's pop
@@ -141,7 +151,7 @@ class GlooComm(HostComm):
         entries = self.all_gather((color, key))
         members = sorted((r for r, (c, _) in enumerate(entries) if c == color), key=lambda r: (entries[r][1], r))
         self._splits += 1
-        child = GlooComm(self._store, members.index(self._rank), len(members),
+        child = GlooComm(self._store, members.index(self._rank), len(members), self._secret,
                          f"{self._prefix}/{self._splits}/{color}", self._timeout, self._abort_keys, self.hostname)
         with self._lock:
             self._children.append(child)
@@ -164,6 +174,22 @@ class GlooComm(HostComm):
             self._done.notify_all()
         for child in children:
             child._abort_here()
+
+    def _encode(self, value: object) -> torch.Tensor:
+        """`value` pickled, after its signature."""
+        payload = pickle.dumps(value)
+        return torch.frombuffer(bytearray(self._sign(payload) + payload), dtype=torch.uint8)
+
+    def _decode(self, data: bytes) -> object:
+        """The value a peer sent; a message this group's secret did not sign aborts the group unread."""
+        signature, payload = data[:SIGNATURE_BYTES], data[SIGNATURE_BYTES:]
+        if not hmac.compare_digest(signature, self._sign(payload)):
+            self.abort()
+            raise CommAborted("a message not signed with this group's secret: is another process on its ports?")
+        return pickle.loads(payload)
+
+    def _sign(self, payload: bytes) -> bytes:
+        return hashlib.blake2b(payload, key=self._secret, digest_size=SIGNATURE_BYTES).digest()
 
     def _gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         out = [torch.empty_like(tensor) for _ in range(self._size)]
@@ -250,5 +276,6 @@ def _broadcast_options(root: int, timeout: datetime.timedelta | None = None) -> 
     return options
 
 
-def _encode(value: object) -> torch.Tensor:
-    return torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
+def new_secret() -> bytes:
+    """A key for a new group's `GlooComm`s, to hand to its ranks the way they are started."""
+    return secrets.token_bytes(SIGNATURE_BYTES)

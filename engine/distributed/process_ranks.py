@@ -33,7 +33,7 @@ from ..engine_loop import LoopStats
 from ..errors import EngineError, InternalError, Unavailable
 from ..gateway import Gateway, Signal, unanswered_output
 from ..request import CancelFlag, FinishReason, Request, RequestKind, RequestOutput
-from .gloo_comm import GlooComm
+from .gloo_comm import GlooComm, new_secret
 from .rank_process import HEARTBEAT_SECONDS, HEARTBEAT_TIMEOUT, RankSpec, request_fields, run_rank
 from .ranks import Ranks
 
@@ -156,13 +156,14 @@ class ProcessRanks(Ranks):
         self._ids = ids = itertools.count(1)  # wire ids of requests and weight calls
         self._links: list[RemoteQueue] = []  # one per rank process, by world rank
         self._specs = []
+        secret = new_secret()
         for rank in range(size):
             push = self._context.socket(zmq.PUSH)
             push.setsockopt(zmq.SNDHWM, 0)  # never block a caller: the rank takes what it is sent
             requests_address = self._bind(push, f"rank-{rank}", host)
             self._links.append(RemoteQueue(push, rank // tp, ids, self))
-            self._specs.append(RankSpec(config, model_path, rank, size, tp, host, self._store.port, requests_address,
-                                        outputs_address, threads_per_loop, max_context_length, log_level,
+            self._specs.append(RankSpec(config, model_path, rank, size, tp, host, self._store.port, secret,
+                                        requests_address, outputs_address, threads_per_loop, max_context_length, log_level,
                                         node=rank // per_node))
         self.queues = self._links[::tp]  # the tensor-parallel leaders take the requests
         self.remote = set(range(per_node, size))

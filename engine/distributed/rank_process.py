@@ -87,6 +87,7 @@ class RankSpec:
     tp_size: int
     store_host: str  # the serving process's TCPStore, for GlooComm
     store_port: int
+    secret: bytes  # signs what the ranks' GlooComm sends (past node 0 it comes through the store)
     requests_address: str  # this rank's PULL connects here
     outputs_address: str  # every rank's PUSH connects here
     num_threads: int
@@ -172,7 +173,7 @@ class RankProcess:
         check_placement(c.device, spec.tp_size, spec.size // c.nnodes, num_gpus)  # this machine's own GPUs
         device = rank_device(c.device, spec.local_rank, num_gpus)
         use_device(device)
-        world = GlooComm.connect(spec.store_host, spec.store_port, spec.rank, spec.size)
+        world = GlooComm.connect(spec.store_host, spec.store_port, spec.rank, spec.size, spec.secret)
         dp_comm = world.split(color=spec.tp_rank, key=spec.dp_rank)  # the leaders' group agrees in `pop`
         self.tp_comm = world.split(color=spec.dp_rank, key=spec.tp_rank)
         ckpt = on_fresh_thread(lambda: load_checkpoint(spec.model_path))
