@@ -227,7 +227,9 @@ class RankProcess:
             now = time.monotonic()
             if self.requests in ready:
                 heard = now
-                while self.requests.poll(0):
+                # A backlog that never empties must not stop the heartbeat below (node 0 would count us dead).
+                drained_by = now + HEARTBEAT_SECONDS
+                while self.requests.poll(0) and time.monotonic() < drained_by:
                     self._handle(self.requests.recv_pyobj())
             if stopped_r in ready:
                 break
