@@ -31,6 +31,9 @@ CANCEL_SECONDS = 5.0  # the deadline of the Cancel a session turn left early sen
 # NOT_FOUND, the session is gone (its replica restarted, or the route leads to another); ABORTED, the route
 # leads back to a copy from before it moved, whose history is not the conversation's.
 RESTART_CODES = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ABORTED)
+# A turn that ends in one of these was cancelled on the server (a deadline, the call closed), whose session
+# keeps what it generated, as the history does; after any other error the server's session left the turn out.
+CANCEL_CODES = (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class _ClientBase(abc.ABC, Generic[StreamT]):
@@ -350,14 +353,19 @@ class Session(_SessionBase[Iterator[Delta]]):
                 with contextlib.suppress(grpc.RpcError):
                     self.client.end(self.id)
                 raise
+        kept = True
         try:
             yield deltas[0]
             for delta in stream:
                 deltas.append(delta)
                 yield delta
+        except grpc.RpcError as err:
+            kept = err.code() in CANCEL_CODES
+            raise
         finally:
             stream.close()  # a caller who stops early cancels the call now, not when the collector runs
-            self.history.record(turn, deltas)
+            if kept:
+                self.history.record(turn, deltas)
 
     def cancel(self) -> bool:
         """Stops the active turn (its stream ends "cancelled"); the history keeps what was generated."""
@@ -408,14 +416,19 @@ class AsyncSession(_SessionBase[AsyncIterator[Delta]]):
                 with contextlib.suppress(grpc.aio.AioRpcError):
                     await self.client.end(self.id)
                 raise
+        kept = True
         try:
             yield deltas[0]
             async for delta in stream:
                 deltas.append(delta)
                 yield delta
+        except grpc.RpcError as err:
+            kept = err.code() in CANCEL_CODES
+            raise
         finally:
             await stream.aclose()
-            self.history.record(turn, deltas)
+            if kept:
+                self.history.record(turn, deltas)
 
     async def cancel(self) -> bool:
         return await self.client.cancel(session_id=self.id)

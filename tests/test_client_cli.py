@@ -9,6 +9,7 @@ import json
 import math
 import subprocess
 import sys
+import threading
 
 import grpc
 import pytest
@@ -315,6 +316,38 @@ def test_a_session_turn_left_early_lets_the_next_follow_at_once(server):
         return reasons
 
     assert asyncio.run(scenario()) == ["length"] * 9
+    assert_idle(server)
+
+
+def test_a_resumable_sessions_history_leaves_out_a_turn_the_server_dropped(server, monkeypatch):
+    """A step that fails mid-turn ends the turn INTERNAL, and the session keeps its history from before the
+    turn; so must the client's copy, which a replay sends: the session's next turn and a stateless request
+    over the client's history get the same tokens."""
+    runner = server.engine.ranks.loops[0].runner
+    forward, failing = runner.forward, threading.Event()
+
+    def forward_or_fail(*args, **kwargs):
+        if failing.is_set():
+            raise RuntimeError("injected step failure")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "forward", forward_or_fail)
+    turn = dict(max_new_tokens=6, ignore_eos=True)
+    with Client(server.address) as client:
+        session = client.start(resume=True)
+        list(session.generate("Tell me about the sea.", **turn))
+        kept = session.history.text
+        stream = session.generate(" And then?", max_new_tokens=400, ignore_eos=True)
+        next(stream)
+        failing.set()
+        with pytest.raises(grpc.RpcError) as err:
+            list(stream)
+        failing.clear()
+        assert err.value.code() == grpc.StatusCode.INTERNAL
+        assert session.history.text == kept
+        following = [t for d in session.generate(" Why?", **turn) for t in d.token_ids]
+        assert following == [t for d in client.generate(kept + " Why?", **turn) for t in d.token_ids]
+        session.end()
     assert_idle(server)
 
 
