@@ -317,13 +317,17 @@ class Engine:
             raise InvalidRequest(f"sleep level must be 1 or 2, got {level}")
         with self._admin():
             self.gateway.close_admission(SLEEP_GATE, "the engine is asleep: call Admin.Wakeup first")
+            # Each part counts as asleep before it is put to sleep: one that fails on some rank after others
+            # slept is then still woken whole by Wakeup (waking a part that is awake changes nothing).
             if "kv_cache" not in self.sleeping:
-                self.gateway.control(RequestKind.SLEEP)  # each loop: cancel, end sessions, free its KV
-                self.gateway.binding.clear()
                 self.sleeping.add("kv_cache")
+                try:
+                    self.gateway.control(RequestKind.SLEEP)  # each loop: cancel, end sessions, free its KV
+                finally:
+                    self.gateway.binding.clear()  # a loop that failed to free its KV has ended its sessions too
             if "weights" not in self.sleeping:
-                self.ranks.offload_weights()
                 self.sleeping.add("weights")
+                self.ranks.offload_weights()
             if level == 2:
                 self.ranks.drop_weights()
             log.info("asleep at level %d", level)

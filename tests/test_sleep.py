@@ -101,6 +101,39 @@ def test_wakeup_weights_only_keeps_admission_closed_then_output_unchanged(sleepy
     assert_idle(sleepy)
 
 
+def test_a_sleep_that_fails_part_way_is_woken_whole(sleepy, monkeypatch):
+    """One loop cannot free its KV cache, then the weights cannot be offloaded: each Sleep fails INTERNAL,
+    after the other loop slept. Wakeup still wakes every part, and no session lives on: a turn of a session
+    from before is NOT_FOUND (its loop ended it), never run over an empty history."""
+    if sleepy.engine.config.dp_backend != "thread":
+        pytest.skip("a loop's runner is replaced in this process: ranks as threads only")
+    stub, adm, engine = sleepy.stub(), admin(sleepy), sleepy.engine
+    sessions = [stub.Start(pb.StartRequest()).session_id for _ in range(4)]  # both loops hold some
+    for sid in sessions:
+        list(stub.Generate(pb.GenerateRequest(session_id=sid, tokens=PROMPT, sampling=GREEDY)))
+
+    def fails() -> None:
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(engine.ranks.loops[1].runner, "release_kv_cache", fails)
+    assert code_of(lambda: adm.Sleep(pb.SleepRequest(level=1))) == grpc.StatusCode.INTERNAL
+    monkeypatch.undo()
+    assert set(stub.Info(pb.InfoRequest()).sleeping_tags) == {"kv_cache"}
+    restored = []
+    monkeypatch.setattr(engine.ranks, "offload_weights", fails)
+    monkeypatch.setattr(engine.ranks, "restore_weights", lambda real=engine.ranks.restore_weights: restored.append(real()))
+    assert code_of(lambda: adm.Sleep(pb.SleepRequest(level=1))) == grpc.StatusCode.INTERNAL
+    adm.Wakeup(pb.WakeupRequest())
+    monkeypatch.undo()
+    assert restored and not stub.Info(pb.InfoRequest()).sleeping
+    for sid in sessions:
+        assert code_of(lambda: list(stub.Generate(pb.GenerateRequest(session_id=sid, tokens=PROMPT, sampling=GREEDY)))) \
+            == grpc.StatusCode.NOT_FOUND
+        stub.End(pb.EndRequest(session_id=sid))
+    assert len(greedy(stub)) == GREEDY.max_new_tokens
+    assert_idle(sleepy)
+
+
 def test_sleep_and_wakeup_reject_bad_arguments(sleepy):
     adm = admin(sleepy)
     for level in (0, 3):
