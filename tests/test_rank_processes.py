@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from typing import Callable
 
 import grpc
@@ -20,7 +21,7 @@ from lmgate.engine.config import DP_BACKENDS, EngineConfig
 from lmgate.engine.engine import Engine
 from lmgate.engine.loader import embedded_model_path
 from lmgate.engine.errors import InvalidRequest, Unavailable
-from lmgate.engine.request import FinishReason, RequestOutput, TokenLogprob, Usage
+from lmgate.engine.request import FinishReason, RequestKind, RequestOutput, TokenLogprob, Usage
 from lmgate.engine.sampling import SamplingParams
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
@@ -77,6 +78,11 @@ def test_auto_takes_processes_on_cuda_only():
 
 def raised_on_a_thread(call: Callable[[], object]) -> BaseException | None:
     """What `call` raised, run on a daemon thread so that a call left waiting fails the test, not hangs it."""
+    return on_a_thread(call)()
+
+
+def on_a_thread(call: Callable[[], object]) -> Callable[[], BaseException | None]:
+    """Start `call` on a daemon thread; what it returns waits for the call and gives what the call raised."""
     raised: list[BaseException | None] = []
 
     def run() -> None:
@@ -88,9 +94,13 @@ def raised_on_a_thread(call: Callable[[], object]) -> BaseException | None:
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    thread.join(GUARD)
-    assert raised, "the call never returned"
-    return raised[0]
+
+    def result() -> BaseException | None:
+        thread.join(GUARD)
+        assert raised, "the call never returned"
+        return raised[0]
+
+    return result
 
 
 @pytest.mark.parametrize("backend", DP_BACKENDS)
@@ -105,6 +115,27 @@ def test_admin_calls_after_shutdown_are_refused_not_left_waiting(checkpoint, bac
     for call in calls:
         error = raised_on_a_thread(call)
         assert isinstance(error, Unavailable) and "shut down" in str(error), error
+
+
+def test_a_wakeup_that_a_dead_rank_never_did_fails(checkpoint):
+    """A rank dies holding a Wakeup's request: the Wakeup fails UNAVAILABLE, as no loop woke there. It once
+    returned as if every rank had woken (and a Sleep so answered, as if every rank had freed its KV)."""
+    engine = Engine(EngineConfig(dtype="float32", kv_cache_tokens=512, engine_loops=1, dp_backend="process"),
+                    checkpoint=checkpoint)  # one rank: no peer whose own failure answers the Wakeup first
+    try:
+        engine.sleep(1)
+        rank = engine.ranks._procs[0].pid
+        os.kill(rank, signal.SIGSTOP)  # it takes nothing off its socket, and answers nothing
+        wakeup = on_a_thread(lambda: engine.wakeup(["kv_cache"]))
+        deadline = time.monotonic() + GUARD
+        while not any(r.kind is RequestKind.WAKE_KV for r in list(engine.ranks.queues[0]._inflight.values())):
+            assert time.monotonic() < deadline, "the Wakeup never reached the rank"
+            time.sleep(0.01)
+        os.kill(rank, signal.SIGKILL)
+        error = wakeup()
+        assert isinstance(error, Unavailable) and "engine rank" in str(error), error
+    finally:
+        engine.shutdown()
 
 
 def test_an_engine_shut_down_frees_its_master_port_at_once(checkpoint):

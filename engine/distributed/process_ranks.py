@@ -425,10 +425,10 @@ class ProcessRanks(Ranks):
         signals: list[Signal] = []
         for queue in self.queues:
             for request in queue.fail():
-                if request.kind is RequestKind.GENERATE:
-                    signals.append((request, RequestOutput(request.request_id, request.session_id, error=error)))
-                else:
+                if request.kind is RequestKind.KILL:  # its session has gone with the rank: the End is done
                     signals.append((request, RequestOutput("", request.session_id, finish_reason=FinishReason.STOP)))
+                else:  # a stream, or a Sleep's or Wakeup's part that this rank never did
+                    signals.append((request, RequestOutput(request.request_id, request.session_id, error=error)))
         self._gateway.notify(signals)
         self._tell_listeners(reason)
 
