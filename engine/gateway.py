@@ -19,7 +19,7 @@ import threading
 from collections import deque
 from typing import Callable, Iterator
 
-from .errors import EngineError, ResourceExhausted, SessionExists, Unavailable
+from .errors import EngineError, SessionExists, Unavailable
 from .distributed import HostComm, RedOp
 from .request import CancelFlag, FinishReason, Request, RequestKind, RequestOutput, Usage
 from .request_queue import RequestQueue
@@ -102,7 +102,7 @@ class Gateway:
             try:
                 if not self.enqueue(rank, request):
                     raise Unavailable("the engine is shutting down")
-            except (Unavailable, ResourceExhausted):  # refused: the session is free for its next turn
+            except Exception:  # refused (or it could not be sent): the session is free for its next turn
                 if not request.stateless:
                     self.binding.release(request.session_id, request)
                 raise

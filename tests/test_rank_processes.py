@@ -4,6 +4,7 @@ The session, cancel, end, sleep and stress tests run over processes too, through
 `sleepy` fixtures."""
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from multiprocessing.context import SpawnProcess
 from typing import Callable
 
 import grpc
@@ -136,6 +138,40 @@ def test_a_wakeup_that_a_dead_rank_never_did_fails(checkpoint):
         assert isinstance(error, Unavailable) and "engine rank" in str(error), error
     finally:
         engine.shutdown()
+
+
+def test_a_turn_that_cannot_cross_to_its_rank_is_refused_and_changes_nothing(process_ranks_server):
+    """A library caller's chat message holding a value no pickle carries: the turn is refused, and the
+    session's next turn runs (the refused one once left the session busy for ever)."""
+    engine = process_ranks_server.engine
+    sid = engine.start_session()
+    try:
+        with pytest.raises(InvalidRequest, match="cannot be sent"):
+            engine.submit([{"role": "user", "content": "Hi", "lock": threading.Lock()}], session_id=sid)
+        out = engine.generate([{"role": "user", "content": "Hi"}], SamplingParams(max_new_tokens=2, ignore_eos=True),
+                              session_id=sid)
+        assert len(out.token_ids) == 2
+    finally:
+        engine.end_session(sid)
+
+
+def test_a_rank_that_cannot_start_takes_the_started_ones_with_it(checkpoint, monkeypatch):
+    """The second rank's process cannot be made (no memory for it): the engine fails to start, and the first
+    rank, already started, is killed and reaped, not left waiting for its peer (and for ever joined at exit)."""
+    started = []
+    start = SpawnProcess.start
+
+    def start_or_fail(process: SpawnProcess) -> None:
+        if started:
+            raise OSError(errno.EAGAIN, "injected: no process can be made")
+        start(process)
+        started.append(process)
+
+    monkeypatch.setattr(SpawnProcess, "start", start_or_fail)
+    with pytest.raises(OSError, match="injected"):
+        Engine(EngineConfig(dtype="float32", kv_cache_tokens=512, engine_loops=2, dp_backend="process"),
+               checkpoint=checkpoint)
+    assert len(started) == 1 and started[0].exitcode is not None
 
 
 def test_an_engine_shut_down_frees_its_master_port_at_once(checkpoint):

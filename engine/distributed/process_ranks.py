@@ -30,7 +30,7 @@ import zmq
 
 from ..config import EngineConfig
 from ..engine_loop import LoopStats
-from ..errors import EngineError, InternalError, Unavailable
+from ..errors import EngineError, InternalError, InvalidRequest, Unavailable
 from ..gateway import Gateway, Signal, unanswered_output
 from ..request import CancelFlag, FinishReason, Request, RequestKind, RequestOutput
 from .gloo_comm import GlooComm, new_secret
@@ -61,14 +61,18 @@ class RemoteQueue:
         self._lock = threading.Lock()
 
     def push(self, request: Request) -> bool:
+        wire_id = next(self._ids)
+        try:  # before it counts as active: a request that cannot cross is refused, and changes nothing
+            message = pickle.dumps(("request", wire_id, request_fields(request)))
+        except Exception as exc:  # a library caller's chat message holding a value no pickle carries
+            raise InvalidRequest(f"the request cannot be sent to its engine rank: {exc}") from exc
         with self._lock:
             if self._closed:
                 return False
-            wire_id = next(self._ids)
             request.on_cancel = lambda: self.send(("cancel", wire_id))  # before a cancel can see it active
             if not request.cancel_flag.compare_exchange(CancelFlag.QUEUED, CancelFlag.ACTIVE):
                 return True  # cancelled before it left: the canceller has ended its stream
-            if not self._send(("request", wire_id, request_fields(request))):
+            if not self._send(message):
                 return False  # its rank process has gone: refused as at shutdown
             self._inflight[wire_id] = request
         self._ranks.wake_all_but(self.rank)
@@ -77,14 +81,14 @@ class RemoteQueue:
     def send(self, message: tuple) -> bool:
         """False when the rank process is not connected (gone, or not yet there): the message is dropped."""
         with self._lock:
-            return self._send(message)
+            return self._send(pickle.dumps(message))
 
-    def _send(self, message: tuple) -> bool:
+    def _send(self, message: bytes) -> bool:
         """Under `_lock`. Never blocks: a PUSH socket with no peer would wait for ever, lock held."""
         if self._socket.closed:
             return False
         try:
-            self._socket.send_pyobj(message, flags=zmq.NOBLOCK)
+            self._socket.send(message, flags=zmq.NOBLOCK)
             return True
         except zmq.Again:
             return False
@@ -99,7 +103,7 @@ class RemoteQueue:
         with self._lock:
             if not self._closed:
                 self._closed = True
-                self._send(("close",))
+                self._send(pickle.dumps(("close",)))
         return []
 
     def close_socket(self) -> None:
@@ -200,19 +204,20 @@ class ProcessRanks(Ranks):
         spawn = multiprocessing.get_context("spawn")
         self._procs = {spec.rank: spawn.Process(target=run_rank, args=(spec,), name=f"lmgate-rank-{spec.rank}", daemon=True)
                        for spec in self._specs if spec.node == 0}
-        for p in self._procs.values():
-            p.start()
         # An owner that exits without `shutdown` (an error before the server's handlers are in place, a script
         # that forgets it): at exit multiprocessing would SIGTERM these daemons, which ignore it, and join them
         # for ever, while they wait for this process to go. Killed first instead; after a shutdown, no-op.
         multiprocessing.util.Finalize(self, kill_processes, args=(list(self._procs.values()),), exitpriority=10)
-        log.info("engine ranks started as processes: %s", ", ".join(f"rank {i} pid {p.pid}" for i, p in self._procs.items()))
-        if self.remote:
-            log.info("waiting for ranks %s from nodes 1..%d (lmgate serve --nnodes %d --node-rank K --master-addr %s "
-                     "--master-port %d)", ", ".join(map(str, sorted(self.remote))), self.config.nnodes - 1,
-                     self.config.nnodes, self.config.master_addr, self._store.port)
         waiting = set(range(len(self._specs)))
         try:
+            for p in self._procs.values():
+                p.start()  # one that cannot start (no memory for it) leaves the started ones to the except below
+            log.info("engine ranks started as processes: %s",
+                     ", ".join(f"rank {i} pid {p.pid}" for i, p in self._procs.items()))
+            if self.remote:
+                log.info("waiting for ranks %s from nodes 1..%d (lmgate serve --nnodes %d --node-rank K --master-addr "
+                         "%s --master-port %d)", ", ".join(map(str, sorted(self.remote))), self.config.nnodes - 1,
+                         self.config.nnodes, self.config.master_addr, self._store.port)
             while waiting:
                 message = self._receive_during_start(waiting)
                 if message[0] == "failed":
@@ -465,8 +470,10 @@ class ProcessRanks(Ranks):
 
 
 def kill_processes(procs: Iterable[BaseProcess]) -> None:
-    """SIGKILL those still running, and reap them all."""
+    """SIGKILL those still running, and reap them all (those never started, there are none to reap)."""
     for p in procs:
+        if p.pid is None:
+            continue
         if p.is_alive():
             p.kill()
         p.join()
