@@ -218,8 +218,12 @@ class ProcessRanks(Ranks):
                 log.info("waiting for ranks %s from nodes 1..%d (lmgate serve --nnodes %d --node-rank K --master-addr "
                          "%s --master-port %d)", ", ".join(map(str, sorted(self.remote))), self.config.nnodes - 1,
                          self.config.nnodes, self.config.master_addr, self._store.port)
+            checked = time.monotonic()
             while waiting:
                 message = self._receive_during_start(waiting)
+                if time.monotonic() - checked >= HEARTBEAT_SECONDS:  # however busy the ready ranks' heartbeats
+                    checked = time.monotonic()
+                    self._check_nodes(waiting)
                 if message[0] == "failed":
                     raise message[2]
                 if message[0] != "ready":
@@ -252,9 +256,9 @@ class ProcessRanks(Ranks):
                 time.sleep(0.01)
 
     def _receive_during_start(self, waiting: set[int]) -> tuple:
-        """The next message (("tick",) after a quiet HEARTBEAT_SECONDS), or the error of a rank that exited:
-        a local one, or one another node reports (a remote rank sends nothing before it is ready). A local
-        one that said ready too, since it leaves when a peer it waits on in a collective has died."""
+        """The next message (("tick",) after a quiet HEARTBEAT_SECONDS), or the error of a local rank that
+        exited (a remote one sends nothing before it is ready: `_check_nodes`). One that said ready too, since
+        it leaves when a peer it waits on in a collective has died."""
         poller = zmq.Poller()
         poller.register(self._outputs, zmq.POLLIN)
         local = list(self._procs)
@@ -264,11 +268,6 @@ class ProcessRanks(Ranks):
         if self._outputs in ready:
             return self._outputs.recv_pyobj()
         if not ready:
-            for node in range(1, self.config.nnodes):
-                if self._store.check([node_failed_key(node)]):
-                    reason = self._store.get(node_failed_key(node)).decode()
-                    raise InternalError(f"node {node}: {reason} while starting; ranks {sorted(waiting)} had not "
-                                        "said ready")
             return ("tick",)
         rank = next(r for r in local if self._procs[r].sentinel in ready)
         deadline = time.monotonic() + EXIT_DRAIN_SECONDS
@@ -278,6 +277,14 @@ class ProcessRanks(Ranks):
                 return message
         raise InternalError(f"engine rank {rank} exited while starting (exit status {self._procs[rank].exitcode}); "
                             f"ranks {sorted(waiting)} had not said ready")
+
+    def _check_nodes(self, waiting: set[int]) -> None:
+        """Raise where another node reported a rank of its own that exited while starting (one killed sends
+        nothing)."""
+        for node in range(1, self.config.nnodes):
+            if self._store.check([node_failed_key(node)]):
+                reason = self._store.get(node_failed_key(node)).decode()
+                raise InternalError(f"node {node}: {reason} while starting; ranks {sorted(waiting)} had not said ready")
 
     # state -------------------------------------------------------------------------------------------------
 
