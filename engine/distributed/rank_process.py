@@ -368,6 +368,9 @@ def run_rank(spec: RankSpec) -> None:
     torch.set_num_threads(spec.num_threads)
     context = zmq.Context()
     outputs = context.socket(zmq.PUSH)
+    # Sends never block (the Outbox sends under its lock, which the heartbeat needs too): were a send to wait
+    # for a serving process that reads nothing, the main thread would stop watching for that process's end.
+    outputs.setsockopt(zmq.SNDHWM, 0)
     outputs.connect(spec.outputs_address)
     outbox = Outbox(outputs, spec.rank)
     try:
