@@ -270,7 +270,9 @@ class Gateway:
         if output.finished and request.kind is RequestKind.GENERATE:
             # A Cancel from now on, before the client has read it, cancels nothing. Only from ACTIVE: a cancelled
             # request stays CANCELLED, which its queue drops it by and its session's next turn is admitted by.
-            request.cancel_flag.compare_exchange(CancelFlag.ACTIVE, CancelFlag.FINISHED)
+            finished = request.cancel_flag.compare_exchange(CancelFlag.ACTIVE, CancelFlag.FINISHED)
+            if not finished and output.error is None:  # a Cancel after the loop's last word, told it cancelled
+                output.finish_reason = FinishReason.CANCELLED  # (its tokens stay in the history, as a cancel's do)
             if not request.stateless:
                 self.binding.release(request.session_id, request)
         try:

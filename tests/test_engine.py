@@ -662,6 +662,35 @@ def test_engine_stop_string_revealed_by_the_last_token_ends_with_stop(engine, to
     assert tokens_of(outs) == ref[: k + 1]
 
 
+def test_a_cancel_after_the_loops_last_word_ends_the_stream_cancelled(engine, tokenizer):
+    """A Cancel that lands after the loop finished the turn, while its last output still waits for delivery,
+    says it cancelled: the stream ends CANCELLED too (with every token, which the history keeps), never
+    LENGTH after a Cancel that answered True."""
+    first_seen, go_on, outs = threading.Event(), threading.Event(), []
+
+    def on_output(out) -> None:
+        outs.append(out)
+        if len(outs) == 1:  # the signal thread waits here: the turn's last output queues behind
+            first_seen.set()
+            go_on.wait()
+
+    request = engine.submit(tokenizer.encode("Once upon a time"), SamplingParams(max_new_tokens=2, ignore_eos=True),
+                            on_output=on_output)
+    first_seen.wait()
+    deadline = time.monotonic() + 60  # a guard against a hang only
+    while not engine.gateway._signals:  # the loop has handed over the last output
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert engine.cancel(request)
+    go_on.set()
+    deadline = time.monotonic() + 60
+    while not (outs and outs[-1].finished):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert outs[-1].finish_reason is FinishReason.CANCELLED
+    assert sum(len(o.token_ids) for o in outs) == 2
+
+
 def test_engine_stop_token_ids_end_generation(engine, tokenizer):
     prompt = tokenizer.encode("Once upon a time, there was a little")
     ref = engine.generate(prompt, GREEDY).token_ids
