@@ -10,7 +10,9 @@ from .wire import Delta
 class History:
     """Every turn's input and output, in the one form the session's turns take: prompt text, chat messages
     or token ids. Replayed as one input, it gives the same tokens as a stateless request over the whole
-    conversation, which is what the session's next turn would have seen."""
+    conversation, which is what the session's next turn would have seen. Prompt turns are replayed as their
+    text, which holds less than the server's history did where a turn's tokens went past its text: an
+    end-of-sequence or other special token, or what followed a stop string."""
 
     def __init__(self) -> None:
         self.kind: str | None = None  # "prompt", "messages" or "token_ids", set by the first turn

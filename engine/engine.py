@@ -167,13 +167,14 @@ class Engine:
 
     # requests ----------------------------------------------------------------------------------------------
 
-    def encode_prompt(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
+    def encode_prompt(self, prompt: Prompt, continuation: bool = False) -> list[int]:
         """Token ids of a text, id or chat-messages prompt (messages rendered alone), checked against the
-        vocabulary. A text gets the model's special tokens (a BOS) only with `add_special_tokens`."""
+        vocabulary. A text gets the model's special tokens (a BOS), unless it is a `continuation` of earlier
+        text (`Tokenizer.encode_continuation`)."""
         if not prompt:  # before encoding: an empty text would still encode to a BOS
             raise InvalidRequest("the prompt is empty")
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens)
+            ids = self.tokenizer.encode_continuation(prompt) if continuation else self.tokenizer.encode(prompt)
         elif chat.is_chat(prompt):
             ids = chat.render_ids(self.tokenizer, prompt)
         else:
@@ -201,13 +202,13 @@ class Engine:
 
         Chat messages in a session are the turn's new messages: the session keeps its conversation and each
         turn renders the whole of it (engine/chat.py). A session's text turn continues its context, so only
-        its first gets the model's special tokens (a BOS), as a stateless text prompt does. `session_epoch`:
+        its first is encoded as a stateless text prompt is (a BOS; a SentencePiece space). `session_epoch`:
         the copy of the session the caller's history belongs to (else SessionStale); None: any."""
         params = params or SamplingParams()
-        ids = self.encode_prompt(prompt, add_special_tokens=not session_id)
-        # a BOS, counted here as if this were the session's first turn, which a later turn's history outweighs
-        first_turn_ids = list(self.tokenizer.prefix_ids) if session_id and isinstance(prompt, str) else []
-        self._check_request(first_turn_ids + ids, params)
+        ids = self.encode_prompt(prompt, continuation=bool(session_id))
+        # What a text turn is instead, should it be its session's first: encoded as a stateless prompt is
+        first_turn_ids = self.encode_prompt(prompt) if session_id and isinstance(prompt, str) else []
+        self._check_request(max(ids, first_turn_ids, key=len), params)
         stream = None if on_output else Stream(self)
         request = Request(
             RequestKind.GENERATE, session_id, on_output or stream.put, request_id, ids, params, stateless=not session_id,

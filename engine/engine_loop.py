@@ -278,8 +278,8 @@ class EngineLoop:
         if session.active is not None:
             self._emit(request, RequestOutput(request.request_id, request.session_id, error=SessionBusy(f"session {request.session_id} is already generating")))
             return
-        if not session.token_ids:  # a session's first text turn starts as a stateless prompt does
-            request.input_ids = request.first_turn_ids + request.input_ids
+        if not session.token_ids and request.first_turn_ids:  # a first text turn, as a stateless prompt
+            request.input_ids = request.first_turn_ids
         try:
             keep, conversation = len(session.token_ids), None
             if request.messages is not None:

@@ -111,8 +111,8 @@ class Request:
     stateless: bool = True
     session_epoch: int | None = None  # the copy of the session the caller's history belongs to (None: any)
     messages: list[dict] | None = None  # a session turn given as chat messages (chat.py); input_ids set by its loop
-    # A session's text turn: the special tokens a stateless prompt would start with (a BOS, where the model
-    # has one), put before input_ids by its loop if the session holds no tokens yet (its first turn).
+    # A session's text turn: its ids as a stateless prompt's (a BOS, where the model has one; a SentencePiece
+    # space), which its loop takes instead of input_ids if the session holds no tokens yet (its first turn).
     first_turn_ids: list[int] = field(default_factory=list)
     unique_id: int = -1  # assigned by Gateway.pop, monotonically increasing
     cancel_flag: CancelFlag = field(default_factory=CancelFlag)

@@ -80,6 +80,7 @@ class Tokenizer:
         added_by_backend = bos_token_id in backend.encode("", add_special_tokens=True).ids
         self._prepend_bos = add_bos_token and bos_token_id is not None and not added_by_backend
         self.prefix_ids: tuple[int, ...] = tuple(self.encode(""))  # what every text's encoding starts with (a BOS)
+        self._anchor = self._continuation_anchor()
 
     # ----------------------------------------------------------------- loading
     @classmethod
@@ -172,6 +173,28 @@ class Tokenizer:
         if add_special_tokens and self._prepend_bos:
             ids.insert(0, self.bos_token_id)
         return ids
+
+    def encode_continuation(self, text: str) -> list[int]:
+        """`text` as it continues earlier text (a session's later turn): no special tokens, and none of the
+        space ("▁") a SentencePiece tokenizer puts before the start of a text, which would make " world" after
+        "Hello" two spaces. Encoded after a special token that is then dropped, as transformers' Llama
+        tokenizer does with its unk token."""
+        if self._anchor is None:
+            return self.encode(text, add_special_tokens=False)
+        return self._backend.encode(self._anchor + text, add_special_tokens=False).ids[1:]
+
+    def _continuation_anchor(self) -> str | None:
+        """A special token's text after which text encodes as a continuation; None where a text's start gets
+        no space of its own (byte-level BPE), or where none helps (a normalizer that prepends the space to
+        every piece of text)."""
+        start = self._backend.encode("a", add_special_tokens=False)
+        if not start.tokens or not start.tokens[0].startswith("▁"):
+            return None
+        for token_id in sorted(self._special_ids):
+            anchor = self._backend.id_to_token(token_id)
+            if self._backend.encode(anchor + " a", add_special_tokens=False).ids == [token_id, *start.ids]:
+                return anchor
+        return None
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

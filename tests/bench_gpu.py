@@ -453,9 +453,12 @@ def cpu_seconds(pid: int) -> tuple[float, float]:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     children = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            children += [int(c) for c in f.read().split()]
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children += [int(c) for c in f.read().split()]
+    except OSError:  # a kernel without CONFIG_PROC_CHILDREN: the rank processes' share is unknown
+        return used(pid), math.nan
     return used(pid), sum(used(c) for c in children)
 
 

@@ -37,15 +37,18 @@ $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . ||
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
 $PY - <<'EOF' || exit 1
-import google.protobuf, grpc, torch, transformers
+import google.protobuf, grpc, tokenizers, torch, transformers
+from tokenizers.decoders import DecodeStream
 import lmgate.service.server  # every import the server needs
+DecodeStream(ids=[0], skip_special_tokens=True)  # the detokenizer's prefilled stream (tokenizers 0.22 and newer)
 try:
     import triton
     triton_version = triton.__version__
 except ImportError:
     triton_version = "none"
 print(f"torch {torch.__version__}, cuda {torch.version.cuda}, triton {triton_version}, transformers "
-      f"{transformers.__version__}, grpcio {grpc.__version__}, protobuf {google.protobuf.__version__}")
+      f"{transformers.__version__}, tokenizers {tokenizers.__version__}, grpcio {grpc.__version__}, protobuf "
+      f"{google.protobuf.__version__}")
 print("GPU:", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")
 EOF
 

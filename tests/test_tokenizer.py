@@ -188,6 +188,21 @@ def test_tokenizer_llama_gguf_encodes_with_bos_and_byte_fallback(tmp_path):
     assert tok.decode(emoji_ids) == "hello 🙂"
 
 
+def test_a_continuation_gets_no_space_before_its_start(tmp_path, tokenizer):
+    """A session's later text turn continues its history: a SentencePiece tokenizer puts a space ("▁") before
+    a text's start, so "world" after "hello" would read " world" (and "\nQ:" as " \nQ:"). A byte-level one
+    puts none."""
+    path = str(tmp_path / "tiny.gguf")
+    _tiny_llama_gguf(path)
+    tok = Tokenizer.from_gguf(gguf.GGUFReader(path))
+    assert tok.convert_ids_to_tokens(tok.encode("world", add_special_tokens=False)) == ["▁world"]
+    assert tok.decode(tok.encode("hello", add_special_tokens=False) + tok.encode_continuation("world")) == "helloworld"
+    assert tok.encode("hello", add_special_tokens=False) + tok.encode_continuation(" world") == \
+        tok.encode("hello world", add_special_tokens=False)
+    for text in (" world", "world", "\n\nA: yes", "2 + 2"):
+        assert tokenizer.encode_continuation(text) == tokenizer.encode(text, add_special_tokens=False)
+
+
 def test_tokenizer_gguf_rejects_unsupported_model(tmp_path):
     path = str(tmp_path / "bert.gguf")
     writer = gguf.GGUFWriter(path, "bert")
