@@ -111,9 +111,8 @@ def test_admin_calls_after_shutdown_are_refused_not_left_waiting(checkpoint, bac
     UNAVAILABLE. A weight call that slipped past the engine's check (racing with shutdown) too."""
     engine = Engine(EngineConfig(dtype="float32", kv_cache_tokens=512, dp_backend=backend), checkpoint=checkpoint)
     engine.shutdown()
-    calls = [lambda: engine.sleep(1), engine.wakeup, lambda: engine.update_weights(embedded_model_path())]
-    if backend == "process":
-        calls.append(engine.ranks.offload_weights)
+    calls = [lambda: engine.sleep(1), engine.wakeup, lambda: engine.update_weights(embedded_model_path()),
+             engine.ranks.restore_weights]  # as a Wakeup past the engine's check would: no model loaded again
     for call in calls:
         error = raised_on_a_thread(call)
         assert isinstance(error, Unavailable) and "shut down" in str(error), error

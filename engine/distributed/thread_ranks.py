@@ -1,12 +1,15 @@
 """`ThreadRanks`: each data-parallel rank an `EngineLoop` thread of this process, all reading one model."""
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 
 import torch
 
 from ..config import EngineConfig
 from ..engine_loop import EngineLoop, LoopStats
+from ..errors import Unavailable
 from ..gateway import Gateway
 from ..loader import Checkpoint
 from ..memory import release_host_memory
@@ -35,6 +38,11 @@ class ThreadRanks(Ranks):
         self.loops: list[EngineLoop] = []
         self._threads: list[threading.Thread] = []
         self._failure_lock = threading.Lock()  # guards `failure`; a leaf
+        # Held across each weight call and shutdown's drop, and guards `_shut_down`: a Wakeup or UpdateWeights
+        # that raced with shutdown would load the weights again after they were freed. Taken under
+        # `Engine._admin_lock` or none, and nothing is taken under it.
+        self._weights_lock = threading.Lock()
+        self._shut_down = False
 
     def start(self, gateway: Gateway) -> None:
         comms = ThreadComm.create_group(self.config.engine_loops)
@@ -62,17 +70,28 @@ class ThreadRanks(Ranks):
         return [loop.stats() for loop in self.loops]
 
     def offload_weights(self) -> None:
-        self.weights.offload()
+        with self._open_weights():
+            self.weights.offload()
 
     def drop_weights(self) -> None:
-        self.weights.drop()
-        release_host_memory()  # as a rank process does: freed tensors otherwise stay resident
+        with self._open_weights():
+            self.weights.drop()
+            release_host_memory()  # as a rank process does: freed tensors otherwise stay resident
 
     def restore_weights(self) -> None:
-        self.weights.restore()
+        with self._open_weights():
+            self.weights.restore()
 
     def load_weights(self, path: str) -> None:
-        self.weights.load(path)
+        with self._open_weights():
+            self.weights.load(path)
+
+    @contextlib.contextmanager
+    def _open_weights(self) -> Iterator[None]:
+        with self._weights_lock:
+            if self._shut_down:
+                raise Unavailable("the engine has shut down")
+            yield
 
     @property
     def weights_bytes(self) -> int:
@@ -83,4 +102,6 @@ class ThreadRanks(Ranks):
             t.join()
         for loop in self.loops:
             loop.runner.release_kv_cache()
-        self.weights.drop()
+        with self._weights_lock:  # after a weight call in flight, which would otherwise undo this
+            self._shut_down = True
+            self.weights.drop()
