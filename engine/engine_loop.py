@@ -386,15 +386,15 @@ class EngineLoop:
             out.token_ids.append(token)
             if lp is not None:
                 out.logprobs.append(TokenLogprob(token, lp[0], lp[1]))
-            reason = FinishReason.STOP if token in seq.stop_ids else None
-            stop_hit = False
-            if reason is None or token not in seq.eos_ids:  # a stop_token_ids token shows as any token does
+            reason, stop_hit = None, False
+            if token in seq.stop_ids:
+                reason = FinishReason.STOP
+            else:
                 text, stop_hit = seq.detokenizer.step([token])
                 out.text += text
                 if stop_hit:
                     reason = FinishReason.STOP
-                elif reason is None and (seq.num_output >= seq.max_new_tokens
-                                         or len(seq.token_ids) >= self.max_context_length):
+                elif seq.num_output >= seq.max_new_tokens or len(seq.token_ids) >= self.max_context_length:
                     reason = FinishReason.LENGTH
             if reason is not None:
                 if not stop_hit:

@@ -65,7 +65,6 @@ class Sequence(HoldsKV):
         self.block_table, self.num_computed, self.block_hashes = session.block_table, session.num_computed, session.block_hashes
         self.keyable = session.keyable
         self.max_new_tokens = max_new_tokens
-        self.eos_ids = eos_ids  # the model's: they end a turn unseen, where they end it
         self.stop_ids = frozenset(self.params.stop_token_ids) | (frozenset() if self.params.ignore_eos else eos_ids)
         self.detokenizer = detokenizer
         self.seed = self.params.seed if self.params.seed is not None else random.getrandbits(64)  # sampling.uniform
