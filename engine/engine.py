@@ -110,8 +110,12 @@ class Engine:
         self.model_path, self.model_config, self.tokenizer = ckpt.path, ckpt.config, ckpt.tokenizer
         # The ids a request may use: both the tokenizer and the model's embedding must know them.
         self.vocab_size = min(ckpt.tokenizer.vocab_size, ckpt.config.vocab_size)
-        self.sleeping: set[str] = set()  # of SLEEP_TAGS; written only under _admin_lock
+        self.sleeping: set[str] = set()  # of SLEEP_TAGS, asleep or partly (a Sleep failed on the way); under _admin_lock
+        self._slept: set[str] = set()  # of those, the ones whose Sleep completed (a Sleep again leaves them be)
         self._admin_lock = threading.Lock()  # serializes sleep / wakeup / update_weights; loops never take it
+        # Sleep calls that have closed admission and not yet ended: a Wakeup ending meanwhile must not reopen it.
+        self._sleeps_pending = 0
+        self._pending_lock = threading.Lock()  # guards _sleeps_pending; taken under _admin_lock or alone
         self._shut_down = False  # set once by `shutdown`; admin calls read it under _admin_lock
         if not config.kv_cache_tokens:
             tokens = auto_kv_cache_tokens(config, ckpt.config, self.dtype, self.kv_dtype)
@@ -316,22 +320,31 @@ class Engine:
         (weights kept in host memory), level 2 the weights too. Returns once the memory is released."""
         if level not in (1, 2):
             raise InvalidRequest(f"sleep level must be 1 or 2, got {level}")
-        with self._admin():
+        with self._pending_lock:  # at once, even while another admin call holds the engine
+            self._sleeps_pending += 1
             self.gateway.close_admission(SLEEP_GATE, "the engine is asleep: call Admin.Wakeup first")
-            # Each part counts as asleep before it is put to sleep: one that fails on some rank after others
-            # slept is then still woken whole by Wakeup (waking a part that is awake changes nothing).
-            if "kv_cache" not in self.sleeping:
-                self.sleeping.add("kv_cache")
-                try:
-                    self.gateway.control(RequestKind.SLEEP)  # each loop: cancel, end sessions, free its KV
-                finally:
-                    self.gateway.binding.clear()  # a loop that failed to free its KV has ended its sessions too
-            if "weights" not in self.sleeping:
-                self.sleeping.add("weights")
-                self.ranks.offload_weights()
-            if level == 2:
-                self.ranks.drop_weights()
-            log.info("asleep at level %d", level)
+        try:
+            with self._admin():
+                # A part counts as asleep before it is put to sleep: one that fails on some rank after others
+                # slept is still woken whole by Wakeup, and put to sleep again by the next Sleep (either, done
+                # to a part already so, changes nothing).
+                for part, put_to_sleep in (("kv_cache", self._sleep_kv_cache), ("weights", self.ranks.offload_weights)):
+                    if part not in self._slept:
+                        self.sleeping.add(part)
+                        put_to_sleep()
+                        self._slept.add(part)
+                if level == 2:
+                    self.ranks.drop_weights()
+                log.info("asleep at level %d", level)
+        finally:
+            with self._pending_lock:
+                self._sleeps_pending -= 1
+
+    def _sleep_kv_cache(self) -> None:
+        try:
+            self.gateway.control(RequestKind.SLEEP)  # each loop: cancel, end sessions, free its KV
+        finally:
+            self.gateway.binding.clear()  # a loop that failed to free its KV has ended its sessions too
 
     def wakeup(self, tags: list[str] | tuple[str, ...] = ()) -> None:
         """Restore the given tags (none: all); admission reopens only once nothing sleeps."""
@@ -343,11 +356,14 @@ class Engine:
             if "weights" in wanted:
                 self.ranks.restore_weights()
                 self.sleeping.discard("weights")
+                self._slept.discard("weights")
             if "kv_cache" in wanted:
                 self.gateway.control(RequestKind.WAKE_KV)
                 self.sleeping.discard("kv_cache")
-            if not self.sleeping:
-                self.gateway.open_admission(SLEEP_GATE)
+                self._slept.discard("kv_cache")
+            with self._pending_lock:
+                if not self.sleeping and not self._sleeps_pending:
+                    self.gateway.open_admission(SLEEP_GATE)
             log.info("woke %s; still asleep: %s", sorted(wanted), sorted(self.sleeping))
 
     def update_weights(self, path: str) -> None:

@@ -102,9 +102,9 @@ def test_wakeup_weights_only_keeps_admission_closed_then_output_unchanged(sleepy
 
 
 def test_a_sleep_that_fails_part_way_is_woken_whole(sleepy, monkeypatch):
-    """One loop cannot free its KV cache, then the weights cannot be offloaded: each Sleep fails INTERNAL,
-    after the other loop slept. Wakeup still wakes every part, and no session lives on: a turn of a session
-    from before is NOT_FOUND (its loop ended it), never run over an empty history."""
+    """One loop cannot free its KV cache: the Sleep fails INTERNAL, after the other loop slept. A Sleep again
+    frees it, though the weights then cannot be offloaded. Wakeup still wakes every part, and no session lives
+    on: a turn of a session from before is NOT_FOUND (its loop ended it), never run over an empty history."""
     if sleepy.engine.config.dp_backend != "thread":
         pytest.skip("a loop's runner is replaced in this process: ranks as threads only")
     stub, adm, engine = sleepy.stub(), admin(sleepy), sleepy.engine
@@ -123,6 +123,7 @@ def test_a_sleep_that_fails_part_way_is_woken_whole(sleepy, monkeypatch):
     monkeypatch.setattr(engine.ranks, "offload_weights", fails)
     monkeypatch.setattr(engine.ranks, "restore_weights", lambda real=engine.ranks.restore_weights: restored.append(real()))
     assert code_of(lambda: adm.Sleep(pb.SleepRequest(level=1))) == grpc.StatusCode.INTERNAL
+    assert stub.Info(pb.InfoRequest()).kv_cache_bytes == 0  # the Sleep again freed what the first could not
     adm.Wakeup(pb.WakeupRequest())
     monkeypatch.undo()
     assert restored and not stub.Info(pb.InfoRequest()).sleeping
@@ -343,8 +344,9 @@ def test_health_follows_an_admin_call_whose_caller_left(sleepy):
 
 
 def test_health_stays_not_serving_while_a_sleep_waits_behind_another_admin_call(sleepy):
-    """From the moment Sleep is called, health says NOT_SERVING: another admin call that ends meanwhile (here
-    one refused at once) must not turn it back to SERVING while the Sleep has still to run."""
+    """From the moment Sleep is called, health says NOT_SERVING and new work is refused: another admin call
+    that ends meanwhile (here one refused at once) must not turn it back to SERVING while the Sleep has still
+    to run."""
     adm = admin(sleepy)
     not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
     with sleepy.engine._admin_lock:  # the Sleep waits here
@@ -354,6 +356,7 @@ def test_health_stays_not_serving_while_a_sleep_waits_behind_another_admin_call(
             assert time.monotonic() < guard, "the Sleep never reached the engine"
             time.sleep(0.01)
         assert health_of(sleepy, "lmgate.v1.Inference") == not_serving
+        assert code_of(lambda: greedy(sleepy.stub())) == grpc.StatusCode.UNAVAILABLE  # admission closed already
         assert code_of(lambda: adm.UpdateWeights(pb.UpdateWeightsRequest(path=""))) == grpc.StatusCode.INVALID_ARGUMENT
         assert health_of(sleepy, "lmgate.v1.Inference") == not_serving
     sleeping.result(timeout=60)
