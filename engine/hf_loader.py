@@ -11,6 +11,10 @@ from .config import ModelConfig
 from .errors import UnsupportedModel
 
 
+# Buffers older transformers saved with the weights, which transformers (and vLLM) ignore when loading.
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
 def read_hf_config(path: Path) -> ModelConfig:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
@@ -37,5 +41,10 @@ def read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
         raise UnsupportedModel(f"{path} has no *.safetensors files")
     weights: dict[str, torch.Tensor] = {}
     for file in files:
-        weights.update(load_file(str(file)))
+        for name, tensor in load_file(str(file)).items():
+            if name.endswith(IGNORED_SUFFIXES):
+                continue
+            # A copy: `load_file` maps the file, and a tensor the model keeps as it is (its dtype already the
+            # served one) would read it for ever, changing as the file is written over, dying when it shrinks.
+            weights[name] = tensor.clone()
     return weights

@@ -570,7 +570,7 @@ def _break(weights: dict[str, torch.Tensor], how: str) -> dict[str, torch.Tensor
     elif how == "missing_layer":
         weights = {k: v for k, v in weights.items() if ".layers.1." not in k}
     elif how == "unexpected_tensor":
-        weights["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+        weights["model.layers.0.self_attn.gate.weight"] = torch.ones(8)
     return weights
 
 
@@ -584,6 +584,26 @@ _MISFITS = {
     "missing_layer": _MISSING,  # a checkpoint with fewer layers than its config says
     "unexpected_tensor": _UNEXPECTED,
 }
+
+
+def test_a_checkpoint_loads_into_memory_of_its_own(tiny_models, tmp_path):
+    """The rotary buffers older transformers saved (`rotary_emb.inv_freq`) are ignored, as transformers does;
+    and the weights are the file's as it was read: a file written over in place afterwards (a `cp` of the next
+    checkpoint onto it) changes nothing in them."""
+    source = tiny_models("llama")
+    path = tmp_path / "model"
+    shutil.copytree(source.path, path)
+    weights = safetensors.torch.load_file(str(path / "model.safetensors"))
+    weights["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    safetensors.torch.save_file(weights, str(path / "model.safetensors"))
+    ckpt = load_checkpoint(str(path))
+    assert not any("rotary_emb" in name for name in ckpt.weights)
+    loaded = {k: v.clone() for k, v in ckpt.weights.items()}
+    size = (path / "model.safetensors").stat().st_size
+    with open(path / "model.safetensors", "r+b") as f:
+        f.seek(size // 2)
+        f.write(bytes(size - size // 2))
+    assert all(torch.equal(ckpt.weights[k], v) for k, v in loaded.items())
 
 
 @pytest.mark.parametrize("how", list(_MISFITS))
