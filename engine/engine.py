@@ -367,15 +367,21 @@ class Engine:
             log.info("woke %s; still asleep: %s", sorted(wanted), sorted(self.sleeping))
 
     def update_weights(self, path: str) -> None:
-        """Replace the weights with a checkpoint of the same shape; a mismatch is refused, the old ones stay.
-        Loops pick the new model up at their next step; a step in flight finishes on the old one."""
+        """Replace the weights with a checkpoint of the same shape, run with its own settings (RoPE, norm eps);
+        a mismatch, or a context shorter than the one served, is refused and the old ones stay. Loops pick
+        the new model up at their next step; a step in flight finishes on the old one. The tokenizer stays."""
         if not path:
             raise InvalidRequest("path is required: a Hugging Face model directory or a .gguf file")
         with self._admin():
             if "weights" in self.sleeping:
                 raise Unavailable("the weights are asleep: call Admin.Wakeup with tag 'weights' first")
-            _check_same_shape(read_config(path), self.model_config)
+            new = read_config(path)
+            _check_same_shape(new, self.model_config)
+            if new.max_position_embeddings < self.max_context_length:
+                raise UnsupportedModel(f"checkpoint takes {new.max_position_embeddings} tokens of context, fewer "
+                                       f"than the {self.max_context_length} served: start a server with it instead")
             self.ranks.load_weights(path)
+            self.model_path, self.model_config = path, new
 
     @property
     def weights_bytes(self) -> int:

@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from .config import EngineConfig
+from .config import EngineConfig, ModelConfig
 from .kernels import compiler_found, load_cpu_kernels
 from .loader import Checkpoint, load_checkpoint
 from .memory import empty_device_cache
@@ -74,7 +74,8 @@ class LocalWeights:
         self.int8_activations = int8_activations and self.quantized  # every step rounds x to int8
         self.path = ckpt.path  # where a dropped model is loaded again from; follows `load`
         self.tp = tp
-        self.config = shard_config(ckpt.config, tp.shard) if tp else ckpt.config  # the model this process runs
+        # The shapes of every model this process runs (its KV cache's); each is built with its own config
+        self.config = self._config_of(ckpt)
         self.runners: list[ModelRunner] = []
         self.model: LlamaForCausalLM | None = self._build(ckpt)
         # a rank process's loads: by version until installed, each with the `path` it followed
@@ -136,11 +137,16 @@ class LocalWeights:
             return 0
         return count_weight_bytes(self.model)
 
+    def _config_of(self, ckpt: Checkpoint) -> ModelConfig:
+        """The checkpoint's config, as this process's shard of it."""
+        return shard_config(ckpt.config, self.tp.shard) if self.tp else ckpt.config
+
     def _build(self, ckpt: Checkpoint) -> LlamaForCausalLM:
         """Off the calling thread, as loading is: engine/threads.py says why. A tensor-parallel rank builds its
         shard, whose decoder layers sum their row-parallel outputs over the group (so they run as modules)."""
         weights = shard_weights(expand_blocks(ckpt.weights), ckpt.config, self.tp.shard) if self.tp else ckpt.weights
-        model = on_fresh_thread(lambda: build_model(self.config, weights, self.dtype, self.device, self.batch_hint,
+        config = self._config_of(ckpt)  # its own RoPE, norm eps, tied head
+        model = on_fresh_thread(lambda: build_model(config, weights, self.dtype, self.device, self.batch_hint,
                                                     self.quantized, self.int8_activations))
         if self.tp:
             model.fused_decode = None  # its layers know no all-reduce

@@ -22,7 +22,9 @@ from prometheus_client import start_http_server
 from safetensors.torch import save_file
 
 from lmgate.engine.config import DP_BACKENDS, EngineConfig
+from lmgate.engine.engine import Engine
 from lmgate.engine.models import expand_blocks
+from lmgate.engine.sampling import SamplingParams
 from lmgate.service.auth import is_loopback_peer
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
@@ -216,6 +218,12 @@ def checkpoints(tmp_path_factory, gguf_path, checkpoint):
     return {
         "changed": save_hf_dir(root / "changed", checkpoint.config, changed, str(tokenizer_dir)),
         "other_shape": save_hf_dir(root / "other_shape", small_config, small, str(tokenizer_dir)),
+        # the same weights run with other settings, as Mistral 7B v0.1 and v0.2 share their shapes
+        "other_rope": save_hf_dir(root / "other_rope", dataclasses.replace(checkpoint.config, rope_theta=500.0),
+                                  weights, str(tokenizer_dir)),
+        "short_context": save_hf_dir(root / "short_context",
+                                     dataclasses.replace(checkpoint.config, max_position_embeddings=1024),
+                                     weights, str(tokenizer_dir)),
         "original": gguf_path,
     }
 
@@ -233,6 +241,28 @@ def test_update_weights_changes_output_and_back(sleepy, checkpoints):
     changed = greedy(stub)
     assert changed != original
     adm.UpdateWeights(pb.UpdateWeightsRequest(path=checkpoints["original"]))
+    assert greedy(stub) == original
+
+
+def test_update_weights_runs_the_new_checkpoint_with_its_own_settings(sleepy, checkpoints):
+    """A checkpoint of the same shapes with another rope_theta runs with its own: its tokens are those of an
+    engine that served it from the start (it ran with the served model's). One whose context is shorter than
+    the server's is refused."""
+    stub, adm = sleepy.stub(), admin(sleepy)
+    original = greedy(stub)
+    with Engine(EngineConfig(model=checkpoints["other_rope"], dtype="float32", kv_cache_tokens=1024)) as alone:
+        want = alone.generate(list(PROMPT.ids), SamplingParams(max_new_tokens=GREEDY.max_new_tokens,
+                                                              ignore_eos=True)).token_ids
+    try:
+        adm.UpdateWeights(pb.UpdateWeightsRequest(path=checkpoints["other_rope"]))
+        assert greedy(stub) == want != original
+        assert stub.Info(pb.InfoRequest()).model == checkpoints["other_rope"]
+        with pytest.raises(grpc.RpcError) as err:
+            adm.UpdateWeights(pb.UpdateWeightsRequest(path=checkpoints["short_context"]))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "context" in err.value.details()
+        assert greedy(stub) == want
+    finally:
+        adm.UpdateWeights(pb.UpdateWeightsRequest(path=checkpoints["original"]))
     assert greedy(stub) == original
 
 

@@ -369,7 +369,9 @@ class AdminServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UpdateWeights(self, request, context):
-        """Loads new weights of the same architecture (while awake, or after a weights-only wake-up).
+        """Loads new weights of the same architecture (while awake, or after a weights-only wake-up), run with
+        their checkpoint's own settings (RoPE, norm eps); the tokenizer stays the served one. A checkpoint of
+        other shapes, or of a context shorter than the one served, is refused (INVALID_ARGUMENT).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
