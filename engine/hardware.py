@@ -91,15 +91,18 @@ def _read_cpuinfo() -> tuple[str, frozenset[str]]:
 
 def choose_dtype(requested: str, device: torch.device, features: CpuFeatures | None = None,
                  quantized_weights: bool = False) -> tuple[torch.dtype, str]:
-    """The weights' and KV cache's dtype, and why. `auto`: bfloat16 on CUDA and on CPUs with bf16 arithmetic
-    in hardware, float32 elsewhere (emulated bf16 runs several times slower than float32), and float32 where a
-    GGUF's quantized weights stay blocks (`quantized_weights`): their kernels compute in float32, and bfloat16
-    would expand the blocks (5x the bytes a decoded token reads)."""
+    """The weights' and KV cache's dtype, and why. `auto`: bfloat16 on CUDA (float16 before Ampere) and on CPUs
+    with bf16 arithmetic in hardware, float32 elsewhere (emulated bf16 runs several times slower than float32),
+    and float32 where a GGUF's quantized weights stay blocks (`quantized_weights`): their kernels compute in
+    float32, and bfloat16 would expand the blocks (5x the bytes a decoded token reads)."""
     if requested != "auto":
         if requested not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {requested!r}")
         return DTYPES[requested], f"asked for {requested}"
     if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 8:  # before Ampere: no bf16 in hardware (nor in Triton's dot there)
+            return torch.float16, f"auto: float16 on a CUDA device of compute capability {major}.{minor}, without bf16"
         return torch.bfloat16, "auto: bfloat16 on CUDA"
     if quantized_weights:
         return torch.float32, "auto: float32, in which the kernels read the GGUF's quantized weights (--weights)"

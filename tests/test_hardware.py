@@ -39,8 +39,14 @@ def test_auto_dtype_follows_cpu_flags(arch, flags, want):
     assert dtype == want and why.startswith("auto:")
 
 
-def test_auto_dtype_is_bfloat16_on_cuda_and_explicit_dtypes_are_kept():
-    assert choose_dtype("auto", CUDA, x86(AVX2))[0] == torch.bfloat16
+@pytest.mark.parametrize("capability, want", [((9, 0), torch.bfloat16), ((8, 0), torch.bfloat16), ((7, 5), torch.float16)])
+def test_auto_dtype_on_cuda_is_bfloat16_from_ampere_on_else_float16(monkeypatch, capability, want):
+    """The device's compute capability as the driver reports it (stood in for here: this machine has no GPU)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert choose_dtype("auto", CUDA, x86(AVX2))[0] == want
+
+
+def test_explicit_dtypes_are_kept():
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float16)):
         assert choose_dtype(name, CPU, x86(AVX2)) == (dtype, f"asked for {name}")
     with pytest.raises(ValueError, match="auto"):
