@@ -81,7 +81,38 @@ def _one_of(*values: str, convert: Callable[[str], str] = str) -> Callable[[str]
 
 def _host(text: str) -> str:
     """An address to listen on, an IPv6 one with or without brackets ("::", "[::1]"); kept without them."""
-    return text[1:-1] if text.startswith("[") and text.endswith("]") else text
+    host = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+    if not host:
+        raise argparse.ArgumentTypeError("is empty: give an address (127.0.0.1, ::1, 0.0.0.0, ::)")
+    return host
+
+
+def _optional(text: str) -> str | None:
+    """A path whose empty value (an LMGATE_* variable set to "") means unset."""
+    return text or None
+
+
+_optional.__name__ = "path"
+
+
+def _header_value(text: str) -> str:
+    """A value sent in a gRPC header: printable ASCII, with no space at either end (which no header keeps)."""
+    if not text or not text.isascii() or not text.isprintable() or text != text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} cannot go in a header: printable ASCII, no space at either end")
+    return text
+
+
+_header_value.__name__ = "header value"
+
+
+def _secret(text: str) -> str:
+    """An API key or admin token: a header value a client can send (a secret file's trailing newline is not)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty: give a secret, or leave it unset")
+    return _header_value(text)
+
+
+_secret.__name__ = "secret"
 
 
 def _address(host: str, port: int) -> str:
@@ -101,7 +132,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="lmgate serve", description="Serve a language model over gRPC. Every flag "
                                  "has an environment variable, LMGATE_<FLAG> (in brackets).",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--model", default=_env("MODEL", None), help="HF model directory or .gguf file; unset: the embedded SmolLM2-135M-Instruct [LMGATE_MODEL]")
+    ap.add_argument("--model", type=_optional, default=_env("MODEL", None), help="HF model directory or .gguf file; unset: the embedded SmolLM2-135M-Instruct [LMGATE_MODEL]")
     ap.add_argument("--host", type=_host, default=_env("HOST", "127.0.0.1"), help="address to listen on: IPv4 or IPv6 (::1, or :: for every address of both families) [LMGATE_HOST]")
     ap.add_argument("--port", type=PORT, default=_env("PORT", 50051), help="port; 0 picks a free one [LMGATE_PORT]")
     ap.add_argument("--engine-loops", type=COUNT, default=_env("ENGINE_LOOPS", 1), help="data-parallel engine loops, each with its own KV cache [LMGATE_ENGINE_LOOPS]")
@@ -128,12 +159,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prefix-caching", default=_env("PREFIX_CACHING", "on"), type=ON_OFF, metavar="{on,off}", help="on: prompts that start with the same tokens (a system prompt, a few-shot preamble, a retry) share their full KV blocks [LMGATE_PREFIX_CACHING]")
     ap.add_argument("--threads", type=_ranged(int, 0), default=_env("THREADS", 0), help="torch threads, split between engine loops; 0: the CPUs this process may use (affinity and cgroup quota) [LMGATE_THREADS]")
     ap.add_argument("--device", default=_env("DEVICE", "cpu"), help="cpu, cuda or cuda:N [LMGATE_DEVICE]")
-    ap.add_argument("--admin-token", default=_env("ADMIN_TOKEN", None), help="require 'authorization: Bearer <token>' on Admin calls; unset: Admin from loopback only [LMGATE_ADMIN_TOKEN]")
+    ap.add_argument("--admin-token", type=_secret, default=_env("ADMIN_TOKEN", None), help="require 'authorization: Bearer <token>' on Admin calls; unset: Admin from loopback only [LMGATE_ADMIN_TOKEN]")
     ap.add_argument("--tls-cert", default=_env("TLS_CERT", None), help="PEM certificate chain: serve TLS only (with --tls-key) [LMGATE_TLS_CERT]")
     ap.add_argument("--tls-key", default=_env("TLS_KEY", None), help="PEM private key of --tls-cert [LMGATE_TLS_KEY]")
     ap.add_argument("--tls-client-ca", default=_env("TLS_CLIENT_CA", None), help="PEM CA bundle: require client certificates it signed (mutual TLS) [LMGATE_TLS_CLIENT_CA]")
-    ap.add_argument("--api-key", default=_env("API_KEY", None), help="require 'authorization: Bearer <key>' on Inference calls [LMGATE_API_KEY]")
-    ap.add_argument("--replica-id", default=_env("REPLICA_ID", default_replica_id()), help="this server's name among replicas, in Info and the x-lmgate-replica response header [LMGATE_REPLICA_ID]")
+    ap.add_argument("--api-key", type=_secret, default=_env("API_KEY", None), help="require 'authorization: Bearer <key>' on Inference calls [LMGATE_API_KEY]")
+    ap.add_argument("--replica-id", type=_header_value, default=_env("REPLICA_ID", default_replica_id()), help="this server's name among replicas, in Info and the x-lmgate-replica response header [LMGATE_REPLICA_ID]")
     ap.add_argument("--metrics-port", type=PORT, default=_env("METRICS_PORT", 0), help="serve Prometheus /metrics on this port; 0: off [LMGATE_METRICS_PORT]")
     ap.add_argument("--grace", type=_ranged(float, 0), default=_env("GRACE", 10.0), help="seconds running streams get at shutdown [LMGATE_GRACE]")
     ap.add_argument("--log-level", type=_one_of(*LOG_LEVELS, convert=str.upper), default=_env("LOG_LEVEL", "INFO"), metavar="{" + ",".join(LOG_LEVELS) + "}", help="[LMGATE_LOG_LEVEL]")
@@ -157,9 +188,6 @@ def check_settings(args: argparse.Namespace) -> EngineConfig:
             _check_port_free(flag, host, port)
     if args.port and args.port == args.metrics_port:
         raise StartupError(f"--port and --metrics-port are both {args.port}")
-    for flag, secret in (("--api-key", args.api_key), ("--admin-token", args.admin_token)):
-        if secret is not None and not secret.strip():  # an unset secret resolved to "" would turn the check off
-            raise StartupError(f"{flag} is empty: give a secret, or leave it unset")
     args.tls = _tls_files(args)
     try:
         device = torch.device(args.device)
@@ -257,8 +285,15 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> None:
              server.replica_id)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        stop.set()
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second one ends the process at once, grace or not
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, signal.SIG_DFL)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(server.failed.wait())]
     await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     for w in waits:

@@ -121,3 +121,22 @@ def test_a_server_built_after_its_engine_failed_says_not_serving_and_stops(check
         assert asyncio.run(start_and_check()) == health_pb2.HealthCheckResponse.NOT_SERVING
     finally:
         engine.shutdown()
+
+
+def test_a_second_sigterm_ends_the_server_at_once():
+    """The first SIGTERM gives running streams their grace (here far longer than the test); a second ends the
+    process at once, as an operator who will not wait asks."""
+    proc, address = start_server("--grace", str(10 * GUARD))
+    try:
+        stub = pb_grpc.InferenceStub(grpc.insecure_channel(address))
+        stream = stub.Generate(pb.GenerateRequest(prompt="Once upon a time", sampling=pb.SamplingParams(
+            max_new_tokens=4000, ignore_eos=True)), timeout=GUARD)
+        assert next(m for m in stream if m.token_ids)
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))
+        proc.send_signal(signal.SIGTERM)
+        while health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING:
+            pass  # the first is handled: the grace period has begun
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=GUARD) == -signal.SIGTERM
+    finally:
+        proc.kill()
