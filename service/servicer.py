@@ -20,6 +20,10 @@ from .relay import OutputRelay
 from .status import abort, status_code
 
 access_log = logging.getLogger("lmgate.access")
+MAX_REQUEST_ID = 256  # characters; an id goes into every response and the access log
+# Tokens one message carries at most: what a slow client left queued leaves in several (with 20 logprobs
+# each, 4096 tokens make about 1 MB, well within a client's default limit of 4 MB a message).
+MAX_TOKENS_PER_MESSAGE = 4096
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
@@ -63,6 +67,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         try:
             if request_id in self._requests:
                 raise InvalidRequest(f"request_id {request_id!r} is already in use by an active request")
+            if len(request_id) > MAX_REQUEST_ID or not request_id.isprintable() or " " in request_id:
+                raise InvalidRequest(f"request_id must be at most {MAX_REQUEST_ID} characters, with no space or "
+                                     "control character")
             prompt = convert.prompt(request)
             params = convert.sampling_params(request.sampling)
             engine_request = self.engine.submit(
@@ -79,16 +86,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         finished = False
         try:
             while not finished:
-                batch = [await outputs.get()]
-                while not outputs.empty():
-                    batch.append(outputs.get_nowait())
+                batch = queued_behind(await outputs.get(), outputs)
+                tokens = sum(len(o.token_ids) for o in batch)
                 error = next((o.error for o in batch if o.error is not None), None)
                 if error is not None:
                     finished = True
                     tracker.failed(error)
                     await abort(context, error)
                 finished = batch[-1].finished
-                tracker.tokens(sum(len(o.token_ids) for o in batch), batch[-1].finish_reason, batch[-1].usage)
+                tracker.tokens(tokens, batch[-1].finish_reason, batch[-1].usage)
                 yield convert.merge(batch)
         finally:
             # A client that disconnects or whose deadline passes lands here with the request still running.
@@ -155,6 +161,16 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         )
 
 
+def queued_behind(first: RequestOutput, outputs: asyncio.Queue[RequestOutput]) -> list[RequestOutput]:
+    """`first` and the outputs queued behind it while the client was slow, to go as one message: until about
+    MAX_TOKENS_PER_MESSAGE tokens, the rest left for the next."""
+    batch, tokens = [first], len(first.token_ids)
+    while not outputs.empty() and tokens < MAX_TOKENS_PER_MESSAGE:
+        batch.append(outputs.get_nowait())
+        tokens += len(batch[-1].token_ids)
+    return batch
+
+
 def log_access(request_id: str, session_id: int, peer: str, outcome: str, t: StreamTracker | None = None) -> None:
     """One line per Generate, finished or refused, as key=value pairs (fields of their own in JSON logs).
     `outcome`: the finish reason, or the status it ended with."""
@@ -166,7 +182,14 @@ def log_access(request_id: str, session_id: int, peer: str, outcome: str, t: Str
         "ttft_s": None if t is None or t.first_token is None else round(t.first_token, 4),
         "duration_s": round(t.duration, 4) if t else 0.0, "outcome": outcome,
     }
-    access_log.info(" ".join(f"{k}={v}" for k, v in fields.items()), extra={"fields": fields})
+    access_log.info(" ".join(f"{k}={_plain(v)}" for k, v in fields.items()), extra={"fields": fields})
+
+
+def _plain(value: object) -> str:
+    """A field's value as one word of the text line: quoted where it holds a space or control character (a
+    refused request_id), so no caller can write a line or field of its own."""
+    text = str(value)
+    return text if text.isprintable() and " " not in text else repr(text)
 
 
 def _resolve(future: asyncio.Future) -> None:

@@ -7,6 +7,7 @@ import logging
 import time
 import urllib.request
 
+import grpc
 import pytest
 from prometheus_client import start_http_server
 from prometheus_client.parser import text_string_to_metric_families
@@ -89,7 +90,13 @@ def test_access_log_line_per_request(server, caplog):
         list(server.stub().Generate(pb.GenerateRequest(request_id="logged-1", prompt="Hi", sampling=pb.SamplingParams(max_new_tokens=3, ignore_eos=True))))
         with pytest.raises(Exception):
             list(server.stub().Generate(pb.GenerateRequest(session_id=424242, prompt="Hi")))
+        forged = "x\n12:00:00 INFO lmgate.access: request_id=forged outcome=stop"
+        with pytest.raises(grpc.RpcError):  # refused, and logged as one line with the id quoted
+            list(server.stub().Generate(pb.GenerateRequest(request_id=forged, prompt="Hi")))
     records = [r for r in caplog.records if r.name == "lmgate.access"]
+    assert [r.getMessage() for r in records if r.fields["request_id"] == forged] == [
+        f"request_id={forged!r} session_id=0 peer={records[-1].fields['peer']} prompt_tokens=0 completion_tokens=0 "
+        "cached_tokens=0 ttft_s=None duration_s=0.0 outcome=INVALID_ARGUMENT"]
     done = next(r for r in records if r.fields["request_id"] == "logged-1")
     assert done.fields["completion_tokens"] == 3 and done.fields["outcome"] == "length"
     assert done.fields["prompt_tokens"] > 0 and done.fields["ttft_s"] is not None and "127.0.0.1" in done.fields["peer"]

@@ -1,6 +1,7 @@
 """The Inference service over real gRPC on loopback: streams, sessions, cancellation, errors."""
 from __future__ import annotations
 
+import asyncio
 import itertools
 import threading
 import time
@@ -10,7 +11,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from lmgate.engine.request import RequestOutput
 from lmgate.engine.sampling import SamplingParams
+from lmgate.service.servicer import MAX_TOKENS_PER_MESSAGE, queued_behind
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 from tests.serving import serve_process
@@ -223,6 +226,9 @@ BAD_REQUESTS = [
     (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_new_tokens=10**6)), grpc.StatusCode.OUT_OF_RANGE),
     (pb.GenerateRequest(tokens=pb.TokenIds(ids=[10] * 9000)), grpc.StatusCode.OUT_OF_RANGE),
     (pb.GenerateRequest(session_id=987654321, prompt="hi"), grpc.StatusCode.NOT_FOUND),
+    (pb.GenerateRequest(request_id="x" * 257, prompt="hi"), grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.GenerateRequest(request_id="a\n12:00:00 INFO lmgate.access: request_id=forged", prompt="hi"),
+     grpc.StatusCode.INVALID_ARGUMENT),
 ]
 
 
@@ -322,3 +328,18 @@ def test_full_queue_resource_exhausted_and_changes_nothing(checkpoint):
         assert_idle(small)
     finally:
         small.stop()
+
+
+def test_a_slow_clients_backlog_goes_in_messages_of_bounded_size():
+    """Outputs that queued while the client was slow go as one message, but one of at most about
+    MAX_TOKENS_PER_MESSAGE tokens: a long backlog with logprobs would pass a client's limit on a message."""
+    async def batches() -> list[int]:
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        for _ in range(2 * MAX_TOKENS_PER_MESSAGE + 1):
+            outputs.put_nowait(RequestOutput("r", 0, token_ids=[7]))
+        sizes = []
+        while not outputs.empty():
+            sizes.append(len(queued_behind(outputs.get_nowait(), outputs)))
+        return sizes
+
+    assert asyncio.run(batches()) == [MAX_TOKENS_PER_MESSAGE, MAX_TOKENS_PER_MESSAGE, 1]
