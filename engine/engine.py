@@ -211,7 +211,8 @@ class Engine:
         params = params or SamplingParams()
         ids = self.encode_prompt(prompt, continuation=bool(session_id))
         # What a text turn is instead, should it be its session's first: encoded as a stateless prompt is
-        first_turn_ids = self.encode_prompt(prompt) if session_id and isinstance(prompt, str) else []
+        text_turn = bool(session_id) and isinstance(prompt, str)
+        first_turn_ids = self.tokenizer.encode_first_turn(prompt, ids) if text_turn else []
         self._check_request(max(ids, first_turn_ids, key=len), params)
         stream = None if on_output else Stream(self)
         request = Request(

@@ -169,10 +169,17 @@ class Tokenizer:
         return self._id_bound
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """The ids of `text`. The GIL is released meanwhile (tokenizers' `encode` holds it, its batch call does
+        not), so a long prompt encoded off the server's event loop does not stall it."""
+        ids = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens and self._prepend_bos:
             ids.insert(0, self.bos_token_id)
         return ids
+
+    def encode_first_turn(self, text: str, continuation: list[int]) -> list[int]:
+        """`text` encoded as a stateless prompt is (`encode`), given its `encode_continuation`: that after the
+        special prefix, where the tokenizer puts no space before a text's start (no second encoding)."""
+        return list(self.prefix_ids) + continuation if self._anchor is None else self.encode(text)
 
     def encode_continuation(self, text: str) -> list[int]:
         """`text` as it continues earlier text (a session's later turn): no special tokens, and none of the
@@ -181,7 +188,7 @@ class Tokenizer:
         tokenizer does with its unk token."""
         if self._anchor is None:
             return self.encode(text, add_special_tokens=False)
-        return self._backend.encode(self._anchor + text, add_special_tokens=False).ids[1:]
+        return self.encode(self._anchor + text, add_special_tokens=False)[1:]
 
     def _continuation_anchor(self) -> str | None:
         """A special token's text after which text encodes as a continuation; None where a text's start gets

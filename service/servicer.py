@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import uuid
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import grpc
 
@@ -36,7 +37,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.engine = engine
         self.metrics = metrics
         self.replica_id = replica_id
-        self._requests: dict[str, Request] = {}
+        self._requests: dict[str, Request | None] = {}  # None: taken by a Generate still submitting it
         self._relay: OutputRelay | None = None  # made on the event loop, by the first Generate
 
     async def wait_idle(self, timeout: float) -> None:
@@ -72,11 +73,16 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                      "control character")
             prompt = convert.prompt(request)
             params = convert.sampling_params(request.sampling)
-            engine_request = self.engine.submit(
-                prompt, params, session_id=request.session_id, request_id=request_id,
-                on_output=lambda out: relay.put(outputs, out),
-                session_epoch=request.session_epoch if request.HasField("session_epoch") else None,
-            )
+            self._requests[request_id] = None  # taken while its prompt is encoded (a Cancel finds nothing yet)
+            try:
+                engine_request = await self._submit(functools.partial(
+                    self.engine.submit, prompt, params, session_id=request.session_id, request_id=request_id,
+                    on_output=lambda out: relay.put(outputs, out),
+                    session_epoch=request.session_epoch if request.HasField("session_epoch") else None,
+                ))
+            except BaseException:
+                del self._requests[request_id]
+                raise
         except EngineError as exc:
             self.metrics.refused(exc)
             log_access(request_id, request.session_id, peer, status_code(exc).name)
@@ -104,6 +110,21 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             del self._requests[request_id]
             log_access(request_id, request.session_id, peer, tracker.outcome, tracker)
 
+    async def _submit(self, submit: Callable[[], Request]) -> Request:
+        """`submit()` on a worker thread: encoding a long prompt takes seconds (about 2 s a million tokens), which
+        every stream would wait out on the event loop. Cancelled meanwhile (its client gone), the Generate
+        cancels what it submitted once that is done."""
+        submitted = asyncio.get_running_loop().run_in_executor(None, submit)
+        try:
+            return await asyncio.shield(submitted)
+        except asyncio.CancelledError:
+            submitted.add_done_callback(self._cancel_submitted)
+            raise
+
+    def _cancel_submitted(self, submitted: asyncio.Future) -> None:
+        if not submitted.cancelled() and submitted.exception() is None:
+            self.engine.cancel(submitted.result())
+
     async def Cancel(self, request: pb.CancelRequest, context: grpc.aio.ServicerContext) -> pb.CancelResponse:
         try:
             if request.request_id:
@@ -128,7 +149,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return pb.EndResponse()
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
-        return pb.TokenizeResponse(token_ids=self.engine.tokenizer.encode(request.text, request.add_special_tokens))
+        ids = await asyncio.to_thread(self.engine.tokenizer.encode, request.text, request.add_special_tokens)
+        return pb.TokenizeResponse(token_ids=ids)
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         i = self.engine.info()
