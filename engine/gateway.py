@@ -16,6 +16,7 @@ import itertools
 import logging
 import random
 import threading
+import time
 from collections import deque
 from typing import Callable, Iterator
 
@@ -282,11 +283,12 @@ class Gateway:
 
 
 def cancelled_output(request: Request) -> RequestOutput:
+    """The last output of a turn that ended before it ran: all its time so far was spent queued."""
     return RequestOutput(
         request.request_id,
         request.session_id,
         finish_reason=FinishReason.CANCELLED,
-        usage=Usage(prompt_tokens=len(request.input_ids)),
+        usage=Usage(prompt_tokens=len(request.input_ids), queue_seconds=time.monotonic() - request.arrival),
     )
 
 

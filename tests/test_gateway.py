@@ -4,6 +4,7 @@ The ranks here are plain threads playing engine loops, calling `Gateway.pop` as 
 """
 from __future__ import annotations
 
+import queue
 import random
 import threading
 import time
@@ -70,6 +71,17 @@ def test_requests_cancelled_while_queued_are_skipped(gateway):
     popped = [r for rank in pop_round(gateway, comms, [False] * LOOPS) for r in rank]
     assert sorted(id(r) for r in popped) == sorted(id(r) for r in requests[1::2])
     assert len({r.unique_id for r in popped}) == len(popped)
+
+
+def test_a_request_cancelled_while_queued_counts_its_wait_as_queue_time(gateway):
+    """Its usage says how long it waited (the queue-time histogram once got a 0 for every such request)."""
+    outputs = queue.Queue()
+    request = Request(RequestKind.GENERATE, 0, outputs.put, input_ids=[1, 2, 3], params=SamplingParams(),
+                      arrival=time.monotonic() - 5.0)  # submitted 5 s ago
+    gateway.push(request)
+    assert gateway.cancel(request)
+    usage = outputs.get(timeout=60).usage
+    assert usage.prompt_tokens == 3 and usage.queue_seconds >= 5.0
 
 
 def run_until_stopped(gateway: Gateway, comm: ThreadComm, has_work: bool) -> int:
