@@ -32,7 +32,9 @@ CANCEL_SECONDS = 5.0  # the deadline of the Cancel a session turn left early sen
 # leads back to a copy from before it moved, whose history is not the conversation's.
 RESTART_CODES = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ABORTED)
 # A turn that ends in one of these was cancelled on the server (a deadline, the call closed), whose session
-# keeps what it generated, as the history does; after any other error the server's session left the turn out.
+# keeps what it generated, as the history does. After any other error the server's session may have left the
+# turn out (a failed step) or kept it (a proxy that broke the call): the session ends, so that its next turn
+# starts again from the history, which leaves the turn out.
 CANCEL_CODES = (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
@@ -361,6 +363,9 @@ class Session(_SessionBase[Iterator[Delta]]):
                 yield delta
         except grpc.RpcError as err:
             kept = err.code() in CANCEL_CODES
+            if not kept:  # the server may or may not keep the turn: ended, its next turn replays ours
+                with contextlib.suppress(grpc.RpcError):
+                    self.client.end(self.id)
             raise
         finally:
             stream.close()  # a caller who stops early cancels the call now, not when the collector runs
@@ -424,6 +429,9 @@ class AsyncSession(_SessionBase[AsyncIterator[Delta]]):
                 yield delta
         except grpc.RpcError as err:
             kept = err.code() in CANCEL_CODES
+            if not kept:
+                with contextlib.suppress(grpc.RpcError):
+                    await self.client.end(self.id)
             raise
         finally:
             await stream.aclose()

@@ -209,6 +209,8 @@ class Engine:
         its first is encoded as a stateless text prompt is (a BOS; a SentencePiece space). `session_epoch`:
         the copy of the session the caller's history belongs to (else SessionStale); None: any."""
         params = params or SamplingParams()
+        if session_epoch is not None and not session_id:
+            raise InvalidRequest("session_epoch names a copy of a session: it needs a session_id")
         ids = self.encode_prompt(prompt, continuation=bool(session_id))
         # What a text turn is instead, should it be its session's first: encoded as a stateless prompt is
         text_turn = bool(session_id) and isinstance(prompt, str)

@@ -199,7 +199,9 @@ class Tokenizer:
             return None
         for token_id in sorted(self._special_ids):
             anchor = self._backend.id_to_token(token_id)
-            if self._backend.encode(anchor + " a", add_special_tokens=False).ids == [token_id, *start.ids]:
+            after = self._backend.encode(anchor + "a", add_special_tokens=False).tokens  # no space: none put in
+            spaced = self._backend.encode(anchor + " a", add_special_tokens=False).ids  # a space: kept as one
+            if len(after) > 1 and not after[1].startswith("▁") and spaced == [token_id, *start.ids]:
                 return anchor
         return None
 

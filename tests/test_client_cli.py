@@ -320,9 +320,9 @@ def test_a_session_turn_left_early_lets_the_next_follow_at_once(server):
 
 
 def test_a_resumable_sessions_history_leaves_out_a_turn_the_server_dropped(server, monkeypatch):
-    """A step that fails mid-turn ends the turn INTERNAL, and the session keeps its history from before the
-    turn; so must the client's copy, which a replay sends: the session's next turn and a stateless request
-    over the client's history get the same tokens."""
+    """A step that fails mid-turn ends the turn INTERNAL. The client's history leaves the turn out, and the
+    session ends (a proxy that breaks a call can leave the turn in the server's), so its next turn replays
+    the history: it gets the tokens of a stateless request over the history."""
     runner = server.engine.ranks.loops[0].runner
     forward, failing = runner.forward, threading.Event()
 
@@ -345,8 +345,10 @@ def test_a_resumable_sessions_history_leaves_out_a_turn_the_server_dropped(serve
         failing.clear()
         assert err.value.code() == grpc.StatusCode.INTERNAL
         assert session.history.text == kept
+        epoch = session.epoch
         following = [t for d in session.generate(" Why?", **turn) for t in d.token_ids]
         assert following == [t for d in client.generate(kept + " Why?", **turn) for t in d.token_ids]
+        assert session.epoch != epoch  # started again, and replayed
         session.end()
     assert_idle(server)
 

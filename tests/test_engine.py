@@ -676,13 +676,15 @@ def test_a_cancel_after_the_loops_last_word_ends_the_stream_cancelled(engine, to
 
     request = engine.submit(tokenizer.encode("Once upon a time"), SamplingParams(max_new_tokens=2, ignore_eos=True),
                             on_output=on_output)
-    first_seen.wait()
-    deadline = time.monotonic() + 60  # a guard against a hang only
-    while not engine.gateway._signals:  # the loop has handed over the last output
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    assert engine.cancel(request)
-    go_on.set()
+    try:
+        assert first_seen.wait(60)  # a guard against a hang only
+        deadline = time.monotonic() + 60
+        while not engine.gateway._signals:  # the loop has handed over the last output
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert engine.cancel(request)
+    finally:
+        go_on.set()  # the module's engine delivers again, whatever failed
     deadline = time.monotonic() + 60
     while not (outs and outs[-1].finished):
         assert time.monotonic() < deadline

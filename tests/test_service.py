@@ -227,6 +227,7 @@ BAD_REQUESTS = [
     (pb.GenerateRequest(tokens=pb.TokenIds(ids=[10] * 9000)), grpc.StatusCode.OUT_OF_RANGE),
     (pb.GenerateRequest(session_id=987654321, prompt="hi"), grpc.StatusCode.NOT_FOUND),
     (pb.GenerateRequest(request_id="x" * 257, prompt="hi"), grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.GenerateRequest(prompt="hi", session_epoch=3), grpc.StatusCode.INVALID_ARGUMENT),  # no session
     (pb.GenerateRequest(request_id="a\n12:00:00 INFO lmgate.access: request_id=forged", prompt="hi"),
      grpc.StatusCode.INVALID_ARGUMENT),
 ]

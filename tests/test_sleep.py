@@ -117,17 +117,20 @@ def test_a_sleep_that_fails_part_way_is_woken_whole(sleepy, monkeypatch):
     def fails() -> None:
         raise RuntimeError("injected failure")
 
-    monkeypatch.setattr(engine.ranks.loops[1].runner, "release_kv_cache", fails)
-    assert code_of(lambda: adm.Sleep(pb.SleepRequest(level=1))) == grpc.StatusCode.INTERNAL
-    monkeypatch.undo()
-    assert set(stub.Info(pb.InfoRequest()).sleeping_tags) == {"kv_cache"}
     restored = []
-    monkeypatch.setattr(engine.ranks, "offload_weights", fails)
-    monkeypatch.setattr(engine.ranks, "restore_weights", lambda real=engine.ranks.restore_weights: restored.append(real()))
-    assert code_of(lambda: adm.Sleep(pb.SleepRequest(level=1))) == grpc.StatusCode.INTERNAL
-    assert stub.Info(pb.InfoRequest()).kv_cache_bytes == 0  # the Sleep again freed what the first could not
-    adm.Wakeup(pb.WakeupRequest())
-    monkeypatch.undo()
+    try:
+        monkeypatch.setattr(engine.ranks.loops[1].runner, "release_kv_cache", fails)
+        assert code_of(lambda: adm.Sleep(pb.SleepRequest(level=1))) == grpc.StatusCode.INTERNAL
+        monkeypatch.undo()
+        assert set(stub.Info(pb.InfoRequest()).sleeping_tags) == {"kv_cache"}
+        monkeypatch.setattr(engine.ranks, "offload_weights", fails)
+        monkeypatch.setattr(engine.ranks, "restore_weights",
+                            lambda real=engine.ranks.restore_weights: restored.append(real()))
+        assert code_of(lambda: adm.Sleep(pb.SleepRequest(level=1))) == grpc.StatusCode.INTERNAL
+        assert stub.Info(pb.InfoRequest()).kv_cache_bytes == 0  # the Sleep again freed what the first could not
+    finally:
+        adm.Wakeup(pb.WakeupRequest())  # the module's server awake again, whatever failed
+        monkeypatch.undo()
     assert restored and not stub.Info(pb.InfoRequest()).sleeping
     for sid in sessions:
         assert code_of(lambda: list(stub.Generate(pb.GenerateRequest(session_id=sid, tokens=PROMPT, sampling=GREEDY)))) \

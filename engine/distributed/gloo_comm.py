@@ -10,7 +10,8 @@ int64 tensors, after a first reduce that checks every rank passed the same shape
 
 The store and gloo's connections are plain TCP, which other users of a machine reach too (the store even
 lists its keys), and unpickling runs code. So every pickle is signed with the group's secret, which its
-ranks get from their parent and never through the store, and one that fails the check is never unpickled.
+ranks get from their parent (on one machine never through the store; the ranks of other machines fetch it
+there, on the network they must trust), and one that fails the check is never unpickled.
 """
 from __future__ import annotations
 

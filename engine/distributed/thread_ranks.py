@@ -39,8 +39,8 @@ class ThreadRanks(Ranks):
         self._threads: list[threading.Thread] = []
         self._failure_lock = threading.Lock()  # guards `failure`; a leaf
         # Held across each weight call and shutdown's drop, and guards `_shut_down`: a Wakeup or UpdateWeights
-        # that raced with shutdown would load the weights again after they were freed. Taken under
-        # `Engine._admin_lock` or none, and nothing is taken under it.
+        # that raced with shutdown would load the weights again after they were freed (shutdown waits for it
+        # instead). Taken under `Engine._admin_lock` or none; only leaves are taken under it.
         self._weights_lock = threading.Lock()
         self._shut_down = False
 
