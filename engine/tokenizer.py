@@ -135,6 +135,9 @@ class Tokenizer:
     def from_hf_dir(cls, path: str) -> Tokenizer:
         """Load `tokenizer.json` and the special-token/chat-template facts from a HF model directory."""
         backend = _Backend.from_file(os.path.join(path, "tokenizer.json"))
+        # What transformers does unless a call asks: a file's own truncation would cut prompts short unseen
+        backend.no_truncation()
+        backend.no_padding()
         config = _read_json(os.path.join(path, "tokenizer_config.json"))
 
         def token_id(entry: Any) -> int | None:

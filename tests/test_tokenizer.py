@@ -110,6 +110,19 @@ def test_tokenizer_from_hf_dir_matches_gguf(tokenizer, hf_tokenizer, tmp_path):
     assert loaded.apply_chat_template(CHATS[1]) == tokenizer.apply_chat_template(CHATS[1])
 
 
+def test_a_tokenizer_files_own_truncation_and_padding_are_ignored(tokenizer, hf_tokenizer, tmp_path):
+    """Some tokenizer.json files enable truncation (or padding): as transformers, a prompt is encoded whole."""
+    hf_tokenizer.save_pretrained(tmp_path)
+    spec = json.loads((tmp_path / "tokenizer.json").read_text())
+    spec["truncation"] = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}
+    spec["padding"] = {"strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0,
+                       "pad_type_id": 0, "pad_token": "<|endoftext|>"}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    loaded = Tokenizer.from_hf_dir(str(tmp_path))
+    for text in TEXTS:
+        assert loaded.encode(text) == tokenizer.encode(text)
+
+
 def test_tokenizer_from_hf_dir_reads_eos_lists_and_jinja_file(hf_tokenizer, tmp_path):
     hf_tokenizer.save_pretrained(tmp_path)
     (tmp_path / "generation_config.json").write_text('{"eos_token_id": [2, 0]}')
