@@ -4,6 +4,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import urllib.parse
+from typing import Any, Callable
 
 import grpc
 
@@ -54,9 +55,12 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Inference calls must carry 'authorization: Bearer <api key>' (compared in constant time); Admin has
     its own token, and health and reflection stay open for load balancers and tools."""
 
-    def __init__(self, api_key: str, service: str) -> None:
+    def __init__(self, api_key: str, service: str,
+                 on_refused: Callable[[str, Any, grpc.aio.ServicerContext], None] = lambda *_: None) -> None:
+        """`on_refused(method, request, context)`: told of each call refused, to count and log it."""
         self._api_key = api_key
         self._prefix = f"/{service}/"
+        self._on_refused = on_refused
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
@@ -68,6 +72,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         message = "missing API key: send 'authorization: Bearer <key>'" if sent is None else "wrong API key"
 
         async def refuse(request, context: grpc.aio.ServicerContext):
+            self._on_refused(details.method, request, context)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
         if handler.unary_stream:

@@ -70,8 +70,9 @@ class Metrics:
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
 
-    def refused(self, error: EngineError) -> None:
-        self.refusals.labels(self.model_name, status_code(error).name).inc()
+    def refused(self, code: str) -> None:
+        """A Generate refused before it was queued, with the status of that name."""
+        self.refusals.labels(self.model_name, code).inc()
 
     def track(self) -> "StreamTracker":
         return StreamTracker(self)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -16,7 +17,7 @@ from .admin import AdminServicer
 from .auth import ApiKeyInterceptor
 from .replica import ReplicaHeaderInterceptor, default_replica_id
 from .metrics import Metrics
-from .servicer import InferenceServicer
+from .servicer import InferenceServicer, log_access
 
 SHUTDOWN_FLUSH_SECONDS = 1.0  # for the last messages of cancelled streams to reach their clients
 INFERENCE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
@@ -36,6 +37,9 @@ class TlsFiles:
         ca = _read(self.client_ca) if self.client_ca else None
         return grpc.ssl_server_credentials([(_read(self.key), _read(self.cert))], root_certificates=ca,
                                            require_client_auth=ca is not None)
+
+
+GENERATE = f"/{INFERENCE}/Generate"
 
 
 def _read(path: str) -> bytes:
@@ -60,7 +64,7 @@ class Server:
         self.replica_id = replica_id or default_replica_id()
         interceptors = [ReplicaHeaderInterceptor(self.replica_id)]
         if api_key:
-            interceptors.append(ApiKeyInterceptor(api_key, INFERENCE))
+            interceptors.append(ApiKeyInterceptor(api_key, INFERENCE, self._refused))
         self.grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=interceptors)
         self.inference = InferenceServicer(engine, self.metrics, self.replica_id)
         pb_grpc.add_InferenceServicer_to_server(self.inference, self.grpc)
@@ -77,6 +81,12 @@ class Server:
             self.port = self.grpc.add_secure_port(address, tls.credentials())
         if self.port == 0:
             raise OSError(f"cannot listen on {address}")
+
+    def _refused(self, method: str, request: Any, context: grpc.aio.ServicerContext) -> None:
+        """A call the API key refused: a Generate is counted and logged as every refused Generate is."""
+        if method == GENERATE:
+            self.metrics.refused("UNAUTHENTICATED")
+            log_access(request.request_id, request.session_id, context.peer(), "UNAUTHENTICATED")
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()

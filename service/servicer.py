@@ -84,7 +84,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 del self._requests[request_id]
                 raise
         except EngineError as exc:
-            self.metrics.refused(exc)
+            self.metrics.refused(status_code(exc).name)
             log_access(request_id, request.session_id, peer, status_code(exc).name)
             await abort(context, exc)
         self._requests[request_id] = engine_request

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -100,15 +101,21 @@ def generate(client: Client) -> list[int]:
     return [t for d in client.generate("Hello", max_new_tokens=4, ignore_eos=True) for t in d.token_ids]
 
 
-def test_tls_with_api_key_accepts_the_key_and_refuses_the_rest(tls_server, pki):
+def test_tls_with_api_key_accepts_the_key_and_refuses_the_rest(tls_server, pki, caplog):
+    """A Generate the key refuses is counted and logged, as every refused Generate is."""
     tls = Tls(ca=pki["ca.pem"])
     with Client(target(tls_server), tls=tls, api_key=API_KEY, timeout=60) as client:
         assert len(generate(client)) == 4 and client.info().model
-    for key in (None, "wrong"):
-        with Client(target(tls_server), tls=tls, api_key=key, timeout=60) as client:
-            assert code_of(lambda: generate(client)) == grpc.StatusCode.UNAUTHENTICATED
-            assert code_of(client.info) == grpc.StatusCode.UNAUTHENTICATED
-            assert code_of(client.start) == grpc.StatusCode.UNAUTHENTICATED
+    refusals = tls_server.server.metrics.refusals.labels(tls_server.server.metrics.model_name, "UNAUTHENTICATED")
+    before = refusals._value.get()
+    with caplog.at_level(logging.INFO, logger="lmgate.access"):
+        for key in (None, "wrong"):
+            with Client(target(tls_server), tls=tls, api_key=key, timeout=60) as client:
+                assert code_of(lambda: generate(client)) == grpc.StatusCode.UNAUTHENTICATED
+                assert code_of(client.info) == grpc.StatusCode.UNAUTHENTICATED
+                assert code_of(client.start) == grpc.StatusCode.UNAUTHENTICATED
+    assert refusals._value.get() == before + 2
+    assert [r.fields["outcome"] for r in caplog.records if r.name == "lmgate.access"] == ["UNAUTHENTICATED"] * 2
     with grpc.secure_channel(target(tls_server), tls.credentials()) as channel:  # health needs no key
         status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="")).status
         assert status == health_pb2.HealthCheckResponse.SERVING
