@@ -33,8 +33,8 @@ CANCEL_SECONDS = 5.0  # the deadline of the Cancel a session turn left early sen
 RESTART_CODES = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ABORTED)
 # A turn that ends in one of these was cancelled on the server (a deadline, the call closed), whose session
 # keeps what it generated, as the history does. After any other error the server's session may have left the
-# turn out (a failed step) or kept it (a proxy that broke the call): the session ends, so that its next turn
-# starts again from the history, which leaves the turn out.
+# turn out (a failed step) or kept it (a proxy that broke the call): the next turn ends it first and starts
+# again from the history, which leaves the turn out.
 CANCEL_CODES = (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
@@ -288,6 +288,9 @@ class _SessionBase(Generic[StreamT]):
         self.epoch = epoch  # the copy of the session this one's turns are for (None: any)
         self.history = History() if resume else None
         self._sent: Any = None  # the stream of the turn sent last, closed when the next is sent
+        # A resumable session's turn failed: the server's copy may hold what the history does not, so the next
+        # turn ends it and replays the history
+        self._stale = False
 
     def generate(
         self,
@@ -338,23 +341,22 @@ class Session(_SessionBase[Iterator[Delta]]):
 
     def _resumable(self, turn: dict[str, Any], request_id: str, sampling: dict[str, Any]) -> Iterator[Delta]:
         deltas: list[Delta] = []
-        stream = self.client.generate(**turn, session_id=self.id, request_id=request_id, session_epoch=self.epoch, **sampling)
-        try:
-            deltas.append(next(stream))
-        except grpc.RpcError as err:
-            if err.code() not in RESTART_CODES:
-                raise
-            if err.code() == grpc.StatusCode.ABORTED:  # a copy from before the session moved: not ours
-                self.client.end(self.id)
-            _, self.epoch = self.client._start(self.id)
-            stream = self.client.generate(**self.history.replay(turn), session_id=self.id, request_id=request_id,
+        if self._stale:  # a turn failed: end the copy that may hold it (raises while it cannot be reached)
+            self.client.end(self.id)
+            self._stale = False
+            stream = self._reopened(turn, request_id, sampling, deltas)
+        else:
+            stream = self.client.generate(**turn, session_id=self.id, request_id=request_id,
                                           session_epoch=self.epoch, **sampling)
             try:
                 deltas.append(next(stream))
-            except BaseException:  # the reopened session is empty: end it, so the next turn replays again
-                with contextlib.suppress(grpc.RpcError):
+            except grpc.RpcError as err:
+                if err.code() not in RESTART_CODES:
+                    self._stale = err.code() not in CANCEL_CODES
+                    raise
+                if err.code() == grpc.StatusCode.ABORTED:  # a copy from before the session moved: not ours
                     self.client.end(self.id)
-                raise
+                stream = self._reopened(turn, request_id, sampling, deltas)
         kept = True
         try:
             yield deltas[0]
@@ -363,14 +365,26 @@ class Session(_SessionBase[Iterator[Delta]]):
                 yield delta
         except grpc.RpcError as err:
             kept = err.code() in CANCEL_CODES
-            if not kept:  # the server may or may not keep the turn: ended, its next turn replays ours
-                with contextlib.suppress(grpc.RpcError):
-                    self.client.end(self.id)
+            self._stale = not kept
             raise
         finally:
             stream.close()  # a caller who stops early cancels the call now, not when the collector runs
             if kept:
                 self.history.record(turn, deltas)
+
+    def _reopened(self, turn: dict[str, Any], request_id: str, sampling: dict[str, Any],
+                  deltas: list[Delta]) -> Iterator[Delta]:
+        """The session started again, its turn sent after the whole conversation; its first delta in `deltas`."""
+        _, self.epoch = self.client._start(self.id)
+        stream = self.client.generate(**self.history.replay(turn), session_id=self.id, request_id=request_id,
+                                      session_epoch=self.epoch, **sampling)
+        try:
+            deltas.append(next(stream))
+        except BaseException:  # the reopened session is empty: end it, so the next turn replays again
+            with contextlib.suppress(grpc.RpcError):
+                self.client.end(self.id)
+            raise
+        return stream
 
     def cancel(self) -> bool:
         """Stops the active turn (its stream ends "cancelled"); the history keeps what was generated."""
@@ -404,23 +418,22 @@ class AsyncSession(_SessionBase[AsyncIterator[Delta]]):
 
     async def _resumable(self, turn: dict[str, Any], request_id: str, sampling: dict[str, Any]) -> AsyncIterator[Delta]:
         deltas: list[Delta] = []
-        stream = self.client.generate(**turn, session_id=self.id, request_id=request_id, session_epoch=self.epoch, **sampling)
-        try:
-            deltas.append(await anext(stream))
-        except grpc.aio.AioRpcError as err:
-            if err.code() not in RESTART_CODES:
-                raise
-            if err.code() == grpc.StatusCode.ABORTED:
-                await self.client.end(self.id)
-            _, self.epoch = await self.client._start(self.id)
-            stream = self.client.generate(**self.history.replay(turn), session_id=self.id, request_id=request_id,
+        if self._stale:
+            await self.client.end(self.id)
+            self._stale = False
+            stream = await self._reopened(turn, request_id, sampling, deltas)
+        else:
+            stream = self.client.generate(**turn, session_id=self.id, request_id=request_id,
                                           session_epoch=self.epoch, **sampling)
             try:
                 deltas.append(await anext(stream))
-            except BaseException:
-                with contextlib.suppress(grpc.aio.AioRpcError):
+            except grpc.aio.AioRpcError as err:
+                if err.code() not in RESTART_CODES:
+                    self._stale = err.code() not in CANCEL_CODES
+                    raise
+                if err.code() == grpc.StatusCode.ABORTED:
                     await self.client.end(self.id)
-                raise
+                stream = await self._reopened(turn, request_id, sampling, deltas)
         kept = True
         try:
             yield deltas[0]
@@ -429,14 +442,25 @@ class AsyncSession(_SessionBase[AsyncIterator[Delta]]):
                 yield delta
         except grpc.RpcError as err:
             kept = err.code() in CANCEL_CODES
-            if not kept:
-                with contextlib.suppress(grpc.RpcError):
-                    await self.client.end(self.id)
+            self._stale = not kept
             raise
         finally:
             await stream.aclose()
             if kept:
                 self.history.record(turn, deltas)
+
+    async def _reopened(self, turn: dict[str, Any], request_id: str, sampling: dict[str, Any],
+                        deltas: list[Delta]) -> AsyncIterator[Delta]:
+        _, self.epoch = await self.client._start(self.id)
+        stream = self.client.generate(**self.history.replay(turn), session_id=self.id, request_id=request_id,
+                                      session_epoch=self.epoch, **sampling)
+        try:
+            deltas.append(await anext(stream))
+        except BaseException:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await self.client.end(self.id)
+            raise
+        return stream
 
     async def cancel(self) -> bool:
         return await self.client.cancel(session_id=self.id)

@@ -131,8 +131,9 @@ class Engine:
         self.threads_per_loop = max(1, self.num_threads * config.nnodes // config.world_size)  # this node's share
         for rank in range(config.tensor_parallel):  # a split the model cannot take is refused before any spawn
             shard_of(ckpt.config, rank, config.tensor_parallel)
-        if processes:
-            self.ranks: Ranks = ProcessRanks(config, ckpt.path, self.max_context_length, self.threads_per_loop,
+        if processes:  # the dtype chosen here for every rank: GPUs of other generations would choose apart
+            rank_config = dataclasses.replace(config, dtype=str(self.dtype).removeprefix("torch."))
+            self.ranks: Ranks = ProcessRanks(rank_config, ckpt.path, self.max_context_length, self.threads_per_loop,
                                              logging.getLogger().getEffectiveLevel())
         else:
             self.ranks = ThreadRanks(config, ckpt, self.dtype, self.max_context_length, self.threads_per_loop)
@@ -356,14 +357,16 @@ class Engine:
             raise InvalidRequest(f"unknown wake-up tags {sorted(unknown)}; known: {list(SLEEP_TAGS)}")
         with self._admin():
             wanted = set(tags or SLEEP_TAGS) & self.sleeping
+            # A part counts as slept no more before it wakes: one that wakes on some ranks only is put to
+            # sleep whole again by the next Sleep.
             if "weights" in wanted:
+                self._slept.discard("weights")
                 self.ranks.restore_weights()
                 self.sleeping.discard("weights")
-                self._slept.discard("weights")
             if "kv_cache" in wanted:
+                self._slept.discard("kv_cache")
                 self.gateway.control(RequestKind.WAKE_KV)
                 self.sleeping.discard("kv_cache")
-                self._slept.discard("kv_cache")
             with self._pending_lock:
                 if not self.sleeping and not self._sleeps_pending:
                     self.gateway.open_admission(SLEEP_GATE)

@@ -41,10 +41,7 @@ def read_hf_weights(path: Path) -> dict[str, torch.Tensor]:
         raise UnsupportedModel(f"{path} has no *.safetensors files")
     weights: dict[str, torch.Tensor] = {}
     for file in files:
-        for name, tensor in load_file(str(file)).items():
-            if name.endswith(IGNORED_SUFFIXES):
-                continue
-            # A copy: `load_file` maps the file, and a tensor the model keeps as it is (its dtype already the
-            # served one) would read it for ever, changing as the file is written over, dying when it shrinks.
-            weights[name] = tensor.clone()
+        # Mapped, not read: ranks that move their weights to a device, or to another dtype, copy only what
+        # they keep (build_model copies what would still read the file).
+        weights.update((name, t) for name, t in load_file(str(file)).items() if not name.endswith(IGNORED_SUFFIXES))
     return weights

@@ -81,6 +81,8 @@ class Tokenizer:
         self._prepend_bos = add_bos_token and bos_token_id is not None and not added_by_backend
         self.prefix_ids: tuple[int, ...] = tuple(self.encode(""))  # what every text's encoding starts with (a BOS)
         self._anchor = self._continuation_anchor()
+        # Whether a text's stateless encoding is its continuation's after the prefix (no suffix such as an EOS)
+        self._prefix_only = self._anchor is None and self.encode("a") == [*self.prefix_ids, *self.encode("a", False)]
 
     # ----------------------------------------------------------------- loading
     @classmethod
@@ -181,8 +183,9 @@ class Tokenizer:
 
     def encode_first_turn(self, text: str, continuation: list[int]) -> list[int]:
         """`text` encoded as a stateless prompt is (`encode`), given its `encode_continuation`: that after the
-        special prefix, where the tokenizer puts no space before a text's start (no second encoding)."""
-        return list(self.prefix_ids) + continuation if self._anchor is None else self.encode(text)
+        special prefix, where that is all the special tokens and the tokenizer puts no space before a text's
+        start (no second encoding)."""
+        return [*self.prefix_ids, *continuation] if self._prefix_only else self.encode(text)
 
     def encode_continuation(self, text: str) -> list[int]:
         """`text` as it continues earlier text (a session's later turn): no special tokens, and none of the

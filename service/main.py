@@ -289,8 +289,8 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> None:
     def on_signal() -> None:
         stop.set()
         for sig in (signal.SIGINT, signal.SIGTERM):  # a second one ends the process at once, grace or not
-            loop.remove_signal_handler(sig)
-            signal.signal(sig, signal.SIG_DFL)
+            loop.remove_signal_handler(sig)  # (a handler: as a container's PID 1, a default action is ignored)
+            signal.signal(sig, lambda signum, _: os._exit(128 + signum))
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)

@@ -121,6 +121,7 @@ class Server:
         await self.inference.wait_idle(grace)
         await asyncio.to_thread(self.engine.shutdown)
         await self.grpc.stop(SHUTDOWN_FLUSH_SECONDS)
+        self.inference.close()
 
     async def _set_health(self, status: int) -> None:
         for name in ("",) + SERVICES:

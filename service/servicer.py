@@ -5,6 +5,7 @@ import asyncio
 import functools
 import logging
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable
 
 import grpc
@@ -30,21 +31,31 @@ MAX_TOKENS_PER_MESSAGE = 4096
 class InferenceServicer(pb_grpc.InferenceServicer):
     """Runs on the gRPC event loop; reaches the engine only through its thread-safe calls.
 
-    `_requests` (request id -> engine request) is touched only on the event loop, so it needs no lock.
+    `_requests` (request id -> engine request), `_submitting` and `_cancel_once_submitted` are touched only
+    on the event loop, so they need no lock.
     """
 
     def __init__(self, engine: Engine, metrics: Metrics, replica_id: str) -> None:
         self.engine = engine
         self.metrics = metrics
         self.replica_id = replica_id
-        self._requests: dict[str, Request | None] = {}  # None: taken by a Generate still submitting it
+        self._requests: dict[str, Request] = {}
+        # Generates whose prompts are being encoded (request id -> session id), and those of them a Cancel asked
+        # for meanwhile: cancelled as soon as they are submitted.
+        self._submitting: dict[str, int] = {}
+        self._cancel_once_submitted: set[str] = set()
+        # Its own threads: the default pool also runs admin calls, which can wait minutes for the engine
+        self._encoders = ThreadPoolExecutor(max_workers=4, thread_name_prefix="lmgate-encode")
         self._relay: OutputRelay | None = None  # made on the event loop, by the first Generate
+
+    def close(self) -> None:
+        self._encoders.shutdown(wait=False)
 
     async def wait_idle(self, timeout: float) -> None:
         """Until no Generate stream is open, or `timeout` seconds."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while self._requests and loop.time() < deadline:
+        while (self._requests or self._submitting) and loop.time() < deadline:
             await asyncio.sleep(0.05)
 
     async def Start(self, request: pb.StartRequest, context: grpc.aio.ServicerContext) -> pb.StartResponse:
@@ -66,28 +77,34 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         # the context for its peer then crashes the process (grpcio 1.85).
         peer = context.peer()
         try:
-            if request_id in self._requests:
+            if request_id in self._requests or request_id in self._submitting:
                 raise InvalidRequest(f"request_id {request_id!r} is already in use by an active request")
             if len(request_id) > MAX_REQUEST_ID or not request_id.isprintable() or " " in request_id:
                 raise InvalidRequest(f"request_id must be at most {MAX_REQUEST_ID} characters, with no space or "
                                      "control character")
             prompt = convert.prompt(request)
             params = convert.sampling_params(request.sampling)
-            self._requests[request_id] = None  # taken while its prompt is encoded (a Cancel finds nothing yet)
+            self._submitting[request_id] = request.session_id
             try:
                 engine_request = await self._submit(functools.partial(
                     self.engine.submit, prompt, params, session_id=request.session_id, request_id=request_id,
                     on_output=lambda out: relay.put(outputs, out),
                     session_epoch=request.session_epoch if request.HasField("session_epoch") else None,
                 ))
-            except BaseException:
-                del self._requests[request_id]
+            except asyncio.CancelledError:  # the client left while its prompt was encoded
+                log_access(request_id, request.session_id, peer, "CANCELLED")
                 raise
+            finally:
+                del self._submitting[request_id]
+                cancel_now = request_id in self._cancel_once_submitted
+                self._cancel_once_submitted.discard(request_id)
         except EngineError as exc:
             self.metrics.refused(status_code(exc).name)
             log_access(request_id, request.session_id, peer, status_code(exc).name)
             await abort(context, exc)
         self._requests[request_id] = engine_request
+        if cancel_now:
+            self.engine.cancel(engine_request)
         tracker = self.metrics.track()
         finished = False
         try:
@@ -114,12 +131,18 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         """`submit()` on a worker thread: encoding a long prompt takes seconds (about 2 s a million tokens), which
         every stream would wait out on the event loop. Cancelled meanwhile (its client gone), the Generate
         cancels what it submitted once that is done."""
-        submitted = asyncio.get_running_loop().run_in_executor(None, submit)
+        submitted = asyncio.get_running_loop().run_in_executor(self._encoders, submit)
         try:
             return await asyncio.shield(submitted)
         except asyncio.CancelledError:
             submitted.add_done_callback(self._cancel_submitted)
             raise
+
+    def _cancel_submitting(self, session_id: int) -> bool:
+        """A Cancel of the session whose turn is still being submitted: that turn is cancelled once it is."""
+        turns = [rid for rid, sid in self._submitting.items() if sid == session_id]
+        self._cancel_once_submitted.update(turns)
+        return bool(turns)
 
     def _cancel_submitted(self, submitted: asyncio.Future) -> None:
         if not submitted.cancelled() and submitted.exception() is None:
@@ -127,11 +150,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
     async def Cancel(self, request: pb.CancelRequest, context: grpc.aio.ServicerContext) -> pb.CancelResponse:
         try:
-            if request.request_id:
+            if request.request_id in self._submitting:
+                self._cancel_once_submitted.add(request.request_id)
+                cancelled = True
+            elif request.request_id:
                 target = self._requests.get(request.request_id)
                 cancelled = target is not None and self.engine.cancel(target)
             elif request.session_id:
-                cancelled = self.engine.cancel_session(request.session_id)
+                cancelled = self.engine.cancel_session(request.session_id) or self._cancel_submitting(request.session_id)
             else:
                 raise InvalidRequest("set request_id or session_id")
         except EngineError as exc:
@@ -197,6 +223,8 @@ def log_access(request_id: str, session_id: int, peer: str, outcome: str, t: Str
     """One line per Generate, finished or refused, as key=value pairs (fields of their own in JSON logs).
     `outcome`: the finish reason, or the status it ended with."""
     usage = t.usage if t else None
+    if len(request_id) > MAX_REQUEST_ID:  # a refused one, which may be megabytes
+        request_id = f"{request_id[:MAX_REQUEST_ID]}...({len(request_id)} characters)"
     fields = {
         "request_id": request_id, "session_id": session_id, "peer": peer,
         "prompt_tokens": usage.prompt_tokens if usage else 0, "completion_tokens": t.num_tokens if t else 0,

@@ -586,10 +586,10 @@ _MISFITS = {
 }
 
 
-def test_a_checkpoint_loads_into_memory_of_its_own(tiny_models, tmp_path):
+def test_a_model_is_built_in_memory_of_its_own(tiny_models, tmp_path):
     """The rotary buffers older transformers saved (`rotary_emb.inv_freq`) are ignored, as transformers does;
-    and the weights are the file's as it was read: a file written over in place afterwards (a `cp` of the next
-    checkpoint onto it) changes nothing in them."""
+    and a model built on the CPU in the file's own dtype holds the file's weights as they were read: the file
+    written over in place afterwards (a `cp` of the next checkpoint onto it) changes nothing in it."""
     source = tiny_models("llama")
     path = tmp_path / "model"
     shutil.copytree(source.path, path)
@@ -598,12 +598,14 @@ def test_a_checkpoint_loads_into_memory_of_its_own(tiny_models, tmp_path):
     safetensors.torch.save_file(weights, str(path / "model.safetensors"))
     ckpt = load_checkpoint(str(path))
     assert not any("rotary_emb" in name for name in ckpt.weights)
-    loaded = {k: v.clone() for k, v in ckpt.weights.items()}
+    assert {w.dtype for w in ckpt.weights.values()} == {torch.float32}
+    model = build_model(ckpt.config, ckpt.weights, torch.float32, CPU)
+    built = {k: v.clone() for k, v in model.state_dict().items()}
     size = (path / "model.safetensors").stat().st_size
     with open(path / "model.safetensors", "r+b") as f:
         f.seek(size // 2)
         f.write(bytes(size - size // 2))
-    assert all(torch.equal(ckpt.weights[k], v) for k, v in loaded.items())
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in built.items())
 
 
 @pytest.mark.parametrize("how", list(_MISFITS))

@@ -19,6 +19,7 @@ from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 from tests.serving import serve_process
 
 GREEDY = pb.SamplingParams(max_new_tokens=24, ignore_eos=True)
+GUARD = 300  # seconds: a guard against a hang, never a performance bound
 LONG = pb.SamplingParams(max_new_tokens=2000, ignore_eos=True)
 
 
@@ -344,3 +345,32 @@ def test_a_slow_clients_backlog_goes_in_messages_of_bounded_size():
         return sizes
 
     assert asyncio.run(batches()) == [MAX_TOKENS_PER_MESSAGE, MAX_TOKENS_PER_MESSAGE, 1]
+
+
+@pytest.mark.parametrize("by", ["request_id", "session_id"])
+def test_a_cancel_while_the_prompt_is_encoded_cancels_the_turn(server, monkeypatch, by):
+    """A prompt is encoded on a worker thread (a long one takes seconds): a Cancel that comes meanwhile says it
+    cancelled, and the turn ends CANCELLED once submitted, rather than running on unasked."""
+    engine, servicer = server.engine, server.server.inference
+    submit, go_on = engine.submit, threading.Event()
+
+    def slow_submit(*args, **kwargs):
+        assert go_on.wait(GUARD)  # as a long prompt's encoding would take
+        return submit(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "submit", slow_submit)
+    stub = server.stub()
+    sid = stub.Start(pb.StartRequest()).session_id
+    try:
+        stream = stub.Generate(pb.GenerateRequest(session_id=sid, request_id="encoding", prompt="Count to a thousand:",
+                                                  sampling=LONG), timeout=GUARD)
+        deadline = time.monotonic() + GUARD  # a guard against a hang only
+        while "encoding" not in servicer._submitting:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        target = pb.CancelRequest(request_id="encoding") if by == "request_id" else pb.CancelRequest(session_id=sid)
+        assert stub.Cancel(target).cancelled
+    finally:
+        go_on.set()
+    assert [m.finish_reason for m in stream][-1] == pb.FINISH_REASON_CANCELLED
+    stub.End(pb.EndRequest(session_id=sid))

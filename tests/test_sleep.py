@@ -253,7 +253,8 @@ def test_update_weights_runs_the_new_checkpoint_with_its_own_settings(sleepy, ch
     the server's is refused."""
     stub, adm = sleepy.stub(), admin(sleepy)
     original = greedy(stub)
-    with Engine(EngineConfig(model=checkpoints["other_rope"], dtype="float32", kv_cache_tokens=1024)) as alone:
+    with Engine(EngineConfig(model=checkpoints["other_rope"], dtype="float32", kv_cache_tokens=1024,
+                             threads=sleepy.engine.threads_per_loop)) as alone:  # summing as each loop does
         want = alone.generate(list(PROMPT.ids), SamplingParams(max_new_tokens=GREEDY.max_new_tokens,
                                                               ignore_eos=True)).token_ids
     try:
@@ -382,18 +383,20 @@ def test_health_stays_not_serving_while_a_sleep_waits_behind_another_admin_call(
     to run."""
     adm = admin(sleepy)
     not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
-    with sleepy.engine._admin_lock:  # the Sleep waits here
-        sleeping = adm.Sleep.future(pb.SleepRequest(level=1))
-        guard = time.monotonic() + 60  # a hang guard, not a timing
-        while not in_an_admin_call(sleepy.engine):
-            assert time.monotonic() < guard, "the Sleep never reached the engine"
-            time.sleep(0.01)
-        assert health_of(sleepy, "lmgate.v1.Inference") == not_serving
-        assert code_of(lambda: greedy(sleepy.stub())) == grpc.StatusCode.UNAVAILABLE  # admission closed already
-        assert code_of(lambda: adm.UpdateWeights(pb.UpdateWeightsRequest(path=""))) == grpc.StatusCode.INVALID_ARGUMENT
-        assert health_of(sleepy, "lmgate.v1.Inference") == not_serving
-    sleeping.result(timeout=60)
-    adm.Wakeup(pb.WakeupRequest())
+    try:
+        with sleepy.engine._admin_lock:  # the Sleep waits here
+            sleeping = adm.Sleep.future(pb.SleepRequest(level=1))
+            guard = time.monotonic() + 60  # a hang guard, not a timing
+            while not in_an_admin_call(sleepy.engine):
+                assert time.monotonic() < guard, "the Sleep never reached the engine"
+                time.sleep(0.01)
+            assert health_of(sleepy, "lmgate.v1.Inference") == not_serving
+            assert code_of(lambda: greedy(sleepy.stub())) == grpc.StatusCode.UNAVAILABLE  # admission closed already
+            assert code_of(lambda: adm.UpdateWeights(pb.UpdateWeightsRequest(path=""))) == grpc.StatusCode.INVALID_ARGUMENT
+            assert health_of(sleepy, "lmgate.v1.Inference") == not_serving
+    finally:
+        sleeping.result(timeout=60)
+        adm.Wakeup(pb.WakeupRequest())  # the module's server awake again, whatever failed
     assert health_of(sleepy, "lmgate.v1.Inference") == health_pb2.HealthCheckResponse.SERVING
 
 

@@ -49,7 +49,7 @@ from ..memory import keep_freed_memory, release_host_memory
 from ..request import Request, RequestKind, RequestOutput
 from ..threads import on_fresh_thread
 from ..models.tensor_parallel import shard_of
-from ..weights import LocalWeights, TensorParallel, keep_quantized, quantized_gguf
+from ..weights import LocalWeights, TensorParallel, keep_quantized
 from .device_group import DeviceGroup
 from .gloo_comm import GlooComm
 from .host_comm import CommAborted
@@ -177,7 +177,7 @@ class RankProcess:
         dp_comm = world.split(color=spec.tp_rank, key=spec.dp_rank)  # the leaders' group agrees in `pop`
         self.tp_comm = world.split(color=spec.dp_rank, key=spec.tp_rank)
         ckpt = on_fresh_thread(lambda: load_checkpoint(spec.model_path))
-        dtype, _ = choose_dtype(c.dtype, device, quantized_weights=quantized_gguf(c, ckpt.path, device))  # as the front end chose
+        dtype, _ = choose_dtype(c.dtype, device)  # the one the front end chose (never auto here)
         tp = None
         if spec.tp_size > 1:
             group = DeviceGroup(world.store, f"tp-device/{spec.dp_rank}", spec.tp_rank, spec.tp_size, device,

@@ -40,6 +40,7 @@ def build_model(
                                              cfg.rope_freq_factors)
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     if device.type == "cpu":
+        own_memory(model, weights)
         cpu_linears(model, batch_hint)
     if quantized:
         layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
@@ -77,6 +78,19 @@ def quantized_blocks(model: LlamaForCausalLM) -> list[torch.Tensor]:
 def expand_blocks(weights: dict[str, torch.Tensor | GGUFBlocks]) -> dict[str, torch.Tensor]:
     """Every quantized matrix as float32 (a float model, tensor parallelism)."""
     return {k: v.dequantize() if isinstance(v, (GGUFBlocks, GGUFStack)) else v for k, v in weights.items()}
+
+
+def own_memory(model: nn.Module, weights: dict[str, torch.Tensor | GGUFBlocks]) -> None:
+    """Copy the tensors the model still shares with `weights` (a safetensors file's, mapped, whose dtype is the
+    served one): a file written over in place would change the model, and one cut short kill the process."""
+    mapped = {w.untyped_storage().data_ptr() for w in weights.values() if isinstance(w, torch.Tensor)}
+    for module in model.modules():
+        for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            if tensor.untyped_storage().data_ptr() in mapped:
+                if isinstance(tensor, nn.Parameter):
+                    tensor.data = tensor.data.clone()  # a tied head shares the Parameter, so follows it
+                else:
+                    module.register_buffer(name, tensor.clone(), persistent=name not in module._non_persistent_buffers_set)
 
 
 def load_weights(model: LlamaForCausalLM, weights: dict[str, torch.Tensor]) -> None:
