@@ -100,7 +100,8 @@ def choose_dtype(requested: str, device: torch.device, features: CpuFeatures | N
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {requested!r}")
         return DTYPES[requested], f"asked for {requested}"
     if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
+        # (Without CUDA, the placement check that follows says what is wrong.)
+        major, minor = torch.cuda.get_device_capability(device) if torch.cuda.is_available() else (8, 0)
         if major < 8:  # before Ampere: no bf16 in hardware (nor in Triton's dot there)
             return torch.float16, f"auto: float16 on a CUDA device of compute capability {major}.{minor}, without bf16"
         return torch.bfloat16, "auto: bfloat16 on CUDA"

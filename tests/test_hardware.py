@@ -42,6 +42,7 @@ def test_auto_dtype_follows_cpu_flags(arch, flags, want):
 @pytest.mark.parametrize("capability, want", [((9, 0), torch.bfloat16), ((8, 0), torch.bfloat16), ((7, 5), torch.float16)])
 def test_auto_dtype_on_cuda_is_bfloat16_from_ampere_on_else_float16(monkeypatch, capability, want):
     """The device's compute capability as the driver reports it (stood in for here: this machine has no GPU)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     assert choose_dtype("auto", CUDA, x86(AVX2))[0] == want
 
