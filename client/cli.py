@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="this client's PEM certificate, for mutual TLS (with --tls-key) [LMGATE_CLIENT_CERT]")
     common.add_argument("--tls-key", default=os.environ.get("LMGATE_CLIENT_KEY"),
                         help="the PEM key of --tls-cert [LMGATE_CLIENT_KEY]")
+    # A string default: argparse checks LMGATE_TIMEOUT as it checks the flag.
+    common.add_argument("--timeout", type=_number(float, 0, above=True), default=os.environ.get("LMGATE_TIMEOUT"),
+                        help="each call's deadline in seconds, a reply's whole stream included; default: none "
+                             "[LMGATE_TIMEOUT]")
 
     turn = argparse.ArgumentParser(add_help=False)  # generate and chat: SAMPLING_FLAGS and a system message
     turn.add_argument("--max-new-tokens", type=_number(int, 0, maximum=UINT32), help="most tokens per reply; 0: the server's default (256)")
@@ -81,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     turn.add_argument("--min-p", type=float, help="drop tokens below this share of the likeliest one's probability")
     turn.add_argument("--repetition-penalty", type=float, help="above 1 discourages tokens already in the context")
     turn.add_argument("--seed", type=_number(int, 0, maximum=UINT64), help="the same seed gives the same tokens")
-    turn.add_argument("--stop", nargs="+", action="extend", metavar="S", help="strings that end the reply")
+    turn.add_argument("--stop", action="append", metavar="S", help="a string that ends the reply (repeat for several)")
     turn.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
     turn.add_argument("--logprobs", type=_number(int, 0, maximum=UINT32), help="also print each token's log-probability and this "
                       "many likeliest alternatives, as JSON lines on stderr")
@@ -170,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _client(args: argparse.Namespace, kind: type[Client] | type[AsyncClient] = Client) -> Client | AsyncClient:
     tls = Tls(args.tls_ca, args.tls_cert, args.tls_key) if args.tls or args.tls_ca or args.tls_cert else None
-    return kind(args.target, admin_token=args.admin_token, api_key=args.api_key, tls=tls)
+    return kind(args.target, admin_token=args.admin_token, api_key=args.api_key, tls=tls, timeout=args.timeout)
 
 
 def _with_client(args: argparse.Namespace, call: Callable[[Client], object], done: str) -> int:
@@ -222,10 +226,12 @@ TURN_REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
 
 def _chat(args: argparse.Namespace) -> int:
     """Each line is a user turn on one session, which keeps the history; a refused turn is reported and
-    skipped; EOF or Ctrl-C ends the session."""
+    skipped; EOF or Ctrl-C ends the session. The session is resumable: one the server ended (its replica
+    restarted, or it sat idle past the server's --session-idle-timeout) is started again with the
+    conversation so far."""
     prompt = "> " if sys.stdin.isatty() else ""
     system = args.system
-    with _client(args) as client, client.start() as session:
+    with _client(args) as client, client.start(resume=True) as session:
         while True:
             try:
                 line = input(prompt)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import functools
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Generic, Iterable, Iterator, Mapping, Sequence, TypeVar
@@ -36,6 +37,11 @@ RESTART_CODES = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.ABORTED)
 # turn out (a failed step) or kept it (a proxy that broke the call): the next turn ends it first and starts
 # again from the history, which leaves the turn out.
 CANCEL_CODES = (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
+# A turn refused with one of these before its first message never ran: the server's session is as it was
+# (a bad parameter, a prompt too long, a full server, a credential). Not FAILED_PRECONDITION: a turn left
+# early may still run there, holding more than the history, which the next turn then replays over.
+REFUSAL_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                 grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED)
 
 
 class _ClientBase(abc.ABC, Generic[StreamT]):
@@ -78,34 +84,48 @@ class _ClientBase(abc.ABC, Generic[StreamT]):
 
     def _send(self, request: pb.GenerateRequest) -> StreamT:
         """Starts the Generate call; its responses as Deltas."""
+        if request.session_id and not request.request_id:  # known before any reply: a turn left early is cancelled by it
+            request.request_id = uuid.uuid4().hex
         metadata = self._session_metadata(request.session_id)
-        return self._stream(self._inference.Generate(request, timeout=self._timeout, metadata=metadata), request.session_id)
+        return self._stream(self._inference.Generate(request, timeout=self._timeout, metadata=metadata), request)
 
     def _session_metadata(self, session_id: int) -> tuple[tuple[str, str], ...]:
         """Inference metadata plus the session's routing key, so a proxy sends its calls to one replica."""
         return self._inference_metadata + session_metadata(session_id)
 
     @abc.abstractmethod
-    def _stream(self, call: Any, session_id: int) -> StreamT:
+    def _stream(self, call: Any, request: pb.GenerateRequest) -> StreamT:
         """The call's responses as Deltas, cancelling the call if the caller stops early. A session's turn is
-        cancelled by a Cancel call before the stream goes: dropping the stream alone tells the server
-        without an order, and a next turn that came first would find the session still generating."""
+        cancelled by a Cancel call before the stream goes, even before its first reply (a long prefill):
+        dropping the stream alone tells the server without an order, and a next turn that came first would
+        find the session still generating."""
 
-    def _cancel_turn(self, last: pb.GenerateResponse, session_id: int) -> tuple[pb.CancelRequest, dict[str, Any]]:
-        """Cancel's request and call options for the turn whose latest message is `last`: by its request id
-        (by the session, a late close could cancel the session's next turn), routed by the session, within
-        CANCEL_SECONDS (a server that no longer answers must not hold up the caller's `break`)."""
-        return pb.CancelRequest(request_id=last.request_id), {"timeout": CANCEL_SECONDS, "metadata": self._session_metadata(session_id)}
+    def _cancel_turn(self, request: pb.GenerateRequest, last: pb.GenerateResponse | None,
+                     exc: BaseException) -> tuple[pb.CancelRequest, dict[str, Any]] | None:
+        """Cancel's request and call options for a session's turn left before its last reply (`last`, the
+        latest one, if any) by `exc`; None where there is nothing to cancel (a stateless request, a turn that
+        ended, or a call the server ended with its status). By its request id (by the session, a late close
+        could cancel the session's next turn), routed by the session, within CANCEL_SECONDS (a server that no
+        longer answers must not hold up the caller's `break`)."""
+        if not request.session_id or (last is not None and last.finish_reason):
+            return None
+        if isinstance(exc, grpc.RpcError) and exc.code() not in CANCEL_CODES:
+            return None
+        options = {"timeout": CANCEL_SECONDS, "metadata": self._session_metadata(request.session_id)}
+        return pb.CancelRequest(request_id=request.request_id), options
 
 
 @dataclass(frozen=True, slots=True)
 class Tls:
     """TLS to the server: `ca`, the PEM bundle its certificate chains to (None: the system's roots); `cert`
-    and `key`, this client's certificate and key where the server asks for one (mutual TLS)."""
+    and `key`, this client's certificate and key where the server asks for one (mutual TLS); `server_name`,
+    the name its certificate carries where that is not the target's host. A list of replicas needs it: the
+    channel's one authority would be the whole list, which no certificate names."""
 
     ca: str | None = None
     cert: str | None = None
     key: str | None = None
+    server_name: str | None = None
 
     def __post_init__(self) -> None:
         if bool(self.cert) != bool(self.key):  # grpc would abort the process on a certificate without its key
@@ -114,6 +134,20 @@ class Tls:
     def credentials(self) -> grpc.ChannelCredentials:
         read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
         return grpc.ssl_channel_credentials(read(self.ca), read(self.key), read(self.cert))
+
+    def options(self, target: Target) -> list[tuple[str, str]]:
+        """Channel options: the name to verify, which a list of replicas must give."""
+        if self.server_name:
+            return [("grpc.ssl_target_name_override", self.server_name)]
+        if not isinstance(target, str):
+            raise ValueError("Tls: a list of replicas needs server_name, the name their certificate carries")
+        return []
+
+
+def _channel_args(target: Target, tls: Tls | None) -> tuple[str, list[tuple[str, str]]]:
+    """The channel's target and options, TLS's included."""
+    address, options = channel_target(target)
+    return address, options + (tls.options(target) if tls else [])
 
 
 class Client(_ClientBase[Iterator[Delta]]):
@@ -126,21 +160,21 @@ class Client(_ClientBase[Iterator[Delta]]):
         self, target: Target = DEFAULT_TARGET, *, admin_token: str | None = None, api_key: str | None = None,
         tls: Tls | None = None, timeout: float | None = None,
     ) -> None:
-        target, options = channel_target(target)
+        target, options = _channel_args(target, tls)
         channel = (grpc.secure_channel(target, tls.credentials(), options) if tls
                    else grpc.insecure_channel(target, options))
         super().__init__(channel, admin_token, api_key, timeout)
 
-    def _stream(self, call: Any, session_id: int) -> Iterator[Delta]:
+    def _stream(self, call: Any, request: pb.GenerateRequest) -> Iterator[Delta]:
         last = None
         try:
             for last in call:
                 yield to_delta(last)
-        except BaseException:  # closed early, or an exception thrown in while it waited (a deadline, Ctrl-C)
-            if session_id and last is not None and not last.finish_reason:
-                request, options = self._cancel_turn(last, session_id)
+        except BaseException as exc:  # closed early, or an exception thrown in while it waited (a deadline, Ctrl-C)
+            cancel = self._cancel_turn(request, last, exc)
+            if cancel is not None:
                 with contextlib.suppress(grpc.RpcError, ValueError):  # ValueError: the channel has closed
-                    self._inference.Cancel(request, **options)
+                    self._inference.Cancel(cancel[0], **cancel[1])
             raise
         finally:
             call.cancel()  # a no-op once the stream has ended; otherwise frees the server's work
@@ -207,21 +241,21 @@ class AsyncClient(_ClientBase[AsyncIterator[Delta]]):
         self, target: Target = DEFAULT_TARGET, *, admin_token: str | None = None, api_key: str | None = None,
         tls: Tls | None = None, timeout: float | None = None,
     ) -> None:
-        target, options = channel_target(target)
+        target, options = _channel_args(target, tls)
         channel = (grpc.aio.secure_channel(target, tls.credentials(), options) if tls
                    else grpc.aio.insecure_channel(target, options))
         super().__init__(channel, admin_token, api_key, timeout)
 
-    async def _stream(self, call: Any, session_id: int) -> AsyncIterator[Delta]:
+    async def _stream(self, call: Any, request: pb.GenerateRequest) -> AsyncIterator[Delta]:
         last = None
         try:
             async for last in call:
                 yield to_delta(last)
-        except BaseException:  # closed early, or an exception thrown in while it waited (a timeout's CancelledError)
-            if session_id and last is not None and not last.finish_reason:
-                request, options = self._cancel_turn(last, session_id)
+        except BaseException as exc:  # closed early, or an exception thrown in while it waited (a timeout's CancelledError)
+            cancel = self._cancel_turn(request, last, exc)
+            if cancel is not None:
                 with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):  # UsageError: the channel has closed
-                    await self._inference.Cancel(request, **options)
+                    await self._inference.Cancel(cancel[0], **cancel[1])
             raise
         finally:
             call.cancel()
@@ -352,7 +386,7 @@ class Session(_SessionBase[Iterator[Delta]]):
                 deltas.append(next(stream))
             except grpc.RpcError as err:
                 if err.code() not in RESTART_CODES:
-                    self._stale = err.code() not in CANCEL_CODES
+                    self._stale = err.code() not in CANCEL_CODES + REFUSAL_CODES
                     raise
                 if err.code() == grpc.StatusCode.ABORTED:  # a copy from before the session moved: not ours
                     self.client.end(self.id)
@@ -429,7 +463,7 @@ class AsyncSession(_SessionBase[AsyncIterator[Delta]]):
                 deltas.append(await anext(stream))
             except grpc.aio.AioRpcError as err:
                 if err.code() not in RESTART_CODES:
-                    self._stale = err.code() not in CANCEL_CODES
+                    self._stale = err.code() not in CANCEL_CODES + REFUSAL_CODES
                     raise
                 if err.code() == grpc.StatusCode.ABORTED:
                     await self.client.end(self.id)

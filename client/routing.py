@@ -10,7 +10,10 @@ from typing import Sequence
 # grpcio hashes a request header only with this set; the client sets it, before its first ring-hash channel,
 # unless the process has set it already.
 RING_HASH_FLAG = "GRPC_EXPERIMENTAL_RING_HASH_SET_REQUEST_HASH_KEY"
-SERVICE_CONFIG = json.dumps({"loadBalancingConfig": [{"ring_hash_experimental": {"requestHashHeader": "x-session-id"}}]})
+# Each replica's health is watched (the Inference service's: NOT_SERVING while asleep or draining), and the
+# ring hash skips a replica that is not serving, as a proxy's health checks do.
+SERVICE_CONFIG = json.dumps({"loadBalancingConfig": [{"ring_hash_experimental": {"requestHashHeader": "x-session-id"}}],
+                             "healthCheckConfig": {"serviceName": "lmgate.v1.Inference"}})
 
 Target = str | Sequence[str]
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable
 
 from .sequence import Sequence
@@ -108,6 +108,11 @@ class BlockManager:
         """How many of these blocks are on the free list: taking a cached block that no one holds uses up a
         free block as allocating one does."""
         return sum(self.ref_counts[b] == 0 for b in blocks)
+
+    def freed_by(self, tables: Iterable[list[int]]) -> set[int]:
+        """The blocks that releasing each of these tables once would put on the free list."""
+        drops = Counter(b for table in tables for b in table)
+        return {b for b, n in drops.items() if self.ref_counts[b] == n}
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Give the sequence's newly full, computed blocks their keys, so later prompts can share them. A block

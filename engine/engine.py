@@ -283,6 +283,11 @@ class Engine:
         self.gateway.kill(session_id, lambda _: done.set())
         done.wait()
 
+    def expire_idle_sessions(self, idle_seconds: float, now: float | None = None) -> list[int]:
+        """End the sessions that have had no turn for `idle_seconds`, as End would: clients that vanished
+        without an End leave nothing behind. The ids ended."""
+        return self.gateway.expire_idle(idle_seconds, now)
+
     # state -------------------------------------------------------------------------------------------------
 
     def info(self) -> EngineInfo:

@@ -1,9 +1,9 @@
 """The Gateway, after TurboMind's: routes requests to engine loops and delivers their outputs.
 
 Lock order: `Gateway._admission_lock` is held across a Start's binding and a Generate's enqueue (so that once
-a gate has closed, nothing that passed it is still on its way to a queue), and across an End's unbinding,
-cancel and enqueue (so that a Start reusing the id follows the old session's KILL); under it, and otherwise
-each a leaf:
+a gate has closed, nothing that passed it is still on its way to a queue), and across an End's (or an idle
+session's expiry's) unbinding, cancel and enqueue (so that a Start reusing the id follows the old session's
+KILL); under it, and otherwise each a leaf:
   SequenceBinding._lock, RequestQueue._lock (or a RemoteQueue's), CancelFlag._lock, Gateway._arrivals.
 Gateway._signal_cond is a leaf. No thread waits on one while holding another.
 Callbacks run on the signal thread with no lock held. Engine loops wait on `_arrivals` (idle) and in the host
@@ -150,6 +150,16 @@ class Gateway:
             self.notify([(active, cancelled_output(active))])
         if not queued:
             self.notify([(request, unanswered_output(request))])
+
+    def expire_idle(self, idle_seconds: float, now: float | None = None) -> list[int]:
+        """End the sessions that have had no turn for `idle_seconds` (`now`: time.monotonic's), as `kill` ends
+        one: later requests on them are NOT_FOUND, and their loops free their KV. Their ids."""
+        cutoff = (time.monotonic() if now is None else now) - idle_seconds
+        with self._admission_lock:
+            expired = self.binding.take_idle(cutoff)
+            for session_id, bound in expired.items():
+                self.enqueue(bound.rank, Request(RequestKind.KILL, session_id, lambda _: None))
+        return list(expired)
 
     def cancel(self, request: Request) -> bool:
         """Flip the flag; a queued request ends here and now, an active one at its loop's next step (a loop in

@@ -72,7 +72,8 @@ def activation_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dtyp
     tensors (logits, probabilities, their running sum, one spare), and decode attention's per-split partial
     sums at the longest context (a CUDA graph keeps them); with CUDA graphs, the float32 logits each bucket's
     graph keeps as its output (Qwen2.5's vocabulary at 256 rows: 1.3 GiB over the buckets)."""
-    chunk = 2 * config.max_batched_tokens * (model.hidden_size + 2 * model.intermediate_size) * dtype.itemsize
+    rows = max(config.max_batched_tokens, config.max_batch_size)  # decodes run past the token budget
+    chunk = 2 * rows * (model.hidden_size + 2 * model.intermediate_size) * dtype.itemsize
     sampler = 4 * config.max_batch_size * model.vocab_size * 4
     decode = config.max_batch_size * model.num_heads * MAX_DECODE_SPLITS * (model.head_dim + 2) * 4
     graphed = config.cuda_graphs and config.tensor_parallel == 1  # as EngineLoop.build decides

@@ -12,6 +12,7 @@ from .transfers import to_device
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 256  # each is looked up every step, and banned every step below min_new_tokens
 GREEDY_BELOW = 1e-5  # a temperature under this is greedy (as vLLM): dividing by less overflows the logits
 
 
@@ -57,6 +58,7 @@ class SamplingParams:
         _check(self.seed is None or 0 <= self.seed < 2**64, f"seed must be in [0, 2^64), got {self.seed}")
         _check(len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings")
         _check(all(self.stop), "stop strings must not be empty")
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0")
 
     @property
@@ -181,7 +183,9 @@ def _sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
                                        r.params.top_p if 0 < r.params.top_p < 1 else 1.0, uniform(r.seed, r.num_output))
                                       for r in rows], dtype=torch.float32), logits.device).T.unsqueeze(2)
     temps, min_ps, top_ks, top_ps, draws = columns  # each [rows, 1]
-    probs = torch.softmax(logits / temps, dim=-1)
+    # A tiny repetition penalty or temperature can take a logit past float32's range: +inf would make the
+    # row's softmax NaN, and its draw an id past the vocabulary.
+    probs = torch.softmax((logits / temps).clamp_(max=torch.finfo(torch.float32).max), dim=-1)
     if any(r.params.min_p for r in rows):  # min-p 0 masks nothing: three passes over the vocabulary saved
         probs = probs.masked_fill(probs < min_ps * probs.amax(dim=-1, keepdim=True), 0.0)
     filtered = [i for i, r in enumerate(rows) if r.params.filtered(vocab)]
@@ -211,7 +215,7 @@ def _top_k_top_p(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
     # mass they reach). Only other rows sort it all. Which path a row takes depends on that row alone.
     candidates = min(CANDIDATES, vocab)
     top = probs.topk(candidates, dim=-1)
-    mass = probs.sum(dim=-1, keepdim=True)  # 1, less what min-p dropped
+    mass = _block_sums(probs).sum(dim=-1, keepdim=True)  # 1, less what min-p dropped
     nucleus = (top_ps < 1) & (top_ks >= vocab) & (top.values.sum(dim=-1, keepdim=True) >= top_ps * mass)
     inside = ((top_ks <= candidates) | nucleus).squeeze(1)
     tokens = torch.empty(len(params), dtype=torch.long, device=probs.device)
@@ -249,19 +253,27 @@ def _draw(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
     """Per row, the index at which the cumulative distribution passes draw x total. In two searches, each
     over a short prefix sum: the block where it passes (of the block sums), then the token within that block.
     A prefix sum over a whole vocabulary of 150k tokens is a slow scan on a GPU, and a long one on a CPU."""
-    rows, vocab = probs.shape
+    vocab = probs.shape[-1]
     if vocab <= DRAW_BLOCK:
         return _search(probs, draws)[0]
-    whole = vocab - vocab % DRAW_BLOCK
-    sums = probs[:, :whole].view(rows, -1, DRAW_BLOCK).sum(dim=-1)  # a view: no copy of the probabilities
-    if whole < vocab:
-        sums = torch.cat([sums, probs[:, whole:].sum(dim=-1, keepdim=True)], dim=1)
+    sums = _block_sums(probs)
     block, cdf, target = _search(sums, draws)  # a block of non-zero mass
     at = block.unsqueeze(1)
     into = ((target - (cdf - sums).gather(1, at)) / sums.gather(1, at)).clamp(0.0, 1.0)  # of the block's mass
     ids = at * DRAW_BLOCK + torch.arange(DRAW_BLOCK, device=probs.device)
     inside = probs.gather(1, ids.clamp(max=vocab - 1)).masked_fill(ids >= vocab, 0.0)
-    return block * DRAW_BLOCK + _search(inside, into)[0]
+    return (block * DRAW_BLOCK + _search(inside, into)[0]).clamp_(max=vocab - 1)
+
+
+def _block_sums(probs: torch.Tensor) -> torch.Tensor:
+    """Each row's sums over blocks of DRAW_BLOCK tokens. Also the way to a row's total that does not depend on
+    the batch: torch splits one long sum over threads, but sums each of many short ones in one thread."""
+    rows, vocab = probs.shape
+    whole = vocab - vocab % DRAW_BLOCK
+    sums = probs[:, :whole].view(rows, -1, DRAW_BLOCK).sum(dim=-1)  # a view: no copy of the probabilities
+    if whole < vocab:
+        sums = torch.cat([sums, probs[:, whole:].sum(dim=-1, keepdim=True)], dim=1)
+    return sums
 
 
 def _search(probs: torch.Tensor, draws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -270,7 +282,9 @@ def _search(probs: torch.Tensor, draws: torch.Tensor) -> tuple[torch.Tensor, tor
     total = cdf[:, -1:]
     # Strictly below the total, so that the draw lands on a token of non-zero probability however it rounds.
     target = torch.minimum(draws * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(1), cdf, target
+    # A row of NaN (a model that overflowed) finds no token: the last id, not one past the vocabulary.
+    found = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+    return found, cdf, target
 
 
 def _fetch(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SampleRow]) -> "SampleFuture":

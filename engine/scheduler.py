@@ -2,8 +2,9 @@
 
 Policy: every running decode gets its token; running prefills, then waiting sequences (FIFO), share what is
 left of the step's token budget, so a long prompt is prefilled in chunks while streams keep flowing. When
-blocks run out the scheduler first drops idle sessions' KV (their history recomputes on the next turn), then
-preempts the newest running sequence, which recomputes later; a request is never failed for lack of blocks.
+blocks run out the scheduler drops idle sessions' KV (their history recomputes on the next turn) where that
+makes the room, else preempts the newest running sequence, which recomputes later, and tries again; a
+request is never failed for lack of blocks.
 """
 from __future__ import annotations
 
@@ -108,7 +109,8 @@ class Scheduler:
         """True once `needed` blocks are free besides the free ones among `taking` (cached blocks about to be
         taken), after dropping idle sessions' KV, least recently used first, then the KV that waiting turns
         took over from their sessions, newest first: else a waiting turn could hold blocks that the head of
-        the queue needs, and nothing would be admitted again."""
+        the queue needs, and nothing would be admitted again. Where dropping all of it would not make room,
+        none is dropped: the sessions would recompute their history for nothing."""
         def room() -> bool:
             return self.blocks.can_allocate(needed + self.blocks.num_free_of(taking))
 
@@ -116,7 +118,11 @@ class Scheduler:
             return True
         idle = [s for s in self.sessions.values() if s.active is None and s.block_table and s is not seq.session]
         waiting = [s for s in reversed(self.waiting) if s is not seq and s.block_table]
-        for holder in sorted(idle, key=lambda s: s.last_used) + waiting:
+        holders = sorted(idle, key=lambda s: s.last_used) + waiting
+        gained = self.blocks.freed_by(h.block_table for h in holders) - set(taking)
+        if not self.blocks.can_allocate(needed + self.blocks.num_free_of(taking) - len(gained)):
+            return False
+        for holder in holders:
             self.blocks.release(holder.block_table)
             holder.drop_kv()
             if room():

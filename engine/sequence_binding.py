@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from dataclasses import dataclass, field
 
 from .errors import SessionBusy, SessionExists, SessionNotFound, SessionStale
@@ -16,6 +17,7 @@ class Binding:
     # Which copy of the session this is: a Start draws it, and a turn that names another is refused, so a
     # client whose session was started again elsewhere never continues from this copy's history.
     epoch: int = field(default_factory=lambda: random.getrandbits(63))
+    idle_since: float = field(default_factory=time.monotonic)  # when its last turn ended (or it started)
 
 
 class SequenceBinding:
@@ -44,6 +46,15 @@ class SequenceBinding:
         """Forget the session; returns what it was bound to (its rank and active request), if anything."""
         with self._lock:
             return self._bindings.pop(session_id, None)
+
+    def take_idle(self, cutoff: float) -> dict[int, Binding]:
+        """Forget the sessions with no turn since `cutoff` (time.monotonic); what they were bound to. A turn
+        claims a session under the same lock: it comes first (the session is busy) or finds it gone."""
+        with self._lock:
+            idle = {i: b for i, b in self._bindings.items() if b.active is None and b.idle_since < cutoff}
+            for session_id in idle:
+                del self._bindings[session_id]
+            return idle
 
     def clear(self) -> None:
         """Forget every session (sleep ends them all)."""
@@ -85,4 +96,4 @@ class SequenceBinding:
         with self._lock:
             b = self._bindings.get(session_id)
             if b is not None and b.active is request:
-                b.active = None
+                b.active, b.idle_since = None, time.monotonic()

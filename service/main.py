@@ -166,6 +166,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--api-key", type=_secret, default=_env("API_KEY", None), help="require 'authorization: Bearer <key>' on Inference calls [LMGATE_API_KEY]")
     ap.add_argument("--replica-id", type=_header_value, default=_env("REPLICA_ID", default_replica_id()), help="this server's name among replicas, in Info and the x-lmgate-replica response header [LMGATE_REPLICA_ID]")
     ap.add_argument("--metrics-port", type=PORT, default=_env("METRICS_PORT", 0), help="serve Prometheus /metrics on this port; 0: off [LMGATE_METRICS_PORT]")
+    ap.add_argument("--session-idle-timeout", type=_ranged(float, 0), default=_env("SESSION_IDLE_TIMEOUT", 0.0), help="seconds after which a session that has had no turn is ended, as End would (its next turn is NOT_FOUND): clients that vanish without End leave nothing behind; 0: sessions last until End [LMGATE_SESSION_IDLE_TIMEOUT]")
     ap.add_argument("--grace", type=_ranged(float, 0), default=_env("GRACE", 10.0), help="seconds running streams get at shutdown [LMGATE_GRACE]")
     ap.add_argument("--log-level", type=_one_of(*LOG_LEVELS, convert=str.upper), default=_env("LOG_LEVEL", "INFO"), metavar="{" + ",".join(LOG_LEVELS) + "}", help="[LMGATE_LOG_LEVEL]")
     ap.add_argument("--log-format", default=_env("LOG_FORMAT", "text"), type=_one_of("text", "json"), metavar="{text,json}", help="json: one object per line, the access log's fields as keys [LMGATE_LOG_FORMAT]")
@@ -260,7 +261,7 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> None:
                     f", --max-context-length {args.max_context_length}" if args.max_context_length else "")
     try:
         server = Server(engine, _address(args.host, args.port), admin_token=args.admin_token, tls=args.tls,
-                        api_key=args.api_key, replica_id=args.replica_id)
+                        api_key=args.api_key, replica_id=args.replica_id, session_idle_timeout=args.session_idle_timeout)
         if args.metrics_port:
             start_http_server(args.metrics_port, addr=args.host, registry=server.metrics.registry)
     except (OSError, RuntimeError) as exc:  # a port taken while the model loaded

@@ -49,6 +49,8 @@ class Metrics:
         self.output_tokens = counter("lmgate_output_tokens", "Generated tokens streamed to clients").labels(self.model_name)
         self.sessions_started = counter("lmgate_sessions_started", "Sessions opened by Start").labels(self.model_name)
         self.sessions_ended = counter("lmgate_sessions_ended", "End calls completed").labels(self.model_name)
+        self.sessions_expired = counter("lmgate_sessions_expired", "Sessions ended after --session-idle-timeout "
+                                        "without a turn").labels(self.model_name)
         self.sleep_transitions = counter("lmgate_sleep_transitions", "Completed Sleep and Wakeup calls", "transition")
         self.weight_updates = counter("lmgate_weight_updates", "Completed UpdateWeights calls").labels(self.model_name)
         self.ttft = histogram("lmgate_time_to_first_token_seconds", "From the Generate call to its first token", LATENCY_BUCKETS)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,7 @@ from .replica import ReplicaHeaderInterceptor, default_replica_id
 from .metrics import Metrics
 from .servicer import InferenceServicer, log_access
 
+log = logging.getLogger(__name__)
 SHUTDOWN_FLUSH_SECONDS = 1.0  # for the last messages of cancelled streams to reach their clients
 INFERENCE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 SERVICES = (INFERENCE, pb.DESCRIPTOR.services_by_name["Admin"].full_name)
@@ -58,8 +60,12 @@ class Server:
         tls: TlsFiles | None = None,
         api_key: str | None = None,
         replica_id: str | None = None,
+        session_idle_timeout: float = 0.0,
     ) -> None:
+        """`session_idle_timeout`: seconds after which a session without a turn is ended; 0: never."""
         self.engine = engine
+        self.session_idle_timeout = session_idle_timeout
+        self._expiry: asyncio.Task | None = None
         self.metrics = Metrics(engine)
         self.replica_id = replica_id or default_replica_id()
         interceptors = [ReplicaHeaderInterceptor(self.replica_id)]
@@ -95,6 +101,22 @@ class Server:
         if not self.failed.is_set():  # else a rank died while this server was being built
             await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         await self.refresh_health()
+        if self.session_idle_timeout > 0:
+            self._expiry = asyncio.create_task(self._expire_idle_sessions())
+
+    async def _expire_idle_sessions(self) -> None:
+        """Ends sessions idle past the timeout, checking a few times per timeout (every 0.1 to 30 s)."""
+        period = min(max(self.session_idle_timeout / 4, 0.1), 30.0)
+        while True:
+            await asyncio.sleep(period)
+            try:
+                expired = self.engine.expire_idle_sessions(self.session_idle_timeout)
+            except Exception:  # keep expiring: a failure here must not leak every later idle session
+                log.exception("ending idle sessions failed")
+                continue
+            if expired:
+                self.metrics.sessions_expired.inc(len(expired))
+                log.info("ended %d session(s) idle for %g s", len(expired), self.session_idle_timeout)
 
     async def _engine_failed(self) -> None:
         """A rank died: NOT_SERVING everywhere at once; whoever runs the server sees `failed` and stops it."""
@@ -116,6 +138,8 @@ class Server:
         """NOT_SERVING and UNAVAILABLE for new work at once; running streams get `grace` seconds to finish,
         then the engine cancels them, so each still ends with its last message (FINISH_REASON_CANCELLED)."""
         self._stopping = True
+        if self._expiry is not None:
+            self._expiry.cancel()
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.engine.gateway.close_admission("shutdown", "the server is shutting down")
         await self.inference.wait_idle(grace)

@@ -10,6 +10,7 @@ import math
 import subprocess
 import sys
 import threading
+import time
 
 import grpc
 import pytest
@@ -22,6 +23,7 @@ from lmgate.engine.config import EngineConfig
 from lmgate.engine.sampling import SamplingParams
 from lmgate.v1 import lmgate_pb2 as pb
 from tests.serving import ServerThread
+from tests.test_service import assert_idle as settled
 
 GUARD = 300  # seconds: a guard against a hang, never a performance bound
 
@@ -177,7 +179,7 @@ def test_a_client_certificate_without_its_key_is_refused(cert, key):
 def test_sampling_flags_are_sampling_fields():
     assert set(SAMPLING_FLAGS) <= SAMPLING_FIELDS
     args = build_parser().parse_args(
-        "generate hi --max-new-tokens 9 --temperature 0.7 --top-p 0.9 --top-k 5 --seed 1 --stop a b --stop c --ignore-eos".split()
+        "generate hi --max-new-tokens 9 --temperature 0.7 --top-p 0.9 --top-k 5 --seed 1 --stop a --stop b --stop c --ignore-eos".split()
     )
     s = sampling_params(**{name: getattr(args, name) for name in SAMPLING_FLAGS})
     assert (s.max_new_tokens, s.top_k, s.seed, list(s.stop), s.ignore_eos) == (9, 5, 1, ["a", "b", "c"], True)
@@ -353,6 +355,54 @@ def test_a_resumable_sessions_history_leaves_out_a_turn_the_server_dropped(serve
     assert_idle(server)
 
 
+def test_a_refused_turn_leaves_a_resumable_session_as_it_was(server):
+    """A turn refused before its first message never ran: the session keeps its copy on the server (its KV
+    cache and epoch) instead of starting again and replaying its conversation."""
+    turn = dict(max_new_tokens=6, ignore_eos=True)
+    with Client(server.address) as client:
+        session = client.start(resume=True)
+        list(session.generate("Tell me about the sea.", **turn))
+        kept, epoch = session.history.text, session.epoch
+        for bad in (dict(temperature=-1.0), dict(max_new_tokens=10**6)):
+            with pytest.raises(grpc.RpcError) as err:
+                list(session.generate(" And then?", **bad))
+            assert err.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE)
+        following = [t for d in session.generate(" Why?", **turn) for t in d.token_ids]
+        assert session.epoch == epoch and session.history.text.startswith(kept)
+        assert following == [t for d in client.generate(kept + " Why?", **turn) for t in d.token_ids]
+        session.end()
+    assert_idle(server)
+
+
+def test_a_session_turn_left_before_its_first_token_is_cancelled_by_its_id(server):
+    """A turn left while the server still reads its prompt (a timeout around the first token) is cancelled by
+    a Cancel call naming its request id, which the client picked (dropping the stream alone reaches the
+    server in no fixed order with the next turn, which could find the session still busy)."""
+    sent = []
+
+    async def scenario() -> None:
+        async with AsyncClient(server.address) as client:
+            cancel = client._inference.Cancel
+
+            def recording_cancel(request, **options):
+                sent.append(request.request_id)
+                return cancel(request, **options)
+
+            client._inference.Cancel = recording_cancel
+            async with await client.start() as session:
+                for _ in range(3):
+                    left = session.generate("word " * 1500, max_new_tokens=4)
+                    with pytest.raises(asyncio.TimeoutError):
+                        await asyncio.wait_for(anext(left), 0.05)
+                    deltas = [d async for d in session.generate("Hi.", max_new_tokens=2, ignore_eos=True)]
+                    assert deltas[-1].finish_reason == "length"
+                    assert deltas[-1].usage["prompt_tokens"] < 1500  # the turn left never joined the history
+
+    asyncio.run(scenario())
+    assert len(sent) == len(set(sent)) == 3 and all(sent)
+    assert_idle(server)
+
+
 def test_async_client_concurrent_streams_and_session(server):
     _, text = engine_text(server, PROMPT, 8)
 
@@ -431,6 +481,34 @@ def test_cli_chat_keeps_one_session(server, capsys, monkeypatch):
     assert_idle(server)
 
 
+def test_cli_chat_goes_on_after_its_session_expired(checkpoint, capsys, monkeypatch):
+    """A chat that pauses past the server's --session-idle-timeout: the server ends its session, and the
+    chat's next line starts it again with the conversation so far instead of ending on NOT_FOUND."""
+    s = ServerThread(EngineConfig(dtype="float32", kv_cache_tokens=4096), checkpoint, session_idle_timeout=1.0)
+    lines = iter(["Hi, I am Ana.\n", "What is my name?\n"])
+
+    class PausingStdin(io.StringIO):
+        def readline(self, *args) -> str:
+            line = next(lines, "")
+            if line.startswith("What"):  # the user comes back once the session has expired
+                guard = time.monotonic() + GUARD  # a guard against a hang, not a timing
+                while s.info().active_sessions and time.monotonic() < guard:
+                    time.sleep(0.1)
+            return line
+
+    try:
+        monkeypatch.setattr(sys, "stdin", PausingStdin())
+        assert main(["chat", "--target", s.address, "--max-new-tokens", "4"]) == 0
+        out, err = capsys.readouterr()
+        assert out.strip() and "error" not in err
+        registry, model = s.server.metrics.registry, {"model_name": s.server.metrics.model_name}
+        assert registry.get_sample_value("lmgate_sessions_expired_total", model) == 1
+        assert registry.get_sample_value("lmgate_sessions_started_total", model) == 2
+        assert_idle(s)
+    finally:
+        s.stop()
+
+
 def test_cli_admin_commands(guarded, capsys):
     base = ["--target", guarded.address, "--admin-token", "s3cret"]
     assert main(["sleep", "--level", "1", *base]) == 0
@@ -441,6 +519,24 @@ def test_cli_admin_commands(guarded, capsys):
     assert "UNAUTHENTICATED" in capsys.readouterr().err
     assert main(["info", "--target", guarded.address]) == 0
     assert json.loads(capsys.readouterr().out)["sleeping"] is False
+
+
+def test_cli_stop_takes_one_string_per_flag_and_leaves_the_prompt():
+    args = build_parser().parse_args(["generate", "--stop", "END", "--stop", "\n\n", "Hello"])
+    assert args.stop == ["END", "\n\n"] and args.prompt == "Hello"
+
+
+def test_cli_timeout_bounds_a_reply_and_is_checked_like_a_flag(server, capsys, monkeypatch):
+    """A reply longer than --timeout ends DEADLINE_EXCEEDED (exit 1) and the server cancels it; a bad
+    LMGATE_TIMEOUT is a bad argument (exit 2)."""
+    assert main(["generate", PROMPT, "--target", server.address, "--timeout", "0.5", "--ignore-eos",
+                 "--max-new-tokens", str(server.engine.max_context_length // 2)]) == 1
+    assert "error: DEADLINE_EXCEEDED" in capsys.readouterr().err
+    settled(server)  # the cancel lands on the server after the client has given up
+    monkeypatch.setenv("LMGATE_TIMEOUT", "soon")
+    with pytest.raises(SystemExit) as exit_:
+        main(["info", "--target", server.address])
+    assert exit_.value.code == 2 and "--timeout" in capsys.readouterr().err
 
 
 def test_cli_rpc_error_exit_one(capsys):

@@ -369,6 +369,29 @@ def test_a_turn_naming_another_copy_of_its_session_is_refused_and_changes_nothin
     assert_idle(engine)
 
 
+def test_sessions_idle_past_the_timeout_are_ended_and_busy_ones_kept(engine, tokenizer):
+    """Clients that vanish without End: a session with no turn for the timeout is ended as End would end it
+    (its next turn NOT_FOUND, its KV freed); one that is generating, or whose turn just ended, is kept."""
+    before = engine.info().active_sessions
+    idle, busy = engine.start_session(), engine.start_session()
+    prompt, params = tokenizer.encode("Hello"), SamplingParams(max_new_tokens=3, ignore_eos=True)
+    list(engine.submit(prompt, params, session_id=idle))
+    stream = iter(engine.submit(prompt, SamplingParams(max_new_tokens=300, ignore_eos=True), session_id=busy))
+    next(stream)
+    now = time.monotonic()
+    assert engine.expire_idle_sessions(3600, now) == []
+    assert engine.expire_idle_sessions(3600, now + 7200) == [idle]
+    with pytest.raises(SessionNotFound):
+        engine.submit(prompt, params, session_id=idle)
+    assert engine.cancel_session(busy)
+    assert list(stream)[-1].finish_reason is FinishReason.CANCELLED
+    assert engine.expire_idle_sessions(3600, time.monotonic()) == []  # idle from the end of its turn
+    assert engine.expire_idle_sessions(3600, time.monotonic() + 3601) == [busy]
+    list(engine.submit(prompt, params))  # queued behind the loop's kills of the two
+    assert_idle(engine)
+    assert engine.info().active_sessions == before
+
+
 def test_engine_session_busy_and_end_during_stream_cancels(engine, tokenizer):
     sid = engine.start_session()
     prompt = tokenizer.encode(chat(tokenizer, ("user", "Tell me a long story.")))
@@ -566,6 +589,7 @@ def _raised(call, *args) -> list[BaseException]:
         dict(seed=-1),
         dict(stop=("",)),
         dict(stop_token_ids=(-1,)),
+        dict(stop_token_ids=tuple(range(257))),
     ],
 )
 def test_sampling_params_rejects_bad_values(kwargs):

@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from lmgate.client import Client
+from lmgate.client.routing import channel_target
 from lmgate.client.wire import new_session_id, session_metadata
 from lmgate.engine.config import EngineConfig
 from lmgate.service.replica import HEADER
@@ -84,6 +85,16 @@ def test_stateless_calls_reach_every_replica(proxy):
     assert set(answered) == set(REPLICAS), answered
 
 
+def test_a_request_of_megabytes_reaches_a_replica(proxy):
+    """A prompt of 2 MB (a long document, a resumable session's replay) is the replica's to judge, as when sent
+    to it directly, not the proxy's: nginx's default 1 MiB request body refused it as UNKNOWN."""
+    with grpc.insecure_channel(proxy) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            list(pb_grpc.InferenceStub(channel).Generate(pb.GenerateRequest(prompt="word " * 400_000, sampling=PROBE),
+                                                          timeout=READY_TIMEOUT))
+    assert refused.value.code() == grpc.StatusCode.OUT_OF_RANGE, refused.value
+
+
 def test_admin_calls_are_refused_through_the_proxy(proxy, replicas):
     """Replicas trust Admin calls from loopback, and the proxy's connections come from loopback: the proxy
     itself refuses Admin, so no client reaching it can put a replica to sleep."""
@@ -100,27 +111,37 @@ def test_envoy_health_checks_take_sleeping_replicas_out_and_back(proxy, replicas
     """Asleep, a replica reports NOT_SERVING; Envoy stops sending it calls, and sends them again after wake-up.
     Two of three asleep (an RL step's training phase): below Envoy's default panic threshold, 50% healthy, it
     would send calls to every replica again; the file sets none."""
+    _sleeping_replicas_leave_and_come_back(proxy, replicas)
+
+
+def test_client_side_health_checks_take_sleeping_replicas_out_and_back(replicas):
+    """Client([addresses]) watches each replica's health as Envoy does: its ring hash skips the sleeping ones
+    (before, two of three stateless calls failed UNAVAILABLE while two replicas slept)."""
+    _sleeping_replicas_leave_and_come_back([s.address for s in replicas], replicas)
+
+
+def _sleeping_replicas_leave_and_come_back(target: str | list[str], replicas) -> None:
     admins = [Client(s.address) for s in replicas[1:]]
     try:
         for admin in admins:
             admin.sleep()
         # 20 in a row from r0 by chance with probability (1/3)^20; while Envoy still sends the sleeping replicas
         # calls, they fail UNAVAILABLE and the run starts again
-        assert _until_answered_by(proxy, lambda r: r == "r0", 20), "calls still reached the sleeping replicas"
+        assert _until_answered_by(target, lambda r: r == "r0", 20), "calls still reached the sleeping replicas"
     finally:
         for admin in admins:
             admin.wakeup()
             admin.close()
     for name in REPLICAS[1:]:
-        assert _until_answered_by(proxy, lambda r: r == name, 1), f"the woken replica {name} never came back"
+        assert _until_answered_by(target, lambda r: r == name, 1), f"the woken replica {name} never came back"
 
 
-def _until_answered_by(address: str, wanted, consecutive: int) -> bool:
+def _until_answered_by(address: str | list[str], wanted, consecutive: int) -> bool:
     """Stateless calls until `consecutive` in a row are answered by replicas `wanted` accepts (each health
     check takes a second, so the proxy's view lags), or the guard runs out."""
     deadline = time.monotonic() + READY_TIMEOUT
     run = 0
-    with grpc.insecure_channel(address) as channel:
+    with grpc.insecure_channel(*channel_target(address)) as channel:
         stub = pb_grpc.InferenceStub(channel)
         while time.monotonic() < deadline:
             try:

@@ -45,6 +45,9 @@ def test_activations_grow_with_the_step(checkpoint):
     assert step(max_batched_tokens=8192, max_batch_size=64) > base
     assert step(max_batched_tokens=256, max_batch_size=256) > base
     assert step(tp=3, max_batched_tokens=256, max_batch_size=64) < base  # a tensor-parallel shard's heads
+    # The scheduler gives every running decode its token before the budget: 64 decodes are 64 rows even with
+    # a budget of 16 tokens.
+    assert step(max_batched_tokens=16, max_batch_size=64) == step(max_batched_tokens=64, max_batch_size=64)
     # Each bucket's CUDA graph keeps its float32 logits: 1 + 2 + 4 + 8 + ... + 64 = 295 rows of the vocabulary.
     eager = step(max_batched_tokens=256, max_batch_size=64, cuda_graphs=False)
     assert base - eager == sum(buckets(64)) * checkpoint.config.vocab_size * 4 == 295 * 49152 * 4

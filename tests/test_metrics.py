@@ -21,7 +21,7 @@ HISTOGRAMS = (
     "lmgate_request_generation_tokens",
 )
 COUNTERS = ("lmgate_requests", "lmgate_output_tokens", "lmgate_prompt_tokens", "lmgate_preemptions",
-            "lmgate_prefix_cache_queries", "lmgate_prefix_cache_hits", "process_cpu_seconds")
+            "lmgate_prefix_cache_queries", "lmgate_prefix_cache_hits", "lmgate_sessions_expired", "process_cpu_seconds")
 GAUGES = ("lmgate_kv_cache_blocks", "lmgate_kv_cache_free_blocks", "lmgate_kv_cache_usage_ratio",
           "lmgate_running_requests", "lmgate_sessions_open", "lmgate_sleeping", "process_resident_memory_bytes")
 

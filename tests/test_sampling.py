@@ -111,6 +111,56 @@ def test_a_temperature_near_zero_is_greedy_and_leaves_its_batch_alone(temperatur
     assert [tokens[0], tokens[2]] == sample(logits[[0, 2]], [rows[0], rows[2]]).token_ids
 
 
+@pytest.mark.parametrize("vocab", [50, 151936])
+@pytest.mark.parametrize("filters", [{}, dict(top_p=0.9), dict(top_k=5), dict(min_p=0.1), dict(top_k=1000)])
+def test_a_tiny_repetition_penalty_picks_the_repeated_token(vocab, filters):
+    """Dividing a positive logit by 1e-38 overflows float32: the row's softmax must not turn NaN (its draw
+    would be an id past the vocabulary), and the repeated token, now far the most likely, is drawn."""
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(0)) * 3
+    top = int(logits[0].argmax())
+    rows = [row(seed=123, prompt=[top], temperature=1.0, repetition_penalty=1e-38, **filters),
+            row(seed=1, temperature=1.0)]
+    tokens = sample(logits, rows).token_ids
+    assert tokens == [top, sample(logits[1:], rows[1:]).token_ids[0]]
+
+
+@pytest.mark.parametrize("vocab", [50, 5000])
+def test_a_row_of_nan_draws_an_id_inside_the_vocabulary(vocab):
+    """A model that overflowed gives NaN logits: the step must not index past the vocabulary (on CUDA, a
+    device-side assert that would end every later step)."""
+    logits = torch.full((1, vocab), float("nan"))
+    for params in ({}, dict(top_k=5), dict(top_p=0.9)):
+        assert 0 <= sample(logits, [row(temperature=1.0, **params)]).token_ids[0] < vocab
+
+
+def test_a_top_p_row_on_the_edge_of_its_nucleus_does_not_depend_on_its_batch():
+    """torch splits one row's long sum over threads but sums each of many rows in one thread, so the same row's
+    total can differ in its last bit with the batch. A top-p cut placed exactly between the two totals must
+    still fall the same way."""
+    vocab, k = 151936, 3
+    for case in range(40):
+        logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(case)) * 6
+        probs = torch.softmax(logits, dim=-1)
+        alone, batched = probs[:1].sum(-1).item(), probs.sum(-1)[0].item()
+        if alone != batched:
+            break
+    else:
+        pytest.skip("one thread sums the same bits alone and in a batch: no edge to test on this machine")
+    values = probs[0].topk(sampling.CANDIDATES).values
+    edge = (values.cumsum(-1) - values)[k].item()  # the mass of the k most likely tokens
+    for total in (alone, batched):  # a top_p whose cut lands on the edge under one total and not the other
+        top_p = float(torch.tensor(edge / total, dtype=torch.float32))
+        sides = {edge >= (torch.tensor(top_p) * torch.tensor(t)).item() for t in (alone, batched)}
+        if len(sides) == 2:
+            break
+    else:
+        pytest.skip("the totals differ by less than a top_p can tell apart")
+    other = row(seed=7, temperature=1.0, top_p=0.5)
+    for seed in range(60):
+        probe = row(seed=seed, temperature=1.0, top_p=top_p)
+        assert sample(logits[:1], [probe]).token_ids[0] == sample(logits, [probe, other]).token_ids[0], seed
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_rows_that_look_past_the_candidates_sort_the_vocabulary(device):
     """Rows whose filters keep more than the top candidates (a wide nucleus, a large top-k) take the full

@@ -113,3 +113,25 @@ def test_a_waiting_turn_gives_up_its_sessions_kv_to_the_head_of_the_queue():
     assert scheduler.schedule() == [head] and head.num_scheduled == 11 and len(head.block_table) == 3
     assert list(scheduler.waiting) == [behind] and not behind.block_table and behind.num_computed == 0
     assert behind.num_cached_tokens == 0 and head.num_cached_tokens == 24
+
+
+def test_an_idle_sessions_kv_stays_while_dropping_it_would_not_admit_the_head():
+    """Ten blocks of four: a running prompt holds five, an idle session three, two are free. The head of the
+    queue needs six: dropping the session's three would not admit it, so the session keeps them (it dropped
+    them every step, and recomputed its history next turn). A head that fits once they go still gets them."""
+    blocks = BlockManager(10, 4)
+    idle = Session(7)
+    idle.token_ids, idle.block_table, idle.num_computed = list(range(12)), blocks.allocate(3), 12
+    scheduler = Scheduler(blocks, {7: idle}, max_batch_size=8, max_batched_tokens=64)
+    running = running_sequence(20, computed=19)  # decoding its last prompt token, in its five blocks
+    running.block_table = blocks.allocate(5)
+    scheduler.running = [running]
+    head = sequence(list(range(200, 224)))
+    scheduler.add(head)
+    for _ in range(3):
+        assert scheduler.schedule() == [running]
+        assert head.status is SequenceStatus.WAITING and len(idle.block_table) == 3 and blocks.num_free == 2
+    scheduler.waiting.clear()
+    fits = sequence(list(range(300, 320)))  # five blocks: the two free and the session's three
+    scheduler.add(fits)
+    assert fits in scheduler.schedule() and not idle.block_table and blocks.num_free == 0

@@ -3,13 +3,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import socket
 import threading
 import time
+import urllib.request
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from lmgate.engine.request import RequestOutput
 from lmgate.engine.sampling import SamplingParams
@@ -76,6 +79,35 @@ def test_serve_stream_interval_sends_fewer_messages_with_the_same_tokens(server)
     assert len(sent) > 1 and set(sent) <= {1, 4, 7, 10, 13, 16, 19, 22, 24}
     assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert [t for m in msgs for t in m.token_ids] == collect(server.stub().Generate(request))[0]
+
+
+def test_serve_session_idle_timeout_ends_sessions_their_clients_left():
+    """`lmgate serve --session-idle-timeout 2`: a session left without End is ended once idle that long, as
+    End would end it: its KV freed, Info no longer counting it, its next turn NOT_FOUND; and counted."""
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        metrics_port = sock.getsockname()[1]
+    proc, address = serve_process("--dtype", "float32", "--kv-cache-tokens", "1024", "--session-idle-timeout", "2",
+                                  "--metrics-port", str(metrics_port))
+    try:
+        with grpc.insecure_channel(address) as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            sid = stub.Start(pb.StartRequest()).session_id
+            collect(stub.Generate(pb.GenerateRequest(session_id=sid, prompt="Hello", sampling=GREEDY)))
+            guard = time.monotonic() + GUARD  # a guard against a hang, not a timing
+            info = stub.Info(pb.InfoRequest())
+            while (info.active_sessions or info.kv_blocks_free != info.kv_blocks_total) and time.monotonic() < guard:
+                time.sleep(0.1)
+                info = stub.Info(pb.InfoRequest())
+            assert info.active_sessions == 0 and info.kv_blocks_free == info.kv_blocks_total
+            with pytest.raises(grpc.RpcError) as err:
+                collect(stub.Generate(pb.GenerateRequest(session_id=sid, prompt=" Again", sampling=GREEDY)))
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics").read().decode()
+        assert [s.value for f in text_string_to_metric_families(metrics) for s in f.samples
+                if s.name == "lmgate_sessions_expired_total"] == [1]
+    finally:
+        proc.terminate()
+        proc.wait()
 
 
 def test_generate_echoes_request_id_and_accepts_token_ids(server):
@@ -224,6 +256,7 @@ BAD_REQUESTS = [
     (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(logprobs=500)), grpc.StatusCode.INVALID_ARGUMENT),
     (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(stop_token_ids=[10**6])), grpc.StatusCode.INVALID_ARGUMENT),
     (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(stop=[""])), grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(stop_token_ids=range(257))), grpc.StatusCode.INVALID_ARGUMENT),
     (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_new_tokens=10**6)), grpc.StatusCode.OUT_OF_RANGE),
     (pb.GenerateRequest(tokens=pb.TokenIds(ids=[10] * 9000)), grpc.StatusCode.OUT_OF_RANGE),
     (pb.GenerateRequest(session_id=987654321, prompt="hi"), grpc.StatusCode.NOT_FOUND),

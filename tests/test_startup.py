@@ -34,6 +34,7 @@ def bad_settings(taken_port: str) -> list[tuple[list[str], dict[str, str], str]]
         (["--max-batch-size", "0"], {}, "--max-batch-size: must be at least 1"),
         (["--stream-interval", "0"], {}, "--stream-interval: must be at least 1"),
         (["--grace", "nan"], {}, "--grace"),
+        (["--session-idle-timeout", "-1"], {}, "--session-idle-timeout"),
         ([], {"LMGATE_PORT": "abc"}, "--port: invalid int value: 'abc'"),
         ([], {"LMGATE_LOG_LEVEL": "chatty"}, "--log-level: invalid choice: 'CHATTY'"),
         ([], {"LMGATE_DTYPE": "float64"}, "--dtype: invalid choice: 'float64'"),

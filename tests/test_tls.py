@@ -125,6 +125,19 @@ def test_tls_with_api_key_accepts_the_key_and_refuses_the_rest(tls_server, pki, 
         assert code_of(plaintext.info) == grpc.StatusCode.UNAVAILABLE
 
 
+def test_a_list_of_replicas_over_tls_verifies_the_name_their_certificate_carries(tls_server, pki):
+    """A ring-hash channel's authority is its whole list of addresses, which no certificate names: the
+    replicas' shared name is given as server_name, and it is the name verified."""
+    replicas = [f"127.0.0.1:{tls_server.server.port}"] * 2
+    with pytest.raises(ValueError, match="server_name"):
+        Client(replicas, tls=Tls(ca=pki["ca.pem"]))
+    with Client(replicas, tls=Tls(ca=pki["ca.pem"], server_name="localhost"), api_key=API_KEY, timeout=60) as client:
+        assert len(generate(client)) == 4
+    with Client(replicas, tls=Tls(ca=pki["ca.pem"], server_name="elsewhere.example"), api_key=API_KEY,
+                timeout=10) as client:
+        assert code_of(client.info) == grpc.StatusCode.UNAVAILABLE
+
+
 def test_mutual_tls_needs_a_client_certificate(mtls_server, pki):
     with Client(target(mtls_server), tls=Tls(pki["ca.pem"], pki["client.pem"], pki["client-key.pem"]), timeout=60) as client:
         assert len(generate(client)) == 4
