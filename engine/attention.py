@@ -91,7 +91,7 @@ def paged_attention(
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
     """A step's keys and values [T, KVH, D] into their slots, rounded to the cache's dtype: in C++ (layer_ops.cpp)
-    for float32 on the CPU where the kernels are loaded, else with index_copy_."""
+    for float32 or bfloat16 on the CPU where the kernels are loaded, else with index_copy_."""
     if layer_kernels(k):
         torch.ops.lmgate.store_kv(k, v, k_cache, v_cache, slots)
         return

@@ -14,6 +14,9 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 256  # each is looked up every step, and banned every step below min_new_tokens
 GREEDY_BELOW = 1e-5  # a temperature under this is greedy (as vLLM): dividing by less overflows the logits
+# How far a penalty may push a logit: any temperature that samples (>= GREEDY_BELOW) keeps it inside float32, where
+# +inf would turn the row's softmax NaN and its draw an id past the vocabulary (a repetition penalty of 1e-38).
+PENALIZED_LIMIT = torch.finfo(torch.float32).max * GREEDY_BELOW
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +160,8 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
         row_idx, tok_idx = pairs(repeat)
         penalty = to_device(torch.tensor([rows[i].params.repetition_penalty for i, ids in repeat for _ in ids]), device)
         vals = logits[row_idx, tok_idx]
-        logits[row_idx, tok_idx] = torch.where(vals > 0, vals / penalty, vals * penalty)
+        logits[row_idx, tok_idx] = torch.where(vals > 0, vals / penalty, vals * penalty).clamp_(-PENALIZED_LIMIT,
+                                                                                               PENALIZED_LIMIT)
     counted = [i for i, r in enumerate(rows) if (r.params.presence_penalty or r.params.frequency_penalty) and r.num_output]
     if counted:
         row_idx, tok_idx = pairs([(j, rows[i].token_ids[rows[i].num_prompt :]) for j, i in enumerate(counted)])
@@ -183,9 +187,7 @@ def _sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
                                        r.params.top_p if 0 < r.params.top_p < 1 else 1.0, uniform(r.seed, r.num_output))
                                       for r in rows], dtype=torch.float32), logits.device).T.unsqueeze(2)
     temps, min_ps, top_ks, top_ps, draws = columns  # each [rows, 1]
-    # A tiny repetition penalty or temperature can take a logit past float32's range: +inf would make the
-    # row's softmax NaN, and its draw an id past the vocabulary.
-    probs = torch.softmax((logits / temps).clamp_(max=torch.finfo(torch.float32).max), dim=-1)
+    probs = torch.softmax(logits / temps, dim=-1)
     if any(r.params.min_p for r in rows):  # min-p 0 masks nothing: three passes over the vocabulary saved
         probs = probs.masked_fill(probs < min_ps * probs.amax(dim=-1, keepdim=True), 0.0)
     filtered = [i for i, r in enumerate(rows) if r.params.filtered(vocab)]

@@ -95,10 +95,62 @@ def test_bad_inputs_are_refused_and_other_dtypes_take_torch():
         torch.ops.lmgate.rotary(torch.ones(2, 1, 5), torch.ones(2, 1, 5), torch.ones(2, 1, 5))
     with pytest.raises(RuntimeError, match="even"):
         torch.ops.lmgate.silu_and_mul(torch.ones(2, 5))
-    assert not layer_kernels(torch.ones(2, dtype=torch.bfloat16))
-    x = torch.randn(3, 8, dtype=torch.bfloat16)
-    norm = RMSNorm(8, 1e-5).to(torch.bfloat16)
-    torch.testing.assert_close(norm(x), norm.weight * F.rms_norm(x.float(), (8,), eps=1e-5).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="dtype"):
+        torch.ops.lmgate.rms_norm(torch.ones(2, 4, dtype=torch.bfloat16), torch.ones(4), 1e-5)
+    assert not layer_kernels(torch.ones(2, dtype=torch.float16))
+    x = torch.randn(3, 8, dtype=torch.float16)
+    norm = RMSNorm(8, 1e-5).to(torch.float16)
+    torch.testing.assert_close(norm(x), norm.weight * F.rms_norm(x.float(), (8,), eps=1e-5).to(torch.float16))
+
+
+BF16 = torch.bfloat16
+
+
+def equal_but_for_a_rounding(got: torch.Tensor, want: torch.Tensor, share: float = 0.01) -> None:
+    """bfloat16 results of the same arithmetic as torch's: equal bits, but for the few values where a float32
+    intermediate (a sum in another order, another exp) lands on the other side of a rounding: one step apart."""
+    assert got.dtype == want.dtype == BF16 and got.shape == want.shape
+    differ = got != want
+    assert differ.float().mean() <= share, f"{int(differ.sum())} of {got.numel()} differ"
+    torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 64, 300])
+@pytest.mark.parametrize("dim", [576, 37])
+def test_bfloat16_norms_round_as_the_torch_path(rows, dim):
+    """A bfloat16 model's norms: normalized in float32, rounded, times the weight in bfloat16 (Hugging Face's
+    LlamaRMSNorm); the residual add before the norm rounded as a bfloat16 add."""
+    g = torch.Generator().manual_seed(rows * dim)
+    x, delta = (torch.randn(rows, dim, generator=g) * 3).to(BF16), torch.randn(rows, dim, generator=g).to(BF16)
+    w = torch.randn(dim, generator=g).to(BF16)
+    assert layer_kernels(x)
+    torch_path = lambda t: w * F.rms_norm(t.float(), (dim,), eps=1e-5).to(BF16)  # noqa: E731
+    equal_but_for_a_rounding(torch.ops.lmgate.rms_norm(x, w, 1e-5), torch_path(x))
+    total = x + delta
+    got = torch.ops.lmgate.add_rms_norm(x, delta, w, 1e-5)
+    assert torch.equal(x, total)
+    equal_but_for_a_rounding(got, torch_path(total))
+
+
+@pytest.mark.parametrize("tokens", [1, 200])
+@pytest.mark.parametrize("heads, dim", [(12, 64), (3, 6)])
+def test_bfloat16_rotary_equals_the_torch_expression(tokens, heads, dim):
+    """x * cos + rotate_half(x) * sin in bfloat16 rounds each product and the sum: exact products of bfloat16
+    values, so the bits are torch's."""
+    g = torch.Generator().manual_seed(tokens + heads)
+    qkv = torch.randn(tokens, (heads + 1) * dim, generator=g).to(BF16)
+    x = qkv[:, : heads * dim].view(tokens, heads, dim)
+    cos, sin = (torch.randn(tokens, 1, dim, generator=g).to(BF16) for _ in range(2))
+    want = x * cos + x.roll(dim // 2, dims=-1) * sin
+    assert torch.equal(torch.ops.lmgate.rotary(x, cos, sin), want)
+    assert torch.equal(apply_rotary(x, cos, sin), want)
+
+
+@pytest.mark.parametrize("shape", [(1, 3072), (64, 3072), (7, 2, 18)])
+def test_bfloat16_silu_and_mul_rounds_as_the_torch_path(shape):
+    gate_up = (torch.randn(*shape, generator=torch.Generator().manual_seed(shape[0])) * 4).to(BF16)
+    gate, up = gate_up.chunk(2, dim=-1)
+    equal_but_for_a_rounding(torch.ops.lmgate.silu_and_mul(gate_up), F.silu(gate) * up)
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 300])
@@ -127,9 +179,10 @@ def test_store_kv_refuses_a_slot_outside_the_cache_and_writes_nothing():
     assert not k_cache.any() and not v_cache.any()
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_store_kv_rounds_into_a_16_bit_cache(cache_dtype):
-    k, v = torch.randn(5, 2, 64), torch.randn(5, 2, 64)
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float16), (torch.float32, torch.bfloat16),
+                                                 (BF16, BF16), (BF16, torch.float16), (BF16, torch.float32)], ids=str)
+def test_store_kv_converts_into_the_caches_dtype(dtype, cache_dtype):
+    k, v = torch.randn(5, 2, 64).to(dtype), torch.randn(5, 2, 64).to(dtype)
     k_cache, v_cache = torch.zeros(2, 4, 16, 64, dtype=cache_dtype), torch.zeros(2, 4, 16, 64, dtype=cache_dtype)
     slots = torch.tensor([0, 17, 33, 63, 5])
     torch.ops.lmgate.store_kv(k, v, k_cache, v_cache, slots)

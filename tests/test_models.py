@@ -10,6 +10,7 @@ same tensors and generate the same tokens. Checkpoints that don't fit are refuse
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -29,7 +30,7 @@ from lmgate.engine.attention import (AttentionMetadata, DecodeTables, GatheredDe
 from lmgate.engine.config import EngineConfig, ModelConfig
 from lmgate.engine.engine import Engine
 from lmgate.engine.errors import UnsupportedModel
-from lmgate.engine.kernels import compiler_found, load_cpu_kernels
+from lmgate.engine.kernels import compiler_found, layer_kernels, load_cpu_kernels
 from lmgate.engine.kv_cache import allocate_kv_cache
 from lmgate.engine.loader import load_checkpoint, read_config
 from lmgate.engine.models import build_model, count_weight_bytes, instantiate, load_weights
@@ -751,6 +752,25 @@ def test_float32_fused_decode_equals_the_layer_path(tiny, prompt_ids, kv):
     for f, m in zip((lp for o in fused_out for lp in o.logprobs), (lp for o in layer_out for lp in o.logprobs)):
         assert f.logprob == pytest.approx(m.logprob, abs=1e-4)
         assert [t for t, _ in f.top] == [t for t, _ in m.top]
+
+
+@pytest.mark.skipif(not compiler_found(), reason="no C++ compiler: layer_ops.cpp cannot be built")
+def test_bfloat16_engine_is_as_close_to_float32_as_transformers_own_bfloat16(tiny, prompt_ids):
+    """A bfloat16 model on the CPU runs its norms, rotary, SiLU and KV stores in C++ (layer_ops.cpp), rounding
+    where torch's bfloat16 ops round: its logprobs, over the prefill and the decodes, stay about as close to
+    transformers' float32 as transformers' own bfloat16 does."""
+    with Engine(EngineConfig(dtype="bfloat16", model=tiny.path, kv_cache_tokens=4096)) as engine:
+        assert layer_kernels(torch.ones(1, dtype=torch.bfloat16))
+        out = engine.generate(prompt_ids, SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=5))
+    assert out.error is None
+    ids = prompt_ids + out.token_ids[:-1]
+    at = slice(len(prompt_ids) - 1, len(ids))
+    reference = tiny.hf_logits(ids)[at].log_softmax(-1)
+    with torch.no_grad():
+        hf_bf16 = copy.deepcopy(tiny.hf).to(torch.bfloat16)(torch.tensor([ids])).logits[0, at].float().log_softmax(-1)
+    ours_error = max(abs(lp - reference[i, t].item()) for i, step in enumerate(out.logprobs) for t, lp in step.top)
+    hf_error = max(abs(hf_bf16[i, t] - reference[i, t]).item() for i, step in enumerate(out.logprobs) for t, _ in step.top)
+    assert ours_error <= max(4 * hf_error, 0.05), (ours_error, hf_error)
 
 
 def test_ids_the_model_cannot_embed_are_refused(tmp_path):

@@ -8,7 +8,7 @@
   `gguf_dequantize`); int8_matmul.cpp: the same with x rounded to int8 (`gguf_matvec_int8`, `gguf_matmul_int8`,
   `--int8-activations`; int8_matmul.h declares its few-row path for decode_layers.cpp); gguf_blocks.h: the
   block layouts both read;
-* layer_ops.cpp: a decoder layer's elementwise parts in one pass each over float32 rows (`rms_norm`,
+* layer_ops.cpp: a decoder layer's elementwise parts in one pass each over float32 or bfloat16 rows (`rms_norm`,
   `add_rms_norm`, `rotary`, `silu_and_mul`), a step's keys and values into their cache slots (`store_kv`),
   and greedy sampling's `argmax_rows`;
 * decode_layers.cpp: every decoder layer for a decode step in one call (`decode_layers`, read by
@@ -60,10 +60,11 @@ def load_cpu_kernels() -> bool:
 
 
 def layer_kernels(x: torch.Tensor) -> bool:
-    """Whether the C++ elementwise ops (layer_ops.cpp: norms, rotary, SiLU, KV stores) serve `x`: float32 on the
-    CPU, where the kernels are loaded (a float32 model's linear layers load them, whatever
-    `--attention-kernel` says). The torch expressions beside each call are the same arithmetic, in more passes."""
-    return x.dtype == torch.float32 and x.device.type == "cpu" and cpu_kernels_loaded()
+    """Whether the C++ elementwise ops (layer_ops.cpp: norms, rotary, SiLU, KV stores) serve `x`: float32 or
+    bfloat16 on the CPU, where the kernels are loaded (a float32 model's linear layers load them, whatever
+    `--attention-kernel` says). The torch expressions beside each call are the same arithmetic, with the same
+    roundings, in more passes."""
+    return x.dtype in (torch.float32, torch.bfloat16) and x.device.type == "cpu" and cpu_kernels_loaded()
 
 
 def cpu_kernels_loaded() -> bool:
