@@ -14,9 +14,10 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 256  # each is looked up every step, and banned every step below min_new_tokens
 GREEDY_BELOW = 1e-5  # a temperature under this is greedy (as vLLM): dividing by less overflows the logits
-# How far a penalty may push a logit: any temperature that samples (>= GREEDY_BELOW) keeps it inside float32, where
-# +inf would turn the row's softmax NaN and its draw an id past the vocabulary (a repetition penalty of 1e-38).
-PENALIZED_LIMIT = torch.finfo(torch.float32).max * GREEDY_BELOW
+# How far a penalty may push a logit: any temperature that samples (>= GREEDY_BELOW, whose float32 is a little less)
+# keeps it inside float32, where +inf would turn the row's softmax NaN and its draw an id past the vocabulary (a
+# repetition penalty of 1e-38).
+PENALIZED_LIMIT = torch.finfo(torch.float32).max * GREEDY_BELOW / 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +160,7 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
     if repeat:
         row_idx, tok_idx = pairs(repeat)
         penalty = to_device(torch.tensor([rows[i].params.repetition_penalty for i, ids in repeat for _ in ids]), device)
+        penalty.clamp_(max=torch.finfo(torch.float32).max)  # past it float32 holds inf, and a logit of 0 x inf is NaN
         vals = logits[row_idx, tok_idx]
         logits[row_idx, tok_idx] = torch.where(vals > 0, vals / penalty, vals * penalty).clamp_(-PENALIZED_LIMIT,
                                                                                                PENALIZED_LIMIT)

@@ -110,16 +110,17 @@ def equal_but_for_a_rounding(got: torch.Tensor, want: torch.Tensor, share: float
     """bfloat16 results of the same arithmetic as torch's: equal bits, but for the few values where a float32
     intermediate (a sum in another order, another exp) lands on the other side of a rounding: one step apart."""
     assert got.dtype == want.dtype == BF16 and got.shape == want.shape
-    differ = got != want
-    assert differ.float().mean() <= share, f"{int(differ.sum())} of {got.numel()} differ"
+    differ = int((got != want).sum())
+    assert differ <= max(1, share * got.numel()), f"{differ} of {got.numel()} differ"
     torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-6)
 
 
-@pytest.mark.parametrize("rows", [1, 64, 300])
+@pytest.mark.parametrize("rows", [1, 64, 2000])
 @pytest.mark.parametrize("dim", [576, 37])
 def test_bfloat16_norms_round_as_the_torch_path(rows, dim):
     """A bfloat16 model's norms: normalized in float32, rounded, times the weight in bfloat16 (Hugging Face's
-    LlamaRMSNorm); the residual add before the norm rounded as a bfloat16 add."""
+    LlamaRMSNorm); the residual add before the norm rounded as a bfloat16 add. 2000 x 576 rows are split over
+    threads."""
     g = torch.Generator().manual_seed(rows * dim)
     x, delta = (torch.randn(rows, dim, generator=g) * 3).to(BF16), torch.randn(rows, dim, generator=g).to(BF16)
     w = torch.randn(dim, generator=g).to(BF16)
@@ -132,11 +133,12 @@ def test_bfloat16_norms_round_as_the_torch_path(rows, dim):
     equal_but_for_a_rounding(got, torch_path(total))
 
 
-@pytest.mark.parametrize("tokens", [1, 200])
-@pytest.mark.parametrize("heads, dim", [(12, 64), (3, 6)])
+@pytest.mark.parametrize("tokens", [1, 200, 1500])
+@pytest.mark.parametrize("heads, dim", [(12, 64), (3, 6), (9, 80)])
 def test_bfloat16_rotary_equals_the_torch_expression(tokens, heads, dim):
     """x * cos + rotate_half(x) * sin in bfloat16 rounds each product and the sum: exact products of bfloat16
-    values, so the bits are torch's."""
+    values, so the bits are torch's. Half of an 80-wide head is whole vectors and a tail; 1500 tokens of 12
+    heads are split over threads."""
     g = torch.Generator().manual_seed(tokens + heads)
     qkv = torch.randn(tokens, (heads + 1) * dim, generator=g).to(BF16)
     x = qkv[:, : heads * dim].view(tokens, heads, dim)
@@ -146,7 +148,7 @@ def test_bfloat16_rotary_equals_the_torch_expression(tokens, heads, dim):
     assert torch.equal(apply_rotary(x, cos, sin), want)
 
 
-@pytest.mark.parametrize("shape", [(1, 3072), (64, 3072), (7, 2, 18)])
+@pytest.mark.parametrize("shape", [(1, 3072), (64, 3072), (7, 2, 18), (400, 3072)])
 def test_bfloat16_silu_and_mul_rounds_as_the_torch_path(shape):
     gate_up = (torch.randn(*shape, generator=torch.Generator().manual_seed(shape[0])) * 4).to(BF16)
     gate, up = gate_up.chunk(2, dim=-1)
@@ -154,16 +156,17 @@ def test_bfloat16_silu_and_mul_rounds_as_the_torch_path(shape):
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 300])
-def test_store_kv_writes_strided_rows_into_their_slots(tokens):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_store_kv_writes_strided_rows_into_their_slots(tokens, dtype):
     """k and v as the model hands them over: views of one QKV projection, rows strided; the slots scattered
     over the cache. Every other slot keeps what it held."""
     torch.manual_seed(tokens)
     kvh, blocks, block_size, d = 3, 40, 16, 64
-    qkv = torch.randn(tokens, (9 + 2 * kvh) * d)
+    qkv = torch.randn(tokens, (9 + 2 * kvh) * d).to(dtype)
     k = qkv[:, 9 * d : (9 + kvh) * d].view(tokens, kvh, d)
     v = qkv[:, (9 + kvh) * d :].view(tokens, kvh, d)
     slots = torch.randperm(blocks * block_size)[:tokens]
-    k_cache, v_cache = torch.randn(kvh, blocks, block_size, d), torch.randn(kvh, blocks, block_size, d)
+    k_cache, v_cache = (torch.randn(kvh, blocks, block_size, d).to(dtype) for _ in range(2))
     want_k, want_v = k_cache.clone(), v_cache.clone()
     want_k.view(kvh, -1, d).index_copy_(1, slots, k.transpose(0, 1))
     want_v.view(kvh, -1, d).index_copy_(1, slots, v.transpose(0, 1))

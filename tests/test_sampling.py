@@ -113,15 +113,28 @@ def test_a_temperature_near_zero_is_greedy_and_leaves_its_batch_alone(temperatur
 
 @pytest.mark.parametrize("vocab", [50, 151936])
 @pytest.mark.parametrize("filters", [{}, dict(top_p=0.9), dict(top_k=5), dict(min_p=0.1), dict(top_k=1000)])
-def test_a_tiny_repetition_penalty_picks_the_repeated_token(vocab, filters):
-    """Dividing a positive logit by 1e-38 overflows float32: the row's softmax must not turn NaN (its draw
-    would be an id past the vocabulary), and the repeated token, now far the most likely, is drawn."""
+@pytest.mark.parametrize("temperature", [1.0, sampling.GREEDY_BELOW])
+def test_a_tiny_repetition_penalty_picks_the_repeated_token(vocab, filters, temperature):
+    """Dividing a positive logit by 1e-38 overflows float32, and so may the lowest temperature that samples:
+    the row's softmax must not turn NaN (its draw would be an id past the vocabulary), and the repeated token,
+    now far the most likely, is drawn."""
     logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(0)) * 3
     top = int(logits[0].argmax())
-    rows = [row(seed=123, prompt=[top], temperature=1.0, repetition_penalty=1e-38, **filters),
+    rows = [row(seed=123, prompt=[top], temperature=temperature, repetition_penalty=1e-38, **filters),
             row(seed=1, temperature=1.0)]
     tokens = sample(logits, rows).token_ids
     assert tokens == [top, sample(logits[1:], rows[1:]).token_ids[0]]
+
+
+def test_a_repetition_penalty_past_float32_keeps_a_zero_logit_a_number():
+    """A penalty of 1e300 is a valid double but inf in float32, and 0 x inf is NaN (which greedy's argmax would
+    pick): the repeated zero stays zero and the repeated 5 becomes about zero, as dividing by float32's largest
+    value makes it, so every row draws what it draws from [0, 0, 1, -1] without a penalty."""
+    logits, penalized = torch.tensor([[0.0, 5.0, 1.0, -1.0]]), torch.tensor([[0.0, 0.0, 1.0, -1.0]])
+    for seed in range(8):
+        for params in (dict(temperature=1.0), dict(temperature=1.0, top_p=0.9), {}):
+            token = sample(logits, [row(seed=seed, prompt=[0, 1], repetition_penalty=1e300, **params)]).token_ids
+            assert token == sample(penalized, [row(seed=seed, prompt=[0, 1], **params)]).token_ids
 
 
 @pytest.mark.parametrize("vocab", [50, 5000])

@@ -62,8 +62,8 @@ def load_cpu_kernels() -> bool:
 def layer_kernels(x: torch.Tensor) -> bool:
     """Whether the C++ elementwise ops (layer_ops.cpp: norms, rotary, SiLU, KV stores) serve `x`: float32 or
     bfloat16 on the CPU, where the kernels are loaded (a float32 model's linear layers load them, whatever
-    `--attention-kernel` says). The torch expressions beside each call are the same arithmetic, with the same
-    roundings, in more passes."""
+    `--attention-kernel` says; a bfloat16 model's, the C++ attention). The torch expressions beside each call
+    are the same arithmetic, rounded at the same points, in more passes."""
     return x.dtype in (torch.float32, torch.bfloat16) and x.device.type == "cpu" and cpu_kernels_loaded()
 
 
