@@ -33,6 +33,17 @@ def render_ids(tokenizer: Tokenizer, messages: list[Message]) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def check_turn(tokenizer: Tokenizer, messages: list[Message]) -> None:
+    """A session turn's new messages, checked as far as they can be alone (a template, known roles). Whether the
+    template takes them shows only with the conversation before them, which the session's engine loop renders:
+    a template's guard may look at the whole (tool results must follow a call, a user message must come
+    somewhere), so the turn alone may be refused where the conversation is not."""
+    try:
+        tokenizer.check_messages(messages)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+
+
 def common_prefix(held: Sequence[int], rendered: Sequence[int]) -> int:
     """How many leading tokens the two share."""
     n = min(len(held), len(rendered))

@@ -206,13 +206,19 @@ class Engine:
         without, a `Stream` to iterate is returned. Bad input raises here and leaves nothing behind.
 
         Chat messages in a session are the turn's new messages: the session keeps its conversation and each
-        turn renders the whole of it (engine/chat.py). A session's text turn continues its context, so only
+        turn renders the whole of it (engine/chat.py), in the session's loop, which also answers a template
+        that refuses it or a conversation past the context window (alone, a turn of tool results may be refused
+        where the conversation is not). A session's text turn continues its context, so only
         its first is encoded as a stateless text prompt is (a BOS; a SentencePiece space). `session_epoch`:
         the copy of the session the caller's history belongs to (else SessionStale); None: any."""
         params = params or SamplingParams()
         if session_epoch is not None and not session_id:
             raise InvalidRequest("session_epoch names a copy of a session: it needs a session_id")
-        ids = self.encode_prompt(prompt, continuation=bool(session_id))
+        if session_id and chat.is_chat(prompt):  # rendered with its conversation, by the session's loop
+            chat.check_turn(self.tokenizer, prompt)
+            ids = []
+        else:
+            ids = self.encode_prompt(prompt, continuation=bool(session_id))
         # What a text turn is instead, should it be its session's first: encoded as a stateless prompt is
         text_turn = bool(session_id) and isinstance(prompt, str)
         first_turn_ids = self.tokenizer.encode_first_turn(prompt, ids) if text_turn else []

@@ -81,8 +81,10 @@ class Tokenizer:
         self._prepend_bos = add_bos_token and bos_token_id is not None and not added_by_backend
         self.prefix_ids: tuple[int, ...] = tuple(self.encode(""))  # what every text's encoding starts with (a BOS)
         self._anchor = self._continuation_anchor()
+        self._continuation = None if self._anchor else _without_prepended_space(backend)
         # Whether a text's stateless encoding is its continuation's after the prefix (no suffix such as an EOS)
-        self._prefix_only = self._anchor is None and self.encode("a") == [*self.prefix_ids, *self.encode("a", False)]
+        self._prefix_only = (self._anchor is None and self._continuation is None
+                             and self.encode("a") == [*self.prefix_ids, *self.encode("a", False)])
 
     # ----------------------------------------------------------------- loading
     @classmethod
@@ -191,7 +193,10 @@ class Tokenizer:
         """`text` as it continues earlier text (a session's later turn): no special tokens, and none of the
         space ("▁") a SentencePiece tokenizer puts before the start of a text, which would make " world" after
         "Hello" two spaces. Encoded after a special token that is then dropped, as transformers' Llama
-        tokenizer does with its unk token."""
+        tokenizer does with its unk token; where the space comes from a normalizer that prepends it to every
+        piece of text (no anchor helps), encoded without that step (`_without_prepended_space`)."""
+        if self._continuation is not None:
+            return self._continuation.encode_batch([text], add_special_tokens=False)[0].ids
         if self._anchor is None:
             return self.encode(text, add_special_tokens=False)
         return self.encode(self._anchor + text, add_special_tokens=False)[1:]
@@ -243,14 +248,19 @@ class Tokenizer:
         return token_id in self._special_ids
 
     # ------------------------------------------------------------------- chat
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render messages the way transformers' `apply_chat_template(tokenize=False)` does."""
+    def check_messages(self, messages: list[dict[str, Any]]) -> None:
+        """What can be known of messages without rendering them: the model has a chat template, and every role
+        is one it may see. (ValueError otherwise.)"""
         if self.chat_template is None:
             raise ValueError("this model has no chat template")
         for m in messages:
             role = m.get("role") if isinstance(m, dict) else None
             if role not in CHAT_ROLES:
                 raise ValueError(f"unknown message role {role!r}; expected one of {sorted(CHAT_ROLES)}")
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Render messages the way transformers' `apply_chat_template(tokenize=False)` does."""
+        self.check_messages(messages)
         # As transformers: tools and documents are none, and a special token the model lacks is undefined (a
         # template that prints it prints nothing, not "None").
         specials = {name: self._backend.id_to_token(i) for name, i in
@@ -265,6 +275,20 @@ class Tokenizer:
 
 
 # --------------------------------------------------------------------- helpers
+def _without_prepended_space(backend: _Backend) -> _Backend | None:
+    """A copy of `backend` whose normalizer no longer puts "▁" before every piece of text (older SentencePiece
+    tokenizer.json files: Prepend("▁"), then spaces replaced by "▁"), for text that continues earlier text, as
+    transformers' non-legacy Llama tokenizer encodes it; None if its normalizer has no such step."""
+    spec = json.loads(backend.to_str())
+    normalizer = spec.get("normalizer") or {}
+    steps = normalizer.get("normalizers", []) if normalizer.get("type") == "Sequence" else [normalizer]
+    kept = [step for step in steps if not (step.get("type") == "Prepend" and step.get("prepend") == "▁")]
+    if len(kept) == len(steps):
+        return None
+    spec["normalizer"] = {"type": "Sequence", "normalizers": kept} if kept else None
+    return _Backend.from_str(json.dumps(spec))
+
+
 def _byte_level_bpe(vocab: dict[str, int], merges: list[str], pre: str | None) -> _Backend:
     backend = _Backend(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False,
                                   ignore_merges=pre in _WHOLE_WORD_PRE))

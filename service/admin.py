@@ -56,9 +56,7 @@ class AdminServicer(pb_grpc.AdminServicer):
         denial = admin_denial(context, self.admin_token)
         if denial is not None:
             await context.abort(*denial)
-        if closes_admission:
-            self._sleeps_pending += 1
-            await self.on_state_change(True)
+        self._sleeps_pending += closes_admission  # no await before the task owns it: it always comes down
         work = asyncio.ensure_future(self._complete(call, arg, count, closes_admission))
         self._working.add(work)
         work.add_done_callback(self._forget)
@@ -74,6 +72,8 @@ class AdminServicer(pb_grpc.AdminServicer):
         """The engine call to its end, whether or not its caller still waits: health and the counters then
         say what the engine did, not what the caller saw (and a Sleep still to run counts as asleep)."""
         try:
+            if closes_admission:  # here, not in the caller, whose cancel during it would leave the count raised
+                await self.on_state_change(True)
             await asyncio.to_thread(call, arg)
             count()
         finally:

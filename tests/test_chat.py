@@ -124,3 +124,36 @@ def test_chat_bad_messages_refused_and_leave_session_unchanged(engine, messages)
     turns = engine.generate(user("Hi"), PARAMS, session_id=sid)
     assert turns.usage.prompt_tokens == len(render_ids(engine.tokenizer, user("Hi")))
     engine.end_session(sid)
+
+
+# Refuses tool results that answer no call: a guard that looks at the conversation, as real templates have.
+TOOL_AFTER_A_CALL = ("{% if messages[0]['role'] == 'tool' %}{{ raise_exception('tool results must follow a call') }}"
+                     "{% endif %}" + MARK_LATEST.replace("{% if loop.last %} (latest){% endif %}", ""))
+
+
+def test_a_turn_of_tool_results_is_checked_with_its_conversation(tiny_models):
+    """A session turn of tool results alone would fail the template's guard; with the conversation before it,
+    which its loop renders, it does not, and it equals a stateless request on the whole conversation. Tool
+    results that open a session are refused by its loop, and the session is left as it was."""
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    tool = [{"role": "tool", "content": "42"}]
+    with Engine(EngineConfig(dtype="float32", model=tiny_models("llama").path, kv_cache_tokens=2048)) as eng:
+        eng.tokenizer.chat_template = TOOL_AFTER_A_CALL
+        with pytest.raises(InvalidRequest, match="must follow a call"):
+            eng.submit(tool, params)  # stateless: the template sees the tool results alone
+        sid = eng.start_session()
+        first = eng.generate(user("What is six times seven?"), params, session_id=sid)
+        got = eng.generate(tool, params, session_id=sid)
+        conversation = user("What is six times seven?") + [{"role": "assistant", "content": first.text}] + tool
+        want = eng.generate(conversation, params)
+        assert got.error is None and got.token_ids == want.token_ids
+        assert got.usage.prompt_tokens == want.usage.prompt_tokens
+        eng.end_session(sid)
+        sid = eng.start_session()
+        with pytest.raises(InvalidRequest, match="must follow a call"):  # from the loop, through the stream
+            eng.generate(tool, params, session_id=sid)
+        after = eng.generate(user("Hi"), params, session_id=sid)
+        assert after.usage.prompt_tokens == len(render_ids(eng.tokenizer, user("Hi")))
+        eng.end_session(sid)
+        info = eng.info()
+        assert info.kv_blocks_free == info.kv_blocks_total and info.active_sessions == 0

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 import tokenizers
 import transformers
+from tokenizers import Tokenizer as _Backend
+from tokenizers import decoders, models, normalizers
 from tokenizers.models import WordLevel
 
 from lmgate.engine.tokenizer import Tokenizer
@@ -214,6 +216,26 @@ def test_a_continuation_gets_no_space_before_its_start(tmp_path, tokenizer):
         tok.encode("hello world", add_special_tokens=False)
     for text in (" world", "world", "\n\nA: yes", "2 + 2"):
         assert tokenizer.encode_continuation(text) == tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_a_continuation_gets_no_space_where_the_normalizer_prepends_one_to_every_text(tmp_path):
+    """Older SentencePiece tokenizer.json files (Llama 2's, TinyLlama's) prepend "▁" to every piece of text in
+    their normalizer, after a special token too, so no anchor keeps it off a continuation: "hello" then
+    " world" must still encode as "hello world" does, and a first turn as a stateless prompt."""
+    pieces = ["<unk>", "<s>", "</s>", "▁", "▁hello", "▁world", "hello", "world", *"helowrd"]
+    backend = _Backend(models.Unigram([(p, -1.0 if len(p) > 1 else -5.0) for p in pieces], unk_id=0, byte_fallback=False))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    backend.add_special_tokens(["<unk>", "<s>", "</s>"])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                                "add_bos_token": True}))
+    tok = Tokenizer.from_hf_dir(str(tmp_path))
+    assert tok.convert_ids_to_tokens(tok.encode("hello world")) == ["<s>", "▁hello", "▁world"]
+    first = tok.encode_continuation("hello")
+    assert tok.encode_first_turn("hello", first) == tok.encode("hello")
+    assert tok.encode("hello") + tok.encode_continuation(" world") == tok.encode("hello world")
+    assert tok.decode(tok.encode("hello") + tok.encode_continuation("world")) == "helloworld"
 
 
 def test_tokenizer_gguf_rejects_unsupported_model(tmp_path):
