@@ -48,7 +48,16 @@ class IncrementalDetokenizer:
         if self.stopped:
             return "", True
         self._ids.extend(new_token_ids)
-        new = "".join(map(self._next_text, new_token_ids))
+        return self._add("".join(map(self._next_text, new_token_ids)))
+
+    def step_one(self, token_id: int) -> tuple[str, bool]:
+        """`step([token_id])`, without the list: the engine's per-token call."""
+        if self.stopped:
+            return "", True
+        self._ids.append(token_id)
+        return self._add(self._next_text(token_id))
+
+    def _add(self, new: str) -> tuple[str, bool]:
         self._decoded += new
         if not self._stop:  # nothing is held back: every token's text goes out (a step's hundreds of rows)
             self.text = self._decoded

@@ -24,7 +24,7 @@ from .gateway import SLEEP_GATE, Gateway
 from .hardware import choose_dtype, cpu_features, matmul_gflops
 from .kv_cache import auto_kv_cache_tokens, kv_bytes_per_token, kv_cache_dtype
 from .loader import Checkpoint, embedded_model_path, load_checkpoint, read_config
-from .memory import keep_freed_memory
+from .memory import freeze_startup_heap, keep_freed_memory, thaw_heap
 from .request import Request, RequestKind, RequestOutput
 from .sampling import SamplingParams
 from .threads import available_cpus, on_fresh_thread
@@ -144,6 +144,7 @@ class Engine:
         except BaseException:
             self.gateway.stop_signals()
             raise
+        freeze_startup_heap()  # what loading made lives as long as the engine: no full collection walks it
 
     @property
     def loops(self) -> list[EngineLoop]:
@@ -413,6 +414,7 @@ class Engine:
         self.gateway.shutdown()
         self.ranks.shutdown()
         self.gateway.stop_signals()
+        thaw_heap()
 
     def __enter__(self) -> "Engine":
         return self

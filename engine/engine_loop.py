@@ -377,24 +377,29 @@ class EngineLoop:
     # kUpdate -----------------------------------------------------------------------------------------------
 
     def _update(self, samplers: list[Sequence], batch: BatchData) -> None:
+        """A token per sampling row: hundreds a step on the host's critical path, so the common case (no
+        logprobs, no stop, not yet sent) reads each field once."""
+        interval, limit, emit = self.stream_interval, self.max_context_length, self._emit
         for seq, token, lp in zip(samplers, batch.result.token_ids, batch.result.logprobs):
             seq.num_pending -= 1
             if seq.finish_reason is not None:  # ended (or cancelled) after this step was launched
                 continue
-            seq.token_ids.append(token)
-            out = self._unsent(seq)
+            token_ids = seq.token_ids
+            token_ids.append(token)
+            out = seq.unsent or self._unsent(seq)
             out.token_ids.append(token)
             if lp is not None:
                 out.logprobs.append(TokenLogprob(token, lp[0], lp[1]))
             reason, stop_hit = None, False
+            num_output = len(token_ids) - seq.num_prompt_tokens  # `Sequence.num_output`
             if token in seq.stop_ids:
                 reason = FinishReason.STOP
             else:
-                text, stop_hit = seq.detokenizer.step([token])
+                text, stop_hit = seq.detokenizer.step_one(token)
                 out.text += text
                 if stop_hit:
                     reason = FinishReason.STOP
-                elif seq.num_output >= seq.max_new_tokens or len(seq.token_ids) >= self.max_context_length:
+                elif num_output >= seq.max_new_tokens or len(token_ids) >= limit:
                     reason = FinishReason.LENGTH
             if reason is not None:
                 if not stop_hit:
@@ -404,9 +409,9 @@ class EngineLoop:
                 seq.finish_reason = out.finish_reason = reason
                 out.usage = self._usage(seq)
                 batch.finished.append(seq)
-            if reason is not None or seq.num_output == 1 or len(out.token_ids) >= self.stream_interval:
+            if reason is not None or num_output == 1 or len(out.token_ids) >= interval:
                 seq.unsent = None  # the first token at once, for its latency; the last with its reason
-                self._emit(seq.request, out)
+                emit(seq.request, out)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End a sequence outside kUpdate (cancel, kill, shutdown), with the tokens and text held back."""

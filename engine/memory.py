@@ -50,6 +50,21 @@ def release_host_memory() -> None:
         libc.malloc_trim(0)
 
 
+def freeze_startup_heap() -> None:
+    """Collect, then leave every object alive now (modules, the model's Python objects, tokenizers, the
+    engine itself) out of later collections (`gc.freeze`). A full collection walks every tracked object: with
+    torch loaded that took 231-300 ms on the H200 machine, a stall of every stream at once, and 200 ms on a
+    2-core CPU. Objects made later (requests, sequences) are collected as before; one frozen here is still
+    freed when its last reference goes, only a reference cycle of them waits for `thaw_heap`."""
+    gc.collect()
+    gc.freeze()
+
+
+def thaw_heap() -> None:
+    """Undo `freeze_startup_heap` (at an engine's shutdown): its cycles are collected again."""
+    gc.unfreeze()
+
+
 def empty_device_cache() -> None:
     """Give the CUDA allocator's free blocks back to the device (Sleep), never during another loop's capture."""
     with DEVICE_CACHE_LOCK:

@@ -160,27 +160,31 @@ class ModelRunner:
         """kSetup: the step as plain lists, decodes first, from the sequences' host-side state."""
         plan = StepPlan()
         bs = self.block_size
+        # Per sequence, hundreds a step on the host's critical path: its fields read once, no properties.
+        input_ids, positions, slots = plan.input_ids, plan.positions, plan.slots
         for seq in batch:
-            start, end = seq.num_computed, seq.num_computed + seq.num_scheduled
-            first_row = len(plan.input_ids)
-            if end - start == 1 and end == seq.num_tokens:  # a decode: one token, the last
+            start, table, token_ids = seq.num_computed, seq.block_table, seq.token_ids
+            end = start + seq.num_scheduled
+            num_tokens = len(token_ids) + seq.num_pending  # `Sequence.num_tokens`
+            first_row = len(input_ids)
+            if end - start == 1 and end == num_tokens:  # a decode: one token, the last
                 if seq.num_pending:  # still on the device: the last step's draws fill it in there
                     plan.pending_inputs.append((first_row, seq.pending_row))
-                    plan.input_ids.append(0)
+                    input_ids.append(0)
                 else:
-                    plan.input_ids.append(seq.token_ids[start])
-                plan.positions.append(start)
-                plan.slots.append(seq.block_table[start // bs] * bs + start % bs)
-                plan.decode_tables.append(seq.block_table)
+                    input_ids.append(token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+                plan.decode_tables.append(table)
                 plan.decode_lengths.append(end)
             else:
-                plan.input_ids.extend(seq.token_ids[start:end])
-                plan.positions.extend(range(start, end))
-                plan.slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
-                plan.prefills.append((first_row, len(plan.input_ids), end, seq.block_table[: -(-end // bs)]))
-            if seq.samples_this_step:
-                plan.logit_rows.append(len(plan.input_ids) - 1)
-                plan.sample_rows.append(SampleRow(seq.params, seq.seed, seq.token_ids, seq.num_prompt_tokens,
+                input_ids.extend(token_ids[start:end])
+                positions.extend(range(start, end))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+                plan.prefills.append((first_row, len(input_ids), end, table[: -(-end // bs)]))
+            if end == num_tokens:  # `Sequence.samples_this_step`
+                plan.logit_rows.append(len(input_ids) - 1)
+                plan.sample_rows.append(SampleRow(seq.params, seq.seed, token_ids, seq.num_prompt_tokens,
                                                   seq.banned_ids, seq.num_pending))
         return plan
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .errors import InvalidRequest
@@ -108,16 +109,27 @@ class SampleResult:
 
 
 _MASK64 = (1 << 64) - 1
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # SplitMix64's constants
 
 
 def uniform(seed: int, counter: int) -> float:
     """The counter-th draw in [0, 1) of a seed's stream (SplitMix64's mix of seed + counter * golden ratio),
     with 24 bits so that it is exact in float32. A function of its arguments only: a row's draw never depends
     on the batch, the device, or the draws of other rows."""
-    z = (seed + (counter + 1) * 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z = (seed + (counter + 1) * _GOLDEN) & _MASK64
+    z = ((z ^ (z >> 30)) * _MIX1) & _MASK64
+    z = ((z ^ (z >> 27)) * _MIX2) & _MASK64
     return ((z ^ (z >> 31)) >> 40) * 2.0**-24
+
+
+def uniforms(seeds: list[int], counters: list[int]) -> np.ndarray:
+    """`uniform` of each (seed, counter), as float32, in uint64 arithmetic (which wraps as `& _MASK64` does):
+    a step's hundreds of rows in a few array operations instead of a Python loop."""
+    u64 = np.uint64
+    z = np.array(seeds, dtype=u64) + (np.array(counters, dtype=u64) + u64(1)) * u64(_GOLDEN)
+    z = (z ^ (z >> u64(30))) * u64(_MIX1)
+    z = (z ^ (z >> u64(27))) * u64(_MIX2)
+    return ((z ^ (z >> u64(31))) >> u64(40)).astype(np.float32) * np.float32(2.0**-24)
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
@@ -185,9 +197,12 @@ def _sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     distribution. The per-row parameters cross to the device in one copy (float32 holds each exactly: top-k
     below 2^24, draws of 24 bits)."""
     vocab = logits.shape[-1]
-    columns = to_device(torch.tensor([(r.params.temperature, r.params.min_p, r.params.top_k if 0 < r.params.top_k < vocab else vocab,
-                                       r.params.top_p if 0 < r.params.top_p < 1 else 1.0, uniform(r.seed, r.num_output))
-                                      for r in rows], dtype=torch.float32), logits.device).T.unsqueeze(2)
+    params = [r.params for r in rows]
+    host = np.empty((5, len(rows)), dtype=np.float32)
+    host[:4] = np.array([(p.temperature, p.min_p, p.top_k if 0 < p.top_k < vocab else vocab,
+                          p.top_p if 0 < p.top_p < 1 else 1.0) for p in params], dtype=np.float32).reshape(-1, 4).T
+    host[4] = uniforms([r.seed for r in rows], [r.num_output for r in rows])
+    columns = to_device(torch.from_numpy(host), logits.device).unsqueeze(2)
     temps, min_ps, top_ks, top_ps, draws = columns  # each [rows, 1]
     probs = torch.softmax(logits / temps, dim=-1)
     if any(r.params.min_p for r in rows):  # min-p 0 masks nothing: three passes over the vocabulary saved

@@ -3,12 +3,14 @@ draws that depend on the row alone (seed and draw number), filters that hold, lo
 on CUDA as on the CPU where a GPU is present."""
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from lmgate.engine import sampling
-from lmgate.engine.sampling import SampleRow, SamplingParams, sample, uniform
+from lmgate.engine.sampling import SampleRow, SamplingParams, sample, uniform, uniforms
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 VOCAB = 64
@@ -31,6 +33,15 @@ def test_uniform_is_a_function_of_seed_and_counter():
     assert sum(a < 0.1 for a in draws) / len(draws) == pytest.approx(0.1, abs=0.01)
     assert draws[:50] != [uniform(8, c) for c in range(50)]
     assert uniform(2**64 - 1, 0) < 1  # the largest seed the API takes
+
+
+def test_a_steps_draws_in_arrays_are_uniforms_own():
+    """The sampler draws a step's rows in uint64 arrays: the same bits as `uniform`, for seeds across the whole
+    range (a wrap past 2^64 included) and counters far into a stream."""
+    rng = random.Random(3)
+    seeds = [rng.getrandbits(64) for _ in range(2000)] + [0, 2**63, 2**64 - 1]
+    counters = [rng.randrange(10**7) for _ in seeds]
+    assert uniforms(seeds, counters).tolist() == [uniform(s, c) for s, c in zip(seeds, counters)]
 
 
 def test_penalties_match_transformers_and_the_presence_frequency_formula():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import random
@@ -12,6 +13,7 @@ import sys
 import threading
 import time
 import urllib.request
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -245,6 +247,23 @@ def test_update_weights_changes_output_and_back(sleepy, checkpoints):
     assert changed != original
     adm.UpdateWeights(pb.UpdateWeightsRequest(path=checkpoints["original"]))
     assert greedy(stub) == original
+
+
+def test_frozen_startup_heap_still_frees_replaced_weights_at_once(checkpoint, checkpoints):
+    """A running engine keeps what it loaded out of the collector's full passes (gc.freeze, thawed at
+    shutdown), which never collect a frozen reference cycle: the weights an UpdateWeights replaces must be
+    freed by their last reference going, or an accelerator would keep each old copy."""
+    config = EngineConfig(dtype="float32", kv_cache_tokens=1024, dp_backend="thread")
+    with Engine(config, checkpoint) as engine:
+        assert gc.get_freeze_count() > 0
+        old = weakref.ref(next(engine.ranks.weights.model.parameters()))
+        gc.disable()
+        try:
+            engine.update_weights(checkpoints["changed"])
+            assert old() is None
+        finally:
+            gc.enable()
+    assert gc.get_freeze_count() == 0
 
 
 def test_update_weights_runs_the_new_checkpoint_with_its_own_settings(sleepy, checkpoints):

@@ -45,7 +45,7 @@ from ..errors import EngineError, InternalError
 from ..gateway import Gateway, Signal, unanswered_output
 from ..hardware import choose_dtype
 from ..loader import load_checkpoint
-from ..memory import keep_freed_memory, release_host_memory
+from ..memory import freeze_startup_heap, keep_freed_memory, release_host_memory
 from ..request import Request, RequestKind, RequestOutput
 from ..threads import on_fresh_thread
 from ..models.tensor_parallel import shard_of
@@ -210,6 +210,7 @@ class RankProcess:
     def serve(self) -> int:
         """Exit status: 0 after a close (a follower: its leader's stop), 1 when the loop stopped by itself (a
         peer rank died, a step raised)."""
+        freeze_startup_heap()  # as the serving process does (engine.py)
         stopped_r, stopped_w = os.pipe()
         thread = threading.Thread(target=self._run, args=(stopped_w,), name=f"lmgate-engine-{self.spec.rank}")
         thread.start()
