@@ -14,12 +14,34 @@ from collections.abc import Sequence
 
 from .tokenizer import Tokenizer
 
+CONTEXT_TOKENS = 64  # a reply's context is looked for in this many ids before it; past that, all of them
+
+
+def reply_context(tokenizer: Tokenizer, preceding: Sequence[int], skip_special_tokens: bool = True) -> list[int]:
+    """The shortest tail of the ids before a reply (at least one) whose text starts on a character boundary
+    and ends the text of all of them: a reply decoded after it is `decode(preceding + reply)` past
+    `decode(preceding)`. One id is not always enough: a byte-level vocabulary splits a character over ids,
+    and the last id of "日本語" alone decodes to U+FFFD, which the reply's text would then carry; a
+    byte-fallback decoder turns a whole run of byte ids into U+FFFD while its last character is incomplete.
+    Where no such tail is found near the end, all of `preceding` is the context."""
+    whole = None
+    for k in range(1, min(len(preceding), CONTEXT_TOKENS) + 1):
+        tail = preceding[-k:]
+        text = tokenizer.decode(tail, skip_special_tokens)
+        if text.startswith("\ufffd"):
+            continue
+        whole = whole if whole is not None else tokenizer.decode(preceding[-CONTEXT_TOKENS - 1:], skip_special_tokens)
+        if whole.endswith(text):
+            return list(tail)
+    return list(preceding)
+
 
 class IncrementalDetokenizer:
     """Turns one sequence's generated tokens into text deltas, as they arrive.
 
     Invariant: without a stop-string hit, the deltas from `step` plus `finish()` concatenate to
-    exactly the text the generated ids add after `context` (the prompt's last token):
+    exactly the text the generated ids add after `context` (the tail of the ids before them that
+    `reply_context` picks):
     `decode(context + generated)` past `decode(context)`. With a hit, they concatenate to that text
     cut right before the earliest stop string. The context is what makes a SentencePiece reply
     continue its prompt: that decoder strips a leading space at the start of a text, so decoded

@@ -10,7 +10,7 @@ import torch
 from . import chat
 from .batch import BatchData
 from .block_manager import BlockManager
-from .detokenizer import IncrementalDetokenizer
+from .detokenizer import IncrementalDetokenizer, reply_context
 from .errors import ContextOverflow, EngineError, InternalError, InvalidRequest, SessionBusy, Unavailable
 from .gateway import SLEEP_GATE, Gateway, Signal, cancelled_output
 from .distributed import CommAborted, HostComm
@@ -289,8 +289,9 @@ class EngineLoop:
             self._emit(request, RequestOutput(request.request_id, request.session_id, error=exc))
             return
         self._truncate_history(session, keep)
-        detok = IncrementalDetokenizer(self.tokenizer, request.params.skip_special_tokens, request.params.stop,
-                                       context=request.input_ids[-1:])
+        skip = request.params.skip_special_tokens
+        detok = IncrementalDetokenizer(self.tokenizer, skip, request.params.stop,
+                                       context=reply_context(self.tokenizer, session.token_ids + request.input_ids, skip))
         seq = Sequence(request, session, detok, max_new, self.tokenizer.eos_token_ids)
         seq.conversation = conversation
         session.drop_kv()  # the sequence holds the blocks until kDel

@@ -222,21 +222,30 @@ class Tokenizer:
     def decode_stream(self, skip_special_tokens: bool = True, context: Sequence[int] = ()) -> Callable[[int], str]:
         """A function of each next id: the text it adds after `context` and the ids before it, "" while the
         text ends inside a character (tokenizers' `DecodeStream`: one call per id, its window of recent ids
-        kept in Rust). Where ids that are not valid UTF-8 make the window's texts stop being prefixes of one
-        another (a byte-fallback decoder fusing stray bytes), the window starts afresh at that id instead of
-        raising."""
+        kept in Rust). The text is `decode(context + ids)` past `decode(context)`, counted in characters as
+        transformers' streamers do: where the context ends inside a character, its U+FFFD stands for the
+        character the next ids complete, and the stream's first text (which starts at the context) is cut by
+        that many characters. Where ids that are not valid UTF-8 make the window's texts stop being prefixes
+        of one another (a byte-fallback decoder fusing stray bytes), the window starts afresh at that id
+        instead of raising."""
         backend = self._backend
-        stream = decoders.DecodeStream(ids=list(context), skip_special_tokens=skip_special_tokens)
+        stream = decoders.DecodeStream(skip_special_tokens=skip_special_tokens)
+        owed = 0  # characters of the context's text the stream has still to give
+        if context:
+            owed = len(self.decode(context, skip_special_tokens)) - len(stream.step(backend, list(context)) or "")
 
         def step(token_id: int) -> str:
-            nonlocal stream
+            nonlocal stream, owed
             try:
-                return stream.step(backend, token_id) or ""
+                text = stream.step(backend, token_id) or ""
             except Exception as exc:  # tokenizers raises a plain Exception
                 if "Invalid prefix" not in str(exc):
                     raise
-                stream = decoders.DecodeStream(skip_special_tokens=skip_special_tokens)
-                return stream.step(backend, token_id) or ""
+                stream, owed = decoders.DecodeStream(skip_special_tokens=skip_special_tokens), 0
+                text = stream.step(backend, token_id) or ""
+            if owed and text:
+                text, owed = text[owed:], max(0, owed - len(text))
+            return text
 
         return step
 

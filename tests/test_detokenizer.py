@@ -2,11 +2,14 @@ import random
 
 import gguf
 import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models
 
-from lmgate.engine.detokenizer import IncrementalDetokenizer
+from lmgate.engine.detokenizer import IncrementalDetokenizer, reply_context
 from lmgate.engine.tokenizer import Tokenizer
+from tests.test_models import hf_tokenizer_dir  # noqa: F401  (fixture)
 from tests.test_tokenizer import _tiny_llama_gguf
 
 TEXTS = [
@@ -210,3 +213,60 @@ def test_detokenizer_continues_a_sentencepiece_prompt_with_its_space(tmp_path):
         d = IncrementalDetokenizer(tok, True, stop, context=prompt[-1:])
         deltas = [d.step([t])[0] for t in generated] + [d.finish()]
         assert "hello" + "".join(deltas) == tok.decode(prompt + generated) == "hello world hello"
+
+
+# ------------------------------------------------ a reply after a prompt that ends inside a character
+PIECES = ["日本語", "東京は", "、", "；", "中文", "한국어", "🐍", "💡", "🎉", "👩\u200d👩\u200d👧", "🇫🇷", "e\u0301",
+          "\u0915\u094d\u0937", "a\u0308\u0323", "é", "ok", " ", "\n", "I love", " café"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_pairs(tokenizer, hf_tokenizer_dir, tmp_path_factory):
+    """(name, ours, transformers') for the embedded tokenizer and the tiny test tokenizers: a byte-level BPE
+    of single bytes (tests/gpu_models.py) and a SentencePiece vocabulary with byte fallback."""
+    import transformers
+
+    from tests.gpu_models import write_tokenizer
+
+    path = tmp_path_factory.mktemp("detok")
+    write_tokenizer(str(path / "bytes"), 300)
+    _tiny_llama_gguf(str(path / "tiny.gguf"))
+    return [
+        ("embedded", tokenizer, transformers.AutoTokenizer.from_pretrained(hf_tokenizer_dir)),
+        ("bytes", Tokenizer.from_hf_dir(str(path / "bytes")), transformers.AutoTokenizer.from_pretrained(str(path / "bytes"))),
+        ("sentencepiece", Tokenizer.from_gguf(gguf.GGUFReader(str(path / "tiny.gguf"))),
+         transformers.AutoTokenizer.from_pretrained(str(path), gguf_file="tiny.gguf")),
+    ]
+
+
+def _reply(ours: Tokenizer, before: list[int], generated: list[int], stop: tuple[str, ...], sizes) -> str:
+    detok = IncrementalDetokenizer(ours, True, stop, context=reply_context(ours, before))
+    deltas = [detok.step(chunk)[0] for chunk in _chunks(generated, sizes)]
+    return "".join(deltas) + detok.finish()
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_detokenizer_reply_is_whole_decode_past_the_prompts_decode(tokenizer_pairs, data):
+    """A reply's text is transformers' decode of prompt + output past its decode of the prompt, wherever the
+    prompt ends: inside a CJK character, an emoji, a ZWJ sequence, a combining sequence, or between them."""
+    name, ours, hf = data.draw(st.sampled_from(tokenizer_pairs))
+    text = "".join(data.draw(st.lists(st.sampled_from(PIECES), min_size=2, max_size=8)))
+    ids = ours.encode(text, add_special_tokens=data.draw(st.booleans()))
+    assume(len(ids) >= 2)
+    cut = data.draw(st.integers(1, len(ids) - 1))
+    prompt, generated = ids[:cut], ids[cut:]
+    want = hf.decode(prompt + generated, skip_special_tokens=True)[len(hf.decode(prompt, skip_special_tokens=True)):]
+    stop = data.draw(st.sampled_from([(), ("\x00",)]))  # streamed at once, or held back for a stop string
+    rng = random.Random(data.draw(st.integers(0, 2**16)))
+    assert _reply(ours, prompt, generated, stop, iter(lambda: rng.randint(1, 3), None)) == want, (name, text, cut)
+
+
+def test_detokenizer_reply_after_prompts_of_the_issue(tokenizer):
+    """The prompts a newcomer saw start their reply with U+FFFD: each ends in a character its last id
+    splits."""
+    for prompt, reply in [("日本語", "；アネ"), ("I love 🐍", "💡"), ("東京は", "、アネ")]:
+        ids = tokenizer.encode(prompt + reply, add_special_tokens=False)
+        cut = len(tokenizer.encode(prompt, add_special_tokens=False))
+        assert "\ufffd" in tokenizer.decode(ids[cut - 1:cut])  # the last id alone is part of a character
+        assert _reply(tokenizer, ids[:cut], ids[cut:], (), iter(lambda: 1, None)) == reply

@@ -838,3 +838,26 @@ def test_engine_streams_cjk_continuation_equal_to_decode(engine, tokenizer):
     full = tokenizer.decode(ids)
     assert "".join(deltas) == full
     assert any(ord(c) > 0x2E80 and c != REPLACEMENT for c in full)
+
+
+def test_engine_reply_after_a_split_character_is_decode_past_the_prompt(engine, hf_tokenizer_dir):
+    """Prompts whose last id is part of a character, stateless and as session turns: each reply is
+    transformers' decode of everything before it plus the reply, past its decode of what came before."""
+    hf = transformers.AutoTokenizer.from_pretrained(hf_tokenizer_dir)
+    prompts = ["日本語", "I love 🐍", "東京は"]
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+
+    def assert_reply(before: list[int], out) -> None:
+        text = hf.decode(before + out.token_ids)[len(hf.decode(before)):]
+        assert out.text == text and not out.text.startswith(REPLACEMENT)
+
+    for prompt in prompts:
+        assert_reply(engine.tokenizer.encode(prompt), engine.generate(prompt, params))
+    sid = engine.start_session()
+    history: list[int] = []
+    for prompt in prompts:
+        out = engine.generate(prompt, params, session_id=sid)
+        history += engine.tokenizer.encode(prompt, add_special_tokens=not history)
+        assert_reply(history, out)
+        history += out.token_ids
+    engine.end_session(sid)
