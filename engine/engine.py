@@ -96,10 +96,12 @@ class Engine:
         self.device = torch.device(config.device)
         path = checkpoint.path if checkpoint else config.model or embedded_model_path()
         try:
-            self.dtype, self.dtype_reason = choose_dtype(config.dtype, self.device,
-                                                         quantized_weights=quantized_gguf(config, path, self.device))
+            quantized = quantized_gguf(config, path, self.device)
+            self.dtype, self.dtype_reason = choose_dtype(config.dtype, self.device, quantized_weights=quantized)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
+        if quantized and config.tensor_parallel > 1 and config.dtype == "auto":
+            self.dtype_reason += ", as one rank; the shards hold them expanded to float32"
         self._warn_emulated_bf16()
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         processes = config.rank_processes
@@ -362,8 +364,9 @@ class Engine:
         finally:
             self.gateway.binding.clear()  # a loop that failed to free its KV has ended its sessions too
 
-    def wakeup(self, tags: list[str] | tuple[str, ...] = ()) -> None:
-        """Restore the given tags (none: all); admission reopens only once nothing sleeps."""
+    def wakeup(self, tags: list[str] | tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
+        """Restore the given tags (none: all); admission reopens only once nothing sleeps. Returns what was
+        restored (of the tags, what slept) and what still sleeps."""
         unknown = set(tags) - set(SLEEP_TAGS)
         if unknown:
             raise InvalidRequest(f"unknown wake-up tags {sorted(unknown)}; known: {list(SLEEP_TAGS)}")
@@ -383,6 +386,7 @@ class Engine:
                 if not self.sleeping and not self._sleeps_pending:
                     self.gateway.open_admission(SLEEP_GATE)
             log.info("woke %s; still asleep: %s", sorted(wanted), sorted(self.sleeping))
+            return sorted(wanted), sorted(self.sleeping)
 
     def update_weights(self, path: str) -> None:
         """Replace the weights with a checkpoint of the same shape, run with its own settings (RoPE, norm eps);

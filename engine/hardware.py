@@ -93,8 +93,8 @@ def choose_dtype(requested: str, device: torch.device, features: CpuFeatures | N
                  quantized_weights: bool = False) -> tuple[torch.dtype, str]:
     """The weights' and KV cache's dtype, and why. `auto`: bfloat16 on CUDA (float16 before Ampere) and on CPUs
     with bf16 arithmetic in hardware, float32 elsewhere (emulated bf16 runs several times slower than float32),
-    and float32 where a GGUF's quantized weights stay blocks (`quantized_weights`): their kernels compute in
-    float32, and bfloat16 would expand the blocks (5x the bytes a decoded token reads)."""
+    and float32 where a GGUF's quantized weights stay blocks on one rank (`quantized_weights`): their kernels
+    compute in float32, and bfloat16 would expand the blocks (5x the bytes a decoded token reads)."""
     if requested != "auto":
         if requested not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {requested!r}")

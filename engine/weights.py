@@ -36,10 +36,13 @@ def _blocks_allowed(config: EngineConfig, device: torch.device) -> bool:
 
 
 def quantized_gguf(config: EngineConfig, path: str, device: torch.device) -> bool:
-    """Whether `--weights` would keep this model's quantized matrices as blocks, given float32: a GGUF file,
-    blocks allowed, a compiler for the kernels. `--dtype auto` then chooses float32 (hardware.choose_dtype).
-    Asked before anything is loaded or built, so bad settings are refused first."""
-    return os.path.isfile(path) and _blocks_allowed(config, device) and compiler_found()  # a file is a GGUF
+    """Whether one rank's `--weights` would keep this model's quantized matrices as blocks, given float32: a
+    GGUF file, blocks allowed, a compiler for the kernels. `--dtype auto` then chooses float32
+    (hardware.choose_dtype), under tensor parallelism too, where the shards hold the matrices expanded: a model
+    split over ranks computes as one rank does (in bfloat16 its greedy tokens would differ). Asked before
+    anything is loaded or built, so bad settings are refused first."""
+    one_rank = config.weights != "float" and device.type == "cpu"  # `_blocks_allowed` but for the split
+    return os.path.isfile(path) and one_rank and compiler_found()  # a file is a GGUF
 
 
 def keep_quantized(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> bool:

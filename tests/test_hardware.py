@@ -14,6 +14,7 @@ from lmgate.engine.engine import Engine
 from lmgate.engine.errors import InvalidRequest
 from lmgate.engine.sampling import SamplingParams
 from lmgate.engine.hardware import CpuFeatures, choose_dtype, cpu_features
+from lmgate.engine.weights import quantized_gguf
 from lmgate.engine.kernels import compiler_found, load_cpu_kernels
 from lmgate.engine.threads import available_cpus, cgroup_cpu_quota
 from tests.conftest import AVX2, AVX512
@@ -105,6 +106,16 @@ def test_auto_dtype_keeps_float32_where_gguf_weights_stay_quantized(cpu_flags, c
             assert eng.weights_bytes < 110e6  # the blocks, not bfloat16 copies of them
     with Engine(EngineConfig(kv_cache_tokens=256, weights="float"), checkpoint=checkpoint) as eng:
         assert eng.dtype == torch.bfloat16 and "bf16 arithmetic in hardware" in eng.dtype_reason
+
+
+def test_auto_dtype_under_tensor_parallelism_is_one_ranks(cpu_flags, gguf_path):
+    """A GGUF split over ranks is expanded to float, but `--dtype auto` still picks what one rank computes
+    in: bfloat16 there would change greedy tokens against one rank's (README: "Outputs equal one rank's")."""
+    cpu_flags(AVX512 + " avx512_bf16")
+    chosen = [choose_dtype("auto", CPU, quantized_weights=quantized_gguf(EngineConfig(tensor_parallel=tp), gguf_path, CPU))
+              for tp in (1, 2, 4)]
+    assert chosen[0] == chosen[1] == chosen[2]
+    assert chosen[0][0] == (torch.float32 if compiler_found() else torch.bfloat16)
 
 
 def test_engine_refuses_unknown_dtype(tiny_models):
