@@ -2,12 +2,13 @@
 
 Every client subcommand takes --target (LMGATE_TARGET) and --admin-token (LMGATE_ADMIN_TOKEN). Exit status:
 0 on success, 1 when the server refuses (printed as `error: <CODE>: <details>`) or a file cannot be read or
-written, 2 for bad arguments, 130 on Ctrl-C.
+written, 2 for bad arguments, 130 on Ctrl-C (in `chat`, Ctrl-C during a reply stops only that reply).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import importlib.metadata
 import json
 import math
@@ -19,10 +20,8 @@ from typing import Any, Callable, Iterable
 import grpc
 
 from . import bench
-from .client import DEFAULT_TARGET, AsyncClient, Client, Tls
-from .wire import Delta
-
-UINT32, INT32, UINT64 = 2**32 - 1, 2**31 - 1, 2**64 - 1  # the largest values of the proto's integer fields
+from .client import DEFAULT_TARGET, AsyncClient, Client, Session, Tls
+from .wire import Delta, sampling_range
 
 # Flags of `generate` and `chat` whose dest is a SamplingParams field; unset ones keep the server's defaults.
 SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
@@ -45,6 +44,12 @@ def _number(kind: Callable[[str], Any], minimum: float, *, above: bool = False,
 
     parse.__name__ = kind.__name__  # argparse names the type in its error messages
     return parse
+
+
+def _sampling_int(name: str) -> Callable[[str], int]:
+    """An argparse type for an integer sampling flag: the range its SamplingParams field holds."""
+    minimum, maximum = sampling_range(name)
+    return _number(int, minimum, maximum=maximum)
 
 
 def _version() -> str:
@@ -78,16 +83,16 @@ def build_parser() -> argparse.ArgumentParser:
                              "[LMGATE_TIMEOUT]")
 
     turn = argparse.ArgumentParser(add_help=False)  # generate and chat: SAMPLING_FLAGS and a system message
-    turn.add_argument("--max-new-tokens", type=_number(int, 0, maximum=UINT32), help="most tokens per reply; 0: the server's default (256)")
+    turn.add_argument("--max-new-tokens", type=_sampling_int("max_new_tokens"), help="most tokens per reply; 0: the server's default (256)")
     turn.add_argument("--temperature", type=float, help="0: greedy (the default)")
     turn.add_argument("--top-p", type=float)
-    turn.add_argument("--top-k", type=_number(int, -INT32, maximum=INT32))
+    turn.add_argument("--top-k", type=_sampling_int("top_k"))
     turn.add_argument("--min-p", type=float, help="drop tokens below this share of the likeliest one's probability")
     turn.add_argument("--repetition-penalty", type=float, help="above 1 discourages tokens already in the context")
-    turn.add_argument("--seed", type=_number(int, 0, maximum=UINT64), help="the same seed gives the same tokens")
+    turn.add_argument("--seed", type=_sampling_int("seed"), help="the same seed gives the same tokens")
     turn.add_argument("--stop", action="append", metavar="S", help="a string that ends the reply (repeat for several)")
     turn.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
-    turn.add_argument("--logprobs", type=_number(int, 0, maximum=UINT32), help="also print each token's log-probability and this "
+    turn.add_argument("--logprobs", type=_sampling_int("logprobs"), help="also print each token's log-probability and this "
                       "many likeliest alternatives, as JSON lines on stderr")
     turn.add_argument("--system", help="a system message before the first user message")
 
@@ -97,11 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("serve", add_help=False, help="run the server (its flags: lmgate serve --help)")
 
     p = sub.add_parser("generate", parents=[common, turn], help="stream one completion to stdout")
-    p.add_argument("prompt")
+    given = p.add_mutually_exclusive_group(required=True)
+    given.add_argument("prompt", nargs="?", help="the prompt; -: read it from stdin")
+    given.add_argument("--prompt-file", metavar="PATH", help="read the prompt from this file (-: stdin), as is")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
     p.set_defaults(run=_generate)
 
-    p = sub.add_parser("chat", parents=[common, turn], help="multi-turn chat over one session, from stdin")
+    p = sub.add_parser("chat", parents=[common, turn], help="multi-turn chat over one session, from stdin",
+                       description=CHAT_HELP)
     p.set_defaults(run=_chat)
 
     p = sub.add_parser("info", parents=[common], help="the served model and the engine's load, as JSON")
@@ -120,8 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("wakeup", parents=[common], help="Admin: restore what sleeps")
     p.add_argument("--tags", nargs="*", choices=("weights", "kv_cache"), default=[], help="what to restore (default: all)")
-    p.set_defaults(run=lambda args: _with_client(args, lambda c: c.wakeup(args.tags),
-                                                 f"woke {' and '.join(args.tags) or 'weights and kv_cache'}"))
+    p.set_defaults(run=_wakeup)
 
     p = sub.add_parser("update-weights", parents=[common], help="Admin: load new weights of the same architecture")
     p.add_argument("path", help="HF model directory or GGUF file, as the server sees it")
@@ -206,9 +213,26 @@ def _stream_to_stdout(deltas: Iterable[Delta]) -> Delta | None:
     return last
 
 
+def _read_prompt(args: argparse.Namespace) -> str:
+    """The prompt argument, or the text of --prompt-file or stdin (a prompt of `-`) as is, a last newline
+    included."""
+    path = args.prompt_file or ("-" if args.prompt == "-" else None)
+    if path is None:
+        return args.prompt
+    try:
+        if path == "-":
+            return sys.stdin.read()
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as exc:  # as an OSError, main's `error: <path>: <why>` line reports it
+        raise OSError(errno.EILSEQ, f"not UTF-8 text ({exc.reason} at byte {exc.start})",
+                      "stdin" if path == "-" else path) from exc
+
+
 def _generate(args: argparse.Namespace) -> int:
     chat = args.chat or args.system is not None
-    prompt_input = {"messages": _messages(args.system, args.prompt)} if chat else {"prompt": args.prompt}
+    prompt = _read_prompt(args)
+    prompt_input = {"messages": _messages(args.system, prompt)} if chat else {"prompt": prompt}
     with _client(args) as client:
         last = _stream_to_stdout(client.generate(**prompt_input, **_sampling(args)))
     if last is None or last.finish_reason is None:
@@ -224,31 +248,71 @@ TURN_REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
                  grpc.StatusCode.FAILED_PRECONDITION)
 
 
+EXIT_COMMANDS = ("/exit", "/quit")
+CHAT_HELP = """Each line of stdin is a user turn of one conversation, kept on the server as one session. Ctrl-C
+during a reply stops that reply (the conversation keeps what came of it); Ctrl-C or EOF at the prompt ends
+the chat. Commands, never sent to the model: /exit or /quit ends the chat; /reset starts a new conversation
+(the server forgets the old one)."""
+
+
 def _chat(args: argparse.Namespace) -> int:
-    """Each line is a user turn on one session, which keeps the history; a refused turn is reported and
-    skipped; EOF or Ctrl-C ends the session. The session is resumable: one the server ended (its replica
-    restarted, or it sat idle past the server's --session-idle-timeout) is started again with the
-    conversation so far."""
+    """One resumable session per conversation: one the server ended (its replica restarted, or it sat idle past
+    the server's --session-idle-timeout) is started again with the conversation so far."""
     prompt = "> " if sys.stdin.isatty() else ""
-    system = args.system
-    with _client(args) as client, client.start(resume=True) as session:
+    with _client(args) as client:
         while True:
-            try:
-                line = input(prompt)
-            except EOFError:
-                if prompt:
-                    print()
-                return 0
-            if not line.strip():
-                continue
-            try:
-                _stream_to_stdout(session.generate(messages=_messages(system, line), **_sampling(args)))
-            except grpc.RpcError as exc:
-                if exc.code() not in TURN_REFUSALS:
-                    raise
-                print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)  # that turn only
-                continue
-            system = None  # the session's history has it from now on
+            with client.start(resume=True) as session:
+                if not _converse(session, args, prompt):
+                    return 0
+            print("new conversation", file=sys.stderr)
+
+
+def _converse(session: Session, args: argparse.Namespace, prompt: str) -> bool:
+    """The turns of one conversation; True once /reset asks for a new one, False when the chat ends. A refused
+    turn is reported and skipped."""
+    while True:
+        try:
+            line = input(prompt)
+        except EOFError:
+            if prompt:
+                print()
+            return False
+        command = line.strip()
+        if not command:
+            continue
+        if command in EXIT_COMMANDS or command == "/reset":
+            return command == "/reset"
+        system = None if session.history.messages else args.system  # once said, the history has it
+        stream = session.generate(messages=_messages(system, line), **_sampling(args))
+        try:
+            _stream_to_stdout(stream)
+        except grpc.RpcError as exc:
+            if exc.code() not in TURN_REFUSALS:
+                raise
+            print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)  # that turn only
+        except KeyboardInterrupt:
+            # Leaving the stream cancels the turn on the server (the client's Cancel of it), whose session,
+            # like the history, keeps what was generated. Closed here, not when collected: a Ctrl-C that
+            # lands while a delta is printed leaves the stream open, its turn running.
+            stream.close()
+            print()
+            print("reply stopped (Ctrl-C at the prompt ends the chat)", file=sys.stderr)
+
+
+def _wakeup(args: argparse.Namespace) -> int:
+    """Admin: says what the call restored, which is less than asked where some of it was awake."""
+    with _client(args) as client:
+        reply = client.wakeup(args.tags)
+    tags = list(dict.fromkeys(args.tags))
+    if reply.restored:
+        print(f"woke {' and '.join(reply.restored)}")
+    elif tags and reply.still_asleep:  # asked for what was awake while something else sleeps
+        print(f"{' and '.join(tags)} {'was' if len(tags) == 1 else 'were'} not asleep")
+    else:
+        print("nothing was asleep")
+    if reply.still_asleep:
+        print(f"still asleep: {' and '.join(reply.still_asleep)}; requests are refused until nothing sleeps")
+    return 0
 
 
 def _info(args: argparse.Namespace) -> int:

@@ -3,7 +3,8 @@
 Both have the same methods; AsyncClient's are coroutines, and its `generate` is an async iterator.
 Errors are not wrapped: a failed call raises `grpc.RpcError` (`grpc.aio.AioRpcError` on AsyncClient), whose
 `code()` is the status the proto documents (NOT_FOUND for an ended session, UNAVAILABLE while asleep, ...).
-Passing no input, several inputs, or an unknown sampling keyword raises TypeError before anything is sent.
+Passing no input, several inputs, or an unknown sampling keyword raises TypeError before anything is sent;
+a sampling integer beyond its proto field's range (`seed=-1`), ValueError naming it and the range.
 """
 from __future__ import annotations
 
@@ -214,9 +215,10 @@ class Client(_ClientBase[Iterator[Delta]]):
         """Admin: ends every stream and session, then frees the KV cache (level 1) and the weights (level 2)."""
         self._admin.Sleep(pb.SleepRequest(level=level), timeout=self._timeout, metadata=self._admin_metadata)
 
-    def wakeup(self, tags: Iterable[str] = ()) -> None:
-        """Admin: restores "weights" and / or "kv_cache" (none: both)."""
-        self._admin.Wakeup(pb.WakeupRequest(tags=tags), timeout=self._timeout, metadata=self._admin_metadata)
+    def wakeup(self, tags: Iterable[str] = ()) -> pb.WakeupResponse:
+        """Admin: restores "weights" and / or "kv_cache" (none: both); says what it restored and what still
+        sleeps."""
+        return self._admin.Wakeup(pb.WakeupRequest(tags=tags), timeout=self._timeout, metadata=self._admin_metadata)
 
     def update_weights(self, path: str) -> None:
         """Admin: loads new weights of the same architecture from a HF directory or GGUF file on the server."""
@@ -288,8 +290,8 @@ class AsyncClient(_ClientBase[AsyncIterator[Delta]]):
     async def sleep(self, level: int = 1) -> None:
         await self._admin.Sleep(pb.SleepRequest(level=level), timeout=self._timeout, metadata=self._admin_metadata)
 
-    async def wakeup(self, tags: Iterable[str] = ()) -> None:
-        await self._admin.Wakeup(pb.WakeupRequest(tags=tags), timeout=self._timeout, metadata=self._admin_metadata)
+    async def wakeup(self, tags: Iterable[str] = ()) -> pb.WakeupResponse:
+        return await self._admin.Wakeup(pb.WakeupRequest(tags=tags), timeout=self._timeout, metadata=self._admin_metadata)
 
     async def update_weights(self, path: str) -> None:
         request = pb.UpdateWeightsRequest(path=path)

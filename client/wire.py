@@ -5,10 +5,21 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from google.protobuf.descriptor import FieldDescriptor
+
 from lmgate.v1 import lmgate_pb2 as pb
 
 # The sampling keyword arguments: exactly SamplingParams' fields, so a new proto field needs no client change.
 SAMPLING_FIELDS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)
+
+# What each integer type of a proto field holds: protobuf refuses a value beyond it with a bare "Value out of
+# range" that names neither the field nor its range.
+_INT_RANGES = {
+    FieldDescriptor.CPPTYPE_INT32: (-2**31, 2**31 - 1),
+    FieldDescriptor.CPPTYPE_UINT32: (0, 2**32 - 1),
+    FieldDescriptor.CPPTYPE_INT64: (-2**63, 2**63 - 1),
+    FieldDescriptor.CPPTYPE_UINT64: (0, 2**64 - 1),
+}
 
 _USAGE_FIELDS = tuple(f.name for f in pb.Usage.DESCRIPTOR.fields)
 _FINISH_REASONS = {
@@ -23,7 +34,8 @@ class Delta:
     """One message of a Generate stream, in plain Python types.
 
     `logprobs` has one entry per token of `token_ids` when sampling asked for them:
-    `{"token_id": int, "logprob": float, "top": [(token_id, logprob), ...]}`.
+    `{"token_id": int, "token": str, "logprob": float, "top": [{"token_id", "token", "logprob"}, ...]}`, each
+    token with its text as OpenAI's logprobs show it (U+FFFD where it holds part of a character).
     `finish_reason` ("stop", "length", "cancelled") and `usage` (prompt_tokens, completion_tokens,
     cached_tokens) are set on the last message of the stream only.
     """
@@ -37,11 +49,18 @@ class Delta:
     usage: dict[str, int] | None
 
 
+def sampling_range(name: str) -> tuple[int, int] | None:
+    """The values SamplingParams' field `name` holds if it is an integer field (None otherwise): the client
+    checks them, and the CLI's flags take them."""
+    return _INT_RANGES.get(pb.SamplingParams.DESCRIPTOR.fields_by_name[name].cpp_type)
+
+
 def sampling_params(**sampling: Any) -> pb.SamplingParams:
     """SamplingParams from keyword arguments named as its fields; None leaves a field unset (its default).
 
     A single string for a repeated field (`stop="\\n"`) counts as a list of one. Unknown names raise
-    TypeError, as an unknown keyword argument of a Python function would.
+    TypeError, as an unknown keyword argument of a Python function would; an integer beyond its field's range
+    (`seed=-1`) raises ValueError naming the field and its range.
     """
     unknown = sorted(set(sampling) - SAMPLING_FIELDS)
     if unknown:
@@ -53,8 +72,21 @@ def sampling_params(**sampling: Any) -> pb.SamplingParams:
             continue
         if isinstance(value, str) and fields[name].is_repeated:
             value = [value]
+        _check_range(name, value)
         values[name] = value
     return pb.SamplingParams(**values)
+
+
+def _check_range(name: str, value: Any) -> None:
+    """ValueError for an integer (or an integer of a list) beyond field `name`'s range; other types are left
+    to protobuf, whose TypeError names them."""
+    limits = sampling_range(name)
+    if limits is None:
+        return
+    low, high = limits
+    for v in value if isinstance(value, Sequence) else (value,):
+        if isinstance(v, int) and not low <= v <= high:
+            raise ValueError(f"{name} must be in {low}..{high}, got {v}")
 
 
 def generate_request(
@@ -92,8 +124,7 @@ def to_delta(response: pb.GenerateResponse) -> Delta:
         token_ids=list(response.token_ids),
         text=response.text,
         logprobs=[
-            {"token_id": lp.token_id, "logprob": lp.logprob, "top": [(t.token_id, t.logprob) for t in lp.top]}
-            for lp in response.logprobs
+            {**_logprob(lp), "top": [_logprob(t) for t in lp.top]} for lp in response.logprobs
         ],
         finish_reason=_FINISH_REASONS.get(response.finish_reason),
         usage=(
@@ -118,3 +149,7 @@ def session_metadata(session_id: int) -> tuple[tuple[str, str], ...]:
 def new_session_id() -> int:
     """A random id in [1, 2^63): a collision with another open session is as likely as guessing it."""
     return secrets.randbits(63) or 1
+
+
+def _logprob(lp: pb.TokenLogprob | pb.TopLogprob) -> dict[str, Any]:
+    return {"token_id": lp.token_id, "token": lp.token, "logprob": lp.logprob}

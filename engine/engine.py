@@ -127,6 +127,10 @@ class Engine:
             ckpt.config.max_position_embeddings,
             config.kv_cache_tokens // config.block_size * config.block_size,
         )
+        if (config.max_context_length or 0) > self.max_context_length:
+            log.warning("max_context_length %d is past what can be served: the context is %d tokens (the model "
+                        "takes %d, the KV cache holds %d)", config.max_context_length, self.max_context_length,
+                        ckpt.config.max_position_embeddings, config.kv_cache_tokens)
         self.kv_bytes_per_token = kv_bytes_per_token(ckpt.config, self.kv_dtype)
         # Loops step in parallel: sharing the CPUs beats each loop's pool competing for all of them.
         self.num_threads = config.threads or available_cpus()
@@ -335,7 +339,8 @@ class Engine:
 
     def sleep(self, level: int) -> None:
         """Close admission, end every stream (CANCELLED) and session, then free memory: level 1 the KV cache
-        (weights kept in host memory), level 2 the weights too. Returns once the memory is released."""
+        (weights moved to host memory from an accelerator; on the CPU they stay and do not sleep), level 2 the
+        weights too. Returns once the memory is released."""
         if level not in (1, 2):
             raise InvalidRequest(f"sleep level must be 1 or 2, got {level}")
         with self._pending_lock:  # at once, even while another admin call holds the engine
@@ -346,7 +351,10 @@ class Engine:
                 # A part counts as asleep before it is put to sleep: one that fails on some rank after others
                 # slept is still woken whole by Wakeup, and put to sleep again by the next Sleep (either, done
                 # to a part already so, changes nothing).
-                for part, put_to_sleep in (("kv_cache", self._sleep_kv_cache), ("weights", self.ranks.offload_weights)):
+                parts = [("kv_cache", self._sleep_kv_cache)]
+                if level == 2 or self.device.type != "cpu":  # level 1 on the CPU: the weights are in host memory
+                    parts.append(("weights", self.ranks.offload_weights))
+                for part, put_to_sleep in parts:
                     if part not in self._slept:
                         self.sleeping.add(part)
                         put_to_sleep()

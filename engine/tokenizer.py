@@ -85,6 +85,10 @@ class Tokenizer:
         # Whether a text's stateless encoding is its continuation's after the prefix (no suffix such as an EOS)
         self._prefix_only = (self._anchor is None and self._continuation is None
                              and self.encode("a") == [*self.prefix_ids, *self.encode("a", False)])
+        # `token_text`: each id decoded after a plain one, whose text is cut off again; filled as ids are asked for
+        self._plain_id = self.encode("a", add_special_tokens=False)[-1]
+        self._plain_len = len(self.decode([self._plain_id], skip_special_tokens=False))
+        self._token_texts: dict[int, str] = {}
 
     # ----------------------------------------------------------------- loading
     @classmethod
@@ -218,6 +222,16 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """The text one id adds after plain text, as OpenAI's logprobs show a token: with the leading space a
+        SentencePiece decoder strips from the start of a text, U+FFFD where the id holds part of a character,
+        a special token's own text. Cached: a step's logprobs ask for the same alternatives again and again."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self.decode([self._plain_id, token_id], skip_special_tokens=False)[self._plain_len:]
+            self._token_texts[token_id] = text
+        return text
 
     def decode_stream(self, skip_special_tokens: bool = True, context: Sequence[int] = ()) -> Callable[[int], str]:
         """A function of each next id: the text it adds after `context` and the ids before it, "" while the

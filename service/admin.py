@@ -38,8 +38,9 @@ class AdminServicer(pb_grpc.AdminServicer):
 
     async def Wakeup(self, request: pb.WakeupRequest, context: grpc.aio.ServicerContext) -> pb.WakeupResponse:
         transition = "wakeup_" + ("_".join(sorted(set(request.tags))) or "all")  # one series per set of tags
-        await self._run(context, self.engine.wakeup, list(request.tags), lambda: self._transition(transition))
-        return pb.WakeupResponse()
+        restored, still_asleep = await self._run(context, self.engine.wakeup, list(request.tags),
+                                                 lambda: self._transition(transition))
+        return pb.WakeupResponse(restored=restored, still_asleep=still_asleep)
 
     def _transition(self, name: str) -> None:
         """Counted once done: a refused call (a bad level or tag) makes no series."""
@@ -51,8 +52,9 @@ class AdminServicer(pb_grpc.AdminServicer):
         await self._run(context, self.engine.update_weights, request.path, self.metrics.weight_updates.inc)
         return pb.UpdateWeightsResponse()
 
-    async def _run(self, context: grpc.aio.ServicerContext, call: Callable[[Any], None], arg: Any,
-                   count: Callable[[], None], closes_admission: bool = False) -> None:
+    async def _run(self, context: grpc.aio.ServicerContext, call: Callable[[Any], Any], arg: Any,
+                   count: Callable[[], None], closes_admission: bool = False) -> Any:
+        """The engine call's result; a refusal or failure aborts the RPC with its status."""
         denial = admin_denial(context, self.admin_token)
         if denial is not None:
             await context.abort(*denial)
@@ -61,21 +63,22 @@ class AdminServicer(pb_grpc.AdminServicer):
         self._working.add(work)
         work.add_done_callback(self._forget)
         try:
-            await asyncio.shield(work)  # a caller that leaves (deadline, cancel) does not stop the engine call
+            return await asyncio.shield(work)  # a caller that leaves (deadline, cancel) does not stop the call
         except EngineError as exc:
             await abort(context, exc)
         except Exception as exc:  # a bug (logged by `_forget`): say INTERNAL with its cause, never UNKNOWN
             await abort(context, InternalError(f"{call.__name__} failed: {exc}"))
 
-    async def _complete(self, call: Callable[[Any], None], arg: Any, count: Callable[[], None],
-                        closes_admission: bool) -> None:
+    async def _complete(self, call: Callable[[Any], Any], arg: Any, count: Callable[[], None],
+                        closes_admission: bool) -> Any:
         """The engine call to its end, whether or not its caller still waits: health and the counters then
         say what the engine did, not what the caller saw (and a Sleep still to run counts as asleep)."""
         try:
             if closes_admission:  # here, not in the caller, whose cancel during it would leave the count raised
                 await self.on_state_change(True)
-            await asyncio.to_thread(call, arg)
+            result = await asyncio.to_thread(call, arg)
             count()
+            return result
         finally:
             self._sleeps_pending -= closes_admission
             await self.on_state_change(self._sleeps_pending > 0)

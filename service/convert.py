@@ -1,6 +1,8 @@
 """Protobuf messages to engine values and back; validation of what only the wire can get wrong."""
 from __future__ import annotations
 
+from typing import Callable
+
 from lmgate.engine.errors import InvalidRequest
 from lmgate.engine.request import FinishReason, RequestOutput
 from lmgate.engine.sampling import SamplingParams
@@ -51,8 +53,9 @@ def prompt(request: pb.GenerateRequest) -> str | list[int] | list[dict[str, str]
     raise InvalidRequest("no input: set one of prompt, tokens or messages")
 
 
-def merge(outputs: list[RequestOutput]) -> pb.GenerateResponse:
-    """Deltas that queued up while the client was slow, sent as one message."""
+def merge(outputs: list[RequestOutput], token_text: Callable[[int], str]) -> pb.GenerateResponse:
+    """Deltas that queued up while the client was slow, sent as one message; `token_text` names each
+    log-probability's token (`Tokenizer.token_text`)."""
     last = outputs[-1]
     msg = pb.GenerateResponse(
         request_id=last.request_id,
@@ -66,7 +69,8 @@ def merge(outputs: list[RequestOutput]) -> pb.GenerateResponse:
             msg.logprobs.add(
                 token_id=lp.token_id,
                 logprob=lp.logprob,
-                top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+                token=token_text(lp.token_id),
+                top=[pb.TopLogprob(token_id=t, logprob=v, token=token_text(t)) for t, v in lp.top],
             )
     if last.usage is not None:
         msg.usage.CopyFrom(pb.Usage(**{f: getattr(last.usage, f) for f in ("prompt_tokens", "completion_tokens", "cached_tokens")}))

@@ -120,16 +120,40 @@ def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+class EnvValue(str):
+    """A flag's value read from its LMGATE_* variable: argparse checks it as if typed, and `Parser` names the
+    variable where it is bad (the flag alone sends an operator looking for a flag nobody passed)."""
+
+    variable: str
+
+
 def _env(name: str, default: Any) -> Any:
     """LMGATE_<name> if set, as a string argparse parses (and checks) with the flag's type, else `default`."""
-    return os.environ.get(f"LMGATE_{name}", default)
+    variable = f"LMGATE_{name}"
+    if variable not in os.environ:
+        return default
+    value = EnvValue(os.environ[variable])
+    value.variable = variable
+    return value
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, saying which LMGATE_* variable held a bad value."""
+
+    def _get_value(self, action: argparse.Action, arg_string: str) -> Any:
+        try:
+            return super()._get_value(action, arg_string)
+        except argparse.ArgumentError as exc:
+            if isinstance(arg_string, EnvValue):
+                raise argparse.ArgumentError(action, f"{exc.message} (from {arg_string.variable})") from None
+            raise
 
 
 ON_OFF = _one_of("on", "off")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="lmgate serve", description="Serve a language model over gRPC. Every flag "
+    ap = Parser(prog="lmgate serve", description="Serve a language model over gRPC. Every flag "
                                  "has an environment variable, LMGATE_<FLAG> (in brackets).",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", type=_optional, default=_env("MODEL", None), help="HF model directory or .gguf file; unset: the embedded SmolLM2-135M-Instruct [LMGATE_MODEL]")

@@ -24,6 +24,15 @@ log = logging.getLogger(__name__)
 SHUTDOWN_FLUSH_SECONDS = 1.0  # for the last messages of cancelled streams to reach their clients
 INFERENCE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 SERVICES = (INFERENCE, pb.DESCRIPTOR.services_by_name["Admin"].full_name)
+# The largest request a client may send: gRPC's default of 4 MiB, or more where the context window is long
+# enough for a prompt to need it (a token's text is rarely past a few bytes; 64 leaves room for long ones).
+DEFAULT_MESSAGE_BYTES = 4 * 2**20
+BYTES_PER_CONTEXT_TOKEN = 64
+
+
+def max_request_bytes(max_context_length: int) -> int:
+    """The server's limit on a received message (beyond it gRPC answers RESOURCE_EXHAUSTED itself)."""
+    return max(DEFAULT_MESSAGE_BYTES, BYTES_PER_CONTEXT_TOKEN * max_context_length)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +80,8 @@ class Server:
         interceptors = [ReplicaHeaderInterceptor(self.replica_id)]
         if api_key:
             interceptors.append(ApiKeyInterceptor(api_key, INFERENCE, self._refused))
-        self.grpc = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=interceptors)
+        self.grpc = grpc.aio.server(interceptors=interceptors, options=[
+            ("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_request_bytes(engine.max_context_length))])
         self.inference = InferenceServicer(engine, self.metrics, self.replica_id)
         pb_grpc.add_InferenceServicer_to_server(self.inference, self.grpc)
         admin = AdminServicer(engine, self.metrics, admin_token, self.refresh_health)

@@ -21,11 +21,13 @@ from .metrics import Metrics, StreamTracker
 from .relay import OutputRelay
 from .status import abort, status_code
 
+log = logging.getLogger(__name__)
 access_log = logging.getLogger("lmgate.access")
 MAX_REQUEST_ID = 256  # characters; an id goes into every response and the access log
 # Tokens one message carries at most: what a slow client left queued leaves in several (with 20 logprobs
 # each, 4096 tokens make about 1 MB, well within a client's default limit of 4 MB a message).
 MAX_TOKENS_PER_MESSAGE = 4096
+DROPPED_WAIT = 60.0  # seconds a stream whose client left waits for the engine to end its request
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
@@ -47,6 +49,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         # Its own threads: the default pool also runs admin calls, which can wait minutes for the engine
         self._encoders = ThreadPoolExecutor(max_workers=4, thread_name_prefix="lmgate-encode")
         self._relay: OutputRelay | None = None  # made on the event loop, by the first Generate
+        self._dropped: set[asyncio.Future] = set()  # `_end_dropped` tasks, held until done
 
     def close(self) -> None:
         self._encoders.shutdown(wait=False)
@@ -118,14 +121,36 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     await abort(context, error)
                 finished = batch[-1].finished
                 tracker.tokens(tokens, batch[-1].finish_reason, batch[-1].usage)
-                yield convert.merge(batch)
+                yield convert.merge(batch, self.engine.tokenizer.token_text)
         finally:
-            # A client that disconnects or whose deadline passes lands here with the request still running.
-            if not finished:
+            if finished:
+                del self._requests[request_id]
+                log_access(request_id, request.session_id, peer, tracker.outcome, tracker)
+            else:  # the client disconnected or its deadline passed, with the request still running
                 self.engine.cancel(engine_request)
-                tracker.finish_cancelled()
+                ending = asyncio.ensure_future(self._end_dropped(request_id, request.session_id, peer, outputs, tracker))
+                self._dropped.add(ending)
+                ending.add_done_callback(self._dropped.discard)
+
+    async def _end_dropped(self, request_id: str, session_id: int, peer: str, outputs: asyncio.Queue[RequestOutput],
+                           tracker: StreamTracker) -> None:
+        """A stream whose client left: counted and logged once the engine has ended its request, whose last
+        output says how long the prompt was (the id stays taken until then), or after DROPPED_WAIT seconds."""
+        async def last_output() -> None:
+            while True:
+                out = await outputs.get()
+                tracker.usage = out.usage or tracker.usage
+                if out.finished:
+                    return
+
+        try:
+            await asyncio.wait_for(last_output(), DROPPED_WAIT)
+        except asyncio.TimeoutError:
+            log.warning("request %s: no end from the engine %.0fs after its client left", request_id, DROPPED_WAIT)
+        finally:
+            tracker.finish_cancelled()
             del self._requests[request_id]
-            log_access(request_id, request.session_id, peer, tracker.outcome, tracker)
+            log_access(request_id, session_id, peer, tracker.outcome, tracker)
 
     async def _submit(self, submit: Callable[[], Request]) -> Request:
         """`submit()` on a worker thread: encoding a long prompt takes seconds (about 2 s a million tokens), which

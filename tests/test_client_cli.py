@@ -7,10 +7,12 @@ import contextlib
 import io
 import json
 import math
+import signal
 import subprocess
 import sys
 import threading
 import time
+from typing import Callable
 
 import grpc
 import pytest
@@ -87,14 +89,42 @@ def test_wrong_sampling_type_is_a_type_error():
         sampling_params(temperature="hot")
 
 
+@pytest.mark.parametrize("name, value, limits", [
+    ("seed", -1, "0..18446744073709551615"), ("seed", 2**64, "0..18446744073709551615"),
+    ("max_new_tokens", 2**32, "0..4294967295"), ("top_k", 2**31, "-2147483648..2147483647"),
+    ("logprobs", -1, "0..4294967295"), ("stop_token_ids", [2, 2**32], "0..4294967295"),
+])
+def test_an_out_of_range_sampling_integer_is_a_value_error_naming_it(name, value, limits):
+    """Not protobuf's bare "Value out of range": the parameter and its range, before anything is sent."""
+    bad = value[-1] if isinstance(value, list) else value
+    message = f"^{name} must be in {limits}, got {bad}$"
+    with pytest.raises(ValueError, match=message):
+        sampling_params(**{name: value})
+    with pytest.raises(ValueError, match=message):  # no server listens here
+        Client("127.0.0.1:1").generate("x", **{name: value})
+
+    async def from_the_async_client() -> None:
+        async with AsyncClient("127.0.0.1:1") as client:
+            client.generate("x", **{name: value})
+
+    with pytest.raises(ValueError, match=message):
+        asyncio.run(from_the_async_client())
+
+
+def test_sampling_integers_at_their_fields_limits_are_kept():
+    s = sampling_params(seed=2**64 - 1, max_new_tokens=2**32 - 1, top_k=-2**31, stop_token_ids=[0, 2**32 - 1])
+    assert (s.seed, s.max_new_tokens, s.top_k, list(s.stop_token_ids)) == (2**64 - 1, 2**32 - 1, -2**31, [0, 2**32 - 1])
+
+
 def test_to_delta_mid_stream_and_last():
     mid = to_delta(pb.GenerateResponse(request_id="r", session_id=3, token_ids=[1, 2], text="ab", logprobs=[
-        pb.TokenLogprob(token_id=1, logprob=-0.5, top=[pb.TopLogprob(token_id=1, logprob=-0.5)]),
-        pb.TokenLogprob(token_id=2, logprob=-1.0),
+        pb.TokenLogprob(token_id=1, token="a", logprob=-0.5, top=[pb.TopLogprob(token_id=1, token="a", logprob=-0.5)]),
+        pb.TokenLogprob(token_id=2, token="b", logprob=-1.0),
     ]))
     assert mid == Delta(
         request_id="r", session_id=3, token_ids=[1, 2], text="ab",
-        logprobs=[{"token_id": 1, "logprob": -0.5, "top": [(1, -0.5)]}, {"token_id": 2, "logprob": -1.0, "top": []}],
+        logprobs=[{"token_id": 1, "token": "a", "logprob": -0.5, "top": [{"token_id": 1, "token": "a", "logprob": -0.5}]},
+                  {"token_id": 2, "token": "b", "logprob": -1.0, "top": []}],
         finish_reason=None, usage=None,
     )
     for reason, name in ((pb.FINISH_REASON_STOP, "stop"), (pb.FINISH_REASON_LENGTH, "length"),
@@ -130,6 +160,7 @@ def test_help_exits_zero(command, capsys):
     ["generate", "x", "--max-new-tokens", str(2**32)], ["generate", "x", "--seed", str(2**64)],
     ["chat", "--top-k", str(2**31)], ["generate", "x", "--logprobs", str(2**32)],
     ["info", "--tls-cert", "c.pem"], ["info", "--tls-key", "k.pem"],  # grpc aborts the process on a lone cert
+    ["generate", "x", "--prompt-file", "p.txt"], ["generate", "--prompt-file"],
 ])
 def test_bad_arguments_exit_two(argv, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -458,8 +489,11 @@ def test_cli_generate_info_tokenize(server, capsys):
 def test_cli_generate_logprobs_min_p_and_repetition_penalty(server, capsys):
     assert main(["generate", PROMPT, "--target", server.address, "--max-new-tokens", "4", "--ignore-eos",
                  "--logprobs", "2", "--min-p", "0.05", "--repetition-penalty", "1.2"]) == 0
-    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
+    printed = capsys.readouterr()
+    lines = [json.loads(line) for line in printed.err.splitlines() if line.startswith("{")]
     assert len(lines) == 4 and all(len(lp["top"]) == 2 and lp["logprob"] <= 0 for lp in lines)
+    assert "".join(lp["token"] for lp in lines) + "\n" == printed.out  # each token named by its text
+    assert all(alt["token"] for lp in lines for alt in lp["top"])
 
 
 def test_cli_chat_keeps_one_session(server, capsys, monkeypatch):
@@ -513,12 +547,108 @@ def test_cli_admin_commands(guarded, capsys):
     base = ["--target", guarded.address, "--admin-token", "s3cret"]
     assert main(["sleep", "--level", "1", *base]) == 0
     assert "asleep at level 1" in capsys.readouterr().out
+    # What the server restored, not what was asked for: on the CPU, level 1 frees the KV cache alone.
+    assert list(guarded.info().sleeping_tags) == ["kv_cache"]
+    assert main(["wakeup", *base]) == 0
+    assert capsys.readouterr().out == "woke kv_cache\n"
     assert main(["wakeup", "--tags", "weights", "kv_cache", *base]) == 0
-    assert "woke weights and kv_cache" in capsys.readouterr().out
+    assert capsys.readouterr().out == "nothing was asleep\n"
+    assert main(["sleep", "--level", "2", *base]) == 0
+    capsys.readouterr()
+    still = "still asleep: weights; requests are refused until nothing sleeps\n"
+    assert main(["wakeup", "--tags", "kv_cache", *base]) == 0
+    assert capsys.readouterr().out == "woke kv_cache\n" + still
+    assert main(["wakeup", "--tags", "kv_cache", *base]) == 0
+    assert capsys.readouterr().out == "kv_cache was not asleep\n" + still
+    assert main(["wakeup", *base]) == 0
+    assert capsys.readouterr().out == "woke weights\n"
     assert main(["sleep", "--target", guarded.address]) == 1
     assert "UNAUTHENTICATED" in capsys.readouterr().err
     assert main(["info", "--target", guarded.address]) == 0
     assert json.loads(capsys.readouterr().out)["sleeping"] is False
+
+
+def test_cli_generate_reads_the_prompt_from_stdin_or_a_file(server, capsys, monkeypatch, tmp_path):
+    """`lmgate generate -` and --prompt-file PATH (`-`: stdin) send the text read, not "-"."""
+    _, text = engine_text(server, PROMPT, 3)
+    path = tmp_path / "prompt.txt"
+    path.write_text(PROMPT)
+    flags = ["--target", server.address, "--max-new-tokens", "3", "--ignore-eos"]
+    for argv in (["-"], ["--prompt-file", "-"], ["--prompt-file", str(path)]):
+        monkeypatch.setattr(sys, "stdin", io.StringIO(PROMPT))
+        assert main(["generate", *argv, *flags]) == 0, argv
+        assert capsys.readouterr().out == text + "\n", argv
+
+
+def test_cli_unreadable_prompt_file_is_an_error_line(capsys, tmp_path):
+    """Exit 1 with `error: <path>: <why>`, as for other files, before any call (no server listens here)."""
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("café!".encode("latin-1"))
+    for path, why in ((tmp_path / "missing.txt", "No such file or directory"), (tmp_path, "Is a directory"),
+                      (latin1, "not UTF-8 text (invalid continuation byte at byte 3)")):
+        assert main(["generate", "--prompt-file", str(path), "--target", "127.0.0.1:1"]) == 1
+        assert capsys.readouterr().err == f"error: {path}: {why}\n"
+
+
+def metric(server, name: str, **labels: str) -> float:
+    """A sample of the server's Prometheus registry (0 before its first count)."""
+    metrics = server.server.metrics
+    return metrics.registry.get_sample_value(name, {"model_name": metrics.model_name, **labels}) or 0
+
+
+def test_cli_chat_exit_quit_and_reset_are_commands(server, capsys, monkeypatch):
+    """/reset ends the session and starts another; /exit (or /quit) ends the chat; none is sent to the model."""
+    with pytest.raises(SystemExit):
+        main(["chat", "--help"])
+    help_text = capsys.readouterr().out
+    assert all(command in help_text for command in ("/exit", "/quit", "/reset"))
+
+    def counts() -> tuple[float, ...]:
+        return (sum(metric(server, "lmgate_requests_total", reason=r) for r in ("stop", "length", "cancelled")),
+                metric(server, "lmgate_sessions_started_total"), metric(server, "lmgate_sessions_ended_total"))
+
+    for end in ("/exit", " /quit "):
+        before = counts()
+        monkeypatch.setattr(sys, "stdin", io.StringIO(f"Hi\n/reset\nHello\n{end}\nNever sent\n"))
+        assert main(["chat", "--target", server.address, "--max-new-tokens", "2"]) == 0
+        assert capsys.readouterr().err == "new conversation\n"
+        assert tuple(a - b for a, b in zip(counts(), before)) == (2, 2, 2)  # a turn on each of two sessions
+    assert_idle(server)
+
+
+def test_cli_chat_ctrl_c_stops_the_reply_and_the_chat_goes_on(server):
+    """Ctrl-C during a reply cancels that turn on the server and the chat takes the next line, on the same
+    session; /exit then ends it with status 0."""
+    def wait_for(condition: Callable[[], bool]) -> None:
+        guard = time.monotonic() + GUARD  # a guard against a hang, not a timing
+        while not condition() and proc.poll() is None and time.monotonic() < guard:
+            time.sleep(0.01)
+        assert condition(), proc.poll()
+
+    cancelled, started = metric(server, "lmgate_requests_total", reason="cancelled"), metric(server, "lmgate_sessions_started_total")
+    # SIGINT raises KeyboardInterrupt in the child as in a shell's foreground, even where this test runs with
+    # it ignored (a background job, whose children inherit that).
+    child = "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); " \
+            "from lmgate.client.cli import main; sys.exit(main())"
+    proc = subprocess.Popen([sys.executable, "-c", child, "chat", "--target", server.address, "--ignore-eos",
+                             "--max-new-tokens", str(server.engine.max_context_length // 2)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        for n, line in enumerate((b"Count to a thousand.\n", b"Go on.\n"), 1):
+            streamed = metric(server, "lmgate_output_tokens_total")
+            proc.stdin.write(line)
+            proc.stdin.flush()
+            wait_for(lambda: metric(server, "lmgate_output_tokens_total") > streamed)  # the reply is under way
+            proc.send_signal(signal.SIGINT)
+            wait_for(lambda: metric(server, "lmgate_requests_total", reason="cancelled") == cancelled + n)
+        out, err = proc.communicate(b"/exit\n", timeout=GUARD)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert err.decode().count("reply stopped") == 2 and b"Traceback" not in err
+    assert out.strip()
+    assert metric(server, "lmgate_sessions_started_total") == started + 1  # one session throughout
+    assert_idle(server)
 
 
 def test_cli_stop_takes_one_string_per_flag_and_leaves_the_prompt():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import shutil
@@ -482,7 +483,7 @@ def test_engine_wakeup_that_cannot_allocate_the_kv_cache_fails_and_can_be_retrie
         waker.join(120)  # a guard against the old endless wait, not a timing
         assert not waker.is_alive(), "Wakeup never returned"
         assert len(failed) == 1 and isinstance(failed[0], InternalError) and "out of memory" in str(failed[0])
-        assert eng.sleeping == {"kv_cache", "weights"}  # nothing changed
+        assert eng.sleeping == {"kv_cache"}  # nothing changed
         with pytest.raises(Unavailable):
             eng.submit(prompt, params)
         del runner.allocate_kv_cache  # the memory is back
@@ -617,6 +618,16 @@ def test_engine_bad_input_raises_and_leaves_no_state(engine, tokenizer):
     out = engine.generate(ok, SamplingParams(max_new_tokens=2, ignore_eos=True))  # still serves
     assert len(out.token_ids) == 2
     assert engine.info() == before
+
+
+def test_engine_says_when_it_serves_less_context_than_asked_for(checkpoint, caplog):
+    """--max-context-length past the model's (8192) or the KV cache's is clamped, and the log says so."""
+    with caplog.at_level(logging.WARNING, logger="lmgate.engine.engine"):
+        with Engine(EngineConfig(dtype="float32", max_context_length=100_000, kv_cache_tokens=1024), checkpoint) as eng:
+            assert eng.max_context_length == 1024
+    said = [r.getMessage() for r in caplog.records if "max_context_length" in r.getMessage()]
+    assert said == ["max_context_length 100000 is past what can be served: the context is 1024 tokens (the model "
+                    "takes 8192, the KV cache holds 1024)"]
 
 
 def test_engine_context_window_limits(checkpoint, tokenizer):

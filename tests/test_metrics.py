@@ -108,7 +108,8 @@ def test_access_log_line_per_request(server, caplog):
 
 def test_access_log_names_the_peer_of_streams_whose_client_left(server, caplog):
     """The line of a stream whose client disconnected is written after gRPC has let go of the call: the peer
-    must have been read while it was alive (asking for it afterwards crashed the process)."""
+    must have been read while it was alive (asking for it afterwards crashed the process). It waits for the
+    engine's end of the request, which says how long the prompt was."""
     ids = [f"left-{i}" for i in range(20)]
     with caplog.at_level(logging.INFO, logger="lmgate.access"):
         for request_id in ids:
@@ -121,6 +122,9 @@ def test_access_log_names_the_peer_of_streams_whose_client_left(server, caplog):
             time.sleep(0.05)
     assert sorted(logged) == sorted(ids)
     assert all("127.0.0.1" in r.fields["peer"] and r.fields["outcome"] == "cancelled" for r in logged.values())
+    prompt_tokens = len(server.engine.tokenizer.encode("Tell me a story"))  # the engine's count, not 0
+    assert [r.fields["prompt_tokens"] for r in logged.values()] == [prompt_tokens] * len(ids)
+    assert all(r.fields["completion_tokens"] >= 1 for r in logged.values())
 
 
 def _access(caplog, ids: list[str]) -> dict:

@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from lmgate.engine.request import RequestOutput
 from lmgate.engine.sampling import SamplingParams
+from lmgate.service.server import max_request_bytes
 from lmgate.service.servicer import MAX_TOKENS_PER_MESSAGE, queued_behind
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
@@ -60,6 +61,35 @@ def test_generate_stateless_matches_engine(server):
     assert text == server.engine.tokenizer.decode(ids)
     assert last.finish_reason == pb.FINISH_REASON_LENGTH
     assert last.usage.completion_tokens == 24 and last.usage.prompt_tokens == len(prompt)
+
+
+def test_logprobs_name_each_token_and_alternative_by_its_text(server):
+    """As OpenAI's logprobs do: each token's text (its leading space kept, U+FFFD for part of a character),
+    and the alternatives'; the tokens' texts make the reply's text where no character is split."""
+    request = pb.GenerateRequest(prompt="The capital of France is", sampling=pb.SamplingParams(
+        max_new_tokens=12, ignore_eos=True, logprobs=3))
+    messages = list(server.stub().Generate(request))
+    logprobs = [lp for m in messages for lp in m.logprobs]
+    tok = server.engine.tokenizer
+    assert [lp.token for lp in logprobs] == [tok.decode([tok.encode("a", False)[-1], lp.token_id])[1:] for lp in logprobs]
+    assert "".join(lp.token for lp in logprobs) == "".join(m.text for m in messages)
+    assert any(lp.token.startswith(" ") for lp in logprobs)
+    for lp in logprobs:
+        assert [t.token for t in lp.top] == [tok.token_text(t.token_id) for t in lp.top] and all(t.token for t in lp.top)
+
+
+def test_token_text_keeps_a_sentencepiece_space_and_marks_split_characters(tmp_path):
+    import gguf
+
+    from lmgate.engine.tokenizer import Tokenizer
+    from tests.test_tokenizer import _tiny_llama_gguf
+
+    _tiny_llama_gguf(str(tmp_path / "tiny.gguf"))
+    tok = Tokenizer.from_gguf(gguf.GGUFReader(str(tmp_path / "tiny.gguf")))
+    world, *emoji = tok.encode(" world🙂", add_special_tokens=False)
+    assert tok.decode([world]) == "world" and tok.token_text(world) == " world"
+    assert [tok.token_text(i) for i in emoji] == ["\ufffd"] * 4
+    assert tok.token_text(tok.eos_token_ids and min(tok.eos_token_ids)) == "</s>"
 
 
 def test_serve_stream_interval_sends_fewer_messages_with_the_same_tokens(server):
@@ -259,12 +289,19 @@ BAD_REQUESTS = [
     (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(stop_token_ids=range(257))), grpc.StatusCode.INVALID_ARGUMENT),
     (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_new_tokens=10**6)), grpc.StatusCode.OUT_OF_RANGE),
     (pb.GenerateRequest(tokens=pb.TokenIds(ids=[10] * 9000)), grpc.StatusCode.OUT_OF_RANGE),
+    (pb.GenerateRequest(prompt="x" * (5 * 2**20)), grpc.StatusCode.RESOURCE_EXHAUSTED),  # past the 4 MiB limit
     (pb.GenerateRequest(session_id=987654321, prompt="hi"), grpc.StatusCode.NOT_FOUND),
     (pb.GenerateRequest(request_id="x" * 257, prompt="hi"), grpc.StatusCode.INVALID_ARGUMENT),
     (pb.GenerateRequest(prompt="hi", session_epoch=3), grpc.StatusCode.INVALID_ARGUMENT),  # no session
     (pb.GenerateRequest(request_id="a\n12:00:00 INFO lmgate.access: request_id=forged", prompt="hi"),
      grpc.StatusCode.INVALID_ARGUMENT),
 ]
+
+
+def test_the_request_size_limit_grows_with_the_context_window():
+    """gRPC's 4 MiB, unless a prompt that fits a long context window could be longer (README: Errors)."""
+    assert max_request_bytes(8192) == 4 * 2**20
+    assert max_request_bytes(1_048_576) == 64 * 2**20
 
 
 @pytest.mark.parametrize("request_, code", BAD_REQUESTS)

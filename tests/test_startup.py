@@ -35,11 +35,11 @@ def bad_settings(taken_port: str) -> list[tuple[list[str], dict[str, str], str]]
         (["--stream-interval", "0"], {}, "--stream-interval: must be at least 1"),
         (["--grace", "nan"], {}, "--grace"),
         (["--session-idle-timeout", "-1"], {}, "--session-idle-timeout"),
-        ([], {"LMGATE_PORT": "abc"}, "--port: invalid int value: 'abc'"),
+        ([], {"LMGATE_PORT": "abc"}, "--port: invalid int value: 'abc' (from LMGATE_PORT)"),
         ([], {"LMGATE_LOG_LEVEL": "chatty"}, "--log-level: invalid choice: 'CHATTY'"),
         ([], {"LMGATE_DTYPE": "float64"}, "--dtype: invalid choice: 'float64'"),
         ([], {"LMGATE_WEIGHTS": "bogus"}, "--weights: invalid choice: 'bogus'"),
-        ([], {"LMGATE_API_KEY": ""}, "--api-key: is empty"),
+        ([], {"LMGATE_API_KEY": ""}, "--api-key: is empty: give a secret, or leave it unset (from LMGATE_API_KEY)"),
         (["--admin-token", " "], {}, "--admin-token: is empty"),
         ([], {"LMGATE_API_KEY": "s3cret\n"}, "--api-key: 's3cret\\n' cannot go in a header"),  # a file's newline
         (["--admin-token", "clé"], {}, "--admin-token: 'clé' cannot go in a header"),
@@ -56,7 +56,8 @@ def bad_settings(taken_port: str) -> list[tuple[list[str], dict[str, str], str]]
         (["--port", "0", "--model", "/nonexistent/model"], {}, "does not exist"),
         (["--port", "0", "--device", "tpu"], {}, "--device"),
         (["--port", "0", "--kv-cache-tokens", "8", "--dtype", "float32"], {}, "kv_cache_tokens (8) must hold one block"),
-        ([], {"LMGATE_KV_CACHE_TOKENS": "most"}, "--kv-cache-tokens: invalid auto or a count value: 'most'"),
+        ([], {"LMGATE_KV_CACHE_TOKENS": "most"}, "--kv-cache-tokens: invalid auto or a count value: 'most' (from LMGATE_KV_CACHE_TOKENS)"),
+        (["--port", "abc"], {"LMGATE_PORT": "1"}, "--port: invalid int value: 'abc'\n"),  # the flag's, not the variable's
         (["--gpu-memory-utilization", "1.5"], {}, "--gpu-memory-utilization: must be 0.01..1.0"),
         (["--port", "0", "--nnodes", "2", "--node-rank", "2"], {}, "--node-rank 2 is not one of --nnodes 2"),
         (["--port", "0", "--nnodes", "2", "--engine-loops", "3"], {}, "3 ranks (engine_loops x tensor_parallel) do not spread evenly over 2 nodes"),

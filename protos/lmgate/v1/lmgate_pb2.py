@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16lmgate/v1/lmgate.proto\x12\tlmgate.v1\"\"\n\x0cStartRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\"2\n\rStartResponse\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.lmgate.v1.ChatMessage\"\xdb\x02\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0emin_new_tokens\x18\x02 \x01(\r\x12\x13\n\x0btemperature\x18\x03 \x01(\x02\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x11\n\x04seed\x18\n \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x10\n\x08logprobs\x18\x0e \x01(\r\x12\x1e\n\x16include_special_tokens\x18\x0f \x01(\x08\x42\x07\n\x05_seed\"\x83\x02\n\x0fGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12%\n\x06tokens\x18\x04 \x01(\x0b\x32\x13.lmgate.v1.TokenIdsH\x00\x12+\n\x08messages\x18\x05 \x01(\x0b\x32\x17.lmgate.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.lmgate.v1.SamplingParams\x12\x1a\n\rsession_epoch\x18\x07 \x01(\x04H\x01\x88\x01\x01\x42\x07\n\x05inputB\x10\n\x0e_session_epoch\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.lmgate.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xd7\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.lmgate.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x17.lmgate.v1.FinishReason\x12\x1f\n\x05usage\x18\x07 \x01(\x0b\x32\x10.lmgate.v1.Usage\"7\n\rCancelRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\" \n\nEndRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\"\r\n\x0b\x45ndResponse\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\r\n\x0bInfoRequest\"\xda\x04\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1a\n\x12max_context_length\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x14\n\x0c\x65ngine_loops\x18\x04 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x17\n\x0f\x61\x63tive_sessions\x18\x07 \x01(\r\x12\x10\n\x08sleeping\x18\x08 \x01(\x08\x12\x15\n\rsleeping_tags\x18\t \x03(\t\x12\x14\n\x0c\x61rchitecture\x18\n \x01(\t\x12\x15\n\rkv_block_size\x18\x0b \x01(\r\x12\x18\n\x10running_requests\x18\x0c \x01(\r\x12\x18\n\x10waiting_requests\x18\r \x01(\r\x12\x13\n\x0bpreemptions\x18\x0e \x01(\x04\x12\x15\n\rweights_bytes\x18\x0f \x01(\x04\x12\x16\n\x0ekv_cache_bytes\x18\x10 \x01(\x04\x12\r\n\x05\x64type\x18\x11 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x12 \x01(\t\x12\x17\n\x0fqueued_requests\x18\x13 \x01(\r\x12\x14\n\x0c\x64type_reason\x18\x14 \x01(\t\x12#\n\x1bprefix_cache_queried_tokens\x18\x15 \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x16 \x01(\x04\x12\x1d\n\x15prefix_cache_hit_rate\x18\x17 \x01(\x01\x12\x12\n\nreplica_id\x18\x18 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x19 \x01(\t\"\x1d\n\x0cSleepRequest\x12\r\n\x05level\x18\x01 \x01(\r\"\x0f\n\rSleepResponse\"\x1d\n\rWakeupRequest\x12\x0c\n\x04tags\x18\x01 \x03(\t\"\x10\n\x0eWakeupResponse\"$\n\x14UpdateWeightsRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"\x17\n\x15UpdateWeightsResponse*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\x81\x03\n\tInference\x12:\n\x05Start\x12\x17.lmgate.v1.StartRequest\x1a\x18.lmgate.v1.StartResponse\x12\x45\n\x08Generate\x12\x1a.lmgate.v1.GenerateRequest\x1a\x1b.lmgate.v1.GenerateResponse0\x01\x12=\n\x06\x43\x61ncel\x12\x18.lmgate.v1.CancelRequest\x1a\x19.lmgate.v1.CancelResponse\x12\x34\n\x03\x45nd\x12\x15.lmgate.v1.EndRequest\x1a\x16.lmgate.v1.EndResponse\x12\x43\n\x08Tokenize\x12\x1a.lmgate.v1.TokenizeRequest\x1a\x1b.lmgate.v1.TokenizeResponse\x12\x37\n\x04Info\x12\x16.lmgate.v1.InfoRequest\x1a\x17.lmgate.v1.InfoResponse2\xd6\x01\n\x05\x41\x64min\x12:\n\x05Sleep\x12\x17.lmgate.v1.SleepRequest\x1a\x18.lmgate.v1.SleepResponse\x12=\n\x06Wakeup\x12\x18.lmgate.v1.WakeupRequest\x1a\x19.lmgate.v1.WakeupResponse\x12R\n\rUpdateWeights\x12\x1f.lmgate.v1.UpdateWeightsRequest\x1a .lmgate.v1.UpdateWeightsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16lmgate/v1/lmgate.proto\x12\tlmgate.v1\"\"\n\x0cStartRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\"2\n\rStartResponse\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.lmgate.v1.ChatMessage\"\xdb\x02\n\x0eSamplingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0emin_new_tokens\x18\x02 \x01(\r\x12\x13\n\x0btemperature\x18\x03 \x01(\x02\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x11\n\x04seed\x18\n \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x10\n\x08logprobs\x18\x0e \x01(\r\x12\x1e\n\x16include_special_tokens\x18\x0f \x01(\x08\x42\x07\n\x05_seed\"\x83\x02\n\x0fGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12%\n\x06tokens\x18\x04 \x01(\x0b\x32\x13.lmgate.v1.TokenIdsH\x00\x12+\n\x08messages\x18\x05 \x01(\x0b\x32\x17.lmgate.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x06 \x01(\x0b\x32\x19.lmgate.v1.SamplingParams\x12\x1a\n\rsession_epoch\x18\x07 \x01(\x04H\x01\x88\x01\x01\x42\x07\n\x05inputB\x10\n\x0e_session_epoch\"d\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.lmgate.v1.TopLogprob\x12\r\n\x05token\x18\x04 \x01(\t\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xd7\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.lmgate.v1.TokenLogprob\x12.\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x17.lmgate.v1.FinishReason\x12\x1f\n\x05usage\x18\x07 \x01(\x0b\x32\x10.lmgate.v1.Usage\"7\n\rCancelRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\" \n\nEndRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\"\r\n\x0b\x45ndResponse\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\r\n\x0bInfoRequest\"\xda\x04\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1a\n\x12max_context_length\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x14\n\x0c\x65ngine_loops\x18\x04 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x17\n\x0f\x61\x63tive_sessions\x18\x07 \x01(\r\x12\x10\n\x08sleeping\x18\x08 \x01(\x08\x12\x15\n\rsleeping_tags\x18\t \x03(\t\x12\x14\n\x0c\x61rchitecture\x18\n \x01(\t\x12\x15\n\rkv_block_size\x18\x0b \x01(\r\x12\x18\n\x10running_requests\x18\x0c \x01(\r\x12\x18\n\x10waiting_requests\x18\r \x01(\r\x12\x13\n\x0bpreemptions\x18\x0e \x01(\x04\x12\x15\n\rweights_bytes\x18\x0f \x01(\x04\x12\x16\n\x0ekv_cache_bytes\x18\x10 \x01(\x04\x12\r\n\x05\x64type\x18\x11 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x12 \x01(\t\x12\x17\n\x0fqueued_requests\x18\x13 \x01(\r\x12\x14\n\x0c\x64type_reason\x18\x14 \x01(\t\x12#\n\x1bprefix_cache_queried_tokens\x18\x15 \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x16 \x01(\x04\x12\x1d\n\x15prefix_cache_hit_rate\x18\x17 \x01(\x01\x12\x12\n\nreplica_id\x18\x18 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x19 \x01(\t\"\x1d\n\x0cSleepRequest\x12\r\n\x05level\x18\x01 \x01(\r\"\x0f\n\rSleepResponse\"\x1d\n\rWakeupRequest\x12\x0c\n\x04tags\x18\x01 \x03(\t\"8\n\x0eWakeupResponse\x12\x10\n\x08restored\x18\x01 \x03(\t\x12\x14\n\x0cstill_asleep\x18\x02 \x03(\t\"$\n\x14UpdateWeightsRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"\x17\n\x15UpdateWeightsResponse*|\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x32\x81\x03\n\tInference\x12:\n\x05Start\x12\x17.lmgate.v1.StartRequest\x1a\x18.lmgate.v1.StartResponse\x12\x45\n\x08Generate\x12\x1a.lmgate.v1.GenerateRequest\x1a\x1b.lmgate.v1.GenerateResponse0\x01\x12=\n\x06\x43\x61ncel\x12\x18.lmgate.v1.CancelRequest\x1a\x19.lmgate.v1.CancelResponse\x12\x34\n\x03\x45nd\x12\x15.lmgate.v1.EndRequest\x1a\x16.lmgate.v1.EndResponse\x12\x43\n\x08Tokenize\x12\x1a.lmgate.v1.TokenizeRequest\x1a\x1b.lmgate.v1.TokenizeResponse\x12\x37\n\x04Info\x12\x16.lmgate.v1.InfoRequest\x1a\x17.lmgate.v1.InfoResponse2\xd6\x01\n\x05\x41\x64min\x12:\n\x05Sleep\x12\x17.lmgate.v1.SleepRequest\x1a\x18.lmgate.v1.SleepResponse\x12=\n\x06Wakeup\x12\x18.lmgate.v1.WakeupRequest\x1a\x19.lmgate.v1.WakeupResponse\x12R\n\rUpdateWeights\x12\x1f.lmgate.v1.UpdateWeightsRequest\x1a .lmgate.v1.UpdateWeightsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'lmgate.v1.lmgate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2325
-  _globals['_FINISHREASON']._serialized_end=2449
+  _globals['_FINISHREASON']._serialized_start=2395
+  _globals['_FINISHREASON']._serialized_end=2519
   _globals['_STARTREQUEST']._serialized_start=37
   _globals['_STARTREQUEST']._serialized_end=71
   _globals['_STARTRESPONSE']._serialized_start=73
@@ -48,43 +48,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=605
   _globals['_GENERATEREQUEST']._serialized_end=864
   _globals['_TOKENLOGPROB']._serialized_start=866
-  _globals['_TOKENLOGPROB']._serialized_end=951
-  _globals['_TOPLOGPROB']._serialized_start=953
-  _globals['_TOPLOGPROB']._serialized_end=1000
-  _globals['_USAGE']._serialized_start=1002
-  _globals['_USAGE']._serialized_end=1082
-  _globals['_GENERATERESPONSE']._serialized_start=1085
-  _globals['_GENERATERESPONSE']._serialized_end=1300
-  _globals['_CANCELREQUEST']._serialized_start=1302
-  _globals['_CANCELREQUEST']._serialized_end=1357
-  _globals['_CANCELRESPONSE']._serialized_start=1359
-  _globals['_CANCELRESPONSE']._serialized_end=1394
-  _globals['_ENDREQUEST']._serialized_start=1396
-  _globals['_ENDREQUEST']._serialized_end=1428
-  _globals['_ENDRESPONSE']._serialized_start=1430
-  _globals['_ENDRESPONSE']._serialized_end=1443
-  _globals['_TOKENIZEREQUEST']._serialized_start=1445
-  _globals['_TOKENIZEREQUEST']._serialized_end=1504
-  _globals['_TOKENIZERESPONSE']._serialized_start=1506
-  _globals['_TOKENIZERESPONSE']._serialized_end=1543
-  _globals['_INFOREQUEST']._serialized_start=1545
-  _globals['_INFOREQUEST']._serialized_end=1558
-  _globals['_INFORESPONSE']._serialized_start=1561
-  _globals['_INFORESPONSE']._serialized_end=2163
-  _globals['_SLEEPREQUEST']._serialized_start=2165
-  _globals['_SLEEPREQUEST']._serialized_end=2194
-  _globals['_SLEEPRESPONSE']._serialized_start=2196
-  _globals['_SLEEPRESPONSE']._serialized_end=2211
-  _globals['_WAKEUPREQUEST']._serialized_start=2213
-  _globals['_WAKEUPREQUEST']._serialized_end=2242
-  _globals['_WAKEUPRESPONSE']._serialized_start=2244
-  _globals['_WAKEUPRESPONSE']._serialized_end=2260
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=2262
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=2298
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=2300
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=2323
-  _globals['_INFERENCE']._serialized_start=2452
-  _globals['_INFERENCE']._serialized_end=2837
-  _globals['_ADMIN']._serialized_start=2840
-  _globals['_ADMIN']._serialized_end=3054
+  _globals['_TOKENLOGPROB']._serialized_end=966
+  _globals['_TOPLOGPROB']._serialized_start=968
+  _globals['_TOPLOGPROB']._serialized_end=1030
+  _globals['_USAGE']._serialized_start=1032
+  _globals['_USAGE']._serialized_end=1112
+  _globals['_GENERATERESPONSE']._serialized_start=1115
+  _globals['_GENERATERESPONSE']._serialized_end=1330
+  _globals['_CANCELREQUEST']._serialized_start=1332
+  _globals['_CANCELREQUEST']._serialized_end=1387
+  _globals['_CANCELRESPONSE']._serialized_start=1389
+  _globals['_CANCELRESPONSE']._serialized_end=1424
+  _globals['_ENDREQUEST']._serialized_start=1426
+  _globals['_ENDREQUEST']._serialized_end=1458
+  _globals['_ENDRESPONSE']._serialized_start=1460
+  _globals['_ENDRESPONSE']._serialized_end=1473
+  _globals['_TOKENIZEREQUEST']._serialized_start=1475
+  _globals['_TOKENIZEREQUEST']._serialized_end=1534
+  _globals['_TOKENIZERESPONSE']._serialized_start=1536
+  _globals['_TOKENIZERESPONSE']._serialized_end=1573
+  _globals['_INFOREQUEST']._serialized_start=1575
+  _globals['_INFOREQUEST']._serialized_end=1588
+  _globals['_INFORESPONSE']._serialized_start=1591
+  _globals['_INFORESPONSE']._serialized_end=2193
+  _globals['_SLEEPREQUEST']._serialized_start=2195
+  _globals['_SLEEPREQUEST']._serialized_end=2224
+  _globals['_SLEEPRESPONSE']._serialized_start=2226
+  _globals['_SLEEPRESPONSE']._serialized_end=2241
+  _globals['_WAKEUPREQUEST']._serialized_start=2243
+  _globals['_WAKEUPREQUEST']._serialized_end=2272
+  _globals['_WAKEUPRESPONSE']._serialized_start=2274
+  _globals['_WAKEUPRESPONSE']._serialized_end=2330
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=2332
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=2368
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=2370
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=2393
+  _globals['_INFERENCE']._serialized_start=2522
+  _globals['_INFERENCE']._serialized_end=2907
+  _globals['_ADMIN']._serialized_start=2910
+  _globals['_ADMIN']._serialized_end=3124
 # @@protoc_insertion_point(module_scope)
