@@ -48,25 +48,25 @@ test-fast: install $(JS_DEPS) $(NGINX)
 	$(PY) -m pytest -q -m "not slow" $(ARGS)
 
 bench-engine: install
-	$(PY) tests/bench_engine.py $(ARGS)
+	$(PY) benchmarks/bench_engine.py $(ARGS)
 
 bench-serve: install
-	$(PY) tests/bench_serve.py $(ARGS)
+	$(PY) benchmarks/bench_serve.py $(ARGS)
 
 bench-prefix: install
-	$(PY) tests/bench_prefix.py $(ARGS)
+	$(PY) benchmarks/bench_prefix.py $(ARGS)
 
 bench-fleet: install $(NGINX)
-	$(PY) tests/bench_fleet.py $(ARGS)
+	$(PY) benchmarks/bench_fleet.py $(ARGS)
 
 bench-comm: install
-	$(PY) tests/bench_comm.py $(ARGS)
+	$(PY) benchmarks/bench_comm.py $(ARGS)
 
 bench-scale: install
-	$(PY) tests/bench_scale.py $(ARGS)
+	$(PY) benchmarks/bench_scale.py $(ARGS)
 
 bench-quant: install
-	$(PY) tests/bench_quant.py $(ARGS)
+	$(PY) benchmarks/bench_quant.py $(ARGS)
 
 # On the lent GPU machine (no network): its own python3, which holds torch with CUDA; lmgate is installed
 # there without dependencies (the missing wheels carried, as the README's GPU section says). Elsewhere:
@@ -81,10 +81,10 @@ test-gpu: gpu-install
 	$(GPU_PY) -m pytest -q $(GPU_TESTS) -k "not engine_greedy_tokens_equal_on_the_triton_path" $(ARGS)
 
 bench-gpu: gpu-install
-	$(GPU_PY) tests/bench_gpu.py $(ARGS)
+	$(GPU_PY) benchmarks/bench_gpu.py $(ARGS)
 
 # The wheels the lent GPU machine lacks (Python 3.12, no network there), at the versions installed here, into
-# .whl/ for tests/gpu_check.sh: gguf, pyzmq, the health and reflection services, and grpcio and protobuf as new
+# .whl/ for benchmarks/gpu_check.sh: gguf, pyzmq, the health and reflection services, and grpcio and protobuf as new
 # as the checked-in stubs require.
 GPU_WHEELS := gguf|pyzmq|grpcio|grpcio-health-checking|grpcio-reflection|protobuf
 WHEEL_PLATFORMS := $(foreach p,manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64,--platform $(p))

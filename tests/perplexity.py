@@ -1,6 +1,6 @@
 """Perplexity of a model over a passage, from one prefill of all of it or one token a step: the measure of an
 approximation (`--int8-activations`) that changes a model's numbers, where token equality cannot be asked for.
-Read by tests/test_int8_activations.py and tests/bench_quant.py; needs the C++ attention kernel."""
+Read by tests/test_int8_activations.py and benchmarks/bench_quant.py; needs the C++ attention kernel."""
 from __future__ import annotations
 
 import math

@@ -23,7 +23,7 @@ PORT_ATTEMPTS = 3
 
 
 def free_port() -> int:
-    """As tests/serving.py's: bench_fleet.py runs this file as a module of its own directory, not of tests."""
+    """As tests/serving.py's: benchmarks/bench_fleet.py runs this file as a module of its own directory, not of tests."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

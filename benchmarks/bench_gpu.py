@@ -37,6 +37,7 @@ import os
 import queue
 import random
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -60,8 +61,11 @@ from lmgate.engine.model_runner import ModelRunner
 from lmgate.engine.sampling import SampleFuture, SamplingParams
 from lmgate.engine.scheduler import Scheduler
 from lmgate.engine.threads import on_fresh_thread
-from gpu_models import write_model  # beside this file: all run as scripts
-from serving import serve_process
+# tests/gpu_models.py and tests/serving.py, shared with the tests: modules of that directory, as this file is of
+# its own (all run as scripts)
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from gpu_models import write_model  # noqa: E402
+from serving import serve_process  # noqa: E402
 
 # The published config.json of each model.
 MODELS: dict[str, dict] = {

@@ -1,8 +1,8 @@
 """Where an engine step's device time goes: torch.profiler's kernel table for one model shape of bench_gpu.py,
 over three phases of its workload (a benchmark's companion: it prints, never asserts).
 
-    python tests/profile_gpu.py --models qwen2.5-0.5b        # a CUDA machine
-    python tests/profile_gpu.py --device cpu --tiny          # every code path on a CPU (figures meaningless)
+    python benchmarks/profile_gpu.py --models qwen2.5-0.5b   # a CUDA machine
+    python benchmarks/profile_gpu.py --device cpu --tiny     # every code path on a CPU (figures meaningless)
 
 Phases, each after the warm-up that compiles Triton and captures every CUDA graph bucket:
 1. one stream decoding, from its graph: the host's share of a step is its time less the kernels';

@@ -43,7 +43,10 @@ from lmgate.engine.sampling import SamplingParams
 from lmgate.engine.threads import available_cpus, on_fresh_thread
 from bench_engine import engine_single_stream, read_bandwidth, run_engine  # beside this file: all run as scripts
 from llama_cpp_bench import round_prompts
-from perplexity import PASSAGE, perplexity
+# tests/perplexity.py, shared with tests/test_int8_activations.py: a module of that directory, as this file is
+# of its own
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from perplexity import PASSAGE, perplexity  # noqa: E402
 
 VOCAB = 49152  # the embedded tokenizer's
 QUANT_ROW = "lmgate --weights quantized"
@@ -100,7 +103,7 @@ def measure_rounds(args, path: str) -> tuple[dict[str, list[dict | None]], dict[
 
 
 def run_llama_cpp(args, path: str, round_: str) -> dict | None:
-    """llama.cpp's figures (tests/llama_cpp_bench.py), measured in a child process with llama.cpp's own OpenMP
+    """llama.cpp's figures (benchmarks/llama_cpp_bench.py), measured in a child process with llama.cpp's own OpenMP
     defaults: this process's `OMP_WAIT_POLICY=PASSIVE` (engine/__init__.py) put its threads to sleep at each of
     its many barriers a token, and cut its single stream from 99 to 39 tok/s on a Zen 4. None where
     llama-cpp-python is not installed."""

@@ -16,6 +16,7 @@ import argparse
 import os
 import random
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -23,7 +24,9 @@ from lmgate.client import bench
 from lmgate.engine.threads import available_cpus
 
 from bench_serve import grpc_bench, start_server  # beside this file: both run as scripts
-from proxies import running_proxy
+# tests/proxies.py, shared with the fleet tests: a module of that directory, as this file is of its own
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from proxies import running_proxy  # noqa: E402
 
 
 def replicas(count: int, threads: int) -> dict[str, tuple[subprocess.Popen, str]]:

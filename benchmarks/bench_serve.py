@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import statistics
 import subprocess
+import sys
 import time
 
 from lmgate.client import AsyncClient, Client
@@ -26,7 +28,9 @@ from lmgate.engine.engine import Engine
 from lmgate.engine.sampling import SamplingParams
 
 from bench_engine import run_engine  # beside this file: both run as scripts
-from serving import serve_process
+# tests/serving.py, shared with the tests: a module of that directory, as this file is of its own
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+from serving import serve_process  # noqa: E402
 
 SERVE_BATCHED_TOKENS = 512  # `lmgate serve`'s default --max-batched-tokens
 

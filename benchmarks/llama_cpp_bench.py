@@ -3,7 +3,7 @@ keep their own defaults (lmgate's engine sets `OMP_WAIT_POLICY=PASSIVE`, which s
 barriers a token more than twofold). One call is one of bench-quant's rounds, on that round's prompts
 (`round_prompts`); it prints one JSON line.
 
-    python tests/llama_cpp_bench.py FILE REQUESTS INPUT_LEN OUTPUT_LEN THREADS ROUND
+    python benchmarks/llama_cpp_bench.py FILE REQUESTS INPUT_LEN OUTPUT_LEN THREADS ROUND
 """
 from __future__ import annotations
 

@@ -5,9 +5,9 @@
 # model's figures to $OUT/bench_gpu_<model>.json.
 #
 #   make gpu-wheels                                   # here, with network: the wheels the machine lacks, in .whl/
-#   bash tests/gpu_check.sh                           # there: run with carry [".whl"]
-#   TEST_SECONDS=120 BENCH_MODELS=qwen2.5-0.5b bash tests/gpu_check.sh
-#   PROFILE_MODELS=qwen2.5-0.5b bash tests/gpu_check.sh   # and where each phase's device time goes
+#   bash benchmarks/gpu_check.sh                      # there: run with carry [".whl"]
+#   TEST_SECONDS=120 BENCH_MODELS=qwen2.5-0.5b bash benchmarks/gpu_check.sh
+#   PROFILE_MODELS=qwen2.5-0.5b bash benchmarks/gpu_check.sh   # and where each phase's device time goes
 #
 # Without a GPU it runs too (the suite skips, the bench fails at once): a check of the script itself.
 set -uo pipefail
@@ -62,7 +62,7 @@ echo "GPU suite exit status: $?"
 
 if [[ -n $PROFILE_MODELS ]]; then
     stamp "profile $PROFILE_MODELS"
-    timeout -s INT -k 10 120 $PY tests/profile_gpu.py --models "${PROFILE_MODELS// /,}"
+    timeout -s INT -k 10 120 $PY benchmarks/profile_gpu.py --models "${PROFILE_MODELS// /,}"
     echo "profile exit status: $?"
 fi
 
@@ -89,7 +89,7 @@ for model in $BENCH_MODELS; do
         continue
     fi
     stamp "bench $model (limit ${limit} s)"
-    timeout -s INT -k 10 "$limit" $PY tests/bench_gpu.py --models "$model" $(bench_args "$model") \
+    timeout -s INT -k 10 "$limit" $PY benchmarks/bench_gpu.py --models "$model" $(bench_args "$model") \
         --json "$OUT/bench_gpu_$model.json"
     echo "bench $model exit status: $?"
 done
