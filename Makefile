@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # had, pip's own choice of torch (set PIP_EXTRA_INDEX_URL for another build).
 TORCH ?= torch==2.13.0
 
-.PHONY: install proto serve test test-fast bench-engine bench-serve bench-prefix bench-fleet bench-comm bench-scale bench-quant gpu-install test-gpu bench-gpu gpu-wheels clean
+.PHONY: install proto serve lint test test-fast bench-engine bench-serve bench-prefix bench-fleet bench-comm bench-scale bench-quant gpu-install test-gpu bench-gpu gpu-wheels clean
 
 install: $(STAMP)
 
@@ -41,10 +41,20 @@ $(NGINX): $(STAMP)
 $(JS_DEPS): tests/js/package.json tests/js/package-lock.json
 	if command -v npm >/dev/null; then cd tests/js && npm ci --no-audit --no-fund --loglevel=error; fi
 
-test: install $(JS_DEPS) $(NGINX)
+# The checked rules: ruff's lint, and the import contracts of pyproject.toml (the engine's layers, the engine
+# without gRPC, the client without the engine). import-linter walks a top-level package, so it reads a copy of
+# ours laid out as installed: protos/lmgate with engine/, service/ and client/ in it.
+IMPORTS := $(VENV)/.imports
+lint: install
+	$(VENV)/bin/ruff check engine service client tests benchmarks
+	rm -rf $(IMPORTS) && mkdir -p $(IMPORTS)
+	cp -r protos/lmgate $(IMPORTS)/lmgate && cp -r engine service client $(IMPORTS)/lmgate/
+	cd $(IMPORTS) && $(CURDIR)/$(VENV)/bin/lint-imports --no-cache $(CURDIR)/pyproject.toml
+
+test: install lint $(JS_DEPS) $(NGINX)
 	$(PY) -m pytest -q $(ARGS)
 
-test-fast: install $(JS_DEPS) $(NGINX)
+test-fast: install lint $(JS_DEPS) $(NGINX)
 	$(PY) -m pytest -q -m "not slow" $(ARGS)
 
 bench-engine: install

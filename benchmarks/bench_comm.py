@@ -13,8 +13,8 @@ import statistics
 import threading
 import time
 
-from lmgate.engine.distributed import HostComm, RedOp, ThreadComm
-from lmgate.engine.distributed.gloo_comm import GlooComm, new_secret
+from lmgate.engine.comm import HostComm, RedOp, ThreadComm
+from lmgate.engine.comm.gloo_comm import GlooComm, new_secret
 
 PAYLOAD = bytes(64 * 1024)
 

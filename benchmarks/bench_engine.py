@@ -29,12 +29,12 @@ import torch
 from lmgate.client.bench import random_prompts
 from lmgate.engine.config import KV_CACHE_DTYPES, EngineConfig
 from lmgate.engine.engine import Engine
-from lmgate.engine.hardware import choose_dtype, cpu_features
-from lmgate.engine.kv_cache import kv_bytes_per_token
+from lmgate.engine.machine.hardware import choose_dtype, cpu_features
+from lmgate.engine.step.kv_cache import kv_bytes_per_token
 from lmgate.engine.models.packed_linear import pack_linears
 from lmgate.engine.models.panel_linear import cpu_linears
-from lmgate.engine.sampling import SamplingParams
-from lmgate.engine.threads import on_fresh_thread
+from lmgate.engine.sampling.sampler import SamplingParams
+from lmgate.engine.machine.threads import on_fresh_thread
 
 
 def matmul_flops(dtype: torch.dtype) -> tuple[float, float]:
@@ -122,7 +122,7 @@ def measure_engine(args, dtype: str, prompts_for) -> tuple[Engine, float, float,
                                  max_batch_size=max(64, args.requests), weights=args.weights,
                                  kv_cache_dtype=args.kv_cache_dtype))
     prompts = prompts_for(engine)
-    before = on_fresh_thread(lambda: matmul_flops(engine.dtype))  # see engine/threads.py: keep the main thread clear
+    before = on_fresh_thread(lambda: matmul_flops(engine.dtype))  # see engine/machine/threads.py: keep the main thread clear
     # Warm-up with one full-size wave: the first steps at each batch and context size allocate buffers and
     # build oneDNN primitives (measured here: 154 tok/s for the first wave, 200 for the next). Other prompts
     # than the measured ones: the prefix cache would otherwise serve the measured wave's prefills.

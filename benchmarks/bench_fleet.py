@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from lmgate.client import bench
-from lmgate.engine.threads import available_cpus
+from lmgate.engine.machine.threads import available_cpus
 
 from bench_serve import grpc_bench, start_server  # beside this file: both run as scripts
 # tests/proxies.py, shared with the fleet tests: a module of that directory, as this file is of its own
@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     args = ap.parse_args()
 
-    from lmgate.engine.loader import load_checkpoint
+    from lmgate.engine.loading.loader import load_checkpoint
 
     cpus = available_cpus()
     vocab = load_checkpoint().config.vocab_size

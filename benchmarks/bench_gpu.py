@@ -53,14 +53,14 @@ from lmgate.client import AsyncClient
 from lmgate.client.bench import random_prompts
 from lmgate.engine.config import EngineConfig, ModelConfig
 from lmgate.engine.engine import Engine
-from lmgate.engine.engine_loop import EngineLoop
-from lmgate.engine.hardware import cpu_features
-from lmgate.engine.kv_cache import kv_bytes_per_token
-from lmgate.engine.loader import read_config
-from lmgate.engine.model_runner import ModelRunner
-from lmgate.engine.sampling import SampleFuture, SamplingParams
-from lmgate.engine.scheduler import Scheduler
-from lmgate.engine.threads import on_fresh_thread
+from lmgate.engine.step.engine_loop import EngineLoop
+from lmgate.engine.machine.hardware import cpu_features
+from lmgate.engine.step.kv_cache import kv_bytes_per_token
+from lmgate.engine.loading.loader import read_config
+from lmgate.engine.step.model_runner import ModelRunner
+from lmgate.engine.sampling.sampler import SampleFuture, SamplingParams
+from lmgate.engine.scheduling.scheduler import Scheduler
+from lmgate.engine.machine.threads import on_fresh_thread
 # tests/gpu_models.py and tests/serving.py, shared with the tests: modules of that directory, as this file is of
 # its own (all run as scripts)
 sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
@@ -411,7 +411,7 @@ def transformers_tps(path: str, device: torch.device, prompts: list[list[int]], 
     generate(new_tokens)
     synchronize(device)
     seconds = time.perf_counter() - start
-    del model
+    model = None  # the closure's reference too: the memory can go
     free_device_memory(device)
     return len(prompts) * new_tokens / seconds
 

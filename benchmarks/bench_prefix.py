@@ -19,8 +19,8 @@ import torch
 from lmgate.client.bench import random_prompts
 from lmgate.engine.config import EngineConfig
 from lmgate.engine.engine import Engine
-from lmgate.engine.hardware import cpu_features
-from lmgate.engine.sampling import SamplingParams
+from lmgate.engine.machine.hardware import cpu_features
+from lmgate.engine.sampling.sampler import SamplingParams
 
 
 def run(engine: Engine, prompts: list[list[int]], output_len: int) -> tuple[list[float], float, int]:

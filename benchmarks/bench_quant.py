@@ -37,10 +37,10 @@ import torch
 from lmgate.client.bench import random_prompts
 from lmgate.engine.config import EngineConfig
 from lmgate.engine.engine import Engine
-from lmgate.engine.hardware import cpu_features
-from lmgate.engine.loader import embedded_model_path
-from lmgate.engine.sampling import SamplingParams
-from lmgate.engine.threads import available_cpus, on_fresh_thread
+from lmgate.engine.machine.hardware import cpu_features
+from lmgate.engine.loading.loader import embedded_model_path
+from lmgate.engine.sampling.sampler import SamplingParams
+from lmgate.engine.machine.threads import available_cpus, on_fresh_thread
 from bench_engine import engine_single_stream, read_bandwidth, run_engine  # beside this file: all run as scripts
 from llama_cpp_bench import round_prompts
 # tests/perplexity.py, shared with tests/test_int8_activations.py: a module of that directory, as this file is
@@ -242,7 +242,7 @@ def report(samples: dict[str, list[dict | None]], facts: dict[str, tuple[int, fl
 def big_shapes(args, names: list[str], tokenizer_source: str) -> None:
     """Each Llama shape written as a Q4_K file and served in a fresh process (`--one-big`), then removed."""
     if names:
-        print(f"\n| Llama shape, Q4_K random weights | file GB | load s | weights GB | resident GB (peak) | 1 stream tok/s |")
+        print("\n| Llama shape, Q4_K random weights | file GB | load s | weights GB | resident GB (peak) | 1 stream tok/s |")
         print("|---|---|---|---|---|---|")
     for name in names:
         path = os.path.join(args.big_dir, f"lmgate-bench-{name}-q4_k.gguf")

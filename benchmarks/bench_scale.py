@@ -18,9 +18,9 @@ import torch
 from lmgate.client.bench import random_prompts
 from lmgate.engine.config import EngineConfig
 from lmgate.engine.engine import Engine
-from lmgate.engine.hardware import cpu_features
-from lmgate.engine.loader import embedded_model_path, read_config
-from lmgate.engine.threads import available_cpus, on_fresh_thread
+from lmgate.engine.machine.hardware import cpu_features
+from lmgate.engine.loading.loader import embedded_model_path, read_config
+from lmgate.engine.machine.threads import available_cpus, on_fresh_thread
 from bench_comm import on_processes  # beside this file: all run as scripts
 from bench_engine import gemm_bound, matmul_flops, run_engine
 

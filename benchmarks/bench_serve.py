@@ -25,7 +25,7 @@ from lmgate.client import AsyncClient, Client
 from lmgate.client import bench
 from lmgate.engine.config import EngineConfig
 from lmgate.engine.engine import Engine
-from lmgate.engine.sampling import SamplingParams
+from lmgate.engine.sampling.sampler import SamplingParams
 
 from bench_engine import run_engine  # beside this file: both run as scripts
 # tests/serving.py, shared with the tests: a module of that directory, as this file is of its own
@@ -82,7 +82,7 @@ def main() -> None:
     ap.add_argument("--cycles", type=int, default=3, help="sleep / wake-up cycles per level")
     args = ap.parse_args()
 
-    from lmgate.engine.loader import load_checkpoint
+    from lmgate.engine.loading.loader import load_checkpoint
 
     vocab = load_checkpoint().config.vocab_size
     prompts = bench.random_prompts(random.Random(0), args.num_prompts, args.input_len, vocab)

@@ -24,8 +24,8 @@ from torch.profiler import ProfilerActivity, profile
 from bench_gpu import (MODELS, TINY_SHAPE, TINY_WORKLOAD, DecodePrompts, Workload, build_model, engine_config,
                        kv_cache_tokens, offline_requests, phase_times, run_requests)
 from lmgate.engine.engine import Engine
-from lmgate.engine.loader import read_config
-from lmgate.engine.sampling import SamplingParams
+from lmgate.engine.loading.loader import read_config
+from lmgate.engine.sampling.sampler import SamplingParams
 
 
 def profiled(engine: Engine, requests: list, device: torch.device, title: str, rows: int) -> None:

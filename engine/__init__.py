@@ -9,3 +9,19 @@ idle machine, was 1-8% in those runs. libgomp reads the variable once, when torc
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+# The public names, imported when first asked for (`from lmgate.engine import Engine`): importing a submodule
+# (`lmgate.engine.errors`) does not build the whole engine.
+_PUBLIC = {
+    "Engine": "engine", "EngineConfig": "config", "SamplingParams": "sampling.sampler",
+    "RequestOutput": "gateway.request", "FinishReason": "gateway.request", "EngineError": "errors",
+}
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> object:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f".{_PUBLIC[name]}", __name__), name)

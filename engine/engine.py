@@ -11,24 +11,24 @@ from typing import Callable, Iterator
 
 import torch
 
-from . import chat
+from .text import chat
 from .config import EngineConfig, ModelConfig
-from .distributed.placement import check_placement
-from .distributed.process_ranks import ProcessRanks
-from .distributed.ranks import Ranks
-from .distributed.thread_ranks import ThreadRanks
-from .engine_loop import EngineLoop
+from .machine.placement import check_placement
+from .ranks.process_ranks import ProcessRanks
+from .ranks.ranks import Ranks
+from .ranks.thread_ranks import ThreadRanks
+from .step.engine_loop import EngineLoop
 from .models.tensor_parallel import shard_of
 from .errors import ContextOverflow, InvalidRequest, Unavailable, UnsupportedModel
-from .gateway import SLEEP_GATE, Gateway
-from .hardware import choose_dtype, cpu_features, matmul_gflops
-from .kv_cache import auto_kv_cache_tokens, kv_bytes_per_token, kv_cache_dtype
-from .loader import Checkpoint, embedded_model_path, load_checkpoint, read_config
-from .memory import freeze_startup_heap, keep_freed_memory, thaw_heap
-from .request import Request, RequestKind, RequestOutput
-from .sampling import SamplingParams
-from .threads import available_cpus, on_fresh_thread
-from .weights import quantized_gguf
+from .gateway.gateway import SLEEP_GATE, Gateway
+from .machine.hardware import choose_dtype, cpu_features, matmul_gflops
+from .step.kv_cache import auto_kv_cache_tokens, kv_bytes_per_token, kv_cache_dtype
+from .loading.loader import Checkpoint, embedded_model_path, load_checkpoint, read_config
+from .machine.memory import freeze_startup_heap, keep_freed_memory, thaw_heap
+from .gateway.request import Request, RequestKind, RequestOutput
+from .sampling.sampler import SamplingParams
+from .machine.threads import available_cpus, on_fresh_thread
+from .step.weights import quantized_gguf
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ class Engine:
         without, a `Stream` to iterate is returned. Bad input raises here and leaves nothing behind.
 
         Chat messages in a session are the turn's new messages: the session keeps its conversation and each
-        turn renders the whole of it (engine/chat.py), in the session's loop, which also answers a template
+        turn renders the whole of it (engine/text/chat.py), in the session's loop, which also answers a template
         that refuses it or a conversation past the context window (alone, a turn of tool results may be refused
         where the conversation is not). A session's text turn continues its context, so only
         its first is encoded as a stateless text prompt is (a BOS; a SentencePiece space). `session_epoch`:

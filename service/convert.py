@@ -4,8 +4,8 @@ from __future__ import annotations
 from typing import Callable
 
 from lmgate.engine.errors import InvalidRequest
-from lmgate.engine.request import FinishReason, RequestOutput
-from lmgate.engine.sampling import SamplingParams
+from lmgate.engine.gateway.request import FinishReason, RequestOutput
+from lmgate.engine.sampling.sampler import SamplingParams
 from lmgate.v1 import lmgate_pb2 as pb
 
 _FINISH = {

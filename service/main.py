@@ -16,12 +16,12 @@ import torch
 from prometheus_client import start_http_server
 
 from lmgate.engine.config import DP_BACKEND_MODES, KV_CACHE_DTYPES, OVERLAP_MODES, WEIGHT_MODES, EngineConfig
-from lmgate.engine.distributed.node import run_node
+from lmgate.engine.ranks.node import run_node
 from lmgate.engine.engine import Engine
-from lmgate.engine.engine_loop import overlap_scheduling
+from lmgate.engine.step.engine_loop import overlap_scheduling
 from lmgate.engine.errors import EngineError
-from lmgate.engine.hardware import DTYPE_CHOICES
-from lmgate.engine.loader import read_config
+from lmgate.engine.machine.hardware import DTYPE_CHOICES
+from lmgate.engine.loading.loader import read_config
 
 from .logs import configure as configure_logging
 from .replica import default_replica_id

@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 
 from lmgate.engine.engine import SLEEP_TAGS, Engine
 from lmgate.engine.errors import EngineError
-from lmgate.engine.request import FinishReason, Usage
+from lmgate.engine.gateway.request import FinishReason, Usage
 
 from .status import status_code
 

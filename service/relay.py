@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from lmgate.engine.request import RequestOutput
+from lmgate.engine.gateway.request import RequestOutput
 
 
 class OutputRelay:

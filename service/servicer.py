@@ -12,7 +12,7 @@ import grpc
 
 from lmgate.engine.engine import Engine
 from lmgate.engine.errors import EngineError, InvalidRequest
-from lmgate.engine.request import Request, RequestOutput
+from lmgate.engine.gateway.request import Request, RequestOutput
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 

@@ -11,9 +11,9 @@ if not torch.cuda.is_available():  # the Triton kernels run in Triton's interpre
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from lmgate.engine.config import DP_BACKENDS
-from lmgate.engine.hardware import FLAGS_ENV, cpu_features
-from lmgate.engine.loader import embedded_model_path
-from lmgate.engine.tokenizer import Tokenizer
+from lmgate.engine.machine.hardware import FLAGS_ENV, cpu_features
+from lmgate.engine.loading.loader import embedded_model_path
+from lmgate.engine.text.tokenizer import Tokenizer
 
 # CPU flags as /proc/cpuinfo names them, for tests that stand for a kind of CPU (`cpu_flags`).
 AVX2 = "sse4_2 avx fma f16c avx2"  # AMD Zen 3, Intel Haswell .. Alder Lake
@@ -60,10 +60,10 @@ def tokenizer(gguf_path: str) -> Tokenizer:
 @pytest.fixture(scope="session")
 def checkpoint():
     """The embedded model read once; every engine in the session builds its own model from it."""
-    from lmgate.engine.loader import load_checkpoint
-    from lmgate.engine.threads import on_fresh_thread
+    from lmgate.engine.loading.loader import load_checkpoint
+    from lmgate.engine.machine.threads import on_fresh_thread
 
-    return on_fresh_thread(load_checkpoint)  # off the main thread, as Engine does (engine/threads.py)
+    return on_fresh_thread(load_checkpoint)  # off the main thread, as Engine does (engine/machine/threads.py)
 
 
 @pytest.fixture(scope="session")

@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from lmgate.engine.attention import AttentionMetadata, DecodeTables, PrefillTables
-from lmgate.engine.kv_cache import allocate_kv_cache
+from lmgate.engine.models.attention import AttentionMetadata, DecodeTables, PrefillTables
+from lmgate.engine.step.kv_cache import allocate_kv_cache
 
 # A passage for perplexity: plain English prose, written for lmgate's tests.
 PASSAGE = (

@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lmgate.engine.config import EngineConfig
 from lmgate.engine.engine import Engine
-from lmgate.engine.loader import Checkpoint
+from lmgate.engine.loading.loader import Checkpoint
 from lmgate.service.server import Server
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc

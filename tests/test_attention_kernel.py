@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmgate.engine.attention import (DecodeTables, GatheredDecode, PrefillChunk, PrefillTables, _decode, _prefill,
+from lmgate.engine.models.attention import (DecodeTables, GatheredDecode, PrefillChunk, PrefillTables, _decode, _prefill,
                                      _prefill_kernel, decode_mask, gather_rows)
 from lmgate.engine.kernels import _builder_lock, compiler_found, load_cpu_kernels
 

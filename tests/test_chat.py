@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from lmgate.engine.chat import common_prefix, render_ids
+from lmgate.engine.text.chat import common_prefix, render_ids
 from lmgate.engine.config import EngineConfig
 from lmgate.engine.engine import Engine
 from lmgate.engine.errors import InvalidRequest
-from lmgate.engine.sampling import SamplingParams
+from lmgate.engine.sampling.sampler import SamplingParams
 from tests.test_models import hf_tokenizer_dir, tiny_models  # noqa: F401  (fixtures)
 
 QUESTIONS = ["What is the capital of Italy?", "And of Spain?", "Which of the two is bigger?"]

@@ -22,7 +22,7 @@ from lmgate.client import bench
 from lmgate.client.cli import SAMPLING_FLAGS, build_parser, main
 from lmgate.client.wire import SAMPLING_FIELDS, bearer_metadata, generate_request, sampling_params, to_delta
 from lmgate.engine.config import EngineConfig
-from lmgate.engine.sampling import SamplingParams
+from lmgate.engine.sampling.sampler import SamplingParams
 from lmgate.v1 import lmgate_pb2 as pb
 from tests.serving import ServerThread
 from tests.test_service import assert_idle as settled

@@ -1,4 +1,4 @@
-"""The CUDA-graph runner's buckets and padding (engine/cuda_graphs.py), on CPU tensors: which bucket a step
+"""The CUDA-graph runner's buckets and padding (engine/step/cuda_graphs.py), on CPU tensors: which bucket a step
 takes, what the padded rows hold, and which steps may run from a graph. The graphs themselves need CUDA
 (tests/test_gpu.py); the engine through these buffers is in tests/test_triton_kernels.py."""
 from __future__ import annotations
@@ -8,8 +8,7 @@ import random
 import pytest
 import torch
 
-from lmgate.engine.cuda_graphs import DecodeGraphs, buckets
-from lmgate.engine.model_runner import ModelRunner, StepPlan
+from lmgate.engine.step.cuda_graphs import DecodeGraphs, buckets
 
 
 @pytest.mark.parametrize("max_batch,want", [

@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models
 
-from lmgate.engine.detokenizer import IncrementalDetokenizer, reply_context
-from lmgate.engine.tokenizer import Tokenizer
+from lmgate.engine.text.detokenizer import IncrementalDetokenizer, reply_context
+from lmgate.engine.text.tokenizer import Tokenizer
 from tests.test_models import hf_tokenizer_dir  # noqa: F401  (fixture)
 from tests.test_tokenizer import _tiny_llama_gguf
 

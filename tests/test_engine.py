@@ -24,11 +24,11 @@ import torch
 import transformers
 
 from lmgate.engine.config import EngineConfig
-from lmgate.engine.detokenizer import IncrementalDetokenizer
+from lmgate.engine.text.detokenizer import IncrementalDetokenizer
 from lmgate.engine.engine import Engine
 from lmgate.engine.errors import ContextOverflow, InternalError, InvalidRequest, SessionBusy, SessionNotFound, SessionStale, Unavailable
-from lmgate.engine.request import FinishReason, RequestKind
-from lmgate.engine.sampling import SamplingParams
+from lmgate.engine.gateway.request import FinishReason, RequestKind
+from lmgate.engine.sampling.sampler import SamplingParams
 from tests.test_models import hf_tokenizer_dir, tiny_models  # noqa: F401  (fixtures)
 
 REPLACEMENT = "\ufffd"

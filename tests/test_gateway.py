@@ -13,11 +13,11 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import pytest
 
 from lmgate.engine.errors import ResourceExhausted, Unavailable
-from lmgate.engine.gateway import Gateway
-from lmgate.engine.distributed import CommAborted, ThreadComm
-from lmgate.engine.request import CancelFlag, Request, RequestKind
-from lmgate.engine.request_queue import RequestQueue
-from lmgate.engine.sampling import SamplingParams
+from lmgate.engine.gateway.gateway import Gateway
+from lmgate.engine.comm import CommAborted, ThreadComm
+from lmgate.engine.gateway.request import CancelFlag, Request, RequestKind
+from lmgate.engine.gateway.request_queue import RequestQueue
+from lmgate.engine.sampling.sampler import SamplingParams
 
 LOOPS = 3
 

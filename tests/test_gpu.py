@@ -15,12 +15,12 @@ import transformers
 from torch.distributed import TCPStore
 
 from lmgate.engine.config import EngineConfig
-from lmgate.engine.distributed import thread_ranks
-from lmgate.engine.distributed.device_group import DeviceGroup
+from lmgate.engine.ranks import thread_ranks
+from lmgate.engine.comm.device_group import DeviceGroup
 from lmgate.engine.engine import Engine
 from lmgate.engine.models.tensor_parallel import shard_of
-from lmgate.engine.sampling import SamplingParams
-from lmgate.engine.weights import LocalWeights, TensorParallel
+from lmgate.engine.sampling.sampler import SamplingParams
+from lmgate.engine.step.weights import LocalWeights, TensorParallel
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 from tests.gpu_models import write_model

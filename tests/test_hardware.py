@@ -12,11 +12,11 @@ import torch
 from lmgate.engine.config import EngineConfig
 from lmgate.engine.engine import Engine
 from lmgate.engine.errors import InvalidRequest
-from lmgate.engine.sampling import SamplingParams
-from lmgate.engine.hardware import CpuFeatures, choose_dtype, cpu_features
-from lmgate.engine.weights import quantized_gguf
+from lmgate.engine.sampling.sampler import SamplingParams
+from lmgate.engine.machine.hardware import CpuFeatures, choose_dtype, cpu_features
+from lmgate.engine.step.weights import quantized_gguf
 from lmgate.engine.kernels import compiler_found, load_cpu_kernels
-from lmgate.engine.threads import available_cpus, cgroup_cpu_quota
+from lmgate.engine.machine.threads import available_cpus, cgroup_cpu_quota
 from tests.conftest import AVX2, AVX512
 from tests.test_models import hf_tokenizer_dir, tiny_models  # noqa: F401  (fixtures)
 

@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import pytest
 
-from lmgate.engine.distributed import CommAborted, HostComm, RedOp, ThreadComm, gloo_comm
-from lmgate.engine.distributed.gloo_comm import GlooComm, new_secret
+from lmgate.engine.comm import CommAborted, HostComm, RedOp, ThreadComm, gloo_comm
+from lmgate.engine.comm.gloo_comm import GlooComm, new_secret
 
 SIZES = [1, 2, 4]
 BACKENDS = ["thread", "gloo"]

@@ -16,11 +16,11 @@ from gguf.quants import dequantize
 from lmgate.engine.config import EngineConfig
 from lmgate.engine.engine import Engine
 from lmgate.engine.errors import InvalidRequest
-from lmgate.engine.hardware import CpuFeatures, _read_cpuinfo, cpu_features
+from lmgate.engine.machine.hardware import CpuFeatures, _read_cpuinfo, cpu_features
 from lmgate.engine.kernels import compiler_found, load_cpu_kernels
 from lmgate.engine.models import build_model
 from lmgate.engine.models.quantized_linear import INT8_TYPES, MATVEC_ROWS, GGUFBlocks, QuantizedLinear
-from lmgate.engine.sampling import SamplingParams
+from lmgate.engine.sampling.sampler import SamplingParams
 from tests.perplexity import PASSAGE, perplexity
 from tests.test_engine import hf_model  # noqa: F401  (fixture)
 from tests.test_quantized import blocks_for

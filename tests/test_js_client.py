@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lmgate.engine.sampling import SamplingParams
+from lmgate.engine.sampling.sampler import SamplingParams
 
 JS_DIR = Path(__file__).parent / "js"
 

@@ -8,8 +8,8 @@ import torch
 from lmgate.engine.config import EngineConfig
 from lmgate.engine.engine import Engine
 from lmgate.engine.errors import InvalidRequest
-from lmgate.engine.kv_cache import kv_cache_dtype
-from lmgate.engine.sampling import SamplingParams
+from lmgate.engine.step.kv_cache import kv_cache_dtype
+from lmgate.engine.sampling.sampler import SamplingParams
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 PARAMS = SamplingParams(max_new_tokens=24, ignore_eos=True, logprobs=1)

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from lmgate.engine.config import EngineConfig
-from lmgate.engine.cuda_graphs import buckets
+from lmgate.engine.step.cuda_graphs import buckets
 from lmgate.engine.engine import Engine
 from lmgate.engine.errors import InvalidRequest
-from lmgate.engine.kv_cache import CPU_KV_CACHE_TOKENS, activation_bytes, kv_tokens_in_budget
+from lmgate.engine.step.kv_cache import CPU_KV_CACHE_TOKENS, activation_bytes, kv_tokens_in_budget
 from lmgate.engine.models.tensor_parallel import shard_config, shard_of
 
 GiB = 1 << 30

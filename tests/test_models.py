@@ -25,19 +25,19 @@ import safetensors.torch
 import torch
 import transformers
 
-from lmgate.engine.attention import (AttentionMetadata, DecodeTables, GatheredDecode, PrefillChunk, PrefillTables, decode_mask,
+from lmgate.engine.models.attention import (AttentionMetadata, DecodeTables, GatheredDecode, PrefillChunk, PrefillTables, decode_mask,
                                      gather_rows)
 from lmgate.engine.config import EngineConfig, ModelConfig
 from lmgate.engine.engine import Engine
 from lmgate.engine.errors import UnsupportedModel
 from lmgate.engine.kernels import compiler_found, layer_kernels, load_cpu_kernels
-from lmgate.engine.kv_cache import allocate_kv_cache
-from lmgate.engine.loader import load_checkpoint, read_config
+from lmgate.engine.step.kv_cache import allocate_kv_cache
+from lmgate.engine.loading.loader import load_checkpoint, read_config
 from lmgate.engine.models import build_model, count_weight_bytes, instantiate, load_weights
 from lmgate.engine.models.fused_decode import FusedDecode
 from lmgate.engine.models.packed_linear import PackedLinear
 from lmgate.engine.models.panel_linear import PanelLinear
-from lmgate.engine.sampling import SamplingParams
+from lmgate.engine.sampling.sampler import SamplingParams
 from tests.conftest import CountingFusedDecode
 
 VOCAB = 49152  # the SmolLM2 tokenizer's, so a real tokenizer can ship with every model

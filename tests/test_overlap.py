@@ -13,8 +13,8 @@ import pytest
 
 from lmgate.engine.config import EngineConfig
 from lmgate.engine.engine import Engine
-from lmgate.engine.request import FinishReason
-from lmgate.engine.sampling import SamplingParams
+from lmgate.engine.gateway.request import FinishReason
+from lmgate.engine.sampling.sampler import SamplingParams
 from tests.test_engine import assert_idle, chat
 
 MIXED = [

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmgate.engine.hardware import cpu_features
+from lmgate.engine.machine.hardware import cpu_features
 from lmgate.engine.models.packed_linear import PackedLinear, pack_linears
 from tests.conftest import AVX2
 

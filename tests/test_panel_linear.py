@@ -147,7 +147,7 @@ def test_a_long_prompt_alone_prefills_in_chunks_that_sample_nothing(checkpoint, 
     gemm.cpp) gets no rows."""
     from lmgate.engine.config import EngineConfig
     from lmgate.engine.engine import Engine
-    from lmgate.engine.sampling import SamplingParams
+    from lmgate.engine.sampling.sampler import SamplingParams
 
     prompt = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 12)
     config = EngineConfig(dtype="float32", weights="float", max_batched_tokens=32, kv_cache_tokens=1024)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from lmgate.engine.config import EngineConfig
-from lmgate.engine.distributed.placement import check_placement, rank_device
-from lmgate.engine.distributed.rank_process import RankSpec
+from lmgate.engine.machine.placement import check_placement, rank_device
+from lmgate.engine.ranks.rank_process import RankSpec
 from lmgate.engine.engine import Engine
 from lmgate.engine.errors import InvalidRequest
 

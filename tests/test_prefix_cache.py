@@ -8,12 +8,12 @@ import threading
 
 import pytest
 
-from lmgate.engine.block_manager import BlockManager
+from lmgate.engine.scheduling.block_manager import BlockManager
 from lmgate.engine.config import EngineConfig
 from lmgate.engine.engine import Engine
-from lmgate.engine.request import FinishReason
-from lmgate.engine.sampling import SamplingParams
-from lmgate.engine.sequence import Session
+from lmgate.engine.gateway.request import FinishReason
+from lmgate.engine.sampling.sampler import SamplingParams
+from lmgate.engine.scheduling.sequence import Session
 from tests.test_sleep import checkpoints  # noqa: F401  (fixture)
 
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)

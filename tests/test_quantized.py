@@ -15,10 +15,10 @@ from lmgate.engine.config import EngineConfig
 from lmgate.engine.engine import Engine
 from lmgate.engine.errors import UnsupportedModel
 from lmgate.engine.kernels import compiler_found, load_cpu_kernels
-from lmgate.engine.loader import load_checkpoint
+from lmgate.engine.loading.loader import load_checkpoint
 from lmgate.engine.models.quantized_linear import GGUFBlocks, GGUFStack, QuantizedEmbedding, QuantizedLinear, cat_rows
-from lmgate.engine.sampling import SamplingParams
-from lmgate.engine.weights import keep_quantized, quantized_gguf
+from lmgate.engine.sampling.sampler import SamplingParams
+from lmgate.engine.step.weights import keep_quantized, quantized_gguf
 from tests.conftest import CountingFusedDecode
 from tests.test_engine import NEW, hf_greedy, hf_model, reference_prompts  # noqa: F401  (fixtures)
 from tests.test_models import TinyModel, _write_gguf, prompt_ids, tokenizer_fields  # noqa: F401  (fixtures)

@@ -21,10 +21,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lmgate.engine.config import DP_BACKENDS, EngineConfig
 from lmgate.engine.engine import Engine
-from lmgate.engine.loader import embedded_model_path
+from lmgate.engine.loading.loader import embedded_model_path
 from lmgate.engine.errors import InvalidRequest, Unavailable
-from lmgate.engine.request import FinishReason, RequestKind, RequestOutput, TokenLogprob, Usage
-from lmgate.engine.sampling import SamplingParams
+from lmgate.engine.gateway.request import FinishReason, RequestKind, RequestOutput, TokenLogprob, Usage
+from lmgate.engine.sampling.sampler import SamplingParams
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 from tests.serving import StreamEnds, free_port, serve_process
@@ -294,7 +294,7 @@ OWNER_THAT_FORGETS_SHUTDOWN = """
 import os
 from lmgate.engine.config import DP_BACKENDS, EngineConfig
 from lmgate.engine.engine import Engine
-from lmgate.engine.loader import embedded_model_path
+from lmgate.engine.loading.loader import embedded_model_path
 from lmgate.engine.engine import Engine
 engine = Engine(EngineConfig(dp_backend="process", engine_loops=1, dtype="float32", kv_cache_tokens=1024))
 print(" ".join(str(p.pid) for p in engine.ranks._procs.values()), flush=True)

@@ -1,4 +1,4 @@
-"""The batched sampler (engine/sampling.py) on tensors: penalties against transformers' logits processors,
+"""The batched sampler (engine/sampling/sampler.py) on tensors: penalties against transformers' logits processors,
 draws that depend on the row alone (seed and draw number), filters that hold, logprobs, and the same tokens
 on CUDA as on the CPU where a GPU is present."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from lmgate.engine import sampling
-from lmgate.engine.sampling import SampleRow, SamplingParams, sample, uniform, uniforms
+from lmgate.engine.sampling import sampler as sampling
+from lmgate.engine.sampling.sampler import SampleRow, SamplingParams, sample, uniform, uniforms
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 VOCAB = 64

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import threading
 
-from lmgate.engine.block_manager import BlockManager
-from lmgate.engine.request import Request, RequestKind
-from lmgate.engine.scheduler import Scheduler
-from lmgate.engine.sequence import Sequence, SequenceStatus, Session
+from lmgate.engine.scheduling.block_manager import BlockManager
+from lmgate.engine.gateway.request import Request, RequestKind
+from lmgate.engine.scheduling.scheduler import Scheduler
+from lmgate.engine.scheduling.sequence import Sequence, SequenceStatus, Session
 
 
 def sequence(prompt: list[int]) -> Sequence:

@@ -14,8 +14,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from lmgate.engine.request import RequestOutput
-from lmgate.engine.sampling import SamplingParams
+from lmgate.engine.gateway.request import RequestOutput
+from lmgate.engine.sampling.sampler import SamplingParams
 from lmgate.service.server import max_request_bytes
 from lmgate.service.servicer import MAX_TOKENS_PER_MESSAGE, queued_behind
 from lmgate.v1 import lmgate_pb2 as pb
@@ -81,7 +81,7 @@ def test_logprobs_name_each_token_and_alternative_by_its_text(server):
 def test_token_text_keeps_a_sentencepiece_space_and_marks_split_characters(tmp_path):
     import gguf
 
-    from lmgate.engine.tokenizer import Tokenizer
+    from lmgate.engine.text.tokenizer import Tokenizer
     from tests.test_tokenizer import _tiny_llama_gguf
 
     _tiny_llama_gguf(str(tmp_path / "tiny.gguf"))

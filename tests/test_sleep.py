@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from lmgate.engine.config import DP_BACKENDS, EngineConfig
 from lmgate.engine.engine import Engine
 from lmgate.engine.models import expand_blocks
-from lmgate.engine.sampling import SamplingParams
+from lmgate.engine.sampling.sampler import SamplingParams
 from lmgate.service.auth import is_loopback_peer
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
@@ -522,7 +522,7 @@ def test_metrics_endpoint_exports_sleep_state(sleepy):
         admin(sleepy).Wakeup(pb.WakeupRequest(tags=["weights", "kv_cache", "weights"]))  # a tag named twice once
         text = urllib.request.urlopen(url).read().decode()
         assert f'lmgate_sleeping{{model_name="{model}",tag="kv_cache"}} 0.0' in text
-        assert f'transition="wakeup_kv_cache_weights"}} 1.0' in text
+        assert 'transition="wakeup_kv_cache_weights"} 1.0' in text
         assert "weights_weights" not in text
     finally:
         httpd.shutdown()

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from lmgate.engine.sampling import SamplingParams
+from lmgate.engine.sampling.sampler import SamplingParams
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 from tests.test_service import assert_idle

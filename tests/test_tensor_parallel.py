@@ -10,7 +10,7 @@ from lmgate.engine.engine import Engine
 from lmgate.engine.errors import InvalidRequest
 from lmgate.engine.kernels import compiler_found
 from lmgate.engine.models.tensor_parallel import shard_of
-from lmgate.engine.sampling import SamplingParams
+from lmgate.engine.sampling.sampler import SamplingParams
 from tests.serving import status_bytes
 from tests.test_engine import hf_greedy, hf_model  # noqa: F401  (fixture)
 from tests.test_models import ARCH_NAMES, hf_tokenizer_dir, prompt_ids, tiny_models  # noqa: F401  (fixtures)

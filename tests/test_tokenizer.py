@@ -10,7 +10,7 @@ from tokenizers import Tokenizer as _Backend
 from tokenizers import decoders, models, normalizers
 from tokenizers.models import WordLevel
 
-from lmgate.engine.tokenizer import Tokenizer
+from lmgate.engine.text.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello, world!",

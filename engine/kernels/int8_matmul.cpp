@@ -8,7 +8,7 @@
 // Q8_0's signed integers go in as |w| times x with w's sign (vpsignb), widened at every step.
 //
 // Where the CPU has AVX512-VNNI (Ice Lake and later, Zen 4 and later: the caller says so, from
-// engine/hardware.py), vpdpbusd does the same 4-byte dot products and adds them into int32 in one instruction:
+// engine/machine/hardware.py), vpdpbusd does the same 4-byte dot products and adds them into int32 in one instruction:
 // no int16 sums to widen, half the instructions per step.
 //
 // x is rounded per block of 32 (one scale each, as llama.cpp's Q8_0 activations): q = round(x * 127 / max|x|).

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import AttentionMetadata, DecodeTables
-from ..hardware import cpu_features
+from .attention import AttentionMetadata, DecodeTables
+from ..machine.hardware import cpu_features
 from .panel_linear import PanelLinear
 from .quantized_linear import MATVEC_ROWS, QuantizedLinear
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import AttentionMetadata, paged_attention
+from .attention import AttentionMetadata, paged_attention
 from ..config import ModelConfig
 from ..kernels import layer_kernels
 from ..kernels import triton as triton_kernels

@@ -13,7 +13,7 @@ import logging
 import torch
 from torch import nn
 
-from ..hardware import cpu_features
+from ..machine.hardware import cpu_features
 
 log = logging.getLogger(__name__)
 

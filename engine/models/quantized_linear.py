@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from torch import nn
 
-from ..hardware import cpu_features
+from ..machine.hardware import cpu_features
 from ..kernels import load_cpu_kernels
 
 # ggml type number -> (weights, bytes) per block, for the types kept quantized (gguf.GGMLQuantizationType).

@@ -4,7 +4,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 
-from .errors import ResourceExhausted
+from ..errors import ResourceExhausted
 from .request import CancelFlag, Request, RequestKind
 
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .errors import InvalidRequest
-from .kernels import layer_kernels
-from .transfers import to_device
+from ..errors import InvalidRequest
+from ..kernels import layer_kernels
+from ..machine.transfers import to_device
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16

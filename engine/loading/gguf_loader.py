@@ -11,9 +11,9 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from .config import ModelConfig
-from .errors import UnsupportedModel
-from .models.quantized_linear import BLOCK_LAYOUTS, TYPE_NAMES, GGUFBlocks, gguf_blocks
+from ..config import ModelConfig
+from ..errors import UnsupportedModel
+from ..models.quantized_linear import BLOCK_LAYOUTS, TYPE_NAMES, GGUFBlocks, gguf_blocks
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .errors import SessionBusy, SessionExists, SessionNotFound, SessionStale
+from ..errors import SessionBusy, SessionExists, SessionNotFound, SessionStale
 from .request import CancelFlag, Request
 
 

@@ -5,9 +5,9 @@ import abc
 import threading
 from typing import Callable
 
-from ..engine_loop import LoopStats
-from ..gateway import Gateway
-from ..request_queue import RequestQueue
+from ..step.engine_loop import LoopStats
+from ..gateway.gateway import Gateway
+from ..gateway.request_queue import RequestQueue
 
 
 class Ranks(abc.ABC):

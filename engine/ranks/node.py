@@ -19,7 +19,7 @@ from torch.distributed import TCPStore
 
 from ..config import EngineConfig
 from ..errors import InvalidRequest
-from ..threads import available_cpus
+from ..machine.threads import available_cpus
 from .process_ranks import NNODES_KEY, node_failed_key, node_specs_key
 from .rank_process import HEARTBEAT_SECONDS, RankSpec, run_rank
 

@@ -40,20 +40,20 @@ import torch
 import zmq
 
 from ..config import EngineConfig
-from ..engine_loop import EngineLoop, LoopStats, build_runner
+from ..step.engine_loop import EngineLoop, LoopStats, build_runner
 from ..errors import EngineError, InternalError
-from ..gateway import Gateway, Signal, unanswered_output
-from ..hardware import choose_dtype
-from ..loader import load_checkpoint
-from ..memory import freeze_startup_heap, keep_freed_memory, release_host_memory
-from ..request import Request, RequestKind, RequestOutput
-from ..threads import on_fresh_thread
+from ..gateway.gateway import Gateway, Signal, unanswered_output
+from ..machine.hardware import choose_dtype
+from ..loading.loader import load_checkpoint
+from ..machine.memory import freeze_startup_heap, keep_freed_memory, release_host_memory
+from ..gateway.request import Request, RequestKind, RequestOutput
+from ..machine.threads import on_fresh_thread
 from ..models.tensor_parallel import shard_of
-from ..weights import LocalWeights, TensorParallel, keep_quantized
-from .device_group import DeviceGroup
-from .gloo_comm import GlooComm
-from .host_comm import CommAborted
-from .placement import check_placement, rank_device, use_device
+from ..step.weights import LocalWeights, TensorParallel, keep_quantized
+from ..comm.device_group import DeviceGroup
+from ..comm.gloo_comm import GlooComm
+from ..comm.host_comm import CommAborted
+from ..machine.placement import check_placement, rank_device, use_device
 
 log = logging.getLogger(__name__)
 
@@ -188,8 +188,9 @@ class RankProcess:
         self.gateway = RankGateway(spec.dp_rank, spec.size // spec.tp_size, c.max_queued_requests, outbox)
         self.loop: EngineLoop | None = None
         if spec.tp_rank == 0:
+            tokenizer = ckpt.tokenizer  # read now: the checkpoint is let go of below
             self.loop = on_fresh_thread(lambda: EngineLoop.build(
-                spec.dp_rank, dp_comm, self.gateway, self.weights, ckpt.tokenizer, c, spec.max_context_length,
+                spec.dp_rank, dp_comm, self.gateway, self.weights, tokenizer, c, spec.max_context_length,
                 spec.num_threads))
             self.runner = self.loop.runner
             if spec.tp_size > 1:

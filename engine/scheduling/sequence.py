@@ -4,8 +4,8 @@ from __future__ import annotations
 import enum
 import random
 
-from .detokenizer import IncrementalDetokenizer
-from .request import Request, RequestOutput
+from ..text.detokenizer import IncrementalDetokenizer
+from ..gateway.request import Request, RequestOutput
 
 
 class SequenceStatus(enum.Enum):

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .kernels import layer_kernels
+from ..kernels import layer_kernels
 
 MAX_DECODE_SPLITS = 64  # the Triton decode's pieces of a context at most, each sequence's by its own length
 
@@ -102,7 +102,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 def _triton_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """The GPU path: KV stored and read in place by Triton kernels, decodes first, then the prefill chunks."""
-    from .kernels.triton import paged_attention as kernels  # Triton is needed on this path only
+    from ..kernels.triton import paged_attention as kernels  # Triton is needed on this path only
 
     kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     parts = []

@@ -5,11 +5,11 @@ import math
 
 import torch
 
-from .attention import MAX_DECODE_SPLITS
-from .config import EngineConfig, ModelConfig
+from ..models.attention import MAX_DECODE_SPLITS
+from ..config import EngineConfig, ModelConfig
 from .cuda_graphs import buckets
-from .errors import InvalidRequest
-from .models.tensor_parallel import shard_config, shard_of
+from ..errors import InvalidRequest
+from ..models.tensor_parallel import shard_config, shard_of
 
 CPU_KV_CACHE_TOKENS = 32768  # the automatic size on the CPU, per engine loop: host memory is shared with all else
 GPU_PROCESS_RESERVE = 1 << 30  # per process on a GPU: CUDA graphs' pool, cuBLAS workspaces, Triton

@@ -8,16 +8,16 @@ from collections.abc import Iterator
 import torch
 
 from ..config import EngineConfig
-from ..engine_loop import EngineLoop, LoopStats
+from ..step.engine_loop import EngineLoop, LoopStats
 from ..errors import Unavailable
-from ..gateway import Gateway
-from ..loader import Checkpoint
-from ..memory import release_host_memory
-from ..request_queue import RequestQueue
-from ..threads import on_fresh_thread
-from ..weights import LocalWeights, keep_quantized
+from ..gateway.gateway import Gateway
+from ..loading.loader import Checkpoint
+from ..machine.memory import release_host_memory
+from ..gateway.request_queue import RequestQueue
+from ..machine.threads import on_fresh_thread
+from ..step.weights import LocalWeights, keep_quantized
 from .ranks import Ranks
-from .thread_comm import ThreadComm
+from ..comm.thread_comm import ThreadComm
 
 
 class ThreadRanks(Ranks):

@@ -29,11 +29,11 @@ from multiprocessing.process import BaseProcess
 import zmq
 
 from ..config import EngineConfig
-from ..engine_loop import LoopStats
+from ..step.engine_loop import LoopStats
 from ..errors import EngineError, InternalError, InvalidRequest, Unavailable
-from ..gateway import Gateway, Signal, unanswered_output
-from ..request import CancelFlag, FinishReason, Request, RequestKind, RequestOutput
-from .gloo_comm import GlooComm, new_secret
+from ..gateway.gateway import Gateway, Signal, unanswered_output
+from ..gateway.request import CancelFlag, FinishReason, Request, RequestKind, RequestOutput
+from ..comm.gloo_comm import GlooComm, new_secret
 from .rank_process import HEARTBEAT_SECONDS, HEARTBEAT_TIMEOUT, RankSpec, request_fields, run_rank
 from .ranks import Ranks
 

@@ -22,9 +22,9 @@ from collections import OrderedDict
 
 import torch
 
-from .attention import AttentionMetadata, DecodeTables
-from .memory import DEVICE_CACHE_LOCK
-from .models.llama import LlamaForCausalLM
+from ..models.attention import AttentionMetadata, DecodeTables
+from ..machine.memory import DEVICE_CACHE_LOCK
+from ..models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from .config import ModelConfig
-from .errors import UnsupportedModel
+from ..config import ModelConfig
+from ..errors import UnsupportedModel
 
 
 # Buffers older transformers saved with the weights, which transformers (and vLLM) ignore when loading.

@@ -8,15 +8,15 @@ from typing import Callable
 
 import torch
 
-from .config import EngineConfig, ModelConfig
-from .kernels import compiler_found, load_cpu_kernels
-from .loader import Checkpoint, load_checkpoint
-from .memory import empty_device_cache
+from ..config import EngineConfig, ModelConfig
+from ..kernels import compiler_found, load_cpu_kernels
+from ..loading.loader import Checkpoint, load_checkpoint
+from ..machine.memory import empty_device_cache
 from .model_runner import ModelRunner
-from .models import build_model, count_weight_bytes, expand_blocks
-from .models.llama import LlamaForCausalLM
-from .models.tensor_parallel import Shard, shard_config, shard_weights
-from .threads import on_fresh_thread
+from ..models import build_model, count_weight_bytes, expand_blocks
+from ..models.llama import LlamaForCausalLM
+from ..models.tensor_parallel import Shard, shard_config, shard_weights
+from ..machine.threads import on_fresh_thread
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ class LocalWeights:
         return shard_config(ckpt.config, self.tp.shard) if self.tp else ckpt.config
 
     def _build(self, ckpt: Checkpoint) -> LlamaForCausalLM:
-        """Off the calling thread, as loading is: engine/threads.py says why. A tensor-parallel rank builds its
+        """Off the calling thread, as loading is: engine/machine/threads.py says why. A tensor-parallel rank builds its
         shard, whose decoder layers sum their row-parallel outputs over the group (so they run as modules)."""
         weights = shard_weights(expand_blocks(ckpt.weights), ckpt.config, self.tp.shard) if self.tp else ckpt.weights
         config = self._config_of(ckpt)  # its own RoPE, norm eps, tied head

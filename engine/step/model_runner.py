@@ -10,16 +10,16 @@ from typing import Callable
 
 import torch
 
-from .attention import (AttentionMetadata, DecodeTables, GatheredDecode, PrefillChunk, PrefillTables, decode_mask,
+from ..models.attention import (AttentionMetadata, DecodeTables, GatheredDecode, PrefillChunk, PrefillTables, decode_mask,
                         gather_rows)
 from .cuda_graphs import DecodeGraphs
-from .memory import empty_device_cache, release_host_memory
-from .models.llama import LlamaForCausalLM
-from .sampling import SampleFuture, SampleRow, launch_sample
-from .distributed.host_comm import HostComm, RedOp
-from .errors import InternalError
-from .sequence import Sequence
-from .transfers import to_device
+from ..machine.memory import empty_device_cache, release_host_memory
+from ..models.llama import LlamaForCausalLM
+from ..sampling.sampler import SampleFuture, SampleRow, launch_sample
+from ..comm.host_comm import HostComm, RedOp
+from ..errors import InternalError
+from ..scheduling.sequence import Sequence
+from ..machine.transfers import to_device
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from .errors import InvalidRequest
+from ..errors import InvalidRequest
 from .tokenizer import Tokenizer
 
 Message = dict[str, Any]

@@ -14,11 +14,11 @@ import torch
 from gguf import GGUFReader
 from safetensors import SafetensorError
 
-from .config import ModelConfig
-from .errors import EngineError, UnsupportedModel
+from ..config import ModelConfig
+from ..errors import EngineError, UnsupportedModel
 from .gguf_loader import read_gguf_config, read_gguf_weights
 from .hf_loader import read_hf_config, read_hf_weights
-from .tokenizer import Tokenizer
+from ..text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ import time
 from collections import deque
 from typing import Callable, Iterator
 
-from .errors import EngineError, SessionExists, Unavailable
-from .distributed import HostComm, RedOp
+from ..errors import EngineError, SessionExists, Unavailable
+from ..comm import HostComm, RedOp
 from .request import CancelFlag, FinishReason, Request, RequestKind, RequestOutput, Usage
 from .request_queue import RequestQueue
 from .sequence_binding import SequenceBinding

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .model_runner import StepInputs
-from .request import RequestOutput
-from .sampling import SampleFuture, SampleResult
-from .sequence import Sequence
+from ..gateway.request import RequestOutput
+from ..sampling.sampler import SampleFuture, SampleResult
+from ..scheduling.sequence import Sequence
 
 
 class BatchOp(enum.Enum):

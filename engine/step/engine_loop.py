@@ -7,24 +7,24 @@ from dataclasses import dataclass
 
 import torch
 
-from . import chat
+from ..text import chat
 from .batch import BatchData
-from .block_manager import BlockManager
-from .detokenizer import IncrementalDetokenizer, reply_context
-from .errors import ContextOverflow, EngineError, InternalError, InvalidRequest, SessionBusy, Unavailable
-from .gateway import SLEEP_GATE, Gateway, Signal, cancelled_output
-from .distributed import CommAborted, HostComm
-from .distributed.placement import use_device
-from .config import EngineConfig
+from ..scheduling.block_manager import BlockManager
+from ..text.detokenizer import IncrementalDetokenizer, reply_context
+from ..errors import ContextOverflow, EngineError, InternalError, InvalidRequest, SessionBusy, Unavailable
+from ..gateway.gateway import SLEEP_GATE, Gateway, Signal, cancelled_output
+from ..comm import CommAborted, HostComm
+from ..machine.placement import use_device
+from ..config import EngineConfig
 from .cuda_graphs import DecodeGraphs
-from .kernels import load_cpu_kernels
-from .kernels.triton import available as triton_available
+from ..kernels import load_cpu_kernels
+from ..kernels.triton import available as triton_available
 from .kv_cache import allocate_kv_cache, kv_cache_dtype
 from .model_runner import ModelRunner
-from .request import CancelFlag, FinishReason, Request, RequestKind, RequestOutput, TokenLogprob, Usage
-from .scheduler import Scheduler
-from .sequence import Sequence, Session
-from .tokenizer import Tokenizer
+from ..gateway.request import CancelFlag, FinishReason, Request, RequestKind, RequestOutput, TokenLogprob, Usage
+from ..scheduling.scheduler import Scheduler
+from ..scheduling.sequence import Sequence, Session
+from ..text.tokenizer import Tokenizer
 from .weights import LocalWeights
 
 log = logging.getLogger(__name__)

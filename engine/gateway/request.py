@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .errors import EngineError
-from .sampling import SamplingParams
+from ..errors import EngineError
+from ..sampling.sampler import SamplingParams
 
 
 class FinishReason(enum.Enum):

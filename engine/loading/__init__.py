@@ -1,0 +1,1 @@
+"""Checkpoints read from disk: Hugging Face directories and GGUF files, with their tokenizers."""

@@ -1,0 +1,1 @@
+"""Sampling: its parameters and the batched sampler."""

@@ -1,0 +1,1 @@
+"""Text: the tokenizer, streaming detokenization, chat templates."""
