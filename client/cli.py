@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="this client's PEM certificate, for mutual TLS (with --tls-key) [LMGATE_CLIENT_CERT]")
     common.add_argument("--tls-key", default=os.environ.get("LMGATE_CLIENT_KEY"),
                         help="the PEM key of --tls-cert [LMGATE_CLIENT_KEY]")
+    common.add_argument("--wait-ready", type=_number(float, 0, above=True), default=os.environ.get("LMGATE_WAIT_READY"),
+                        metavar="SECONDS", help="first wait up to this long for the server to serve (one still "
+                        "starting, or asleep); default: do not wait [LMGATE_WAIT_READY]")
     # A string default: argparse checks LMGATE_TIMEOUT as it checks the flag.
     common.add_argument("--timeout", type=_number(float, 0, above=True), default=os.environ.get("LMGATE_TIMEOUT"),
                         help="each call's deadline in seconds, a reply's whole stream included; default: none "
@@ -164,9 +167,14 @@ def main(argv: list[str] | None = None) -> int:
     if bool(args.tls_cert) != bool(args.tls_key):
         parser.error("--tls-cert and --tls-key go together (a client certificate and its key)")
     try:
+        if args.wait_ready is not None:
+            _wait_ready(args)
         return args.run(args)
     except grpc.RpcError as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except WaitedTooLong as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # stdout's reader left (`| head`): stop quietly, as other commands do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that the exit's flush cannot fail again
@@ -177,6 +185,21 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+
+
+def _wait_ready(args: argparse.Namespace) -> None:
+    """--wait-ready: for a server that is still starting (`make serve &`) or asleep, before the command runs."""
+    with _client(args) as client:
+        try:
+            client.wait_ready(args.wait_ready)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
+            raise WaitedTooLong(f"{args.target} was not serving within {args.wait_ready:g} s") from None
+
+
+class WaitedTooLong(Exception):
+    """--wait-ready ran out: exit 1, as a server's refusal."""
 
 
 def _client(args: argparse.Namespace, kind: type[Client] | type[AsyncClient] = Client) -> Client | AsyncClient:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Generic, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
@@ -26,6 +27,8 @@ from .routing import Target, channel_target
 from .wire import Delta, bearer_metadata, generate_request, new_session_id, session_metadata, to_delta
 
 DEFAULT_TARGET = "127.0.0.1:50051"
+# `wait_ready` watches the Inference service's health: NOT_SERVING while the server is asleep or draining.
+READY_CHECK = health_pb2.HealthCheckRequest(service=pb.DESCRIPTOR.services_by_name["Inference"].full_name)
 
 StreamT = TypeVar("StreamT", Iterator[Delta], AsyncIterator[Delta])
 CANCEL_SECONDS = 5.0  # the deadline of the Cancel a session turn left early sends
@@ -195,6 +198,15 @@ class Client(_ClientBase[Iterator[Delta]]):
         reply = self._inference.Start(request, timeout=self._timeout, metadata=self._session_metadata(session_id))
         return reply.session_id, reply.epoch
 
+    def wait_ready(self, timeout: float) -> None:
+        """Returns once the server serves (its Inference health: SERVING), waiting at most `timeout` seconds for
+        a server that is still starting (its port not open yet: the call waits for the connection) or asleep;
+        grpc.RpcError DEADLINE_EXCEEDED after that."""
+        health = health_pb2_grpc.HealthStub(self._channel)
+        for reply in health.Watch(READY_CHECK, timeout=timeout, wait_for_ready=True):
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+
     def cancel(self, request_id: str | None = None, session_id: int = 0) -> bool:
         """Cancels a request by id, or a session's active turn; True if something was running or queued."""
         request = pb.CancelRequest(request_id=request_id or "", session_id=session_id)
@@ -272,6 +284,12 @@ class AsyncClient(_ClientBase[AsyncIterator[Delta]]):
         request = pb.StartRequest(session_id=session_id)
         reply = await self._inference.Start(request, timeout=self._timeout, metadata=self._session_metadata(session_id))
         return reply.session_id, reply.epoch
+
+    async def wait_ready(self, timeout: float) -> None:
+        health = health_pb2_grpc.HealthStub(self._channel)
+        async for reply in health.Watch(READY_CHECK, timeout=timeout, wait_for_ready=True):
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                return
 
     async def cancel(self, request_id: str | None = None, session_id: int = 0) -> bool:
         request = pb.CancelRequest(request_id=request_id or "", session_id=session_id)

@@ -8,6 +8,7 @@ import io
 import json
 import math
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -541,6 +542,30 @@ def test_cli_chat_goes_on_after_its_session_expired(checkpoint, capsys, monkeypa
         assert_idle(s)
     finally:
         s.stop()
+
+
+def test_cli_wait_ready_waits_for_a_server_to_serve(guarded, capsys):
+    """`make serve & lmgate bench --wait-ready N`: a command waits for a server still starting or asleep; a
+    refused connection or an asleep server would fail it at once (UNAVAILABLE)."""
+    base = ["--target", guarded.address, "--admin-token", "s3cret"]
+    assert main(["sleep", "--level", "1", *base]) == 0
+    capsys.readouterr()
+    codes: list[int] = []
+    waiting = threading.Thread(target=lambda: codes.append(main(
+        ["generate", PROMPT, "--wait-ready", "120", "--max-new-tokens", "3", "--ignore-eos", *base])))
+    waiting.start()
+    try:
+        assert main(["generate", PROMPT, *base]) == 1  # without waiting: refused while asleep
+        assert "UNAVAILABLE" in capsys.readouterr().err
+    finally:
+        assert main(["wakeup", *base]) == 0
+        waiting.join(120)  # a guard against a hang
+    assert codes == [0] and "finish_reason=length" in capsys.readouterr().err
+    with socket.socket() as closed:  # a port nobody listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    assert main(["info", "--target", f"127.0.0.1:{port}", "--wait-ready", "0.5"]) == 1
+    assert capsys.readouterr().err == f"error: 127.0.0.1:{port} was not serving within 0.5 s\n"
 
 
 def test_cli_admin_commands(guarded, capsys):

@@ -1,5 +1,12 @@
 """Where torch work runs and on how many threads: one-off heavy work on a thread that ends with it, and
-the CPUs this process may really use."""
+the CPUs this process may really use.
+
+Torch work that is not a step (loading, building, allocating) runs on a short-lived thread
+(`threads.on_fresh_thread`): an OpenMP pool left behind on a long-lived thread slows every step. The loops split
+`EngineConfig.threads` (default: `threads.available_cpus()`, the affinity mask capped by a cgroup quota) between
+them (`Engine.threads_per_loop`). Importing the engine sets `OMP_WAIT_POLICY=PASSIVE` unless the environment
+chose, before torch loads libgomp (engine/__init__.py says what it measured).
+"""
 from __future__ import annotations
 
 import math

@@ -1,4 +1,11 @@
-"""The paged KV cache tensors of one engine loop: [layers] x (key, value) of [kv_heads, blocks, block_size, head_dim]."""
+"""The paged KV cache tensors of one engine loop: [layers] x (key, value) of [kv_heads, blocks, block_size, head_dim].
+
+The KV cache holds the model's dtype unless `kv_cache_dtype` asks for float16 or bfloat16 under float32 weights
+on the CPU: keys and values are rounded once, when `store_kv` writes them, and everything else stays float32
+(the C++ kernels widen each block as they read it, float16 with F16C; the torch path widens what it gathers).
+Half the memory per token, and half the bytes decode attention reads, which bound it. A quantized model's fused
+decode stores and reads a 16-bit cache the same way (`attend_group` takes the cache's dtype).
+"""
 from __future__ import annotations
 
 import math
