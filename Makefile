@@ -41,20 +41,21 @@ $(NGINX): $(STAMP)
 $(JS_DEPS): tests/js/package.json tests/js/package-lock.json
 	if command -v npm >/dev/null; then cd tests/js && npm ci --no-audit --no-fund --loglevel=error; fi
 
-# The checked rules: ruff's lint, the import contracts of pyproject.toml (the engine's layers, the engine
+# The checked rules: ruff's lint and format, the import contracts of pyproject.toml (the engine's layers, the engine
 # without gRPC, the client without the engine) and mypy over the engine and the client. import-linter and mypy
 # walk a top-level package, so they read a copy of ours laid out as installed: protos/lmgate with engine/,
 # service/ and client/ in it.
 IMPORTS := $(VENV)/.imports
 lint: install
 	$(VENV)/bin/ruff check engine service client tests benchmarks
+	$(VENV)/bin/ruff format --check engine service client tests benchmarks
 	rm -rf $(IMPORTS) && mkdir -p $(IMPORTS)
 	cp -r protos/lmgate $(IMPORTS)/lmgate && cp -r engine service client $(IMPORTS)/lmgate/
 	cd $(IMPORTS) && $(CURDIR)/$(VENV)/bin/lint-imports --no-cache $(CURDIR)/pyproject.toml
 	cd $(IMPORTS) && $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml -p lmgate.engine -p lmgate.client
 
 test: install lint $(JS_DEPS) $(NGINX)
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q --durations=15 $(ARGS)
 
 test-fast: install lint $(JS_DEPS) $(NGINX)
 	$(PY) -m pytest -q -m "not slow" $(ARGS)

@@ -5,6 +5,7 @@ A benchmark: it prints figures, never asserts.
 
     make bench-comm ARGS="--ranks 2 --iterations 2000"
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,9 +23,11 @@ PAYLOAD = bytes(64 * 1024)
 def timings(comm: HostComm, iterations: int) -> dict[str, float]:
     """Median microseconds per call, after a warm-up; every rank runs the same calls."""
     out = {}
-    for name, call in (("all_reduce [2 ints]", lambda: comm.all_reduce([1, 0], RedOp.SUM)),
-                       ("broadcast 64 KiB", lambda: comm.broadcast(PAYLOAD if comm.rank == 0 else None)),
-                       ("sync", comm.sync)):
+    for name, call in (
+        ("all_reduce [2 ints]", lambda: comm.all_reduce([1, 0], RedOp.SUM)),
+        ("broadcast 64 KiB", lambda: comm.broadcast(PAYLOAD if comm.rank == 0 else None)),
+        ("sync", comm.sync),
+    ):
         for _ in range(iterations // 10):
             call()
         samples = []

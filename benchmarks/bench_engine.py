@@ -10,6 +10,7 @@ matmuls at the best linear layer's FLOP/s) and the GEMM + KV-read bound, which a
 needs to read every sequence's K and V once a layer at the memory's read rate (a float32 cache at 64 streams
 reads about 70 GB in this workload: seconds that no FLOP rate shortens).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -98,8 +99,14 @@ def engine_single_stream(engine: Engine, prompt: list[int], output_len: int) -> 
 def hf_generate(model, batch: torch.Tensor, output_len: int, mask: torch.Tensor | None = None) -> float:
     start = time.perf_counter()
     with torch.inference_mode():
-        model.generate(batch, attention_mask=mask, max_new_tokens=output_len, min_new_tokens=output_len,
-                       do_sample=False, pad_token_id=0)
+        model.generate(
+            batch,
+            attention_mask=mask,
+            max_new_tokens=output_len,
+            min_new_tokens=output_len,
+            do_sample=False,
+            pad_token_id=0,
+        )
     return time.perf_counter() - start
 
 
@@ -118,11 +125,20 @@ class Figures:
 
 
 def measure_engine(args, dtype: str, prompts_for) -> tuple[Engine, float, float, float, float]:
-    engine = Engine(EngineConfig(model=args.model, dtype=dtype, max_batched_tokens=args.max_batched_tokens,
-                                 max_batch_size=max(64, args.requests), weights=args.weights,
-                                 kv_cache_dtype=args.kv_cache_dtype))
+    engine = Engine(
+        EngineConfig(
+            model=args.model,
+            dtype=dtype,
+            max_batched_tokens=args.max_batched_tokens,
+            max_batch_size=max(64, args.requests),
+            weights=args.weights,
+            kv_cache_dtype=args.kv_cache_dtype,
+        )
+    )
     prompts = prompts_for(engine)
-    before = on_fresh_thread(lambda: matmul_flops(engine.dtype))  # see engine/machine/threads.py: keep the main thread clear
+    before = on_fresh_thread(
+        lambda: matmul_flops(engine.dtype)
+    )  # see engine/machine/threads.py: keep the main thread clear
     # Warm-up with one full-size wave: the first steps at each batch and context size allocate buffers and
     # build oneDNN primitives (measured here: 154 tok/s for the first wave, 200 for the next). Other prompts
     # than the measured ones: the prefix cache would otherwise serve the measured wave's prefills.
@@ -139,20 +155,31 @@ def measure_engine(args, dtype: str, prompts_for) -> tuple[Engine, float, float,
     tps = max(waves)
     single = engine_single_stream(engine, prompts[0], args.output_len)
     flops = max(max(r) for r in rates)
-    print(f"{dtype}: lmgate waves {', '.join(f'{w:.1f}' for w in waves)} tok/s; linear M=256 before and after each "
-          f"wave {', '.join(f'{r[0] / 1e9:.1f}' for r in rates)} GFLOP/s (the engine's layer), "
-          f"{', '.join(f'{r[1] / 1e9:.1f}' for r in rates)} (oneDNN packed); memory read "
-          f"{', '.join(f'{r / 1e9:.1f}' for r in reads)} GB/s", flush=True)
+    print(
+        f"{dtype}: lmgate waves {', '.join(f'{w:.1f}' for w in waves)} tok/s; linear M=256 before and after each "
+        f"wave {', '.join(f'{r[0] / 1e9:.1f}' for r in rates)} GFLOP/s (the engine's layer), "
+        f"{', '.join(f'{r[1] / 1e9:.1f}' for r in rates)} (oneDNN packed); memory read "
+        f"{', '.join(f'{r / 1e9:.1f}' for r in reads)} GB/s",
+        flush=True,
+    )
     if args.noisy_neighbour:
         with busy_neighbour():
-            noisy, noisy_single = run_engine(engine, prompts, args.output_len), engine_single_stream(engine, prompts[0], args.output_len)
-        print(f"{dtype} with one busy process beside it: lmgate {noisy:.1f} tok/s (alone {tps:.1f}), single stream "
-              f"{noisy_single:.1f} (alone {single:.1f}); {engine.num_threads} threads, "
-              f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}", flush=True)
+            noisy, noisy_single = (
+                run_engine(engine, prompts, args.output_len),
+                engine_single_stream(engine, prompts[0], args.output_len),
+            )
+        print(
+            f"{dtype} with one busy process beside it: lmgate {noisy:.1f} tok/s (alone {tps:.1f}), single stream "
+            f"{noisy_single:.1f} (alone {single:.1f}); {engine.num_threads} threads, "
+            f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}",
+            flush=True,
+        )
     if args.gil_neighbour:
         with gil_neighbour():
             held = run_engine(engine, prompts, args.output_len)
-        print(f"{dtype} with a busy Python thread in its process: lmgate {held:.1f} tok/s (alone {tps:.1f})", flush=True)
+        print(
+            f"{dtype} with a busy Python thread in its process: lmgate {held:.1f} tok/s (alone {tps:.1f})", flush=True
+        )
     engine.shutdown()
     return engine, tps, single, flops, max(reads)
 
@@ -201,8 +228,11 @@ def measure_transformers(args, path: str, dtype: torch.dtype, prompts: list[list
     t1 = hf_generate(hf, torch.tensor(prompts[:1]), 1)
     single = (args.output_len - 1) / (hf_generate(hf, torch.tensor(prompts[:1]), args.output_len) - t1)
     n = args.hf_batch or args.requests
-    batch = n * args.output_len / hf_generate(hf, torch.tensor(prompts[:n]), args.output_len,
-                                              torch.ones(n, args.input_len, dtype=torch.long))
+    batch = (
+        n
+        * args.output_len
+        / hf_generate(hf, torch.tensor(prompts[:n]), args.output_len, torch.ones(n, args.input_len, dtype=torch.long))
+    )
     return serial, single, batch
 
 
@@ -231,28 +261,40 @@ def report(args, params: int, figures: dict[str, Figures]) -> None:
     base = figures.get("float32") or next(iter(figures.values()))
     cpu = cpu_features()
     auto, why = choose_dtype("auto", torch.device("cpu"))
-    print(f"cpu: {cpu.name}; {cpu.arch}; vector ISA {cpu.vector_isa}; native bf16: {cpu.native_bf16}; "
-          f"oneDNN bf16: {cpu.onednn_bf16}")
+    print(
+        f"cpu: {cpu.name}; {cpu.arch}; vector ISA {cpu.vector_isa}; native bf16: {cpu.native_bf16}; "
+        f"oneDNN bf16: {cpu.onednn_bf16}"
+    )
     print(f"cpu flags: {' '.join(sorted(f for f in cpu.flags if f.startswith(('avx', 'amx', 'fma', 'f16c'))))}")
     print(f"--dtype auto chooses {str(auto).removeprefix('torch.')} ({why})")
-    print(f"workload: {args.requests} requests x {args.input_len} prompt + {args.output_len} new tokens, ignore_eos, "
-          f"greedy; threads {torch.get_num_threads()}; {params / 1e6:.1f}M params; KV cache {args.kv_cache_dtype}")
+    print(
+        f"workload: {args.requests} requests x {args.input_len} prompt + {args.output_len} new tokens, ignore_eos, "
+        f"greedy; threads {torch.get_num_threads()}; {params / 1e6:.1f}M params; KV cache {args.kv_cache_dtype}"
+    )
     for dtype, f in figures.items():
         limit = gemm_bound(args, params, f.matmul_flops)
-        print(f"\n== lmgate {dtype} (best linear M=256,K=576,N=1536: {f.matmul_flops / 1e9:.1f} GFLOP/s, "
-              f"so at most {limit:.1f} output tok/s on this workload)")
+        print(
+            f"\n== lmgate {dtype} (best linear M=256,K=576,N=1536: {f.matmul_flops / 1e9:.1f} GFLOP/s, "
+            f"so at most {limit:.1f} output tok/s on this workload)"
+        )
         both, gemm, kv = gemm_and_kv_bound(args, params, f)
-        print(f"GEMM + KV-read bound: {both:.1f} output tok/s ({gemm:.1f} s of matmuls, then "
-              f"{decode_kv_bytes(args, f.kv_bytes_per_token) / 1e9:.1f} GB of K and V read by decode attention at "
-              f"{f.read_bandwidth / 1e9:.1f} GB/s: {kv:.1f} s)")
-        print(f"lmgate engine, all {args.requests} at once (best of {args.waves} waves):  {f.engine:8.1f} tok/s   "
-              f"{f.engine / limit:.1%} of the GEMM-bound limit, {f.engine / both:.1%} of the GEMM + KV-read bound")
+        print(
+            f"GEMM + KV-read bound: {both:.1f} output tok/s ({gemm:.1f} s of matmuls, then "
+            f"{decode_kv_bytes(args, f.kv_bytes_per_token) / 1e9:.1f} GB of K and V read by decode attention at "
+            f"{f.read_bandwidth / 1e9:.1f} GB/s: {kv:.1f} s)"
+        )
+        print(
+            f"lmgate engine, all {args.requests} at once (best of {args.waves} waves):  {f.engine:8.1f} tok/s   "
+            f"{f.engine / limit:.1%} of the GEMM-bound limit, {f.engine / both:.1%} of the GEMM + KV-read bound"
+        )
         print(f"lmgate single-stream decode:       {f.engine_single:8.1f} tok/s")
         for label, ref in [(f"transformers {dtype}", f)] + ([("transformers float32", base)] if f is not base else []):
-            print(f"  vs {label}: one at a time ({args.hf_sample} sampled) {ref.hf_serial:6.1f} tok/s -> "
-                      f"{f.engine / ref.hf_serial:5.1f}x;  padded batch {ref.hf_batch:6.1f} -> "
-                      f"{f.engine / ref.hf_batch:4.1f}x;  single stream {ref.hf_single:5.1f} -> "
-                      f"{f.engine_single / ref.hf_single:4.1f}x")
+            print(
+                f"  vs {label}: one at a time ({args.hf_sample} sampled) {ref.hf_serial:6.1f} tok/s -> "
+                f"{f.engine / ref.hf_serial:5.1f}x;  padded batch {ref.hf_batch:6.1f} -> "
+                f"{f.engine / ref.hf_batch:4.1f}x;  single stream {ref.hf_single:5.1f} -> "
+                f"{f.engine_single / ref.hf_single:4.1f}x"
+            )
 
 
 def main() -> None:
@@ -261,17 +303,31 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated; each runs lmgate and transformers "
-                    "(bfloat16 on a CPU without native bf16 runs emulated, several times slower)")
+    ap.add_argument(
+        "--dtypes",
+        default="float32,bfloat16",
+        help="comma-separated; each runs lmgate and transformers "
+        "(bfloat16 on a CPU without native bf16 runs emulated, several times slower)",
+    )
     ap.add_argument("--max-batched-tokens", type=int, default=512)
-    ap.add_argument("--weights", default="float", choices=["float", "quantized", "auto"],
-                    help="float: a GGUF expanded at load, the GEMM-bound limit's own path; quantized: kept as blocks")
-    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                    help="auto: the model's dtype; float16 or bfloat16: a 16-bit cache under float32 (rounds K and V)")
+    ap.add_argument(
+        "--weights",
+        default="float",
+        choices=["float", "quantized", "auto"],
+        help="float: a GGUF expanded at load, the GEMM-bound limit's own path; quantized: kept as blocks",
+    )
+    ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="auto: the model's dtype; float16 or bfloat16: a 16-bit cache under float32 (rounds K and V)",
+    )
     ap.add_argument("--hf-sample", type=int, default=4, help="requests that measure transformers one at a time")
     ap.add_argument("--waves", type=int, default=3, help="waves of all requests through lmgate; the best one counts")
     ap.add_argument("--noisy-neighbour", action="store_true", help="also run lmgate with one busy process beside it")
-    ap.add_argument("--gil-neighbour", action="store_true", help="also run lmgate with a busy Python thread in its process")
+    ap.add_argument(
+        "--gil-neighbour", action="store_true", help="also run lmgate with a busy Python thread in its process"
+    )
     ap.add_argument("--hf-batch", type=int, default=0, help="padded batch size for transformers (0: all requests)")
     args = ap.parse_args()
 
@@ -283,10 +339,14 @@ def main() -> None:
         engine, tps, single, flops, read = measure_engine(args, dtype, prompts_for)
         # Off the main thread, like all torch work here: an OpenMP pool left on a live thread slows the next engine.
         serial, hf_single, batch = on_fresh_thread(
-            lambda: measure_transformers(args, engine.model_path, engine.dtype, prompts_for(engine)))
-        figures[dtype] = Figures(tps, single, serial, hf_single, batch, flops, read,
-                                 kv_bytes_per_token(engine.model_config, engine.kv_dtype))
-        print(f"{dtype}: lmgate {tps:.1f} tok/s, transformers one at a time {serial:.1f}, padded {batch:.1f}", flush=True)
+            lambda: measure_transformers(args, engine.model_path, engine.dtype, prompts_for(engine))
+        )
+        figures[dtype] = Figures(
+            tps, single, serial, hf_single, batch, flops, read, kv_bytes_per_token(engine.model_config, engine.kv_dtype)
+        )
+        print(
+            f"{dtype}: lmgate {tps:.1f} tok/s, transformers one at a time {serial:.1f}, padded {batch:.1f}", flush=True
+        )
     print(f"\nmodel {os.path.basename(engine.model_path)}")
     report(args, engine.model_config.num_params, figures)
 

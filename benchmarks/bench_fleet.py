@@ -10,6 +10,7 @@ A benchmark: it prints figures, never asserts. Run on an otherwise idle machine:
    throughput of the fleet on this machine. Replicas on one machine share its cores, so this shows the
    proxy's spread and its cost, not a speed-up: on separate machines each replica adds its own cores.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,6 +25,7 @@ from lmgate.client import bench
 from lmgate.engine.machine.threads import available_cpus
 
 from bench_serve import grpc_bench, start_server  # beside this file: both run as scripts
+
 # tests/proxies.py, shared with the fleet tests: a module of that directory, as this file is of its own
 sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from proxies import running_proxy  # noqa: E402
@@ -45,9 +47,11 @@ def stop(started: dict[str, tuple[subprocess.Popen, str]]) -> None:
 
 
 def line(name: str, s: dict) -> str:
-    return (f"{name:34} {s['output_throughput']:8.1f} tok/s   TTFT p50 {s['ttft_ms']['median']:7.1f} "
-            f"p99 {s['ttft_ms']['p99']:7.1f} ms   ITL p50 {s['itl_ms']['median']:6.1f} p99 {s['itl_ms']['p99']:6.1f} ms"
-            f"   ({s['failed']} failed)")
+    return (
+        f"{name:34} {s['output_throughput']:8.1f} tok/s   TTFT p50 {s['ttft_ms']['median']:7.1f} "
+        f"p99 {s['ttft_ms']['p99']:7.1f} ms   ITL p50 {s['itl_ms']['median']:6.1f} p99 {s['itl_ms']['p99']:6.1f} ms"
+        f"   ({s['failed']} failed)"
+    )
 
 
 def main() -> None:
@@ -64,6 +68,7 @@ def main() -> None:
     cpus = available_cpus()
     vocab = load_checkpoint().config.vocab_size
     prompts = bench.random_prompts(random.Random(0), args.num_prompts, args.input_len, vocab)
+
     def run(address: str) -> dict:
         """The workload, after one full-size wave that warms every replica it reaches (the first steps at each
         batch and context size allocate buffers and build oneDNN primitives: seconds of TTFT otherwise)."""
@@ -86,8 +91,10 @@ def main() -> None:
         finally:
             stop(many)
 
-    print(f"workload: {args.num_prompts} requests x {args.input_len} prompt + {args.output_len} new tokens, "
-          f"ignore_eos, concurrency {args.concurrency}; {cpus} CPUs")
+    print(
+        f"workload: {args.num_prompts} requests x {args.input_len} prompt + {args.output_len} new tokens, "
+        f"ignore_eos, concurrency {args.concurrency}; {cpus} CPUs"
+    )
     print(line("one replica, direct", direct))
     print(line("one replica, through nginx", proxied))
     print(line(f"{args.replicas} replicas through nginx", fleet))

@@ -22,6 +22,7 @@ The limits are measured in the same run: HBM bandwidth by a device-to-device cop
 model's largest prefill GEMM. A decode step cannot beat reading the weights and its KV once; the offline
 workload cannot beat the larger of its FLOPs and its decode steps' bytes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,6 +62,7 @@ from lmgate.engine.step.model_runner import ModelRunner
 from lmgate.engine.sampling.sampler import SampleFuture, SamplingParams
 from lmgate.engine.scheduling.scheduler import Scheduler
 from lmgate.engine.machine.threads import on_fresh_thread
+
 # tests/gpu_models.py and tests/serving.py, shared with the tests: modules of that directory, as this file is of
 # its own (all run as scripts)
 sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
@@ -69,23 +71,66 @@ from serving import serve_process  # noqa: E402
 
 # The published config.json of each model.
 MODELS: dict[str, dict] = {
-    "qwen2.5-0.5b": dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                         num_attention_heads=14, num_key_value_heads=2, head_dim=64, vocab_size=151936,
-                         tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6, attention_bias=True,
-                         max_position_embeddings=32768),
-    "llama-3.2-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
-                         tie_word_embeddings=True, rope_theta=500000.0, rms_norm_eps=1e-5,
-                         max_position_embeddings=131072,
-                         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                           original_max_position_embeddings=8192)),
-    "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
-                         tie_word_embeddings=True, rope_theta=100000.0, rms_norm_eps=1e-5,
-                         max_position_embeddings=8192),
+    "qwen2.5-0.5b": dict(
+        model_type="qwen2",
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        attention_bias=True,
+        max_position_embeddings=32768,
+    ),
+    "llama-3.2-1b": dict(
+        model_type="llama",
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=131072,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=32.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+    ),
+    "smollm2-135m": dict(
+        model_type="llama",
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=8192,
+    ),
 }
-TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, vocab_size=1024)
+TINY_SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=1024,
+)
 
 OFFLINE_GOALS = {"qwen2.5-0.5b": 25_000, "llama-3.2-1b": 15_000}  # output tok/s
 SINGLE_STREAM_GOALS = {"qwen2.5-0.5b": 500}  # tok/s
@@ -120,8 +165,18 @@ class Workload:
     copy_bytes: int = 1 << 30
 
 
-TINY_WORKLOAD = Workload(num_seqs=16, min_len=8, max_len=32, warmup_min_output=4, warmup_max_output=12, context=32, decode_tokens=16,
-                         decode_batch=8, max_batched_tokens=256, copy_bytes=64 << 20)
+TINY_WORKLOAD = Workload(
+    num_seqs=16,
+    min_len=8,
+    max_len=32,
+    warmup_min_output=4,
+    warmup_max_output=12,
+    context=32,
+    decode_tokens=16,
+    decode_batch=8,
+    max_batched_tokens=256,
+    copy_bytes=64 << 20,
+)
 
 Requests = list[tuple[list[int], SamplingParams]]
 
@@ -211,20 +266,46 @@ def weight_bytes(cfg: ModelConfig) -> int:
 def engine_config(path: str, device: torch.device, w: Workload, kv_tokens: int) -> EngineConfig:
     """The engine alone: its loop a thread of this process, outputs handed to callbacks (the gRPC runs name
     their backend)."""
-    return EngineConfig(model=path, device=str(device), dtype="bfloat16", kv_cache_tokens=kv_tokens, dp_backend="thread",
-                        max_batch_size=max(w.num_seqs, w.decode_batch), max_batched_tokens=w.max_batched_tokens,
-                        max_context_length=MAX_CONTEXT)
+    return EngineConfig(
+        model=path,
+        device=str(device),
+        dtype="bfloat16",
+        kv_cache_tokens=kv_tokens,
+        dp_backend="thread",
+        max_batch_size=max(w.num_seqs, w.decode_batch),
+        max_batched_tokens=w.max_batched_tokens,
+        max_context_length=MAX_CONTEXT,
+    )
 
 
 def serve_flags(config: EngineConfig) -> list[str]:
     """`lmgate serve` flags for the engine settings of `config`, so the server runs the engine measured alone."""
-    return ["--model", config.model, "--device", config.device, "--dtype", config.dtype,
-            "--kv-cache-tokens", str(config.kv_cache_tokens), "--max-batch-size", str(config.max_batch_size),
-            "--max-batched-tokens", str(config.max_batched_tokens),
-            "--max-context-length", str(config.max_context_length),
-            "--cuda-graphs", "on" if config.cuda_graphs else "off", "--dp-backend", config.dp_backend,
-            "--overlap-scheduling", config.overlap_scheduling, "--stream-interval", str(config.stream_interval),
-            "--log-level", "WARNING"]
+    return [
+        "--model",
+        config.model,
+        "--device",
+        config.device,
+        "--dtype",
+        config.dtype,
+        "--kv-cache-tokens",
+        str(config.kv_cache_tokens),
+        "--max-batch-size",
+        str(config.max_batch_size),
+        "--max-batched-tokens",
+        str(config.max_batched_tokens),
+        "--max-context-length",
+        str(config.max_context_length),
+        "--cuda-graphs",
+        "on" if config.cuda_graphs else "off",
+        "--dp-backend",
+        config.dp_backend,
+        "--overlap-scheduling",
+        config.overlap_scheduling,
+        "--stream-interval",
+        str(config.stream_interval),
+        "--log-level",
+        "WARNING",
+    ]
 
 
 # ------------------------------------------------------------------------------------------------ workloads
@@ -286,6 +367,7 @@ def run_requests(engine: Engine, requests: Requests) -> Trace:
                 errors.append(out.error)
             if out.finished:
                 done.release()
+
         return on_output
 
     start = time.perf_counter()
@@ -315,14 +397,24 @@ def decode_figures(engine: Engine, w: Workload, prompts: DecodePrompts) -> dict[
     stamps = run_requests(engine, [(prompts.single, greedy)]).stamps[0]
     run_requests(engine, [(p, greedy) for p in prompts.warm_batch])
     batch = run_requests(engine, [(p, greedy) for p in prompts.batch])
-    return {"single_ms": (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e3,
-            "batch_ms_step": lockstep_ms_per_step(batch), "batch_tps": batch.tokens_per_second}
+    return {
+        "single_ms": (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e3,
+        "batch_ms_step": lockstep_ms_per_step(batch),
+        "batch_tps": batch.tokens_per_second,
+    }
 
 
 # The parts of an engine step, timed by `phase_times`. On a GPU `forward` and `sample` only queue work (a graph
 # replay, or the eager kernels) and `result` (kFetch) waits for the device: the host's work is the rest.
-PHASES = ((Scheduler, "schedule"), (ModelRunner, "setup"), (ModelRunner, "forward"), (ModelRunner, "sample"),
-          (SampleFuture, "result"), (EngineLoop, "_update"), (EngineLoop, "step"))
+PHASES = (
+    (Scheduler, "schedule"),
+    (ModelRunner, "setup"),
+    (ModelRunner, "forward"),
+    (ModelRunner, "sample"),
+    (SampleFuture, "result"),
+    (EngineLoop, "_update"),
+    (EngineLoop, "step"),
+)
 
 
 @contextlib.contextmanager
@@ -340,6 +432,7 @@ def phase_times() -> Iterator[dict[str, float]]:
             finally:
                 totals[name] += time.perf_counter() - start
                 totals["steps"] += name == "step"
+
         return call
 
     originals = [(owner, name, owner.__dict__[name]) for owner, name in PHASES]
@@ -362,14 +455,20 @@ def offline_figures(engine: Engine, warmup: Requests, offlines: list[Requests]) 
         with phase_times() as phases:
             tps = run_requests(engine, requests).tokens_per_second
         steps = max(phases.pop("steps"), 1)
-        runs.append({"offline_tps": tps, "offline_steps": steps,
-                     "offline_ms_per_step": {name: sec / steps * 1e3 for name, sec in phases.items()}})
+        runs.append(
+            {
+                "offline_tps": tps,
+                "offline_steps": steps,
+                "offline_ms_per_step": {name: sec / steps * 1e3 for name, sec in phases.items()},
+            }
+        )
     best = max(runs, key=lambda r: r["offline_tps"])
     return {**best, "overlap": engine.loops[0].overlap, "offline_tps_runs": [r["offline_tps"] for r in runs]}
 
 
-def engine_figures(config: EngineConfig, w: Workload, warmup: Requests, offlines: list[Requests], prompts: DecodePrompts,
-                   figures: dict) -> None:
+def engine_figures(
+    config: EngineConfig, w: Workload, warmup: Requests, offlines: list[Requests], prompts: DecodePrompts, figures: dict
+) -> None:
     """Into `figures`, as each is measured: the offline workload (where its steps' time went, per phase) and the
     decode figures on one engine, then the decode figures again without CUDA graphs (on a CPU the flag changes
     nothing: both take the same path)."""
@@ -402,8 +501,15 @@ def transformers_tps(path: str, device: torch.device, prompts: list[list[int]], 
 
     def generate(n: int) -> None:
         with torch.inference_mode():
-            model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, eos_token_id=None, pad_token_id=0)
+            model.generate(
+                batch,
+                attention_mask=torch.ones_like(batch),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
 
     generate(2)  # warm-up
     synchronize(device)
@@ -419,9 +525,11 @@ def transformers_tps(path: str, device: torch.device, prompts: list[list[int]], 
 async def stream_all(address: str, requests: Requests) -> tuple[int, float]:
     """Every request as a Generate stream at once over one channel; output tokens and seconds to the last."""
     async with AsyncClient(address) as client:
+
         async def one(prompt: list[int], p: SamplingParams) -> int:
-            stream = client.generate(token_ids=prompt, max_new_tokens=p.max_new_tokens, temperature=p.temperature,
-                                     ignore_eos=p.ignore_eos)
+            stream = client.generate(
+                token_ids=prompt, max_new_tokens=p.max_new_tokens, temperature=p.temperature, ignore_eos=p.ignore_eos
+            )
             return sum([len(delta.token_ids) async for delta in stream])
 
         start = time.perf_counter()
@@ -444,8 +552,10 @@ def stream_from_processes(address: str, requests: Requests, processes: int) -> t
     CPU use in cores."""
     ctx = multiprocessing.get_context("spawn")
     barrier, results = ctx.Barrier(processes), ctx.Queue()
-    clients = [ctx.Process(target=stream_share, args=(address, requests[i::processes], barrier, results), daemon=True)
-               for i in range(processes)]
+    clients = [
+        ctx.Process(target=stream_share, args=(address, requests[i::processes], barrier, results), daemon=True)
+        for i in range(processes)
+    ]
     for client in clients:
         client.start()
     shares = []
@@ -464,6 +574,7 @@ def stream_from_processes(address: str, requests: Requests, processes: int) -> t
 def cpu_seconds(pid: int) -> tuple[float, float]:
     """CPU seconds used so far by process `pid` itself and by its children (a server's rank processes), from
     /proc: user and system time."""
+
     def used(p: int) -> float:
         with open(f"/proc/{p}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
@@ -493,9 +604,14 @@ def grpc_figures(config: EngineConfig, warmup: Requests, offline: Requests) -> d
     finally:
         proc.terminate()
         proc.wait()
-    return {"grpc_tps": tokens / seconds, "grpc_client_cores": cores, "grpc_client_processes": CLIENT_PROCESSES,
-            "grpc_server_cores": server / seconds, "grpc_rank_cores": ranks / seconds,
-            "grpc_server_us_per_token": server / tokens * 1e6}
+    return {
+        "grpc_tps": tokens / seconds,
+        "grpc_client_cores": cores,
+        "grpc_client_processes": CLIENT_PROCESSES,
+        "grpc_server_cores": server / seconds,
+        "grpc_rank_cores": ranks / seconds,
+        "grpc_server_us_per_token": server / tokens * 1e6,
+    }
 
 
 # ------------------------------------------------------------------------------------------------ limits
@@ -518,8 +634,9 @@ def offline_bound(cfg: ModelConfig, offline: Requests, bandwidth: float, flops: 
 
 
 # ------------------------------------------------------------------------------------------------ one model
-def measure_model(name: str, args: argparse.Namespace, w: Workload, root: str, device: torch.device,
-                  bandwidth: float, result: dict) -> None:
+def measure_model(
+    name: str, args: argparse.Namespace, w: Workload, root: str, device: torch.device, bandwidth: float, result: dict
+) -> None:
     """Every figure of one model, its limits first, into `result` as each is measured: a run stopped at its
     time limit (SIGINT) or by a failure keeps what it had. The model's directory is removed after."""
     shape = {**MODELS[name], **(TINY_SHAPE if args.tiny else {})}
@@ -532,19 +649,30 @@ def measure_model(name: str, args: argparse.Namespace, w: Workload, root: str, d
         config = engine_config(path, device, w, args.kv_cache_tokens or kv_cache_tokens(w, cfg, device))
         print(f"{name}: {cfg.num_params / 1e6:.1f}M params, KV cache {config.kv_cache_tokens} tokens", flush=True)
 
-        flops = on_fresh_thread(lambda: matmul_flops(device, w.max_batched_tokens, cfg.hidden_size, 2 * cfg.intermediate_size))
+        flops = on_fresh_thread(
+            lambda: matmul_flops(device, w.max_batched_tokens, cfg.hidden_size, 2 * cfg.intermediate_size)
+        )
         bound, bound_by = offline_bound(cfg, offline, bandwidth, flops)
         mid = w.context + w.decode_tokens // 2  # the mean context over the decode steps
         published = PUBLISHED.get(name, (None, None))
-        result.update({
-            "shape": shape, "params": cfg.num_params, "weight_bytes": weight_bytes(cfg),
-            "kv_bytes_per_token": kv_bytes_per_token(cfg, DTYPE), "kv_cache_tokens": config.kv_cache_tokens,
-            "matmul_flops": flops, "offline_bound_tps": bound, "offline_bound_by": bound_by,
-            "single_limit_ms": decode_limit_ms(cfg, [mid], bandwidth),
-            "batch_limit_ms": decode_limit_ms(cfg, [mid] * w.decode_batch, bandwidth),
-            "goal_offline_tps": OFFLINE_GOALS.get(name), "goal_single_tps": SINGLE_STREAM_GOALS.get(name),
-            "vllm_a800_tps": published[0], "nano_vllm_a800_tps": published[1],
-        })
+        result.update(
+            {
+                "shape": shape,
+                "params": cfg.num_params,
+                "weight_bytes": weight_bytes(cfg),
+                "kv_bytes_per_token": kv_bytes_per_token(cfg, DTYPE),
+                "kv_cache_tokens": config.kv_cache_tokens,
+                "matmul_flops": flops,
+                "offline_bound_tps": bound,
+                "offline_bound_by": bound_by,
+                "single_limit_ms": decode_limit_ms(cfg, [mid], bandwidth),
+                "batch_limit_ms": decode_limit_ms(cfg, [mid] * w.decode_batch, bandwidth),
+                "goal_offline_tps": OFFLINE_GOALS.get(name),
+                "goal_single_tps": SINGLE_STREAM_GOALS.get(name),
+                "vllm_a800_tps": published[0],
+                "nano_vllm_a800_tps": published[1],
+            }
+        )
 
         engine_figures(config, w, warmup, [offline, offline_requests(3, w, cfg.vocab_size)], prompts, result)
         free_device_memory(device)
@@ -583,51 +711,71 @@ def with_figure(results: dict[str, dict], key: str) -> list[tuple[str, dict]]:
 def report(meta: dict, results: dict[str, dict], w: Workload) -> None:
     """Two markdown tables: the offline workload and serving over gRPC; decode against the bandwidth limit."""
     print(f"\n## lmgate on {meta['device_name']} (torch {meta['torch']}, triton {meta['triton']})\n")
-    print(f"copy bandwidth {meta['bandwidth'] / 1e9:,.0f} GB/s (read + write, {w.copy_bytes >> 20} MiB copied); "
-          f"offline: {w.num_seqs} sequences, prompt and output lengths each uniform in {w.min_len}..{w.max_len}, "
-          f"ignore_eos, temperature {TEMPERATURE}; decode: {w.context} prompt tokens + {w.decode_tokens} new, greedy; "
-          f"max_batched_tokens {w.max_batched_tokens}, max_context_length {MAX_CONTEXT}, bf16")
+    print(
+        f"copy bandwidth {meta['bandwidth'] / 1e9:,.0f} GB/s (read + write, {w.copy_bytes >> 20} MiB copied); "
+        f"offline: {w.num_seqs} sequences, prompt and output lengths each uniform in {w.min_len}..{w.max_len}, "
+        f"ignore_eos, temperature {TEMPERATURE}; decode: {w.context} prompt tokens + {w.decode_tokens} new, greedy; "
+        f"max_batched_tokens {w.max_batched_tokens}, max_context_length {MAX_CONTEXT}, bf16"
+    )
     for name, r in with_figure(results, "stopped"):
         print(f"{name}: STOPPED ({r['stopped']}); its tables hold what was measured before")
     for name, r in with_figure(results, "params"):
-        print(f"{name}: {r['params'] / 1e6:.1f}M params ({r['weight_bytes'] / 2**20:,.0f} MiB read per step), "
-              f"KV {r['kv_bytes_per_token']:,} B/token, cache {r['kv_cache_tokens']:,} tokens; bf16 matmul "
-              f"[{w.max_batched_tokens}x{r['shape']['hidden_size']}]x[{r['shape']['hidden_size']}x"
-              f"{2 * r['shape']['intermediate_size']}] {r['matmul_flops'] / 1e12:.3g} TFLOP/s")
+        print(
+            f"{name}: {r['params'] / 1e6:.1f}M params ({r['weight_bytes'] / 2**20:,.0f} MiB read per step), "
+            f"KV {r['kv_bytes_per_token']:,} B/token, cache {r['kv_cache_tokens']:,} tokens; bf16 matmul "
+            f"[{w.max_batched_tokens}x{r['shape']['hidden_size']}]x[{r['shape']['hidden_size']}x"
+            f"{2 * r['shape']['intermediate_size']}] {r['matmul_flops'] / 1e12:.3g} TFLOP/s"
+        )
 
-    print("\nOffline throughput, output tokens/s, the better of two runs on prompts of two seeds (published: nano-vllm's "
-          "workload on one A800)\n")
-    print("lmgate's engine loop in a rank process (--dp-backend process, the default on CUDA) and as a thread of the "
-          "caller's process (--dp-backend thread)\n")
-    print("| model | lmgate, rank process | of bound | lmgate, thread | of bound | goal | vLLM 0.10.2 | nano-vllm Triton "
-          "| bound (bound by) |")
+    print(
+        "\nOffline throughput, output tokens/s, the better of two runs on prompts of two seeds (published: nano-vllm's "
+        "workload on one A800)\n"
+    )
+    print(
+        "lmgate's engine loop in a rank process (--dp-backend process, the default on CUDA) and as a thread of the "
+        "caller's process (--dp-backend thread)\n"
+    )
+    print(
+        "| model | lmgate, rank process | of bound | lmgate, thread | of bound | goal | vLLM 0.10.2 | nano-vllm Triton "
+        "| bound (bound by) |"
+    )
     print("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
     for name, r in with_figure(results, "offline_tps"):
         process = r.get("process_tps")
-        print(f"| {name} | {fmt(process)} | {ratio(process, r['offline_bound_tps'])} | {fmt(r['offline_tps'])} | "
-              f"{ratio(r['offline_tps'], r['offline_bound_tps'])} | {fmt(r['goal_offline_tps'])} | "
-              f"{fmt(r['vllm_a800_tps'])} | {fmt(r['nano_vllm_a800_tps'])} | "
-              f"{fmt(r['offline_bound_tps'])} ({r['offline_bound_by']}) |")
+        print(
+            f"| {name} | {fmt(process)} | {ratio(process, r['offline_bound_tps'])} | {fmt(r['offline_tps'])} | "
+            f"{ratio(r['offline_tps'], r['offline_bound_tps'])} | {fmt(r['goal_offline_tps'])} | "
+            f"{fmt(r['vllm_a800_tps'])} | {fmt(r['nano_vllm_a800_tps'])} | "
+            f"{fmt(r['offline_bound_tps'])} ({r['offline_bound_by']}) |"
+        )
 
-    print(f"\nThe same workload through gRPC, every stream at once (goal: {GRPC_GOAL:.0%} of the engine alone, on the "
-          f"same backend); the engine loop a process of its own (--dp-backend process) or a thread of the server; tokens per message "
-          f"(--stream-interval); the streams shared "
-          f"out over {CLIENT_PROCESSES} client processes; the CPU use, in cores, of the clients, the serving process "
-          f"(with the thread backend, its engine loop too) and its rank process\n")
-    print("| model | backend | stream interval | gRPC tok/s | of the engine | client cores | server cores | rank cores "
-          "| server CPU µs/token |")
+    print(
+        f"\nThe same workload through gRPC, every stream at once (goal: {GRPC_GOAL:.0%} of the engine alone, on the "
+        f"same backend); the engine loop a process of its own (--dp-backend process) or a thread of the server; tokens per message "
+        f"(--stream-interval); the streams shared "
+        f"out over {CLIENT_PROCESSES} client processes; the CPU use, in cores, of the clients, the serving process "
+        f"(with the thread backend, its engine loop too) and its rank process\n"
+    )
+    print(
+        "| model | backend | stream interval | gRPC tok/s | of the engine | client cores | server cores | rank cores "
+        "| server CPU µs/token |"
+    )
     print("|---|---|--:|--:|--:|--:|--:|--:|--:|")
     for name, r in with_figure(results, "offline_tps"):
         for run, g in r.get("grpc", {}).items():
             backend, _, interval = run.partition(":")
             alone = r.get("process_tps") if backend == "process" else r["offline_tps"]
-            print(f"| {name} | {backend} | {interval or 1} | {fmt(g['grpc_tps'])} | "
-                  f"{ratio(g['grpc_tps'], alone)} | {g['grpc_client_cores']:.2f} | {g['grpc_server_cores']:.2f} | "
-                  f"{g['grpc_rank_cores']:.2f} | {g['grpc_server_us_per_token']:.1f} |")
+            print(
+                f"| {name} | {backend} | {interval or 1} | {fmt(g['grpc_tps'])} | "
+                f"{ratio(g['grpc_tps'], alone)} | {g['grpc_client_cores']:.2f} | {g['grpc_server_cores']:.2f} | "
+                f"{g['grpc_rank_cores']:.2f} | {g['grpc_server_us_per_token']:.1f} |"
+            )
 
-    print("\nWhere an offline step's time went, ms per step (mean over the run's steps), with overlap scheduling "
-          "(the engine's default on CUDA; a CPU runs one step at a time either way) and without: forward and sample only queue work on a GPU, fetch waits for "
-          "the device; host = step - fetch\n")
+    print(
+        "\nWhere an offline step's time went, ms per step (mean over the run's steps), with overlap scheduling "
+        "(the engine's default on CUDA; a CPU runs one step at a time either way) and without: forward and sample only queue work on a GPU, fetch waits for "
+        "the device; host = step - fetch\n"
+    )
     print("| model | overlap | tok/s | steps | step | schedule | setup | forward | sample | fetch | update | host |")
     print("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     for name, r in with_figure(results, "offline_ms_per_step"):
@@ -635,23 +783,33 @@ def report(meta: dict, results: dict[str, dict], w: Workload) -> None:
             if f is None:
                 continue
             ms = f["offline_ms_per_step"]
-            print(f"| {name} | {'on' if f['overlap'] else 'off'} | {fmt(f['offline_tps'])} | {f['offline_steps']} | "
-                  + " | ".join(f"{ms[k]:.2f}" for k in ("step", "schedule", "setup", "forward", "sample", "result", "_update"))
-                  + f" | {ms['step'] - ms['result']:.2f} |")
+            print(
+                f"| {name} | {'on' if f['overlap'] else 'off'} | {fmt(f['offline_tps'])} | {f['offline_steps']} | "
+                + " | ".join(
+                    f"{ms[k]:.2f}" for k in ("step", "schedule", "setup", "forward", "sample", "result", "_update")
+                )
+                + f" | {ms['step'] - ms['result']:.2f} |"
+            )
 
     b = w.decode_batch
-    print(f"\nDecode at {w.context}..{w.context + w.decode_tokens} tokens of context (limit: weights and KV read once "
-          f"per step at the copy bandwidth); eager = cuda_graphs=False\n")
-    print(f"| model | 1 stream ms/token | tok/s | goal tok/s | limit ms | of limit | eager ms | batch {b} ms/step | "
-          f"limit ms | of limit | eager ms | batch {b} tok/s | transformers tok/s | vs transformers |")
+    print(
+        f"\nDecode at {w.context}..{w.context + w.decode_tokens} tokens of context (limit: weights and KV read once "
+        f"per step at the copy bandwidth); eager = cuda_graphs=False\n"
+    )
+    print(
+        f"| model | 1 stream ms/token | tok/s | goal tok/s | limit ms | of limit | eager ms | batch {b} ms/step | "
+        f"limit ms | of limit | eager ms | batch {b} tok/s | transformers tok/s | vs transformers |"
+    )
     print("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     for name, r in with_figure(results, "single_ms"):
         g = r.get  # the eager and transformers figures may be missing from a stopped run
-        print(f"| {name} | {fmt(r['single_ms'], '.3f')} | {fmt(1e3 / r['single_ms'])} | {fmt(r['goal_single_tps'])} | "
-              f"{fmt(r['single_limit_ms'], '.3f')} | {ratio(r['single_limit_ms'], r['single_ms'])} | "
-              f"{fmt(g('single_ms_eager'), '.3f')} | {fmt(r['batch_ms_step'], '.3f')} | {fmt(r['batch_limit_ms'], '.3f')} | "
-              f"{ratio(r['batch_limit_ms'], r['batch_ms_step'])} | {fmt(g('batch_ms_step_eager'), '.3f')} | "
-              f"{fmt(r['batch_tps'])} | {fmt(g('hf_tps'))} | {ratio(r['batch_tps'], g('hf_tps'), 'x')} |")
+        print(
+            f"| {name} | {fmt(r['single_ms'], '.3f')} | {fmt(1e3 / r['single_ms'])} | {fmt(r['goal_single_tps'])} | "
+            f"{fmt(r['single_limit_ms'], '.3f')} | {ratio(r['single_limit_ms'], r['single_ms'])} | "
+            f"{fmt(g('single_ms_eager'), '.3f')} | {fmt(r['batch_ms_step'], '.3f')} | {fmt(r['batch_limit_ms'], '.3f')} | "
+            f"{ratio(r['batch_limit_ms'], r['batch_ms_step'])} | {fmt(g('batch_ms_step_eager'), '.3f')} | "
+            f"{fmt(r['batch_tps'])} | {fmt(g('hf_tps'))} | {ratio(r['batch_tps'], g('hf_tps'), 'x')} |"
+        )
 
 
 def main() -> None:
@@ -660,13 +818,22 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes and workload: every code path in minutes on a CPU")
     ap.add_argument("--skip-hf", action="store_true", help="no transformers generate")
-    ap.add_argument("--grpc-runs", default="process,process:4,thread",
-                    help="the runs through lmgate serve, each its --dp-backend and, after a colon, its --stream-interval "
-                         "(comma-separated; '' for none)")
+    ap.add_argument(
+        "--grpc-runs",
+        default="process,process:4,thread",
+        help="the runs through lmgate serve, each its --dp-backend and, after a colon, its --stream-interval "
+        "(comma-separated; '' for none)",
+    )
     ap.add_argument("--num-seqs", type=int, default=0, help="offline sequences (0: 256, or 16 with --tiny)")
-    ap.add_argument("--max-batched-tokens", type=int, default=0, help="tokens per engine step (0: 8192, or 256 with --tiny)")
-    ap.add_argument("--kv-cache-tokens", type=int, default=0,
-                    help="KV cache size (0: every offline sequence at its longest, capped by free device memory)")
+    ap.add_argument(
+        "--max-batched-tokens", type=int, default=0, help="tokens per engine step (0: 8192, or 256 with --tiny)"
+    )
+    ap.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=0,
+        help="KV cache size (0: every offline sequence at its longest, capped by free device memory)",
+    )
     ap.add_argument("--json", default="bench_gpu.json", help="where the results go, as JSON")
     args = ap.parse_args()
     names = args.models.split(",")
@@ -674,15 +841,20 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown models {sorted(unknown)}; known: {', '.join(MODELS)}")
     w = TINY_WORKLOAD if args.tiny else Workload()
-    w = dataclasses.replace(w, num_seqs=args.num_seqs or w.num_seqs,
-                            max_batched_tokens=args.max_batched_tokens or w.max_batched_tokens)
+    w = dataclasses.replace(
+        w, num_seqs=args.num_seqs or w.num_seqs, max_batched_tokens=args.max_batched_tokens or w.max_batched_tokens
+    )
     device = torch.device(args.device)
     transformers.utils.logging.disable_progress_bar()
 
     bandwidth = on_fresh_thread(lambda: copy_bandwidth(device, w.copy_bytes))
     free_device_memory(device)
-    meta = {"device_name": device_name(device), "torch": torch.__version__, "triton": triton_version(),
-            "bandwidth": bandwidth}
+    meta = {
+        "device_name": device_name(device),
+        "torch": torch.__version__,
+        "triton": triton_version(),
+        "bandwidth": bandwidth,
+    }
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench_gpu_") as root:
         for name in names:
@@ -699,8 +871,17 @@ def main() -> None:
             free_device_memory(device)
     report(meta, results, w)
     with open(args.json, "w") as f:
-        json.dump({**meta, "workload": dataclasses.asdict(w), "temperature": TEMPERATURE,
-                   "max_context_length": MAX_CONTEXT, "models": results}, f, indent=2)
+        json.dump(
+            {
+                **meta,
+                "workload": dataclasses.asdict(w),
+                "temperature": TEMPERATURE,
+                "max_context_length": MAX_CONTEXT,
+                "models": results,
+            },
+            f,
+            indent=2,
+        )
     print(f"\nresults written to {args.json}")
 
 

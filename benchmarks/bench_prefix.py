@@ -5,6 +5,7 @@
 Every request is the same system prompt followed by its own question, all submitted at once: time to first
 token (p50 / p99) and output throughput, lmgate with --prefix-caching on and off.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,6 +41,7 @@ def run(engine: Engine, prompts: list[list[int]], output_len: int) -> tuple[list
                     cached.append(out.usage.cached_tokens if out.usage else 0)
             if out.finished:
                 done.release()
+
         return handle
 
     params = SamplingParams(max_new_tokens=output_len, ignore_eos=True)
@@ -67,9 +69,15 @@ def main() -> None:
 
     results = {}
     for caching in (True, False):
-        engine = Engine(EngineConfig(dtype="float32", prefix_caching=caching, max_batch_size=args.requests,
-                                     max_batched_tokens=args.max_batched_tokens,
-                                     kv_cache_tokens=args.requests * (args.system_len + args.question_len + args.output_len + 16)))
+        engine = Engine(
+            EngineConfig(
+                dtype="float32",
+                prefix_caching=caching,
+                max_batch_size=args.requests,
+                max_batched_tokens=args.max_batched_tokens,
+                kv_cache_tokens=args.requests * (args.system_len + args.question_len + args.output_len + 16),
+            )
+        )
         vocab = engine.tokenizer.vocab_size
         system = random_prompts(random.Random(1), 1, args.system_len, vocab)[0]
         prompts = [system + q for q in random_prompts(random.Random(2), args.requests, args.question_len, vocab)]
@@ -77,18 +85,25 @@ def main() -> None:
         results[caching] = run(engine, prompts, args.output_len)
         engine.shutdown()
         ttft, tps, cached = results[caching]
-        print(f"prefix caching {'on ' if caching else 'off'}: TTFT p50 {percentile(ttft, 0.5):7.3f}s  "
-              f"p99 {percentile(ttft, 0.99):7.3f}s  mean {statistics.mean(ttft):7.3f}s  "
-              f"throughput {tps:7.1f} output tok/s  cached prompt tokens {cached}", flush=True)
+        print(
+            f"prefix caching {'on ' if caching else 'off'}: TTFT p50 {percentile(ttft, 0.5):7.3f}s  "
+            f"p99 {percentile(ttft, 0.99):7.3f}s  mean {statistics.mean(ttft):7.3f}s  "
+            f"throughput {tps:7.1f} output tok/s  cached prompt tokens {cached}",
+            flush=True,
+        )
     cpu = cpu_features()
     (on, tps_on, _), (off, tps_off, _) = results[True], results[False]
     print(f"\nmachine: {cpu.name} ({cpu.vector_isa}), torch threads {torch.get_num_threads()}")
-    print(f"workload: {args.requests} requests x ({args.system_len} shared + {args.question_len} own) prompt "
-          f"tokens + {args.output_len} new, all at once, float32")
-    print(f"TTFT p50: {percentile(off, 0.5):.3f}s off / {percentile(on, 0.5):.3f}s on = "
-          f"{percentile(off, 0.5) / percentile(on, 0.5):.1f}x;  p99: {percentile(off, 0.99):.3f}s / "
-          f"{percentile(on, 0.99):.3f}s = {percentile(off, 0.99) / percentile(on, 0.99):.1f}x;  "
-          f"throughput {tps_on:.1f} / {tps_off:.1f} tok/s = {tps_on / tps_off:.1f}x")
+    print(
+        f"workload: {args.requests} requests x ({args.system_len} shared + {args.question_len} own) prompt "
+        f"tokens + {args.output_len} new, all at once, float32"
+    )
+    print(
+        f"TTFT p50: {percentile(off, 0.5):.3f}s off / {percentile(on, 0.5):.3f}s on = "
+        f"{percentile(off, 0.5) / percentile(on, 0.5):.1f}x;  p99: {percentile(off, 0.99):.3f}s / "
+        f"{percentile(on, 0.99):.3f}s = {percentile(off, 0.99) / percentile(on, 0.99):.1f}x;  "
+        f"throughput {tps_on:.1f} / {tps_off:.1f} tok/s = {tps_on / tps_off:.1f}x"
+    )
 
 
 if __name__ == "__main__":

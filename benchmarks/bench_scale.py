@@ -7,6 +7,7 @@ never asserts).
 Per step it reports the time each rank spent in `Gateway.pop` (the ranks' all_reduce agreement, including
 waits for the slower rank), and gloo's all_reduce latency on its own (bench_comm.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,17 +26,33 @@ from bench_comm import on_processes  # beside this file: all run as scripts
 from bench_engine import gemm_bound, matmul_flops, run_engine
 
 # label, data-parallel ranks, backend, tensor-parallel ranks
-CONFIGS = (("DP=1", 1, "thread", 1), ("DP=2 threads", 2, "thread", 1), ("DP=2 processes", 2, "process", 1),
-           ("TP=2", 1, "process", 2))
+CONFIGS = (
+    ("DP=1", 1, "thread", 1),
+    ("DP=2 threads", 2, "thread", 1),
+    ("DP=2 processes", 2, "process", 1),
+    ("TP=2", 1, "process", 2),
+)
 
 
 def measure(args, loops: int, backend: str, tp: int) -> tuple[float, float, float, str]:
     """Output tokens/s; milliseconds per step and in `pop` per step, averaged over ranks."""
-    engine = Engine(EngineConfig(model=args.model, dtype="float32", weights="float", engine_loops=loops, dp_backend=backend, tensor_parallel=tp,
-                                 max_batched_tokens=args.max_batched_tokens, max_batch_size=max(64, args.requests)))
+    engine = Engine(
+        EngineConfig(
+            model=args.model,
+            dtype="float32",
+            weights="float",
+            engine_loops=loops,
+            dp_backend=backend,
+            tensor_parallel=tp,
+            max_batched_tokens=args.max_batched_tokens,
+            max_batch_size=max(64, args.requests),
+        )
+    )
     try:
-        prompts, warmup = (random_prompts(random.Random(seed), args.requests, args.input_len, engine.tokenizer.vocab_size)
-                           for seed in (0, 1))
+        prompts, warmup = (
+            random_prompts(random.Random(seed), args.requests, args.input_len, engine.tokenizer.vocab_size)
+            for seed in (0, 1)
+        )
         run_engine(engine, warmup, args.output_len)  # a full-size wave of other prompts, as bench-engine does
         before = engine.ranks.stats()
         tps = run_engine(engine, prompts, args.output_len)
@@ -67,20 +84,28 @@ def main() -> None:
     cpu = cpu_features()
     num_params = read_config(args.model or embedded_model_path()).num_params
     limit = gemm_bound(args, num_params, flops)
-    print(f"\ncpu: {cpu.name}; flags {' '.join(sorted(f for f in cpu.flags if f.startswith(('avx', 'amx', 'fma'))))}; "
-          f"{available_cpus()} CPUs; torch {torch.__version__}")
-    print(f"workload: {args.requests} requests x {args.input_len} prompt + {args.output_len} new tokens, float32, "
-          f"greedy; best linear {flops / 1e9:.1f} GFLOP/s, so at most {limit:.1f} output tok/s on this machine")
+    print(
+        f"\ncpu: {cpu.name}; flags {' '.join(sorted(f for f in cpu.flags if f.startswith(('avx', 'amx', 'fma'))))}; "
+        f"{available_cpus()} CPUs; torch {torch.__version__}"
+    )
+    print(
+        f"workload: {args.requests} requests x {args.input_len} prompt + {args.output_len} new tokens, float32, "
+        f"greedy; best linear {flops / 1e9:.1f} GFLOP/s, so at most {limit:.1f} output tok/s on this machine"
+    )
     print(f"{'':16} {'tok/s':>8} {'of limit':>9} {'vs DP=1':>8} {'ms/step':>8} {'ms in pop':>10}   threads")
     base = results["DP=1"][0]
     for label, (tps, step_ms, pop_ms, threads) in results.items():
         print(f"{label:16} {tps:8.1f} {tps / limit:9.1%} {tps / base:7.2f}x {step_ms:8.1f} {pop_ms:10.2f}   {threads}")
-    print(f"gloo all_reduce of [2 ints] between 2 processes over loopback: {gloo:.0f} us median "
-          f"(the agreement makes two of them per step: a shape check, then the values)")
-    print(f"\nWhat this predicts: the agreement costs about {2 * gloo / 1e3:.2f} ms per step against steps of "
-          f"{results['DP=2 processes'][1]:.0f} ms here, so DP ranks on N GPUs (each with its own device, NCCL only "
-          f"for TP) scale with N until a GPU step nears a millisecond; on this {available_cpus()}-CPU machine the ranks "
-          f"share the same cores, so DP=2 can only match DP=1.")
+    print(
+        f"gloo all_reduce of [2 ints] between 2 processes over loopback: {gloo:.0f} us median "
+        f"(the agreement makes two of them per step: a shape check, then the values)"
+    )
+    print(
+        f"\nWhat this predicts: the agreement costs about {2 * gloo / 1e3:.2f} ms per step against steps of "
+        f"{results['DP=2 processes'][1]:.0f} ms here, so DP ranks on N GPUs (each with its own device, NCCL only "
+        f"for TP) scale with N until a GPU step nears a millisecond; on this {available_cpus()}-CPU machine the ranks "
+        f"share the same cores, so DP=2 can only match DP=1."
+    )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ A benchmark: it prints figures, never asserts. Run on an otherwise idle machine:
 3. `lmgate bench` against it, in this process: output tokens per second, TTFT / TPOT / ITL.
 4. Sleep and wake-up, levels 1 and 2, `--cycles` times each: the Wakeup call's duration.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,6 +29,7 @@ from lmgate.engine.engine import Engine
 from lmgate.engine.sampling.sampler import SamplingParams
 
 from bench_engine import run_engine  # beside this file: both run as scripts
+
 # tests/serving.py, shared with the tests: a module of that directory, as this file is of its own
 sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 from serving import serve_process  # noqa: E402
@@ -54,8 +56,15 @@ def start_server(*flags: str) -> tuple[subprocess.Popen, str, float]:
 def grpc_bench(address: str, prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
     async def go():
         async with AsyncClient(address) as client:
-            return await bench.run(client, prompts, concurrency=concurrency, request_rate=float("inf"),
-                                   rng=random.Random(0), max_new_tokens=output_len, ignore_eos=True)
+            return await bench.run(
+                client,
+                prompts,
+                concurrency=concurrency,
+                request_rate=float("inf"),
+                rng=random.Random(0),
+                max_new_tokens=output_len,
+                ignore_eos=True,
+            )
 
     results, duration = asyncio.run(go())
     return bench.summarize(results, duration)
@@ -96,19 +105,25 @@ def main() -> None:
         proc.terminate()
         proc.wait()
 
-    print(f"workload: {args.num_prompts} requests x {args.input_len} prompt + {args.output_len} new tokens, "
-          f"ignore_eos, concurrency {args.concurrency}")
+    print(
+        f"workload: {args.num_prompts} requests x {args.input_len} prompt + {args.output_len} new tokens, "
+        f"ignore_eos, concurrency {args.concurrency}"
+    )
     print(f"engine alone:            {engine_tps:8.1f} output tok/s")
-    print(f"through gRPC (bench):    {served['output_throughput']:8.1f} output tok/s   "
-          f"{served['output_throughput'] / engine_tps:6.1%} of the engine's  ({served['failed']} failed)")
+    print(
+        f"through gRPC (bench):    {served['output_throughput']:8.1f} output tok/s   "
+        f"{served['output_throughput'] / engine_tps:6.1%} of the engine's  ({served['failed']} failed)"
+    )
     for name in ("ttft_ms", "tpot_ms", "itl_ms"):
         s = served[name]
         print(f"  {name[:-3].upper():5} ms  mean {s['mean']:8.1f}  p50 {s['median']:8.1f}  p99 {s['p99']:8.1f}")
     print(f"cold start (process start to SERVING): {cold:.2f} s")
     for level, times in wake.items():
         mean = statistics.mean(times)
-        print(f"wake-up after level {level}: mean {mean:.3f} s over {len(times)} (min {min(times):.3f}, "
-              f"max {max(times):.3f})  = {mean / cold:.1%} of a cold start")
+        print(
+            f"wake-up after level {level}: mean {mean:.3f} s over {len(times)} (min {min(times):.3f}, "
+            f"max {max(times):.3f})  = {mean / cold:.1%} of a cold start"
+        )
 
 
 if __name__ == "__main__":

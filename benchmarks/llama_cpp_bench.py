@@ -5,6 +5,7 @@ barriers a token more than twofold). One call is one of bench-quant's rounds, on
 
     python benchmarks/llama_cpp_bench.py FILE REQUESTS INPUT_LEN OUTPUT_LEN THREADS ROUND
 """
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,10 @@ SERIAL_SAMPLE = 4  # requests llama-cpp-python serves one after another (each ta
 
 def round_prompts(round_: int, requests: int, input_len: int, vocab: int) -> tuple[list[int], list[list[int]]]:
     """Round `round_`'s prompts, the same for every engine: one for the single stream, `requests` for the batch."""
-    return (random_prompts(random.Random(200 + round_), 1, input_len, vocab)[0],
-            random_prompts(random.Random(100 + round_), requests, input_len, vocab))
+    return (
+        random_prompts(random.Random(200 + round_), 1, input_len, vocab)[0],
+        random_prompts(random.Random(100 + round_), requests, input_len, vocab),
+    )
 
 
 def measure(path: str, requests: int, input_len: int, output_len: int, threads: int, round_: int) -> dict:
@@ -33,8 +36,7 @@ def measure(path: str, requests: int, input_len: int, output_len: int, threads: 
         import llama_cpp
     except ImportError:
         return {}
-    llm = llama_cpp.Llama(path, n_ctx=input_len + output_len, n_threads=threads, n_threads_batch=threads,
-                          verbose=False)
+    llm = llama_cpp.Llama(path, n_ctx=input_len + output_len, n_threads=threads, n_threads_batch=threads, verbose=False)
     single_prompt, prompts = round_prompts(round_, requests, input_len, llm.n_vocab())
     llm.eval(random_prompts(random.Random(1), 1, input_len, llm.n_vocab())[0])  # a warm-up
     stamps = []
@@ -76,8 +78,9 @@ def llama_cpp_batched(llama_cpp, llm, prompts: list[list[int]], output_len: int,
         assert llama_cpp.llama_decode(ctx, batch) == 0
 
     def next_tokens(rows: list[int]) -> list[int]:  # greedy, at these rows of the last decode's batch
-        return [int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(vocab,)).argmax())
-                for i in rows]
+        return [
+            int(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(vocab,)).argmax()) for i in rows
+        ]
 
     start = time.perf_counter()
     entries = [(t, pos, seq, pos == len(p) - 1) for seq, p in enumerate(prompts) for pos, t in enumerate(p)]

@@ -9,6 +9,7 @@ Phases, each after the warm-up that compiles Triton and captures every CUDA grap
 2. a batch decoding without CUDA graphs, so that each kernel shows by name;
 3. the start of the offline workload, eager too: prefill chunks of max_batched_tokens beside decodes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,19 @@ import torch
 import transformers
 from torch.profiler import ProfilerActivity, profile
 
-from bench_gpu import (MODELS, TINY_SHAPE, TINY_WORKLOAD, DecodePrompts, Workload, build_model, engine_config,
-                       kv_cache_tokens, offline_requests, phase_times, run_requests)
+from bench_gpu import (
+    MODELS,
+    TINY_SHAPE,
+    TINY_WORKLOAD,
+    DecodePrompts,
+    Workload,
+    build_model,
+    engine_config,
+    kv_cache_tokens,
+    offline_requests,
+    phase_times,
+    run_requests,
+)
 from lmgate.engine.engine import Engine
 from lmgate.engine.loading.loader import read_config
 from lmgate.engine.sampling.sampler import SamplingParams
@@ -61,7 +73,9 @@ def main() -> None:
             config = engine_config(path, device, w, kv_cache_tokens(w, cfg, device))
             prompts = DecodePrompts.make(2, w, cfg.vocab_size)
             greedy = SamplingParams(max_new_tokens=32, ignore_eos=True)
-            warmup = offline_requests(1, w, cfg.vocab_size, min_output=w.warmup_min_output, max_output=w.warmup_max_output)
+            warmup = offline_requests(
+                1, w, cfg.vocab_size, min_output=w.warmup_min_output, max_output=w.warmup_max_output
+            )
             offline = offline_requests(0, w, cfg.vocab_size)[: args.offline_seqs]
             offline = [(p, dataclasses.replace(s, max_new_tokens=16)) for p, s in offline]
             print(f"\n## {name} on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}")
@@ -70,10 +84,20 @@ def main() -> None:
                 profiled(engine, [(prompts.single, greedy)], device, "one stream, graphs", args.rows)
             with Engine(dataclasses.replace(config, cuda_graphs=False)) as engine:
                 run_requests(engine, [(p, greedy) for p in prompts.warm_batch])
-                profiled(engine, [(p, greedy) for p in prompts.batch], device,
-                         f"a batch of {w.decode_batch} decoding, eager", args.rows)
-                profiled(engine, offline, device, f"offline start ({len(offline)} sequences, 16 tokens each), eager",
-                         args.rows)
+                profiled(
+                    engine,
+                    [(p, greedy) for p in prompts.batch],
+                    device,
+                    f"a batch of {w.decode_batch} decoding, eager",
+                    args.rows,
+                )
+                profiled(
+                    engine,
+                    offline,
+                    device,
+                    f"offline start ({len(offline)} sequences, 16 tokens each), eager",
+                    args.rows,
+                )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """lmgate's Python client: `Client` (blocking) and `AsyncClient` (asyncio); failures raise `grpc.RpcError`."""
+
 from .client import AsyncClient, AsyncSession, Client, Session, Tls
 from .wire import Delta
 

@@ -5,6 +5,7 @@ messages (one sample per message: when the server merges k tokens into one messa
 TPOT is (latency - TTFT) / (output tokens - 1); latency is send → last message. A request counts as sent once
 it holds a concurrency slot, so queueing behind `concurrency` is not part of its TTFT.
 """
+
 from __future__ import annotations
 
 import asyncio

@@ -4,6 +4,7 @@ Every client subcommand takes --target (LMGATE_TARGET) and --admin-token (LMGATE
 0 on success, 1 when the server refuses (printed as `error: <CODE>: <details>`) or a file cannot be read or
 written, 2 for bad arguments, 130 on Ctrl-C (in `chat`, Ctrl-C during a reply stops only that reply).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,13 +25,24 @@ from .client import DEFAULT_TARGET, AsyncClient, Client, Session, Tls
 from .wire import Delta, sampling_range
 
 # Flags of `generate` and `chat` whose dest is a SamplingParams field; unset ones keep the server's defaults.
-SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
-                  "ignore_eos", "logprobs")
+SAMPLING_FLAGS = (
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "ignore_eos",
+    "logprobs",
+)
 FALSE_WORDS = ("", "0", "false", "no", "off")  # an environment yes-or-no that means no
 
 
-def _number(kind: Callable[[str], Any], minimum: float, *, above: bool = False,
-            maximum: float = math.inf) -> Callable[[str], Any]:
+def _number(
+    kind: Callable[[str], Any], minimum: float, *, above: bool = False, maximum: float = math.inf
+) -> Callable[[str], Any]:
     """An argparse type for flags whose range the client relies on (the server checks sampling values itself;
     `maximum` is what the proto's field holds)."""
 
@@ -61,32 +73,64 @@ def _version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--target", default=os.environ.get("LMGATE_TARGET", DEFAULT_TARGET),
-                        help=f"server address host:port (default {DEFAULT_TARGET}) [LMGATE_TARGET]")
-    common.add_argument("--admin-token", default=os.environ.get("LMGATE_ADMIN_TOKEN"),
-                        help="bearer token sent on Admin calls [LMGATE_ADMIN_TOKEN]")
-    common.add_argument("--api-key", default=os.environ.get("LMGATE_API_KEY"),
-                        help="bearer token sent on Inference calls [LMGATE_API_KEY]")
-    common.add_argument("--tls", action="store_true", default=os.environ.get("LMGATE_TLS", "").lower() not in FALSE_WORDS,
-                        help="TLS, trusting the system's CAs (implied by --tls-ca) [LMGATE_TLS]")
-    common.add_argument("--tls-ca", default=os.environ.get("LMGATE_TLS_CA"),
-                        help="PEM bundle the server's certificate chains to [LMGATE_TLS_CA]")
+    common.add_argument(
+        "--target",
+        default=os.environ.get("LMGATE_TARGET", DEFAULT_TARGET),
+        help=f"server address host:port (default {DEFAULT_TARGET}) [LMGATE_TARGET]",
+    )
+    common.add_argument(
+        "--admin-token",
+        default=os.environ.get("LMGATE_ADMIN_TOKEN"),
+        help="bearer token sent on Admin calls [LMGATE_ADMIN_TOKEN]",
+    )
+    common.add_argument(
+        "--api-key",
+        default=os.environ.get("LMGATE_API_KEY"),
+        help="bearer token sent on Inference calls [LMGATE_API_KEY]",
+    )
+    common.add_argument(
+        "--tls",
+        action="store_true",
+        default=os.environ.get("LMGATE_TLS", "").lower() not in FALSE_WORDS,
+        help="TLS, trusting the system's CAs (implied by --tls-ca) [LMGATE_TLS]",
+    )
+    common.add_argument(
+        "--tls-ca",
+        default=os.environ.get("LMGATE_TLS_CA"),
+        help="PEM bundle the server's certificate chains to [LMGATE_TLS_CA]",
+    )
     # Not LMGATE_TLS_CERT and LMGATE_TLS_KEY: those are the server's own, in whose environment an operator
     # runs `lmgate sleep`.
-    common.add_argument("--tls-cert", default=os.environ.get("LMGATE_CLIENT_CERT"),
-                        help="this client's PEM certificate, for mutual TLS (with --tls-key) [LMGATE_CLIENT_CERT]")
-    common.add_argument("--tls-key", default=os.environ.get("LMGATE_CLIENT_KEY"),
-                        help="the PEM key of --tls-cert [LMGATE_CLIENT_KEY]")
-    common.add_argument("--wait-ready", type=_number(float, 0, above=True), default=os.environ.get("LMGATE_WAIT_READY"),
-                        metavar="SECONDS", help="first wait up to this long for the server to serve (one still "
-                        "starting, or asleep); default: do not wait [LMGATE_WAIT_READY]")
+    common.add_argument(
+        "--tls-cert",
+        default=os.environ.get("LMGATE_CLIENT_CERT"),
+        help="this client's PEM certificate, for mutual TLS (with --tls-key) [LMGATE_CLIENT_CERT]",
+    )
+    common.add_argument(
+        "--tls-key", default=os.environ.get("LMGATE_CLIENT_KEY"), help="the PEM key of --tls-cert [LMGATE_CLIENT_KEY]"
+    )
+    common.add_argument(
+        "--wait-ready",
+        type=_number(float, 0, above=True),
+        default=os.environ.get("LMGATE_WAIT_READY"),
+        metavar="SECONDS",
+        help="first wait up to this long for the server to serve (one still "
+        "starting, or asleep); default: do not wait [LMGATE_WAIT_READY]",
+    )
     # A string default: argparse checks LMGATE_TIMEOUT as it checks the flag.
-    common.add_argument("--timeout", type=_number(float, 0, above=True), default=os.environ.get("LMGATE_TIMEOUT"),
-                        help="each call's deadline in seconds, a reply's whole stream included; default: none "
-                             "[LMGATE_TIMEOUT]")
+    common.add_argument(
+        "--timeout",
+        type=_number(float, 0, above=True),
+        default=os.environ.get("LMGATE_TIMEOUT"),
+        help="each call's deadline in seconds, a reply's whole stream included; default: none [LMGATE_TIMEOUT]",
+    )
 
     turn = argparse.ArgumentParser(add_help=False)  # generate and chat: SAMPLING_FLAGS and a system message
-    turn.add_argument("--max-new-tokens", type=_sampling_int("max_new_tokens"), help="most tokens per reply; 0: the server's default (256)")
+    turn.add_argument(
+        "--max-new-tokens",
+        type=_sampling_int("max_new_tokens"),
+        help="most tokens per reply; 0: the server's default (256)",
+    )
     turn.add_argument("--temperature", type=float, help="0: greedy (the default)")
     turn.add_argument("--top-p", type=float)
     turn.add_argument("--top-k", type=_sampling_int("top_k"))
@@ -95,8 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     turn.add_argument("--seed", type=_sampling_int("seed"), help="the same seed gives the same tokens")
     turn.add_argument("--stop", action="append", metavar="S", help="a string that ends the reply (repeat for several)")
     turn.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
-    turn.add_argument("--logprobs", type=_sampling_int("logprobs"), help="also print each token's log-probability and this "
-                      "many likeliest alternatives, as JSON lines on stderr")
+    turn.add_argument(
+        "--logprobs",
+        type=_sampling_int("logprobs"),
+        help="also print each token's log-probability and this many likeliest alternatives, as JSON lines on stderr",
+    )
     turn.add_argument("--system", help="a system message before the first user message")
 
     parser = argparse.ArgumentParser(prog="lmgate", description="Serve and talk to an lmgate server.")
@@ -111,8 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
     p.set_defaults(run=_generate)
 
-    p = sub.add_parser("chat", parents=[common, turn], help="multi-turn chat over one session, from stdin",
-                       description=CHAT_HELP)
+    p = sub.add_parser(
+        "chat", parents=[common, turn], help="multi-turn chat over one session, from stdin", description=CHAT_HELP
+    )
     p.set_defaults(run=_chat)
 
     p = sub.add_parser("info", parents=[common], help="the served model and the engine's load, as JSON")
@@ -125,28 +173,47 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("sleep", parents=[common], help="Admin: end all streams and sessions, free memory")
     p.add_argument("--level", type=int, choices=(1, 2), default=1, help="1: free the KV cache; 2: the weights too")
-    p.set_defaults(run=lambda args: _with_client(args, lambda c: c.sleep(args.level),
-                                                 f"asleep at level {args.level}: streams ended, "
-                                                 f"{'KV cache and weights' if args.level == 2 else 'KV cache'} freed"))
+    p.set_defaults(
+        run=lambda args: _with_client(
+            args,
+            lambda c: c.sleep(args.level),
+            f"asleep at level {args.level}: streams ended, "
+            f"{'KV cache and weights' if args.level == 2 else 'KV cache'} freed",
+        )
+    )
 
     p = sub.add_parser("wakeup", parents=[common], help="Admin: restore what sleeps")
-    p.add_argument("--tags", nargs="*", choices=("weights", "kv_cache"), default=[], help="what to restore (default: all)")
+    p.add_argument(
+        "--tags", nargs="*", choices=("weights", "kv_cache"), default=[], help="what to restore (default: all)"
+    )
     p.set_defaults(run=_wakeup)
 
     p = sub.add_parser("update-weights", parents=[common], help="Admin: load new weights of the same architecture")
     p.add_argument("path", help="HF model directory or GGUF file, as the server sees it")
-    p.set_defaults(run=lambda args: _with_client(args, lambda c: c.update_weights(args.path),
-                                                 f"serving the weights of {args.path}"))
+    p.set_defaults(
+        run=lambda args: _with_client(
+            args, lambda c: c.update_weights(args.path), f"serving the weights of {args.path}"
+        )
+    )
 
-    p = sub.add_parser("bench", parents=[common], help="load generator: throughput, TTFT, TPOT, ITL",
-                       description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "bench",
+        parents=[common],
+        help="load generator: throughput, TTFT, TPOT, ITL",
+        description=bench.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--concurrency", type=_number(int, 1), default=8, help="most requests in flight (default 8)")
     p.add_argument("--num-prompts", type=_number(int, 1), default=64, help="requests to send (default 64)")
     p.add_argument("--input-len", type=_number(int, 1), default=128, help="prompt tokens per request (default 128)")
     p.add_argument("--output-len", type=_number(int, 1), default=128, help="max_new_tokens per request (default 128)")
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly --output-len tokens")
-    p.add_argument("--request-rate", type=_number(float, 0, above=True), default=math.inf,
-                   help="requests per second, Poisson arrivals; inf (default): all at once")
+    p.add_argument(
+        "--request-rate",
+        type=_number(float, 0, above=True),
+        default=math.inf,
+        help="requests per second, Poisson arrivals; inf (default): all at once",
+    )
     p.add_argument("--temperature", type=_number(float, 0), default=0.0, help="0: greedy (default)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and arrival gaps")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -248,8 +315,9 @@ def _read_prompt(args: argparse.Namespace) -> str:
         with open(path, encoding="utf-8") as f:
             return f.read()
     except UnicodeDecodeError as exc:  # as an OSError, main's `error: <path>: <why>` line reports it
-        raise OSError(errno.EILSEQ, f"not UTF-8 text ({exc.reason} at byte {exc.start})",
-                      "stdin" if path == "-" else path) from exc
+        raise OSError(
+            errno.EILSEQ, f"not UTF-8 text ({exc.reason} at byte {exc.start})", "stdin" if path == "-" else path
+        ) from exc
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -267,8 +335,12 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 # Statuses that refuse one turn and change nothing (README: Errors): `chat` says so and takes the next line.
-TURN_REFUSALS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                 grpc.StatusCode.FAILED_PRECONDITION)
+TURN_REFUSALS = (
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.OUT_OF_RANGE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+)
 
 
 EXIT_COMMANDS = ("/exit", "/quit")
@@ -341,7 +413,9 @@ def _wakeup(args: argparse.Namespace) -> int:
 def _info(args: argparse.Namespace) -> int:
     with _client(args) as client:
         info = client.info()
-    fields = {f.name: list(getattr(info, f.name)) if f.is_repeated else getattr(info, f.name) for f in info.DESCRIPTOR.fields}
+    fields = {
+        f.name: list(getattr(info, f.name)) if f.is_repeated else getattr(info, f.name) for f in info.DESCRIPTOR.fields
+    }
     print(json.dumps(fields, indent=2))
     return 0
 
@@ -356,14 +430,23 @@ async def _bench(args: argparse.Namespace) -> int:
     async with _client(args, AsyncClient) as client:
         info = await client.info()
         if args.input_len + args.output_len > info.max_context_length:
-            print(f"error: --input-len + --output-len is {args.input_len + args.output_len}, beyond the server's "
-                  f"context of {info.max_context_length} tokens", file=sys.stderr)
+            print(
+                f"error: --input-len + --output-len is {args.input_len + args.output_len}, beyond the server's "
+                f"context of {info.max_context_length} tokens",
+                file=sys.stderr,
+            )
             return 1
         rng = random.Random(args.seed)
         prompts = bench.random_prompts(rng, args.num_prompts, args.input_len, info.vocab_size)
         results, duration = await bench.run(
-            client, prompts, concurrency=args.concurrency, request_rate=args.request_rate, rng=rng,
-            max_new_tokens=args.output_len, ignore_eos=args.ignore_eos, temperature=args.temperature,
+            client,
+            prompts,
+            concurrency=args.concurrency,
+            request_rate=args.request_rate,
+            rng=rng,
+            max_new_tokens=args.output_len,
+            ignore_eos=args.ignore_eos,
+            temperature=args.temperature,
         )
     summary = bench.summarize(results, duration)
     print(bench.report(summary))

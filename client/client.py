@@ -6,6 +6,7 @@ Errors are not wrapped: a failed call raises `grpc.RpcError` (`grpc.aio.AioRpcEr
 Passing no input, several inputs, or an unknown sampling keyword raises TypeError before anything is sent;
 a sampling integer beyond its proto field's range (`seed=-1`), ValueError naming it and the range.
 """
+
 from __future__ import annotations
 
 import abc
@@ -44,15 +45,25 @@ CANCEL_CODES = (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
 # A turn refused with one of these before its first message never ran: the server's session is as it was
 # (a bad parameter, a prompt too long, a full server, a credential). Not FAILED_PRECONDITION: a turn left
 # early may still run there, holding more than the history, which the next turn then replays over.
-REFUSAL_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                 grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED)
+REFUSAL_CODES = (
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.OUT_OF_RANGE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.UNIMPLEMENTED,
+)
 
 
 class _ClientBase(abc.ABC, Generic[StreamT]):
     """What the two clients share: stubs, call options and building a Generate call."""
 
     def __init__(
-        self, channel: grpc.Channel | grpc.aio.Channel, admin_token: str | None, api_key: str | None, timeout: float | None
+        self,
+        channel: grpc.Channel | grpc.aio.Channel,
+        admin_token: str | None,
+        api_key: str | None,
+        timeout: float | None,
     ) -> None:
         self._channel = channel
         self._inference = pb_grpc.InferenceStub(channel)
@@ -82,13 +93,22 @@ class _ClientBase(abc.ABC, Generic[StreamT]):
         leaving the iterator early cancels it on the server (a session's turn by a Cancel call first, so that
         the session's next turn may follow at once).
         """
-        request = generate_request(prompt, messages=messages, token_ids=token_ids, session_id=session_id,
-                                   request_id=request_id, session_epoch=session_epoch, **sampling)
+        request = generate_request(
+            prompt,
+            messages=messages,
+            token_ids=token_ids,
+            session_id=session_id,
+            request_id=request_id,
+            session_epoch=session_epoch,
+            **sampling,
+        )
         return self._send(request)
 
     def _send(self, request: pb.GenerateRequest) -> StreamT:
         """Starts the Generate call; its responses as Deltas."""
-        if request.session_id and not request.request_id:  # known before any reply: a turn left early is cancelled by it
+        if (
+            request.session_id and not request.request_id
+        ):  # known before any reply: a turn left early is cancelled by it
             request.request_id = uuid.uuid4().hex
         metadata = self._session_metadata(request.session_id)
         return self._stream(self._inference.Generate(request, timeout=self._timeout, metadata=metadata), request)
@@ -104,8 +124,9 @@ class _ClientBase(abc.ABC, Generic[StreamT]):
         dropping the stream alone tells the server without an order, and a next turn that came first would
         find the session still generating."""
 
-    def _cancel_turn(self, request: pb.GenerateRequest, last: pb.GenerateResponse | None,
-                     exc: BaseException) -> tuple[pb.CancelRequest, dict[str, Any]] | None:
+    def _cancel_turn(
+        self, request: pb.GenerateRequest, last: pb.GenerateResponse | None, exc: BaseException
+    ) -> tuple[pb.CancelRequest, dict[str, Any]] | None:
         """Cancel's request and call options for a session's turn left before its last reply (`last`, the
         latest one, if any) by `exc`; None where there is nothing to cancel (a stateless request, a turn that
         ended, or a call the server ended with its status). By its request id (by the session, a late close
@@ -161,12 +182,18 @@ class Client(_ClientBase[Iterator[Delta]]):
     Inference calls only; `tls` makes the channel TLS."""
 
     def __init__(
-        self, target: Target = DEFAULT_TARGET, *, admin_token: str | None = None, api_key: str | None = None,
-        tls: Tls | None = None, timeout: float | None = None,
+        self,
+        target: Target = DEFAULT_TARGET,
+        *,
+        admin_token: str | None = None,
+        api_key: str | None = None,
+        tls: Tls | None = None,
+        timeout: float | None = None,
     ) -> None:
         target, options = _channel_args(target, tls)
-        channel = (grpc.secure_channel(target, tls.credentials(), options) if tls
-                   else grpc.insecure_channel(target, options))
+        channel = (
+            grpc.secure_channel(target, tls.credentials(), options) if tls else grpc.insecure_channel(target, options)
+        )
         super().__init__(channel, admin_token, api_key, timeout)
 
     def _stream(self, call: Any, request: pb.GenerateRequest) -> Iterator[Delta]:
@@ -210,18 +237,24 @@ class Client(_ClientBase[Iterator[Delta]]):
     def cancel(self, request_id: str | None = None, session_id: int = 0) -> bool:
         """Cancels a request by id, or a session's active turn; True if something was running or queued."""
         request = pb.CancelRequest(request_id=request_id or "", session_id=session_id)
-        return self._inference.Cancel(request, timeout=self._timeout, metadata=self._session_metadata(session_id)).cancelled
+        return self._inference.Cancel(
+            request, timeout=self._timeout, metadata=self._session_metadata(session_id)
+        ).cancelled
 
     def end(self, session_id: int) -> None:
         """Ends a session: cancels its turn and frees its KV cache. Idempotent."""
-        self._inference.End(pb.EndRequest(session_id=session_id), timeout=self._timeout, metadata=self._session_metadata(session_id))
+        self._inference.End(
+            pb.EndRequest(session_id=session_id), timeout=self._timeout, metadata=self._session_metadata(session_id)
+        )
 
     def info(self) -> pb.InfoResponse:
         return self._inference.Info(pb.InfoRequest(), timeout=self._timeout, metadata=self._inference_metadata)
 
     def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
         request = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
-        return list(self._inference.Tokenize(request, timeout=self._timeout, metadata=self._inference_metadata).token_ids)
+        return list(
+            self._inference.Tokenize(request, timeout=self._timeout, metadata=self._inference_metadata).token_ids
+        )
 
     def sleep(self, level: int = 1) -> None:
         """Admin: ends every stream and session, then frees the KV cache (level 1) and the weights (level 2)."""
@@ -252,12 +285,20 @@ class AsyncClient(_ClientBase[AsyncIterator[Delta]]):
     Create it inside the event loop that uses it (`async with AsyncClient(...) as client:`)."""
 
     def __init__(
-        self, target: Target = DEFAULT_TARGET, *, admin_token: str | None = None, api_key: str | None = None,
-        tls: Tls | None = None, timeout: float | None = None,
+        self,
+        target: Target = DEFAULT_TARGET,
+        *,
+        admin_token: str | None = None,
+        api_key: str | None = None,
+        tls: Tls | None = None,
+        timeout: float | None = None,
     ) -> None:
         target, options = _channel_args(target, tls)
-        channel = (grpc.aio.secure_channel(target, tls.credentials(), options) if tls
-                   else grpc.aio.insecure_channel(target, options))
+        channel = (
+            grpc.aio.secure_channel(target, tls.credentials(), options)
+            if tls
+            else grpc.aio.insecure_channel(target, options)
+        )
         super().__init__(channel, admin_token, api_key, timeout)
 
     async def _stream(self, call: Any, request: pb.GenerateRequest) -> AsyncIterator[Delta]:
@@ -265,10 +306,14 @@ class AsyncClient(_ClientBase[AsyncIterator[Delta]]):
         try:
             async for last in call:
                 yield to_delta(last)
-        except BaseException as exc:  # closed early, or an exception thrown in while it waited (a timeout's CancelledError)
+        except (
+            BaseException
+        ) as exc:  # closed early, or an exception thrown in while it waited (a timeout's CancelledError)
             cancel = self._cancel_turn(request, last, exc)
             if cancel is not None:
-                with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):  # UsageError: the channel has closed
+                with contextlib.suppress(
+                    grpc.aio.AioRpcError, grpc.aio.UsageError
+                ):  # UsageError: the channel has closed
                     await self._inference.Cancel(cancel[0], **cancel[1])
             raise
         finally:
@@ -293,23 +338,33 @@ class AsyncClient(_ClientBase[AsyncIterator[Delta]]):
 
     async def cancel(self, request_id: str | None = None, session_id: int = 0) -> bool:
         request = pb.CancelRequest(request_id=request_id or "", session_id=session_id)
-        return (await self._inference.Cancel(request, timeout=self._timeout, metadata=self._session_metadata(session_id))).cancelled
+        return (
+            await self._inference.Cancel(request, timeout=self._timeout, metadata=self._session_metadata(session_id))
+        ).cancelled
 
     async def end(self, session_id: int) -> None:
-        await self._inference.End(pb.EndRequest(session_id=session_id), timeout=self._timeout, metadata=self._session_metadata(session_id))
+        await self._inference.End(
+            pb.EndRequest(session_id=session_id), timeout=self._timeout, metadata=self._session_metadata(session_id)
+        )
 
     async def info(self) -> pb.InfoResponse:
         return await self._inference.Info(pb.InfoRequest(), timeout=self._timeout, metadata=self._inference_metadata)
 
     async def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
         request = pb.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
-        return list((await self._inference.Tokenize(request, timeout=self._timeout, metadata=self._inference_metadata)).token_ids)
+        return list(
+            (
+                await self._inference.Tokenize(request, timeout=self._timeout, metadata=self._inference_metadata)
+            ).token_ids
+        )
 
     async def sleep(self, level: int = 1) -> None:
         await self._admin.Sleep(pb.SleepRequest(level=level), timeout=self._timeout, metadata=self._admin_metadata)
 
     async def wakeup(self, tags: Iterable[str] = ()) -> pb.WakeupResponse:
-        return await self._admin.Wakeup(pb.WakeupRequest(tags=tags), timeout=self._timeout, metadata=self._admin_metadata)
+        return await self._admin.Wakeup(
+            pb.WakeupRequest(tags=tags), timeout=self._timeout, metadata=self._admin_metadata
+        )
 
     async def update_weights(self, path: str) -> None:
         request = pb.UpdateWeightsRequest(path=path)
@@ -335,8 +390,9 @@ class _SessionBase(Generic[StreamT]):
     turn whose tokens are those of a stateless request over the whole conversation. Its turns must all be of
     one kind (prompts, messages or token ids)."""
 
-    def __init__(self, client: _ClientBase[StreamT], session_id: int, epoch: int | None = None,
-                 resume: bool = False) -> None:
+    def __init__(
+        self, client: _ClientBase[StreamT], session_id: int, epoch: int | None = None, resume: bool = False
+    ) -> None:
         self.client = client
         self.id = session_id
         self.epoch = epoch  # the copy of the session this one's turns are for (None: any)
@@ -361,12 +417,20 @@ class _SessionBase(Generic[StreamT]):
         unfinished (a `break` that kept it), is closed first, which cancels that turn; one that another thread
         or task is still reading makes this turn FAILED_PRECONDITION."""
         if self.history is None:
-            request = generate_request(prompt, messages=messages, token_ids=token_ids, session_id=self.id,
-                                       request_id=request_id, session_epoch=self.epoch, **sampling)
+            request = generate_request(
+                prompt,
+                messages=messages,
+                token_ids=token_ids,
+                session_id=self.id,
+                request_id=request_id,
+                session_epoch=self.epoch,
+                **sampling,
+            )
             start = functools.partial(self.client._send, request)
         else:
-            start = functools.partial(self._resumable, self.history.turn_input(prompt, messages, token_ids),
-                                      request_id, sampling)
+            start = functools.partial(
+                self._resumable, self.history.turn_input(prompt, messages, token_ids), request_id, sampling
+            )
         return self._after(start)
 
     @abc.abstractmethod
@@ -400,8 +464,9 @@ class Session(_SessionBase[Iterator[Delta]]):
             self._stale = False
             stream = self._reopened(turn, request_id, sampling, deltas)
         else:
-            stream = self.client.generate(**turn, session_id=self.id, request_id=request_id,
-                                          session_epoch=self.epoch, **sampling)
+            stream = self.client.generate(
+                **turn, session_id=self.id, request_id=request_id, session_epoch=self.epoch, **sampling
+            )
             try:
                 deltas.append(next(stream))
             except grpc.RpcError as err:
@@ -426,12 +491,14 @@ class Session(_SessionBase[Iterator[Delta]]):
             if kept:
                 self.history.record(turn, deltas)
 
-    def _reopened(self, turn: dict[str, Any], request_id: str, sampling: dict[str, Any],
-                  deltas: list[Delta]) -> Iterator[Delta]:
+    def _reopened(
+        self, turn: dict[str, Any], request_id: str, sampling: dict[str, Any], deltas: list[Delta]
+    ) -> Iterator[Delta]:
         """The session started again, its turn sent after the whole conversation; its first delta in `deltas`."""
         _, self.epoch = self.client._start(self.id)
-        stream = self.client.generate(**self.history.replay(turn), session_id=self.id, request_id=request_id,
-                                      session_epoch=self.epoch, **sampling)
+        stream = self.client.generate(
+            **self.history.replay(turn), session_id=self.id, request_id=request_id, session_epoch=self.epoch, **sampling
+        )
         try:
             deltas.append(next(stream))
         except BaseException:  # the reopened session is empty: end it, so the next turn replays again
@@ -477,8 +544,9 @@ class AsyncSession(_SessionBase[AsyncIterator[Delta]]):
             self._stale = False
             stream = await self._reopened(turn, request_id, sampling, deltas)
         else:
-            stream = self.client.generate(**turn, session_id=self.id, request_id=request_id,
-                                          session_epoch=self.epoch, **sampling)
+            stream = self.client.generate(
+                **turn, session_id=self.id, request_id=request_id, session_epoch=self.epoch, **sampling
+            )
             try:
                 deltas.append(await anext(stream))
             except grpc.aio.AioRpcError as err:
@@ -503,11 +571,13 @@ class AsyncSession(_SessionBase[AsyncIterator[Delta]]):
             if kept:
                 self.history.record(turn, deltas)
 
-    async def _reopened(self, turn: dict[str, Any], request_id: str, sampling: dict[str, Any],
-                        deltas: list[Delta]) -> AsyncIterator[Delta]:
+    async def _reopened(
+        self, turn: dict[str, Any], request_id: str, sampling: dict[str, Any], deltas: list[Delta]
+    ) -> AsyncIterator[Delta]:
         _, self.epoch = await self.client._start(self.id)
-        stream = self.client.generate(**self.history.replay(turn), session_id=self.id, request_id=request_id,
-                                      session_epoch=self.epoch, **sampling)
+        stream = self.client.generate(
+            **self.history.replay(turn), session_id=self.id, request_id=request_id, session_epoch=self.epoch, **sampling
+        )
         try:
             deltas.append(await anext(stream))
         except BaseException:

@@ -1,5 +1,6 @@
 """A session's conversation kept on the client, so a resumable session can start again on another replica
 (its own went away) and replay what was said as the prefix of its next turn."""
+
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
@@ -20,10 +21,13 @@ class History:
         self.messages: list[dict[str, str]] = []
         self.token_ids: list[int] = []
 
-    def turn_input(self, prompt: str | None, messages: Sequence[Mapping[str, str]] | None,
-                   token_ids: Sequence[int] | None) -> dict[str, Any]:
+    def turn_input(
+        self, prompt: str | None, messages: Sequence[Mapping[str, str]] | None, token_ids: Sequence[int] | None
+    ) -> dict[str, Any]:
         """This turn's input as `generate` keywords, after checking it is of the session's kind."""
-        given = {k: v for k, v in (("prompt", prompt), ("messages", messages), ("token_ids", token_ids)) if v is not None}
+        given = {
+            k: v for k, v in (("prompt", prompt), ("messages", messages), ("token_ids", token_ids)) if v is not None
+        }
         kind = next(iter(given), None)
         if len(given) == 1 and self.kind not in (None, kind):
             raise ValueError(f"a resumable session keeps one kind of input: its turns are {self.kind}, not {kind}")

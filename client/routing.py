@@ -1,5 +1,6 @@
 """Client-side routing over several replicas without a proxy: one channel whose calls grpcio spreads by ring
 hash on `x-session-id` (gRFC A76), so a session's calls reach one replica and stateless calls go anywhere."""
+
 from __future__ import annotations
 
 import ipaddress
@@ -12,8 +13,12 @@ from typing import Sequence
 RING_HASH_FLAG = "GRPC_EXPERIMENTAL_RING_HASH_SET_REQUEST_HASH_KEY"
 # Each replica's health is watched (the Inference service's: NOT_SERVING while asleep or draining), and the
 # ring hash skips a replica that is not serving, as a proxy's health checks do.
-SERVICE_CONFIG = json.dumps({"loadBalancingConfig": [{"ring_hash_experimental": {"requestHashHeader": "x-session-id"}}],
-                             "healthCheckConfig": {"serviceName": "lmgate.v1.Inference"}})
+SERVICE_CONFIG = json.dumps(
+    {
+        "loadBalancingConfig": [{"ring_hash_experimental": {"requestHashHeader": "x-session-id"}}],
+        "healthCheckConfig": {"serviceName": "lmgate.v1.Inference"},
+    }
+)
 
 Target = str | Sequence[str]
 

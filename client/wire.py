@@ -1,4 +1,5 @@
 """Python values to lmgate messages and back: pure functions shared by `Client` and `AsyncClient`."""
+
 from __future__ import annotations
 
 import secrets
@@ -15,9 +16,9 @@ SAMPLING_FIELDS = frozenset(pb.SamplingParams.DESCRIPTOR.fields_by_name)
 # What each integer type of a proto field holds: protobuf refuses a value beyond it with a bare "Value out of
 # range" that names neither the field nor its range.
 _INT_RANGES = {
-    FieldDescriptor.CPPTYPE_INT32: (-2**31, 2**31 - 1),
+    FieldDescriptor.CPPTYPE_INT32: (-(2**31), 2**31 - 1),
     FieldDescriptor.CPPTYPE_UINT32: (0, 2**32 - 1),
-    FieldDescriptor.CPPTYPE_INT64: (-2**63, 2**63 - 1),
+    FieldDescriptor.CPPTYPE_INT64: (-(2**63), 2**63 - 1),
     FieldDescriptor.CPPTYPE_UINT64: (0, 2**64 - 1),
 }
 
@@ -64,7 +65,9 @@ def sampling_params(**sampling: Any) -> pb.SamplingParams:
     """
     unknown = sorted(set(sampling) - SAMPLING_FIELDS)
     if unknown:
-        raise TypeError(f"unknown sampling parameter(s): {', '.join(unknown)}; expected some of {sorted(SAMPLING_FIELDS)}")
+        raise TypeError(
+            f"unknown sampling parameter(s): {', '.join(unknown)}; expected some of {sorted(SAMPLING_FIELDS)}"
+        )
     fields = pb.SamplingParams.DESCRIPTOR.fields_by_name
     values = {}
     for name, value in sampling.items():
@@ -101,11 +104,16 @@ def generate_request(
 ) -> pb.GenerateRequest:
     """The GenerateRequest for exactly one input: a text prompt, chat messages ({"role", "content"} dicts,
     rendered by the server's chat template) or token ids. Raises TypeError for none or several inputs."""
-    given = [name for name, value in (("prompt", prompt), ("messages", messages), ("token_ids", token_ids)) if value is not None]
+    given = [
+        name
+        for name, value in (("prompt", prompt), ("messages", messages), ("token_ids", token_ids))
+        if value is not None
+    ]
     if len(given) != 1:
         raise TypeError(f"generate() takes exactly one of prompt, messages, token_ids; got {given or 'none'}")
-    request = pb.GenerateRequest(session_id=session_id, request_id=request_id, session_epoch=session_epoch,
-                                 sampling=sampling_params(**sampling))
+    request = pb.GenerateRequest(
+        session_id=session_id, request_id=request_id, session_epoch=session_epoch, sampling=sampling_params(**sampling)
+    )
     if prompt is not None:
         request.prompt = prompt
     elif messages is not None:
@@ -123,15 +131,9 @@ def to_delta(response: pb.GenerateResponse) -> Delta:
         session_id=response.session_id,
         token_ids=list(response.token_ids),
         text=response.text,
-        logprobs=[
-            {**_logprob(lp), "top": [_logprob(t) for t in lp.top]} for lp in response.logprobs
-        ],
+        logprobs=[{**_logprob(lp), "top": [_logprob(t) for t in lp.top]} for lp in response.logprobs],
         finish_reason=_FINISH_REASONS.get(response.finish_reason),
-        usage=(
-            {f: getattr(response.usage, f) for f in _USAGE_FIELDS}
-            if response.HasField("usage")
-            else None
-        ),
+        usage=({f: getattr(response.usage, f) for f in _USAGE_FIELDS} if response.HasField("usage") else None),
     )
 
 

@@ -6,6 +6,7 @@ wait for a thread the neighbour has displaced: 64 streams fell from 198 to 86 to
 193 to 77 (libgomp's default), where sleeping waiters kept 144 of 181 and 162 of 207. The price, on an
 idle machine, was 1-8% in those runs. libgomp reads the variable once, when torch loads it.
 """
+
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -13,8 +14,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The public names, imported when first asked for (`from lmgate.engine import Engine`): importing a submodule
 # (`lmgate.engine.errors`) does not build the whole engine.
 _PUBLIC = {
-    "Engine": "engine", "EngineConfig": "config", "SamplingParams": "sampling.sampler",
-    "RequestOutput": "gateway.request", "FinishReason": "gateway.request", "EngineError": "errors",
+    "Engine": "engine",
+    "EngineConfig": "config",
+    "SamplingParams": "sampling.sampler",
+    "RequestOutput": "gateway.request",
+    "FinishReason": "gateway.request",
+    "EngineError": "errors",
 }
 __all__ = sorted(_PUBLIC)
 

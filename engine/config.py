@@ -1,4 +1,5 @@
 """Model and engine configuration: fixed inputs, read once at start-up."""
+
 from __future__ import annotations
 
 import math
@@ -123,7 +124,9 @@ class EngineConfig:
     dtype: str = "auto"  # hardware.choose_dtype: bfloat16 where the device computes it natively, else float32
     device: str = "cpu"
     kv_cache_tokens: int = 0  # per engine loop; 0: auto (kv_cache.auto_kv_cache_tokens)
-    gpu_memory_utilization: float = 0.9  # CUDA, auto KV cache: the share of the GPU weights, KV and activations may take
+    gpu_memory_utilization: float = (
+        0.9  # CUDA, auto KV cache: the share of the GPU weights, KV and activations may take
+    )
     kv_cache_dtype: str = "auto"  # of KV_CACHE_DTYPES: auto keeps the model's dtype (kv_cache.kv_cache_dtype)
     block_size: int = 16
     max_batch_size: int = 64
@@ -140,10 +143,16 @@ class EngineConfig:
     stream_interval: int = 1  # tokens a stream's output gathers before it is sent (the first and the last go at once)
     max_queued_requests: int = 1024  # per engine loop; a generate beyond it is RESOURCE_EXHAUSTED
     attention_kernel: bool = True  # CPU decode and prefill attention in C++ (built on first use), else torch ops
-    weights: str = "auto"  # of WEIGHT_MODES: a GGUF's quantized matrices kept as blocks on the CPU (weights.keep_quantized)
+    weights: str = (
+        "auto"  # of WEIGHT_MODES: a GGUF's quantized matrices kept as blocks on the CPU (weights.keep_quantized)
+    )
     int8_activations: bool = False  # quantized weights: every step rounds x to int8 (changes the numbers)
-    cuda_graphs: bool = True  # CUDA: decode steps replayed from graphs per batch-size bucket (not under tensor parallelism)
-    overlap_scheduling: str = "auto"  # of OVERLAP_MODES: launch a step before reading the last one's draws (auto: on CUDA)
+    cuda_graphs: bool = (
+        True  # CUDA: decode steps replayed from graphs per batch-size bucket (not under tensor parallelism)
+    )
+    overlap_scheduling: str = (
+        "auto"  # of OVERLAP_MODES: launch a step before reading the last one's draws (auto: on CUDA)
+    )
     prefix_caching: bool = True  # full KV blocks shared by prompts that start with the same tokens
     threads: int = 0  # torch threads over all engine loops; 0: the CPUs this process may use (threads.py)
 
@@ -161,8 +170,16 @@ class EngineConfig:
         return auto or self.dp_backend == "process" or self.tensor_parallel > 1 or self.nnodes > 1
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_batch_size", "max_batched_tokens", "engine_loops", "tensor_parallel",
-                     "default_max_new_tokens", "max_queued_requests", "stream_interval"):
+        for name in (
+            "block_size",
+            "max_batch_size",
+            "max_batched_tokens",
+            "engine_loops",
+            "tensor_parallel",
+            "default_max_new_tokens",
+            "max_queued_requests",
+            "stream_interval",
+        ):
             if getattr(self, name) < 1:
                 raise InvalidRequest(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.weights not in WEIGHT_MODES:
@@ -170,27 +187,39 @@ class EngineConfig:
         if self.int8_activations and self.weights == "float":
             raise InvalidRequest("int8 activations run on quantized weights: they cannot be had with weights float")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise InvalidRequest(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+            raise InvalidRequest(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
         if self.overlap_scheduling not in OVERLAP_MODES:
-            raise InvalidRequest(f"overlap_scheduling must be one of {', '.join(OVERLAP_MODES)}, got {self.overlap_scheduling!r}")
+            raise InvalidRequest(
+                f"overlap_scheduling must be one of {', '.join(OVERLAP_MODES)}, got {self.overlap_scheduling!r}"
+            )
         if self.dp_backend not in DP_BACKEND_MODES:
             raise InvalidRequest(f"dp_backend must be one of {', '.join(DP_BACKEND_MODES)}, got {self.dp_backend!r}")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
-            raise InvalidRequest(f"node_rank must be 0..{self.nnodes - 1} of nnodes {self.nnodes}, got {self.node_rank}")
+            raise InvalidRequest(
+                f"node_rank must be 0..{self.nnodes - 1} of nnodes {self.nnodes}, got {self.node_rank}"
+            )
         if not 0 <= self.master_port <= 65535:
             raise InvalidRequest(f"master_port must be 0..65535, got {self.master_port}")
         if self.nnodes > 1:
             if not self.master_port:
                 raise InvalidRequest("more than one node needs a master_port the other nodes can find")
             if self.node_rank == 0 and self.world_size % self.nnodes:  # other nodes take node 0's ranks
-                raise InvalidRequest(f"the {self.world_size} ranks (engine_loops x tensor_parallel) do not spread "
-                                     f"evenly over {self.nnodes} nodes")
+                raise InvalidRequest(
+                    f"the {self.world_size} ranks (engine_loops x tensor_parallel) do not spread "
+                    f"evenly over {self.nnodes} nodes"
+                )
         if self.threads < 0:
             raise InvalidRequest(f"threads must be 0 (all available CPUs) or more, got {self.threads}")
         if self.kv_cache_tokens < 0:
-            raise InvalidRequest(f"kv_cache_tokens must be 0 (auto) or at least {self.block_size}, got {self.kv_cache_tokens}")
+            raise InvalidRequest(
+                f"kv_cache_tokens must be 0 (auto) or at least {self.block_size}, got {self.kv_cache_tokens}"
+            )
         if self.kv_cache_tokens and self.kv_cache_tokens < self.block_size:
-            raise InvalidRequest(f"kv_cache_tokens ({self.kv_cache_tokens}) must hold one block of {self.block_size} "
-                                 "(0: sized automatically)")
+            raise InvalidRequest(
+                f"kv_cache_tokens ({self.kv_cache_tokens}) must hold one block of {self.block_size} "
+                "(0: sized automatically)"
+            )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise InvalidRequest(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

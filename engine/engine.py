@@ -1,4 +1,5 @@
 """The engine as a Python library: load a model, start the engine loops, submit, stream, cancel."""
+
 from __future__ import annotations
 
 import contextlib
@@ -35,9 +36,18 @@ log = logging.getLogger(__name__)
 Prompt = str | list[int] | list[chat.Message]  # text, token ids, or chat messages
 
 SLEEP_TAGS = ("weights", "kv_cache")
-SHAPE_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                "num_kv_heads", "head_dim", "attention_bias", "qk_norm")
-
+SHAPE_FIELDS = (
+    "architecture",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "attention_bias",
+    "qk_norm",
+)
 
 
 @dataclass(slots=True)
@@ -106,13 +116,16 @@ class Engine:
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype, self.device)
         processes = config.rank_processes
         if processes:
-            check_placement(config.device, config.tensor_parallel, config.world_size // config.nnodes,
-                            torch.cuda.device_count())
+            check_placement(
+                config.device, config.tensor_parallel, config.world_size // config.nnodes, torch.cuda.device_count()
+            )
         ckpt = checkpoint or on_fresh_thread(lambda: load_checkpoint(config.model, weights=not processes))
         self.model_path, self.model_config, self.tokenizer = ckpt.path, ckpt.config, ckpt.tokenizer
         # The ids a request may use: both the tokenizer and the model's embedding must know them.
         self.vocab_size = min(ckpt.tokenizer.vocab_size, ckpt.config.vocab_size)
-        self.sleeping: set[str] = set()  # of SLEEP_TAGS, asleep or partly (a Sleep failed on the way); under _admin_lock
+        self.sleeping: set[str] = (
+            set()
+        )  # of SLEEP_TAGS, asleep or partly (a Sleep failed on the way); under _admin_lock
         self._slept: set[str] = set()  # of those, the ones whose Sleep completed (a Sleep again leaves them be)
         self._admin_lock = threading.Lock()  # serializes sleep / wakeup / update_weights; loops never take it
         # Sleep calls that have closed admission and not yet ended: a Wakeup ending meanwhile must not reopen it.
@@ -128,9 +141,14 @@ class Engine:
             config.kv_cache_tokens // config.block_size * config.block_size,
         )
         if (config.max_context_length or 0) > self.max_context_length:
-            log.warning("max_context_length %d is past what can be served: the context is %d tokens (the model "
-                        "takes %d, the KV cache holds %d)", config.max_context_length, self.max_context_length,
-                        ckpt.config.max_position_embeddings, config.kv_cache_tokens)
+            log.warning(
+                "max_context_length %d is past what can be served: the context is %d tokens (the model "
+                "takes %d, the KV cache holds %d)",
+                config.max_context_length,
+                self.max_context_length,
+                ckpt.config.max_position_embeddings,
+                config.kv_cache_tokens,
+            )
         self.kv_bytes_per_token = kv_bytes_per_token(ckpt.config, self.kv_dtype)
         # Loops step in parallel: sharing the CPUs beats each loop's pool competing for all of them.
         self.num_threads = config.threads or available_cpus()
@@ -139,8 +157,13 @@ class Engine:
             shard_of(ckpt.config, rank, config.tensor_parallel)
         if processes:  # the dtype chosen here for every rank: GPUs of other generations would choose apart
             rank_config = dataclasses.replace(config, dtype=str(self.dtype).removeprefix("torch."))
-            self.ranks: Ranks = ProcessRanks(rank_config, ckpt.path, self.max_context_length, self.threads_per_loop,
-                                             logging.getLogger().getEffectiveLevel())
+            self.ranks: Ranks = ProcessRanks(
+                rank_config,
+                ckpt.path,
+                self.max_context_length,
+                self.threads_per_loop,
+                logging.getLogger().getEffectiveLevel(),
+            )
         else:
             self.ranks = ThreadRanks(config, ckpt, self.dtype, self.max_context_length, self.threads_per_loop)
         del ckpt, checkpoint  # the raw weights: the model holds what it needs
@@ -172,9 +195,14 @@ class Engine:
         if self.device.type != "cpu" or self.dtype != torch.bfloat16 or cpu_features().native_bf16:
             return
         fp32, bf16 = on_fresh_thread(lambda: (matmul_gflops(torch.float32), matmul_gflops(torch.bfloat16)))
-        log.warning("bfloat16 on %s, which has no bf16 arithmetic in hardware: matmuls measured %.0f GFLOP/s "
-                    "against %.0f in float32 (%.1fx slower); --dtype auto would choose float32",
-                    cpu_features().name, bf16, fp32, fp32 / max(bf16, 1e-9))
+        log.warning(
+            "bfloat16 on %s, which has no bf16 arithmetic in hardware: matmuls measured %.0f GFLOP/s "
+            "against %.0f in float32 (%.1fx slower); --dtype auto would choose float32",
+            cpu_features().name,
+            bf16,
+            fp32,
+            fp32 / max(bf16, 1e-9),
+        )
         self.dtype_reason += f", emulated on this CPU ({fp32 / max(bf16, 1e-9):.1f}x slower matmuls than float32)"
 
     # requests ----------------------------------------------------------------------------------------------
@@ -232,7 +260,13 @@ class Engine:
         self._check_request(max(ids, first_turn_ids, key=len), params)
         stream = None if on_output else Stream(self)
         request = Request(
-            RequestKind.GENERATE, session_id, on_output or stream.put, request_id, ids, params, stateless=not session_id,
+            RequestKind.GENERATE,
+            session_id,
+            on_output or stream.put,
+            request_id,
+            ids,
+            params,
+            stateless=not session_id,
             session_epoch=session_epoch,
         )
         request.first_turn_ids = first_turn_ids
@@ -254,7 +288,9 @@ class Engine:
                 f"{len(ids)} prompt tokens + {least} new tokens exceed the context window of {self.max_context_length} tokens"
             )
         if len(ids) >= self.max_context_length:
-            raise ContextOverflow(f"{len(ids)} prompt tokens leave no room in the context window of {self.max_context_length} tokens")
+            raise ContextOverflow(
+                f"{len(ids)} prompt tokens leave no room in the context window of {self.max_context_length} tokens"
+            )
 
     def generate(self, prompt: Prompt, params: SamplingParams | None = None, **kw) -> RequestOutput:
         """Run one request to the end; the merged output (all tokens and text, last finish reason and usage)."""
@@ -408,8 +444,10 @@ class Engine:
             new = read_config(path)
             _check_same_shape(new, self.model_config)
             if new.max_position_embeddings < self.max_context_length:
-                raise UnsupportedModel(f"checkpoint takes {new.max_position_embeddings} tokens of context, fewer "
-                                       f"than the {self.max_context_length} served: start a server with it instead")
+                raise UnsupportedModel(
+                    f"checkpoint takes {new.max_position_embeddings} tokens of context, fewer "
+                    f"than the {self.max_context_length} served: start a server with it instead"
+                )
             self.ranks.load_weights(path)
             self.model_path, self.model_config = path, new
 
@@ -436,6 +474,8 @@ class Engine:
 
 
 def _check_same_shape(new: ModelConfig, served: ModelConfig) -> None:
-    diff = [f"{f}: {getattr(new, f)} != {getattr(served, f)}" for f in SHAPE_FIELDS if getattr(new, f) != getattr(served, f)]
+    diff = [
+        f"{f}: {getattr(new, f)} != {getattr(served, f)}" for f in SHAPE_FIELDS if getattr(new, f) != getattr(served, f)
+    ]
     if diff:
         raise UnsupportedModel(f"checkpoint does not match the served model ({'; '.join(diff)})")

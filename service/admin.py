@@ -1,4 +1,5 @@
 """The Admin service: sleep, wake-up and weight updates, each a blocking engine call run off the event loop."""
+
 from __future__ import annotations
 
 import asyncio
@@ -21,7 +22,10 @@ log = logging.getLogger(__name__)
 
 class AdminServicer(pb_grpc.AdminServicer):
     def __init__(
-        self, engine: Engine, metrics: Metrics, admin_token: str | None,
+        self,
+        engine: Engine,
+        metrics: Metrics,
+        admin_token: str | None,
         on_state_change: Callable[[bool], Awaitable[None]],
     ) -> None:
         self.engine = engine
@@ -32,14 +36,20 @@ class AdminServicer(pb_grpc.AdminServicer):
         self._sleeps_pending = 0  # Sleep calls not yet done; read and written on the event loop only
 
     async def Sleep(self, request: pb.SleepRequest, context: grpc.aio.ServicerContext) -> pb.SleepResponse:
-        await self._run(context, self.engine.sleep, request.level, lambda: self._transition(f"sleep_level_{request.level}"),
-                        closes_admission=request.level in (1, 2))
+        await self._run(
+            context,
+            self.engine.sleep,
+            request.level,
+            lambda: self._transition(f"sleep_level_{request.level}"),
+            closes_admission=request.level in (1, 2),
+        )
         return pb.SleepResponse()
 
     async def Wakeup(self, request: pb.WakeupRequest, context: grpc.aio.ServicerContext) -> pb.WakeupResponse:
         transition = "wakeup_" + ("_".join(sorted(set(request.tags))) or "all")  # one series per set of tags
-        restored, still_asleep = await self._run(context, self.engine.wakeup, list(request.tags),
-                                                 lambda: self._transition(transition))
+        restored, still_asleep = await self._run(
+            context, self.engine.wakeup, list(request.tags), lambda: self._transition(transition)
+        )
         return pb.WakeupResponse(restored=restored, still_asleep=still_asleep)
 
     def _transition(self, name: str) -> None:
@@ -52,8 +62,14 @@ class AdminServicer(pb_grpc.AdminServicer):
         await self._run(context, self.engine.update_weights, request.path, self.metrics.weight_updates.inc)
         return pb.UpdateWeightsResponse()
 
-    async def _run(self, context: grpc.aio.ServicerContext, call: Callable[[Any], Any], arg: Any,
-                   count: Callable[[], None], closes_admission: bool = False) -> Any:
+    async def _run(
+        self,
+        context: grpc.aio.ServicerContext,
+        call: Callable[[Any], Any],
+        arg: Any,
+        count: Callable[[], None],
+        closes_admission: bool = False,
+    ) -> Any:
         """The engine call's result; a refusal or failure aborts the RPC with its status."""
         denial = admin_denial(context, self.admin_token)
         if denial is not None:
@@ -69,8 +85,9 @@ class AdminServicer(pb_grpc.AdminServicer):
         except Exception as exc:  # a bug (logged by `_forget`): say INTERNAL with its cause, never UNKNOWN
             await abort(context, InternalError(f"{call.__name__} failed: {exc}"))
 
-    async def _complete(self, call: Callable[[Any], Any], arg: Any, count: Callable[[], None],
-                        closes_admission: bool) -> Any:
+    async def _complete(
+        self, call: Callable[[Any], Any], arg: Any, count: Callable[[], None], closes_admission: bool
+    ) -> Any:
         """The engine call to its end, whether or not its caller still waits: health and the counters then
         say what the engine did, not what the caller saw (and a Sleep still to run counts as asleep)."""
         try:

@@ -1,4 +1,5 @@
 """Who may call the Admin service: the bearer of the admin token, or, with none configured, loopback peers."""
+
 from __future__ import annotations
 
 import hmac
@@ -17,7 +18,7 @@ def is_loopback_peer(peer: str) -> bool:
         return True
     for prefix in ("ipv4:", "ipv6:"):
         if peer.startswith(prefix):
-            host = peer[len(prefix):].rsplit(":", 1)[0].strip("[]")
+            host = peer[len(prefix) :].rsplit(":", 1)[0].strip("[]")
             try:
                 return ipaddress.ip_address(host).is_loopback
             except ValueError:
@@ -42,7 +43,10 @@ def admin_denial(context: grpc.aio.ServicerContext, token: str | None) -> tuple[
     if token is None:
         if is_loopback_peer(context.peer()):
             return None
-        return grpc.StatusCode.PERMISSION_DENIED, "Admin calls are accepted from loopback only unless --admin-token is set"
+        return (
+            grpc.StatusCode.PERMISSION_DENIED,
+            "Admin calls are accepted from loopback only unless --admin-token is set",
+        )
     sent = bearer_token(context.invocation_metadata())
     if sent is None:
         return grpc.StatusCode.UNAUTHENTICATED, "Admin calls need 'authorization: Bearer <token>' metadata"
@@ -55,8 +59,12 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Inference calls must carry 'authorization: Bearer <api key>' (compared in constant time); Admin has
     its own token, and health and reflection stay open for load balancers and tools."""
 
-    def __init__(self, api_key: str, service: str,
-                 on_refused: Callable[[str, Any, grpc.aio.ServicerContext], None] = lambda *_: None) -> None:
+    def __init__(
+        self,
+        api_key: str,
+        service: str,
+        on_refused: Callable[[str, Any, grpc.aio.ServicerContext], None] = lambda *_: None,
+    ) -> None:
         """`on_refused(method, request, context)`: told of each call refused, to count and log it."""
         self._api_key = api_key
         self._prefix = f"/{service}/"
@@ -76,5 +84,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
         if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(refuse, handler.request_deserializer, handler.response_serializer)
+            return grpc.unary_stream_rpc_method_handler(
+                refuse, handler.request_deserializer, handler.response_serializer
+            )
         return grpc.unary_unary_rpc_method_handler(refuse, handler.request_deserializer, handler.response_serializer)

@@ -1,4 +1,5 @@
 """Protobuf messages to engine values and back; validation of what only the wire can get wrong."""
+
 from __future__ import annotations
 
 from typing import Callable
@@ -73,5 +74,7 @@ def merge(outputs: list[RequestOutput], token_text: Callable[[int], str]) -> pb.
                 top=[pb.TopLogprob(token_id=t, logprob=v, token=token_text(t)) for t, v in lp.top],
             )
     if last.usage is not None:
-        msg.usage.CopyFrom(pb.Usage(**{f: getattr(last.usage, f) for f in ("prompt_tokens", "completion_tokens", "cached_tokens")}))
+        msg.usage.CopyFrom(
+            pb.Usage(**{f: getattr(last.usage, f) for f in ("prompt_tokens", "completion_tokens", "cached_tokens")})
+        )
     return msg

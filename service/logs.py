@@ -1,4 +1,5 @@
 """Logging set-up for `lmgate serve`: plain lines for a terminal, or one JSON object per line for shippers."""
+
 from __future__ import annotations
 
 import json

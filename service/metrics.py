@@ -3,6 +3,7 @@
 Names follow Prometheus' conventions and the series vLLM users look for: counters end in `_total`, gauges
 do not, durations are histograms in seconds, and every lmgate series has a `model_name` label.
 """
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -45,29 +46,54 @@ class Metrics:
 
         self.requests = counter("lmgate_requests", "Finished Generate streams, by finish reason", "reason")
         self.refusals = counter("lmgate_refused_requests", "Generate calls refused before queueing, by status", "code")
-        self.prompt_tokens = counter("lmgate_prompt_tokens", "Prompt tokens of finished requests").labels(self.model_name)
-        self.output_tokens = counter("lmgate_output_tokens", "Generated tokens streamed to clients").labels(self.model_name)
+        self.prompt_tokens = counter("lmgate_prompt_tokens", "Prompt tokens of finished requests").labels(
+            self.model_name
+        )
+        self.output_tokens = counter("lmgate_output_tokens", "Generated tokens streamed to clients").labels(
+            self.model_name
+        )
         self.sessions_started = counter("lmgate_sessions_started", "Sessions opened by Start").labels(self.model_name)
         self.sessions_ended = counter("lmgate_sessions_ended", "End calls completed").labels(self.model_name)
-        self.sessions_expired = counter("lmgate_sessions_expired", "Sessions ended after --session-idle-timeout "
-                                        "without a turn").labels(self.model_name)
+        self.sessions_expired = counter(
+            "lmgate_sessions_expired", "Sessions ended after --session-idle-timeout without a turn"
+        ).labels(self.model_name)
         self.sleep_transitions = counter("lmgate_sleep_transitions", "Completed Sleep and Wakeup calls", "transition")
         self.weight_updates = counter("lmgate_weight_updates", "Completed UpdateWeights calls").labels(self.model_name)
-        self.ttft = histogram("lmgate_time_to_first_token_seconds", "From the Generate call to its first token", LATENCY_BUCKETS)
-        self.itl = histogram("lmgate_inter_token_latency_seconds", "Between two messages of a stream (tokens merged "
-                             "while a client is slow, or gathered by --stream-interval, arrive as one)", LATENCY_BUCKETS)
-        self.tpot = histogram("lmgate_time_per_output_token_seconds", "A request's decode time per token after "
-                              "the first", LATENCY_BUCKETS)
-        self.e2e = histogram("lmgate_e2e_request_latency_seconds", "From the Generate call to its last message", LATENCY_BUCKETS)
-        self.queue_time = histogram("lmgate_request_queue_time_seconds", "From submission until the request first "
-                                    "ran in a batch", LATENCY_BUCKETS)
+        self.ttft = histogram(
+            "lmgate_time_to_first_token_seconds", "From the Generate call to its first token", LATENCY_BUCKETS
+        )
+        self.itl = histogram(
+            "lmgate_inter_token_latency_seconds",
+            "Between two messages of a stream (tokens merged "
+            "while a client is slow, or gathered by --stream-interval, arrive as one)",
+            LATENCY_BUCKETS,
+        )
+        self.tpot = histogram(
+            "lmgate_time_per_output_token_seconds", "A request's decode time per token after the first", LATENCY_BUCKETS
+        )
+        self.e2e = histogram(
+            "lmgate_e2e_request_latency_seconds", "From the Generate call to its last message", LATENCY_BUCKETS
+        )
+        self.queue_time = histogram(
+            "lmgate_request_queue_time_seconds",
+            "From submission until the request first ran in a batch",
+            LATENCY_BUCKETS,
+        )
         self.prompt_len = histogram("lmgate_request_prompt_tokens", "Prompt tokens per finished request", TOKEN_BUCKETS)
-        self.output_len = histogram("lmgate_request_generation_tokens", "Generated tokens per finished request", TOKEN_BUCKETS)
-        self.active_streams = Gauge("lmgate_active_streams", "Generate streams open now", model, registry=r).labels(self.model_name)
-        Info("lmgate_build", "Versions of lmgate and what it runs on", registry=r).info({
-            "model_name": self.model_name, "version": _version(), "torch": torch.__version__,
-            "python": platform.python_version(),
-        })
+        self.output_len = histogram(
+            "lmgate_request_generation_tokens", "Generated tokens per finished request", TOKEN_BUCKETS
+        )
+        self.active_streams = Gauge("lmgate_active_streams", "Generate streams open now", model, registry=r).labels(
+            self.model_name
+        )
+        Info("lmgate_build", "Versions of lmgate and what it runs on", registry=r).info(
+            {
+                "model_name": self.model_name,
+                "version": _version(),
+                "torch": torch.__version__,
+                "python": platform.python_version(),
+            }
+        )
         r.register(EngineCollector(engine, self.model_name))
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
@@ -143,9 +169,14 @@ class EngineCollector(Collector):
         i = self.engine.info()
         gauges = {
             "lmgate_kv_cache_blocks": ("KV cache blocks over all engine loops", i.kv_blocks_total),
-            "lmgate_kv_cache_free_blocks": ("KV cache blocks no sequence or session holds (cached prefixes "
-                                            "included: they are evicted on demand)", i.kv_blocks_free),
-            "lmgate_kv_cache_usage_ratio": ("Share of KV cache blocks in use", 1 - i.kv_blocks_free / max(i.kv_blocks_total, 1)),
+            "lmgate_kv_cache_free_blocks": (
+                "KV cache blocks no sequence or session holds (cached prefixes included: they are evicted on demand)",
+                i.kv_blocks_free,
+            ),
+            "lmgate_kv_cache_usage_ratio": (
+                "Share of KV cache blocks in use",
+                1 - i.kv_blocks_free / max(i.kv_blocks_total, 1),
+            ),
             "lmgate_weights_bytes": ("Bytes of weights on the engine's device", i.weights_bytes),
             "lmgate_kv_cache_bytes": ("Bytes held for the KV cache", i.kv_cache_bytes),
             "lmgate_sessions_open": ("Open sessions", i.active_sessions),
@@ -157,7 +188,10 @@ class EngineCollector(Collector):
             yield self._family(GaugeMetricFamily, name, doc, value)
         counters = {
             "lmgate_preemptions": ("Sequences preempted for lack of KV blocks", i.preemptions),
-            "lmgate_prefix_cache_queries": ("Prompt tokens looked up in the prefix cache", i.prefix_cache_queried_tokens),
+            "lmgate_prefix_cache_queries": (
+                "Prompt tokens looked up in the prefix cache",
+                i.prefix_cache_queried_tokens,
+            ),
             "lmgate_prefix_cache_hits": ("Prompt tokens whose KV the prefix cache held", i.prefix_cache_hit_tokens),
         }
         for name, (doc, value) in counters.items():

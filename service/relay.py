@@ -1,4 +1,5 @@
 """`OutputRelay`: the engine's outputs, from its signal thread onto the gRPC event loop, one wake-up a burst."""
+
 from __future__ import annotations
 
 import asyncio

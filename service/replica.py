@@ -1,5 +1,6 @@
 """Which replica answered: the `x-lmgate-replica` header on every response of lmgate's own services, so a
 user behind a proxy can see where a call went."""
+
 from __future__ import annotations
 
 import socket
@@ -42,7 +43,9 @@ class ReplicaHeaderInterceptor(grpc.aio.ServerInterceptor):
                 finally:
                     await responses.aclose()  # its cleanup runs now, not when the collector finds it
 
-            return grpc.unary_stream_rpc_method_handler(stream, handler.request_deserializer, handler.response_serializer)
+            return grpc.unary_stream_rpc_method_handler(
+                stream, handler.request_deserializer, handler.response_serializer
+            )
         inner_unary = handler.unary_unary
 
         async def unary(request, context: grpc.aio.ServicerContext):

@@ -1,4 +1,5 @@
 """Building the gRPC server: services, health, reflection; and its graceful shutdown."""
+
 from __future__ import annotations
 
 import asyncio
@@ -46,8 +47,9 @@ class TlsFiles:
 
     def credentials(self) -> grpc.ServerCredentials:
         ca = _read(self.client_ca) if self.client_ca else None
-        return grpc.ssl_server_credentials([(_read(self.key), _read(self.cert))], root_certificates=ca,
-                                           require_client_auth=ca is not None)
+        return grpc.ssl_server_credentials(
+            [(_read(self.key), _read(self.cert))], root_certificates=ca, require_client_auth=ca is not None
+        )
 
 
 GENERATE = f"/{INFERENCE}/Generate"
@@ -80,8 +82,13 @@ class Server:
         interceptors = [ReplicaHeaderInterceptor(self.replica_id)]
         if api_key:
             interceptors.append(ApiKeyInterceptor(api_key, INFERENCE, self._refused))
-        self.grpc = grpc.aio.server(interceptors=interceptors, options=[
-            ("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_request_bytes(engine.max_context_length))])
+        self.grpc = grpc.aio.server(
+            interceptors=interceptors,
+            options=[
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_receive_message_length", max_request_bytes(engine.max_context_length)),
+            ],
+        )
         self.inference = InferenceServicer(engine, self.metrics, self.replica_id)
         pb_grpc.add_InferenceServicer_to_server(self.inference, self.grpc)
         admin = AdminServicer(engine, self.metrics, admin_token, self.refresh_health)
@@ -106,7 +113,9 @@ class Server:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self.engine.on_failure(lambda _: loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._engine_failed())))
+        self.engine.on_failure(
+            lambda _: loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._engine_failed()))
+        )
         await self.grpc.start()
         if not self.failed.is_set():  # else a rank died while this server was being built
             await self._set_health(health_pb2.HealthCheckResponse.SERVING)

@@ -1,4 +1,5 @@
 """The Inference service: each RPC validated, mapped onto the engine, and streamed back."""
+
 from __future__ import annotations
 
 import asyncio
@@ -83,17 +84,24 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             if request_id in self._requests or request_id in self._submitting:
                 raise InvalidRequest(f"request_id {request_id!r} is already in use by an active request")
             if len(request_id) > MAX_REQUEST_ID or not request_id.isprintable() or " " in request_id:
-                raise InvalidRequest(f"request_id must be at most {MAX_REQUEST_ID} characters, with no space or "
-                                     "control character")
+                raise InvalidRequest(
+                    f"request_id must be at most {MAX_REQUEST_ID} characters, with no space or control character"
+                )
             prompt = convert.prompt(request)
             params = convert.sampling_params(request.sampling)
             self._submitting[request_id] = request.session_id
             try:
-                engine_request = await self._submit(functools.partial(
-                    self.engine.submit, prompt, params, session_id=request.session_id, request_id=request_id,
-                    on_output=lambda out: relay.put(outputs, out),
-                    session_epoch=request.session_epoch if request.HasField("session_epoch") else None,
-                ))
+                engine_request = await self._submit(
+                    functools.partial(
+                        self.engine.submit,
+                        prompt,
+                        params,
+                        session_id=request.session_id,
+                        request_id=request_id,
+                        on_output=lambda out: relay.put(outputs, out),
+                        session_epoch=request.session_epoch if request.HasField("session_epoch") else None,
+                    )
+                )
             except asyncio.CancelledError:  # the client left while its prompt was encoded
                 log_access(request_id, request.session_id, peer, "CANCELLED")
                 raise
@@ -128,14 +136,18 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 log_access(request_id, request.session_id, peer, tracker.outcome, tracker)
             else:  # the client disconnected or its deadline passed, with the request still running
                 self.engine.cancel(engine_request)
-                ending = asyncio.ensure_future(self._end_dropped(request_id, request.session_id, peer, outputs, tracker))
+                ending = asyncio.ensure_future(
+                    self._end_dropped(request_id, request.session_id, peer, outputs, tracker)
+                )
                 self._dropped.add(ending)
                 ending.add_done_callback(self._dropped.discard)
 
-    async def _end_dropped(self, request_id: str, session_id: int, peer: str, outputs: asyncio.Queue[RequestOutput],
-                           tracker: StreamTracker) -> None:
+    async def _end_dropped(
+        self, request_id: str, session_id: int, peer: str, outputs: asyncio.Queue[RequestOutput], tracker: StreamTracker
+    ) -> None:
         """A stream whose client left: counted and logged once the engine has ended its request, whose last
         output says how long the prompt was (the id stays taken until then), or after DROPPED_WAIT seconds."""
+
         async def last_output() -> None:
             while True:
                 out = await outputs.get()
@@ -182,7 +194,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 target = self._requests.get(request.request_id)
                 cancelled = target is not None and self.engine.cancel(target)
             elif request.session_id:
-                cancelled = self.engine.cancel_session(request.session_id) or self._cancel_submitting(request.session_id)
+                cancelled = self.engine.cancel_session(request.session_id) or self._cancel_submitting(
+                    request.session_id
+                )
             else:
                 raise InvalidRequest("set request_id or session_id")
         except EngineError as exc:
@@ -251,11 +265,15 @@ def log_access(request_id: str, session_id: int, peer: str, outcome: str, t: Str
     if len(request_id) > MAX_REQUEST_ID:  # a refused one, which may be megabytes
         request_id = f"{request_id[:MAX_REQUEST_ID]}...({len(request_id)} characters)"
     fields = {
-        "request_id": request_id, "session_id": session_id, "peer": peer,
-        "prompt_tokens": usage.prompt_tokens if usage else 0, "completion_tokens": t.num_tokens if t else 0,
+        "request_id": request_id,
+        "session_id": session_id,
+        "peer": peer,
+        "prompt_tokens": usage.prompt_tokens if usage else 0,
+        "completion_tokens": t.num_tokens if t else 0,
         "cached_tokens": usage.cached_tokens if usage else 0,
         "ttft_s": None if t is None or t.first_token is None else round(t.first_token, 4),
-        "duration_s": round(t.duration, 4) if t else 0.0, "outcome": outcome,
+        "duration_s": round(t.duration, 4) if t else 0.0,
+        "outcome": outcome,
     }
     access_log.info(" ".join(f"{k}={_plain(v)}" for k, v in fields.items()), extra={"fields": fields})
 

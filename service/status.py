@@ -1,4 +1,5 @@
 """Engine errors to gRPC status codes: the one place the mapping lives."""
+
 from __future__ import annotations
 
 import grpc

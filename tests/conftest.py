@@ -37,6 +37,7 @@ class CountingFusedDecode:
 @pytest.fixture
 def cpu_flags(monkeypatch):
     """Sets `LMGATE_CPU_FLAGS` for the test; the cached features are read again before and after."""
+
     def set_flags(flags: str) -> None:
         monkeypatch.setenv(FLAGS_ENV, flags)
         cpu_features.cache_clear()
@@ -83,8 +84,12 @@ def _two_ranks(checkpoint, backend: str):
     from tests.serving import ServerThread
 
     overlap = "on" if backend == "process" else "off"
-    return ServerThread(EngineConfig(dtype="float32", kv_cache_tokens=8192, engine_loops=2, dp_backend=backend,
-                                     overlap_scheduling=overlap), checkpoint)
+    return ServerThread(
+        EngineConfig(
+            dtype="float32", kv_cache_tokens=8192, engine_loops=2, dp_backend=backend, overlap_scheduling=overlap
+        ),
+        checkpoint,
+    )
 
 
 @pytest.fixture(scope="session")

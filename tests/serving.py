@@ -1,4 +1,5 @@
 """A real lmgate server on loopback for integration tests: the engine plus grpc.aio on a thread of its own."""
+
 from __future__ import annotations
 
 import asyncio
@@ -92,7 +93,6 @@ def serve_process(*flags: str) -> tuple[subprocess.Popen, str]:
                 raise RuntimeError(f"lmgate serve at {address} never reported SERVING")
             time.sleep(0.01)
     return proc, address
-
 
 
 class StreamEnds:

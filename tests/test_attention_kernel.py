@@ -1,11 +1,21 @@
 """The C++ paged decode-attention kernel (engine/kernels) against a plain reference and the torch path."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lmgate.engine.models.attention import (DecodeTables, GatheredDecode, PrefillChunk, PrefillTables, _decode, _prefill,
-                                     _prefill_kernel, decode_mask, gather_rows)
+from lmgate.engine.models.attention import (
+    DecodeTables,
+    GatheredDecode,
+    PrefillChunk,
+    PrefillTables,
+    _decode,
+    _prefill,
+    _prefill_kernel,
+    decode_mask,
+    gather_rows,
+)
 from lmgate.engine.kernels import _builder_lock, compiler_found, load_cpu_kernels
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -76,8 +86,9 @@ def test_kernel_and_torch_path_agree(kernel, shape):
     """What the engine computes does not depend on whether the kernel could be built."""
     heads, kv_heads, dim, block_size = shape
     q, k_cache, v_cache, tables, lengths = _case(heads, kv_heads, dim, block_size, LENGTHS, torch.float32, seed=1)
-    gathered = GatheredDecode(gather_rows(tables, kv_heads, k_cache.shape[1]),
-                              decode_mask(lengths, tables.shape[1] * block_size, k_cache))
+    gathered = GatheredDecode(
+        gather_rows(tables, kv_heads, k_cache.shape[1]), decode_mask(lengths, tables.shape[1] * block_size, k_cache)
+    )
     by_kernel = _decode(q, k_cache, v_cache, DecodeTables(tables, lengths), dim**-0.5)
     by_torch = _decode(q, k_cache, v_cache, gathered, dim**-0.5)
     torch.testing.assert_close(by_kernel, by_torch, atol=2e-5, rtol=2e-5)
@@ -123,9 +134,20 @@ def _corrupt(case, what: str):
     return q, k_cache, v_cache, tables, lengths
 
 
-@pytest.mark.parametrize("what", ["zero length", "length past its table", "block outside the cache", "negative block",
-                                  "int32 tables", "dtype mismatch", "non-contiguous q",
-                                  "heads not a multiple of kv heads", "one length too few"])
+@pytest.mark.parametrize(
+    "what",
+    [
+        "zero length",
+        "length past its table",
+        "block outside the cache",
+        "negative block",
+        "int32 tables",
+        "dtype mismatch",
+        "non-contiguous q",
+        "heads not a multiple of kv heads",
+        "one length too few",
+    ],
+)
 def test_kernel_refuses_bad_input(kernel, what):
     """A bad table or length is an error, never a read outside the cache."""
     case = _case(9, 3, 64, 16, [20, 33], torch.float32)
@@ -153,8 +175,9 @@ def test_float32_queries_over_a_16_bit_cache(kernel, shape, cache_dtype):
     assert out.dtype == torch.float32
     ref = _reference(q, k_cache, v_cache, tables, lengths, dim**-0.5)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
-    gathered = GatheredDecode(gather_rows(tables, kv_heads, k_cache.shape[1]),
-                              decode_mask(lengths, tables.shape[1] * block_size, k_cache))
+    gathered = GatheredDecode(
+        gather_rows(tables, kv_heads, k_cache.shape[1]), decode_mask(lengths, tables.shape[1] * block_size, k_cache)
+    )
     torch.testing.assert_close(_decode(q, k_cache, v_cache, gathered, dim**-0.5), out, atol=2e-5, rtol=2e-5)
 
 
@@ -166,7 +189,15 @@ def test_kernel_refuses_a_cache_dtype_it_cannot_read_under_q(kernel):
         kernel(q.float(), k_cache.double(), v_cache.double(), tables, lengths, 0.125)
 
 
-CHUNKS = [(1, 1), (15, 15), (16, 16), (17, 40), (40, 40), (3, 300), (33, 33)]  # (queries, context): a prefix when they differ
+CHUNKS = [
+    (1, 1),
+    (15, 15),
+    (16, 16),
+    (17, 40),
+    (40, 40),
+    (3, 300),
+    (33, 33),
+]  # (queries, context): a prefix when they differ
 
 
 def _prefill_case(heads, kv_heads, dim, block_size, chunks, dtype, q_dtype=None, seed=0):
@@ -176,8 +207,18 @@ def _prefill_case(heads, kv_heads, dim, block_size, chunks, dtype, q_dtype=None,
     rows = sum(n for n, _ in chunks)
     q = torch.randn(rows, heads, dim, generator=g).to(q_dtype or dtype)
     starts = torch.tensor([0, *torch.tensor([n for n, _ in chunks]).cumsum(0).tolist()][:-1])
-    return q, k_cache, v_cache, PrefillTables(tables, starts, torch.tensor([n for n, _ in chunks]),
-                                              torch.tensor([c for _, c in chunks]), max(n for n, _ in chunks))
+    return (
+        q,
+        k_cache,
+        v_cache,
+        PrefillTables(
+            tables,
+            starts,
+            torch.tensor([n for n, _ in chunks]),
+            torch.tensor([c for _, c in chunks]),
+            max(n for n, _ in chunks),
+        ),
+    )
 
 
 def _prefill_reference(q, k_cache, v_cache, chunks: PrefillTables, scale) -> torch.Tensor:
@@ -213,7 +254,9 @@ def test_prefill_kernel_reads_a_16_bit_cache_under_float32(kernel, cache_dtype):
     q, k_cache, v_cache, chunks = _prefill_case(9, 3, 64, 16, CHUNKS, cache_dtype, q_dtype=torch.float32)
     out = _prefill_kernel(q, k_cache, v_cache, chunks, 0.125)
     assert out.dtype == torch.float32
-    torch.testing.assert_close(out.double(), _prefill_reference(q, k_cache, v_cache, chunks, 0.125), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(
+        out.double(), _prefill_reference(q, k_cache, v_cache, chunks, 0.125), atol=2e-5, rtol=2e-5
+    )
 
 
 def test_prefill_kernel_and_torch_path_agree_on_strided_queries(kernel):
@@ -223,19 +266,32 @@ def test_prefill_kernel_and_torch_path_agree_on_strided_queries(kernel):
     by_kernel = _prefill_kernel(view, k_cache, v_cache, chunks, 0.125)
     for c in range(len(chunks.q_lens)):
         start, n = int(chunks.q_starts[c]), int(chunks.q_lens[c])
-        chunk = PrefillChunk(start, start + n, int(chunks.context_lens[c]),
-                             gather_rows(chunks.block_tables[c], 3, k_cache.shape[1]))
-        torch.testing.assert_close(by_kernel[start : start + n], _prefill(q[start : start + n], k_cache, v_cache, chunk, 0.125),
-                                   atol=2e-5, rtol=2e-5)
+        chunk = PrefillChunk(
+            start, start + n, int(chunks.context_lens[c]), gather_rows(chunks.block_tables[c], 3, k_cache.shape[1])
+        )
+        torch.testing.assert_close(
+            by_kernel[start : start + n],
+            _prefill(q[start : start + n], k_cache, v_cache, chunk, 0.125),
+            atol=2e-5,
+            rtol=2e-5,
+        )
 
 
-@pytest.mark.parametrize("what, message", [("a gap between chunks", "does not follow"),
-                                           ("more queries than context", "inside its context"),
-                                           ("rows left over", "cover"), ("context past its table", "capacity"),
-                                           ("block outside the cache", "outside the cache")])
+@pytest.mark.parametrize(
+    "what, message",
+    [
+        ("a gap between chunks", "does not follow"),
+        ("more queries than context", "inside its context"),
+        ("rows left over", "cover"),
+        ("context past its table", "capacity"),
+        ("block outside the cache", "outside the cache"),
+    ],
+)
 def test_prefill_kernel_refuses_bad_chunks(kernel, what, message):
     q, k_cache, v_cache, chunks = _prefill_case(9, 3, 64, 16, [(5, 20), (7, 7)], torch.float32)
-    starts, lens, contexts, tables = (t.clone() for t in (chunks.q_starts, chunks.q_lens, chunks.context_lens, chunks.block_tables))
+    starts, lens, contexts, tables = (
+        t.clone() for t in (chunks.q_starts, chunks.q_lens, chunks.context_lens, chunks.block_tables)
+    )
     if what == "a gap between chunks":
         starts[1] += 1
     elif what == "more queries than context":

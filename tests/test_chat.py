@@ -2,6 +2,7 @@
 stateless request on the conversation so far (no default system prompt inserted again), and only the tokens
 past what the session holds are prefilled. On the embedded SmolLM2 and on tiny models whose templates add a
 default system prompt, or render earlier turns differently once more follow."""
+
 from __future__ import annotations
 
 import pytest
@@ -108,7 +109,9 @@ def test_chat_messages_refused_on_a_session_of_token_turns(engine):
 def test_chat_token_turn_may_follow_message_turns(engine):
     sid = engine.start_session()
     first = engine.generate(user("Name a colour."), PARAMS, session_id=sid)
-    more = engine.tokenizer.encode("<|im_start|>user\nAnother?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    more = engine.tokenizer.encode(
+        "<|im_start|>user\nAnother?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+    )
     second = engine.generate(more, PARAMS, session_id=sid)
     assert second.usage.prompt_tokens == first.usage.prompt_tokens + len(first.token_ids) + len(more)
     with pytest.raises(InvalidRequest):
@@ -127,8 +130,10 @@ def test_chat_bad_messages_refused_and_leave_session_unchanged(engine, messages)
 
 
 # Refuses tool results that answer no call: a guard that looks at the conversation, as real templates have.
-TOOL_AFTER_A_CALL = ("{% if messages[0]['role'] == 'tool' %}{{ raise_exception('tool results must follow a call') }}"
-                     "{% endif %}" + MARK_LATEST.replace("{% if loop.last %} (latest){% endif %}", ""))
+TOOL_AFTER_A_CALL = (
+    "{% if messages[0]['role'] == 'tool' %}{{ raise_exception('tool results must follow a call') }}"
+    "{% endif %}" + MARK_LATEST.replace("{% if loop.last %} (latest){% endif %}", "")
+)
 
 
 def test_a_turn_of_tool_results_is_checked_with_its_conversation(tiny_models):

@@ -1,5 +1,6 @@
 """The Python client and the `lmgate` command: request building and argument parsing (pure), then every
 call against a real server with the embedded model on loopback."""
+
 from __future__ import annotations
 
 import asyncio
@@ -59,9 +60,21 @@ def test_exactly_one_input(inputs):
 
 def test_every_sampling_field_is_a_keyword():
     values = dict(
-        max_new_tokens=16, min_new_tokens=2, temperature=0.5, top_p=0.75, top_k=40, min_p=0.125,
-        repetition_penalty=1.25, presence_penalty=-0.5, frequency_penalty=0.5, seed=0, stop=["\n\n", "END"],
-        stop_token_ids=[2, 3], ignore_eos=True, logprobs=5, include_special_tokens=True,
+        max_new_tokens=16,
+        min_new_tokens=2,
+        temperature=0.5,
+        top_p=0.75,
+        top_k=40,
+        min_p=0.125,
+        repetition_penalty=1.25,
+        presence_penalty=-0.5,
+        frequency_penalty=0.5,
+        seed=0,
+        stop=["\n\n", "END"],
+        stop_token_ids=[2, 3],
+        ignore_eos=True,
+        logprobs=5,
+        include_special_tokens=True,
     )
     assert set(values) == SAMPLING_FIELDS
     s = generate_request("x", **values).sampling
@@ -90,11 +103,17 @@ def test_wrong_sampling_type_is_a_type_error():
         sampling_params(temperature="hot")
 
 
-@pytest.mark.parametrize("name, value, limits", [
-    ("seed", -1, "0..18446744073709551615"), ("seed", 2**64, "0..18446744073709551615"),
-    ("max_new_tokens", 2**32, "0..4294967295"), ("top_k", 2**31, "-2147483648..2147483647"),
-    ("logprobs", -1, "0..4294967295"), ("stop_token_ids", [2, 2**32], "0..4294967295"),
-])
+@pytest.mark.parametrize(
+    "name, value, limits",
+    [
+        ("seed", -1, "0..18446744073709551615"),
+        ("seed", 2**64, "0..18446744073709551615"),
+        ("max_new_tokens", 2**32, "0..4294967295"),
+        ("top_k", 2**31, "-2147483648..2147483647"),
+        ("logprobs", -1, "0..4294967295"),
+        ("stop_token_ids", [2, 2**32], "0..4294967295"),
+    ],
+)
 def test_an_out_of_range_sampling_integer_is_a_value_error_naming_it(name, value, limits):
     """Not protobuf's bare "Value out of range": the parameter and its range, before anything is sent."""
     bad = value[-1] if isinstance(value, list) else value
@@ -113,23 +132,47 @@ def test_an_out_of_range_sampling_integer_is_a_value_error_naming_it(name, value
 
 
 def test_sampling_integers_at_their_fields_limits_are_kept():
-    s = sampling_params(seed=2**64 - 1, max_new_tokens=2**32 - 1, top_k=-2**31, stop_token_ids=[0, 2**32 - 1])
-    assert (s.seed, s.max_new_tokens, s.top_k, list(s.stop_token_ids)) == (2**64 - 1, 2**32 - 1, -2**31, [0, 2**32 - 1])
+    s = sampling_params(seed=2**64 - 1, max_new_tokens=2**32 - 1, top_k=-(2**31), stop_token_ids=[0, 2**32 - 1])
+    assert (s.seed, s.max_new_tokens, s.top_k, list(s.stop_token_ids)) == (
+        2**64 - 1,
+        2**32 - 1,
+        -(2**31),
+        [0, 2**32 - 1],
+    )
 
 
 def test_to_delta_mid_stream_and_last():
-    mid = to_delta(pb.GenerateResponse(request_id="r", session_id=3, token_ids=[1, 2], text="ab", logprobs=[
-        pb.TokenLogprob(token_id=1, token="a", logprob=-0.5, top=[pb.TopLogprob(token_id=1, token="a", logprob=-0.5)]),
-        pb.TokenLogprob(token_id=2, token="b", logprob=-1.0),
-    ]))
-    assert mid == Delta(
-        request_id="r", session_id=3, token_ids=[1, 2], text="ab",
-        logprobs=[{"token_id": 1, "token": "a", "logprob": -0.5, "top": [{"token_id": 1, "token": "a", "logprob": -0.5}]},
-                  {"token_id": 2, "token": "b", "logprob": -1.0, "top": []}],
-        finish_reason=None, usage=None,
+    mid = to_delta(
+        pb.GenerateResponse(
+            request_id="r",
+            session_id=3,
+            token_ids=[1, 2],
+            text="ab",
+            logprobs=[
+                pb.TokenLogprob(
+                    token_id=1, token="a", logprob=-0.5, top=[pb.TopLogprob(token_id=1, token="a", logprob=-0.5)]
+                ),
+                pb.TokenLogprob(token_id=2, token="b", logprob=-1.0),
+            ],
+        )
     )
-    for reason, name in ((pb.FINISH_REASON_STOP, "stop"), (pb.FINISH_REASON_LENGTH, "length"),
-                         (pb.FINISH_REASON_CANCELLED, "cancelled")):
+    assert mid == Delta(
+        request_id="r",
+        session_id=3,
+        token_ids=[1, 2],
+        text="ab",
+        logprobs=[
+            {"token_id": 1, "token": "a", "logprob": -0.5, "top": [{"token_id": 1, "token": "a", "logprob": -0.5}]},
+            {"token_id": 2, "token": "b", "logprob": -1.0, "top": []},
+        ],
+        finish_reason=None,
+        usage=None,
+    )
+    for reason, name in (
+        (pb.FINISH_REASON_STOP, "stop"),
+        (pb.FINISH_REASON_LENGTH, "length"),
+        (pb.FINISH_REASON_CANCELLED, "cancelled"),
+    ):
         last = to_delta(pb.GenerateResponse(finish_reason=reason, usage=pb.Usage(prompt_tokens=4, completion_tokens=2)))
         assert last.finish_reason == name
         assert last.usage == {"prompt_tokens": 4, "completion_tokens": 2, "cached_tokens": 0}
@@ -153,16 +196,33 @@ def test_help_exits_zero(command, capsys):
     assert "usage: lmgate" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv", [
-    [], ["nope"], ["generate"], ["generate", "x", "--bogus"], ["tokenize"], ["update-weights"],
-    ["sleep", "--level", "3"], ["wakeup", "--tags", "everything"], ["generate", "x", "--seed", "-1"],
-    ["bench", "--concurrency", "0"], ["bench", "--num-prompts", "0"], ["bench", "--request-rate", "0"],
-    ["bench", "--input-len", "0"], ["bench", "--temperature", "nan"],
-    ["generate", "x", "--max-new-tokens", str(2**32)], ["generate", "x", "--seed", str(2**64)],
-    ["chat", "--top-k", str(2**31)], ["generate", "x", "--logprobs", str(2**32)],
-    ["info", "--tls-cert", "c.pem"], ["info", "--tls-key", "k.pem"],  # grpc aborts the process on a lone cert
-    ["generate", "x", "--prompt-file", "p.txt"], ["generate", "--prompt-file"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["nope"],
+        ["generate"],
+        ["generate", "x", "--bogus"],
+        ["tokenize"],
+        ["update-weights"],
+        ["sleep", "--level", "3"],
+        ["wakeup", "--tags", "everything"],
+        ["generate", "x", "--seed", "-1"],
+        ["bench", "--concurrency", "0"],
+        ["bench", "--num-prompts", "0"],
+        ["bench", "--request-rate", "0"],
+        ["bench", "--input-len", "0"],
+        ["bench", "--temperature", "nan"],
+        ["generate", "x", "--max-new-tokens", str(2**32)],
+        ["generate", "x", "--seed", str(2**64)],
+        ["chat", "--top-k", str(2**31)],
+        ["generate", "x", "--logprobs", str(2**32)],
+        ["info", "--tls-cert", "c.pem"],
+        ["info", "--tls-key", "k.pem"],  # grpc aborts the process on a lone cert
+        ["generate", "x", "--prompt-file", "p.txt"],
+        ["generate", "--prompt-file"],
+    ],
+)
 def test_bad_arguments_exit_two(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         main(argv)
@@ -182,8 +242,9 @@ def test_common_flags_on_every_subcommand_with_environment_defaults(monkeypatch)
         assert (args.target, args.admin_token) == ("h:1", "t2"), command
 
 
-@pytest.mark.parametrize("value, tls", [("", False), ("0", False), ("false", False), ("No", False), ("1", True),
-                                        ("true", True)])
+@pytest.mark.parametrize(
+    "value, tls", [("", False), ("0", False), ("false", False), ("No", False), ("1", True), ("true", True)]
+)
 def test_lmgate_tls_is_read_as_a_yes_or_no(monkeypatch, value, tls):
     monkeypatch.setenv("LMGATE_TLS", value)
     assert build_parser().parse_args(["info"]).tls is tls
@@ -271,7 +332,11 @@ def test_client_generate_tokenize_info(server):
         assert all(d.finish_reason is None and d.usage is None for d in deltas[:-1])
         last = deltas[-1]
         assert last.finish_reason == "length"
-        assert last.usage == {"prompt_tokens": len(client.tokenize(PROMPT)), "completion_tokens": 12, "cached_tokens": 0}
+        assert last.usage == {
+            "prompt_tokens": len(client.tokenize(PROMPT)),
+            "completion_tokens": 12,
+            "cached_tokens": 0,
+        }
         assert client.tokenize(PROMPT) == server.engine.tokenizer.encode(PROMPT)
         assert client.info().vocab_size == server.engine.model_config.vocab_size
         with pytest.raises(grpc.RpcError) as exc:
@@ -443,9 +508,13 @@ def test_async_client_concurrent_streams_and_session(server):
 
     async def scenario():
         async with AsyncClient(server.address) as client:
-            texts = await asyncio.gather(*[collect(client.generate(PROMPT, max_new_tokens=8, ignore_eos=True)) for _ in range(4)])
+            texts = await asyncio.gather(
+                *[collect(client.generate(PROMPT, max_new_tokens=8, ignore_eos=True)) for _ in range(4)]
+            )
             async with await client.start() as session:
-                turn = await collect(session.generate(token_ids=await client.tokenize(PROMPT), max_new_tokens=8, ignore_eos=True))
+                turn = await collect(
+                    session.generate(token_ids=await client.tokenize(PROMPT), max_new_tokens=8, ignore_eos=True)
+                )
             return texts, turn, await client.tokenize("a")
 
     texts, turn, ids = asyncio.run(scenario())
@@ -488,8 +557,26 @@ def test_cli_generate_info_tokenize(server, capsys):
 
 
 def test_cli_generate_logprobs_min_p_and_repetition_penalty(server, capsys):
-    assert main(["generate", PROMPT, "--target", server.address, "--max-new-tokens", "4", "--ignore-eos",
-                 "--logprobs", "2", "--min-p", "0.05", "--repetition-penalty", "1.2"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                PROMPT,
+                "--target",
+                server.address,
+                "--max-new-tokens",
+                "4",
+                "--ignore-eos",
+                "--logprobs",
+                "2",
+                "--min-p",
+                "0.05",
+                "--repetition-penalty",
+                "1.2",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr()
     lines = [json.loads(line) for line in printed.err.splitlines() if line.startswith("{")]
     assert len(lines) == 4 and all(len(lp["top"]) == 2 and lp["logprob"] <= 0 for lp in lines)
@@ -501,8 +588,12 @@ def test_cli_chat_keeps_one_session(server, capsys, monkeypatch):
     registry, model = server.server.metrics.registry, {"model_name": server.server.metrics.model_name}
 
     def counts() -> tuple[float, ...]:
-        turns = sum(registry.get_sample_value("lmgate_requests_total", {**model, "reason": r}) or 0 for r in ("stop", "length"))
-        return turns, *(registry.get_sample_value(f"lmgate_sessions_{e}_total", model) or 0 for e in ("started", "ended"))
+        turns = sum(
+            registry.get_sample_value("lmgate_requests_total", {**model, "reason": r}) or 0 for r in ("stop", "length")
+        )
+        return turns, *(
+            registry.get_sample_value(f"lmgate_sessions_{e}_total", model) or 0 for e in ("started", "ended")
+        )
 
     before = counts()
     too_long = "word " * server.engine.max_context_length
@@ -551,8 +642,11 @@ def test_cli_wait_ready_waits_for_a_server_to_serve(guarded, capsys):
     assert main(["sleep", "--level", "1", *base]) == 0
     capsys.readouterr()
     codes: list[int] = []
-    waiting = threading.Thread(target=lambda: codes.append(main(
-        ["generate", PROMPT, "--wait-ready", "120", "--max-new-tokens", "3", "--ignore-eos", *base])))
+    waiting = threading.Thread(
+        target=lambda: codes.append(
+            main(["generate", PROMPT, "--wait-ready", "120", "--max-new-tokens", "3", "--ignore-eos", *base])
+        )
+    )
     waiting.start()
     try:
         assert main(["generate", PROMPT, *base]) == 1  # without waiting: refused while asleep
@@ -609,8 +703,11 @@ def test_cli_unreadable_prompt_file_is_an_error_line(capsys, tmp_path):
     """Exit 1 with `error: <path>: <why>`, as for other files, before any call (no server listens here)."""
     latin1 = tmp_path / "latin1.txt"
     latin1.write_bytes("café!".encode("latin-1"))
-    for path, why in ((tmp_path / "missing.txt", "No such file or directory"), (tmp_path, "Is a directory"),
-                      (latin1, "not UTF-8 text (invalid continuation byte at byte 3)")):
+    for path, why in (
+        (tmp_path / "missing.txt", "No such file or directory"),
+        (tmp_path, "Is a directory"),
+        (latin1, "not UTF-8 text (invalid continuation byte at byte 3)"),
+    ):
         assert main(["generate", "--prompt-file", str(path), "--target", "127.0.0.1:1"]) == 1
         assert capsys.readouterr().err == f"error: {path}: {why}\n"
 
@@ -629,8 +726,11 @@ def test_cli_chat_exit_quit_and_reset_are_commands(server, capsys, monkeypatch):
     assert all(command in help_text for command in ("/exit", "/quit", "/reset"))
 
     def counts() -> tuple[float, ...]:
-        return (sum(metric(server, "lmgate_requests_total", reason=r) for r in ("stop", "length", "cancelled")),
-                metric(server, "lmgate_sessions_started_total"), metric(server, "lmgate_sessions_ended_total"))
+        return (
+            sum(metric(server, "lmgate_requests_total", reason=r) for r in ("stop", "length", "cancelled")),
+            metric(server, "lmgate_sessions_started_total"),
+            metric(server, "lmgate_sessions_ended_total"),
+        )
 
     for end in ("/exit", " /quit "):
         before = counts()
@@ -644,20 +744,39 @@ def test_cli_chat_exit_quit_and_reset_are_commands(server, capsys, monkeypatch):
 def test_cli_chat_ctrl_c_stops_the_reply_and_the_chat_goes_on(server):
     """Ctrl-C during a reply cancels that turn on the server and the chat takes the next line, on the same
     session; /exit then ends it with status 0."""
+
     def wait_for(condition: Callable[[], bool]) -> None:
         guard = time.monotonic() + GUARD  # a guard against a hang, not a timing
         while not condition() and proc.poll() is None and time.monotonic() < guard:
             time.sleep(0.01)
         assert condition(), proc.poll()
 
-    cancelled, started = metric(server, "lmgate_requests_total", reason="cancelled"), metric(server, "lmgate_sessions_started_total")
+    cancelled, started = (
+        metric(server, "lmgate_requests_total", reason="cancelled"),
+        metric(server, "lmgate_sessions_started_total"),
+    )
     # SIGINT raises KeyboardInterrupt in the child as in a shell's foreground, even where this test runs with
     # it ignored (a background job, whose children inherit that).
-    child = "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); " \
-            "from lmgate.client.cli import main; sys.exit(main())"
-    proc = subprocess.Popen([sys.executable, "-c", child, "chat", "--target", server.address, "--ignore-eos",
-                             "--max-new-tokens", str(server.engine.max_context_length // 2)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    child = (
+        "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "from lmgate.client.cli import main; sys.exit(main())"
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            child,
+            "chat",
+            "--target",
+            server.address,
+            "--ignore-eos",
+            "--max-new-tokens",
+            str(server.engine.max_context_length // 2),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         for n, line in enumerate((b"Count to a thousand.\n", b"Go on.\n"), 1):
             streamed = metric(server, "lmgate_output_tokens_total")
@@ -684,8 +803,22 @@ def test_cli_stop_takes_one_string_per_flag_and_leaves_the_prompt():
 def test_cli_timeout_bounds_a_reply_and_is_checked_like_a_flag(server, capsys, monkeypatch):
     """A reply longer than --timeout ends DEADLINE_EXCEEDED (exit 1) and the server cancels it; a bad
     LMGATE_TIMEOUT is a bad argument (exit 2)."""
-    assert main(["generate", PROMPT, "--target", server.address, "--timeout", "0.5", "--ignore-eos",
-                 "--max-new-tokens", str(server.engine.max_context_length // 2)]) == 1
+    assert (
+        main(
+            [
+                "generate",
+                PROMPT,
+                "--target",
+                server.address,
+                "--timeout",
+                "0.5",
+                "--ignore-eos",
+                "--max-new-tokens",
+                str(server.engine.max_context_length // 2),
+            ]
+        )
+        == 1
+    )
     assert "error: DEADLINE_EXCEEDED" in capsys.readouterr().err
     settled(server)  # the cancel lands on the server after the client has given up
     monkeypatch.setenv("LMGATE_TIMEOUT", "soon")
@@ -707,8 +840,22 @@ def test_cli_unreadable_tls_file_is_an_error_line(capsys, tmp_path):
 
 def test_cli_generate_into_a_closed_pipe_stops_quietly(server):
     """`lmgate generate ... | head -c1`: the reader leaves; no traceback on stderr."""
-    proc = subprocess.Popen([sys.executable, "-m", "lmgate.client.cli", "generate", PROMPT, "--target", server.address,
-                             "--max-new-tokens", "200", "--ignore-eos"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "lmgate.client.cli",
+            "generate",
+            PROMPT,
+            "--target",
+            server.address,
+            "--max-new-tokens",
+            "200",
+            "--ignore-eos",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     proc.stdout.read(1)
     proc.stdout.close()
     _, err = proc.communicate(timeout=GUARD)
@@ -717,13 +864,36 @@ def test_cli_generate_into_a_closed_pipe_stops_quietly(server):
 
 def test_cli_bench(server, capsys, tmp_path):
     path = tmp_path / "bench.json"
-    argv = ["bench", "--target", server.address, "--num-prompts", "6", "--concurrency", "3", "--input-len", "10",
-            "--output-len", "4", "--ignore-eos", "--request-rate", "1000", "--json", str(path), "--api-key", "S3CRET"]
+    argv = [
+        "bench",
+        "--target",
+        server.address,
+        "--num-prompts",
+        "6",
+        "--concurrency",
+        "3",
+        "--input-len",
+        "10",
+        "--output-len",
+        "4",
+        "--ignore-eos",
+        "--request-rate",
+        "1000",
+        "--json",
+        str(path),
+        "--api-key",
+        "S3CRET",
+    ]
     assert main(argv) == 0
     report = capsys.readouterr().out
     assert "Successful requests:" in report and "P99 ITL (ms):" in report
     results = json.loads(path.read_text())
-    assert (results["completed"], results["failed"], results["total_input_tokens"], results["total_output_tokens"]) == (6, 0, 60, 24)
+    assert (results["completed"], results["failed"], results["total_input_tokens"], results["total_output_tokens"]) == (
+        6,
+        0,
+        60,
+        24,
+    )
     assert results["config"]["request_rate"] == "1000.0" and results["tpot_ms"]["mean"] > 0
     assert "S3CRET" not in path.read_text()  # the results file may be shared: no credentials in it
     big = server.engine.max_context_length

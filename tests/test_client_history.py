@@ -1,4 +1,5 @@
 """The conversation a resumable session keeps on the client, and how it is replayed as one turn."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,8 +24,11 @@ def test_message_turns_replay_with_the_assistant_replies():
     turn = h.turn_input(None, [{"role": "user", "content": "Hi"}], None)
     h.record(turn, [delta("Hello", [5])])
     replay = h.replay(h.turn_input(None, [{"role": "user", "content": "More"}], None))
-    assert replay["messages"] == [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
-                                  {"role": "user", "content": "More"}]
+    assert replay["messages"] == [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "More"},
+    ]
 
 
 def test_token_turns_replay_inputs_and_outputs():

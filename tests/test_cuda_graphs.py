@@ -1,6 +1,7 @@
 """The CUDA-graph runner's buckets and padding (engine/step/cuda_graphs.py), on CPU tensors: which bucket a step
 takes, what the padded rows hold, and which steps may run from a graph. The graphs themselves need CUDA
 (tests/test_gpu.py); the engine through these buffers is in tests/test_triton_kernels.py."""
+
 from __future__ import annotations
 
 import random
@@ -11,14 +12,17 @@ import torch
 from lmgate.engine.step.cuda_graphs import DecodeGraphs, buckets
 
 
-@pytest.mark.parametrize("max_batch,want", [
-    (1, [1]),
-    (3, [1, 2, 3]),
-    (8, [1, 2, 4, 8]),
-    (64, [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]),
-    (100, [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 100]),
-    (256, [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64] + list(range(80, 257, 16))),
-])
+@pytest.mark.parametrize(
+    "max_batch,want",
+    [
+        (1, [1]),
+        (3, [1, 2, 3]),
+        (8, [1, 2, 4, 8]),
+        (64, [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]),
+        (100, [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 100]),
+        (256, [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64] + list(range(80, 257, 16))),
+    ],
+)
 def test_buckets(max_batch, want):
     assert buckets(max_batch) == want
 

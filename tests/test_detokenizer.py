@@ -168,8 +168,9 @@ def byte_fallback_backend() -> tuple[Backend, dict[str, int]]:
     for piece in ("\u2581Hello", "\u2581world", "a"):
         vocab[piece] = len(vocab)
     backend = Backend(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
-    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                         decoders.Strip(" ", 1, 0)])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     return backend, vocab
 
 
@@ -216,8 +217,28 @@ def test_detokenizer_continues_a_sentencepiece_prompt_with_its_space(tmp_path):
 
 
 # ------------------------------------------------ a reply after a prompt that ends inside a character
-PIECES = ["日本語", "東京は", "、", "；", "中文", "한국어", "🐍", "💡", "🎉", "👩\u200d👩\u200d👧", "🇫🇷", "e\u0301",
-          "\u0915\u094d\u0937", "a\u0308\u0323", "é", "ok", " ", "\n", "I love", " café"]
+PIECES = [
+    "日本語",
+    "東京は",
+    "、",
+    "；",
+    "中文",
+    "한국어",
+    "🐍",
+    "💡",
+    "🎉",
+    "👩\u200d👩\u200d👧",
+    "🇫🇷",
+    "e\u0301",
+    "\u0915\u094d\u0937",
+    "a\u0308\u0323",
+    "é",
+    "ok",
+    " ",
+    "\n",
+    "I love",
+    " café",
+]
 
 
 @pytest.fixture(scope="module")
@@ -233,9 +254,16 @@ def tokenizer_pairs(tokenizer, hf_tokenizer_dir, tmp_path_factory):
     _tiny_llama_gguf(str(path / "tiny.gguf"))
     return [
         ("embedded", tokenizer, transformers.AutoTokenizer.from_pretrained(hf_tokenizer_dir)),
-        ("bytes", Tokenizer.from_hf_dir(str(path / "bytes")), transformers.AutoTokenizer.from_pretrained(str(path / "bytes"))),
-        ("sentencepiece", Tokenizer.from_gguf(gguf.GGUFReader(str(path / "tiny.gguf"))),
-         transformers.AutoTokenizer.from_pretrained(str(path), gguf_file="tiny.gguf")),
+        (
+            "bytes",
+            Tokenizer.from_hf_dir(str(path / "bytes")),
+            transformers.AutoTokenizer.from_pretrained(str(path / "bytes")),
+        ),
+        (
+            "sentencepiece",
+            Tokenizer.from_gguf(gguf.GGUFReader(str(path / "tiny.gguf"))),
+            transformers.AutoTokenizer.from_pretrained(str(path), gguf_file="tiny.gguf"),
+        ),
     ]
 
 
@@ -256,7 +284,7 @@ def test_detokenizer_reply_is_whole_decode_past_the_prompts_decode(tokenizer_pai
     assume(len(ids) >= 2)
     cut = data.draw(st.integers(1, len(ids) - 1))
     prompt, generated = ids[:cut], ids[cut:]
-    want = hf.decode(prompt + generated, skip_special_tokens=True)[len(hf.decode(prompt, skip_special_tokens=True)):]
+    want = hf.decode(prompt + generated, skip_special_tokens=True)[len(hf.decode(prompt, skip_special_tokens=True)) :]
     stop = data.draw(st.sampled_from([(), ("\x00",)]))  # streamed at once, or held back for a stop string
     rng = random.Random(data.draw(st.integers(0, 2**16)))
     assert _reply(ours, prompt, generated, stop, iter(lambda: rng.randint(1, 3), None)) == want, (name, text, cut)
@@ -268,5 +296,5 @@ def test_detokenizer_reply_after_prompts_of_the_issue(tokenizer):
     for prompt, reply in [("日本語", "；アネ"), ("I love 🐍", "💡"), ("東京は", "、アネ")]:
         ids = tokenizer.encode(prompt + reply, add_special_tokens=False)
         cut = len(tokenizer.encode(prompt, add_special_tokens=False))
-        assert "\ufffd" in tokenizer.decode(ids[cut - 1:cut])  # the last id alone is part of a character
+        assert "\ufffd" in tokenizer.decode(ids[cut - 1 : cut])  # the last id alone is part of a character
         assert _reply(tokenizer, ids[:cut], ids[cut:], (), iter(lambda: 1, None)) == reply

@@ -1,5 +1,6 @@
 """The README and docs/ as a user reads them: every link leads somewhere, and their examples run as written
 against a real server (the CLI's lines, the Python client's program)."""
+
 from __future__ import annotations
 
 import contextlib

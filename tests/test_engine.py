@@ -8,6 +8,7 @@
 One roomy engine serves the module; tests that need a small KV budget, a small context or a small
 token budget build their own engine from the shared checkpoint (cheap: the weights are read once).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,7 +27,15 @@ import transformers
 from lmgate.engine.config import EngineConfig
 from lmgate.engine.text.detokenizer import IncrementalDetokenizer
 from lmgate.engine.engine import Engine
-from lmgate.engine.errors import ContextOverflow, InternalError, InvalidRequest, SessionBusy, SessionNotFound, SessionStale, Unavailable
+from lmgate.engine.errors import (
+    ContextOverflow,
+    InternalError,
+    InvalidRequest,
+    SessionBusy,
+    SessionNotFound,
+    SessionStale,
+    Unavailable,
+)
 from lmgate.engine.gateway.request import FinishReason, RequestKind
 from lmgate.engine.sampling.sampler import SamplingParams
 from tests.test_models import hf_tokenizer_dir, tiny_models  # noqa: F401  (fixtures)
@@ -57,10 +66,14 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     """transformers' greedy continuation, not stopping at (nor banning) EOS."""
     with torch.inference_mode():
         out = model.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
         )
-    tokens = out[0, len(ids):].tolist()
+    tokens = out[0, len(ids) :].tolist()
     assert len(tokens) == n  # transformers really did not stop at EOS
     return tokens
 
@@ -168,7 +181,9 @@ def test_engine_tokens_do_not_depend_on_batch(engine, tokenizer):
 
 # ------------------------------------------------------------------------------- 3. KV accounting
 def test_engine_kv_blocks_all_free_after_preemption_cancel_and_sessions(engine, checkpoint, tokenizer):
-    small = Engine(EngineConfig(dtype="float32", kv_cache_tokens=512, block_size=16, max_batch_size=16), checkpoint=checkpoint)
+    small = Engine(
+        EngineConfig(dtype="float32", kv_cache_tokens=512, block_size=16, max_batch_size=16), checkpoint=checkpoint
+    )
     try:
         info = small.info()
         assert info.kv_blocks_total == 32 and info.kv_blocks_free == 32
@@ -322,7 +337,9 @@ def test_a_session_turn_cancelled_before_its_first_token_leaves_no_trace(checkpo
     """Cancelled in its prefill (many chunks of 16 tokens), a turn leaves the history as it was, as one
     cancelled while still queued does: the next turn's context never depends on when the Cancel came."""
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
-    with Engine(EngineConfig(dtype="float32", max_batched_tokens=16, kv_cache_tokens=4096), checkpoint=checkpoint) as eng:
+    with Engine(
+        EngineConfig(dtype="float32", max_batched_tokens=16, kv_cache_tokens=4096), checkpoint=checkpoint
+    ) as eng:
         sid = eng.start_session()
         eng.generate("Hi.", params, session_id=sid)
         history = list(eng.loops[0].sessions[sid].token_ids)
@@ -361,7 +378,10 @@ def test_a_turn_naming_another_copy_of_its_session_is_refused_and_changes_nothin
     with pytest.raises(SessionStale):
         engine.submit(prompt, params, session_id=sid, session_epoch=epoch ^ 1)
     assert engine.info().queued_requests == 0
-    assert list(engine.submit(prompt, params, session_id=sid, session_epoch=epoch))[-1].finish_reason is FinishReason.LENGTH
+    assert (
+        list(engine.submit(prompt, params, session_id=sid, session_epoch=epoch))[-1].finish_reason
+        is FinishReason.LENGTH
+    )
     assert list(engine.submit(prompt, params, session_id=sid))[-1].finish_reason is FinishReason.LENGTH  # None: any
     engine.end_session(sid)
     engine.start_session(sid)
@@ -420,7 +440,7 @@ def test_stream_interval_gathers_tokens_without_changing_them(engine, checkpoint
     prompt = tokenizer.encode("Once upon a time, there was a little")
     params = SamplingParams(max_new_tokens=10, ignore_eos=True, logprobs=2)
     each = collect(engine.submit(prompt, params))
-    stop = text_of(each)[len(text_of(each)) // 2:][:3]  # a stop string in the middle of the text
+    stop = text_of(each)[len(text_of(each)) // 2 :][:3]  # a stop string in the middle of the text
     stopped = collect(engine.submit(prompt, SamplingParams(max_new_tokens=10, ignore_eos=True, stop=(stop,))))
     config = EngineConfig(dtype="float32", kv_cache_tokens=1024, stream_interval=4, overlap_scheduling=overlap)
     with Engine(config, checkpoint=checkpoint) as eng:
@@ -626,12 +646,16 @@ def test_engine_says_when_it_serves_less_context_than_asked_for(checkpoint, capl
         with Engine(EngineConfig(dtype="float32", max_context_length=100_000, kv_cache_tokens=1024), checkpoint) as eng:
             assert eng.max_context_length == 1024
     said = [r.getMessage() for r in caplog.records if "max_context_length" in r.getMessage()]
-    assert said == ["max_context_length 100000 is past what can be served: the context is 1024 tokens (the model "
-                    "takes 8192, the KV cache holds 1024)"]
+    assert said == [
+        "max_context_length 100000 is past what can be served: the context is 1024 tokens (the model "
+        "takes 8192, the KV cache holds 1024)"
+    ]
 
 
 def test_engine_context_window_limits(checkpoint, tokenizer):
-    with Engine(EngineConfig(dtype="float32", max_context_length=256, kv_cache_tokens=1024), checkpoint=checkpoint) as eng:
+    with Engine(
+        EngineConfig(dtype="float32", max_context_length=256, kv_cache_tokens=1024), checkpoint=checkpoint
+    ) as eng:
         assert eng.max_context_length == 256
         before = eng.info()
         filler = tokenizer.encode("word " * 400)
@@ -669,7 +693,9 @@ def test_engine_stop_string_cuts_text_before_it(engine, tokenizer):
     stop = full[at : at + 7]
     cut = full.find(stop)
     assert cut > 0
-    outs = collect(engine.submit(prompt, SamplingParams(max_new_tokens=NEW, ignore_eos=True, stop=(stop, "zzzz-never"))))
+    outs = collect(
+        engine.submit(prompt, SamplingParams(max_new_tokens=NEW, ignore_eos=True, stop=(stop, "zzzz-never")))
+    )
     text = text_of(outs)
     assert outs[-1].finish_reason is FinishReason.STOP
     assert text == full[:cut]
@@ -686,7 +712,7 @@ def test_engine_stop_string_revealed_by_the_last_token_ends_with_stop(engine, to
     for k in range(1, len(ref)):
         detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
         emitted = "".join(detokenizer.step([t])[0] for t in ref[: k + 1])
-        held = tokenizer.decode(ref[: k + 1]).rstrip("\ufffd")[len(emitted):]
+        held = tokenizer.decode(ref[: k + 1]).rstrip("\ufffd")[len(emitted) :]
         if held and held not in emitted:
             break
     else:
@@ -709,8 +735,9 @@ def test_a_cancel_after_the_loops_last_word_ends_the_stream_cancelled(engine, to
             first_seen.set()
             go_on.wait()
 
-    request = engine.submit(tokenizer.encode("Once upon a time"), SamplingParams(max_new_tokens=2, ignore_eos=True),
-                            on_output=on_output)
+    request = engine.submit(
+        tokenizer.encode("Once upon a time"), SamplingParams(max_new_tokens=2, ignore_eos=True), on_output=on_output
+    )
     try:
         assert first_seen.wait(60)  # a guard against a hang only
         deadline = time.monotonic() + 60
@@ -741,7 +768,9 @@ def test_engine_stop_token_ids_end_generation(engine, tokenizer):
 
 
 def test_engine_max_new_tokens_finishes_with_length(engine, tokenizer):
-    out = engine.generate(tokenizer.encode("Count: one, two, three,"), SamplingParams(max_new_tokens=5, ignore_eos=True))
+    out = engine.generate(
+        tokenizer.encode("Count: one, two, three,"), SamplingParams(max_new_tokens=5, ignore_eos=True)
+    )
     assert out.finish_reason is FinishReason.LENGTH
     assert len(out.token_ids) == 5 and out.usage.completion_tokens == 5
 
@@ -786,13 +815,20 @@ def test_min_new_tokens_beyond_the_default_length_is_honoured_or_refused(checkpo
         late = eng.submit(more, SamplingParams(min_new_tokens=64 - len(prompt) - 4 - len(more) + 1), session_id=3)
         with pytest.raises(ContextOverflow, match="exceed the context window"):  # fits alone, not after the history
             list(late)
-        assert eng.generate(more, SamplingParams(min_new_tokens=64 - len(prompt) - 4 - len(more)), session_id=3).finish_reason is FinishReason.LENGTH
+        assert (
+            eng.generate(
+                more, SamplingParams(min_new_tokens=64 - len(prompt) - 4 - len(more)), session_id=3
+            ).finish_reason
+            is FinishReason.LENGTH
+        )
         eng.end_session(3)
         assert_idle(eng)
 
 
 def test_engine_logprobs_top_n_and_greedy_choice(engine, tokenizer):
-    out = engine.generate(tokenizer.encode("The capital of France is"), SamplingParams(max_new_tokens=8, logprobs=3, ignore_eos=True))
+    out = engine.generate(
+        tokenizer.encode("The capital of France is"), SamplingParams(max_new_tokens=8, logprobs=3, ignore_eos=True)
+    )
     assert len(out.logprobs) == len(out.token_ids) == 8
     for tok, lp in zip(out.token_ids, out.logprobs):
         assert lp.token_id == tok
@@ -859,7 +895,7 @@ def test_engine_reply_after_a_split_character_is_decode_past_the_prompt(engine, 
     params = SamplingParams(max_new_tokens=3, ignore_eos=True)
 
     def assert_reply(before: list[int], out) -> None:
-        text = hf.decode(before + out.token_ids)[len(hf.decode(before)):]
+        text = hf.decode(before + out.token_ids)[len(hf.decode(before)) :]
         assert out.text == text and not out.text.startswith(REPLACEMENT)
 
     for prompt in prompts:

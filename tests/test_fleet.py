@@ -1,5 +1,6 @@
 """Three replicas behind real proxies (nginx and Envoy, with deploy/'s own files): a session's calls reach the
 replica that holds it, stateless calls spread over all, and Envoy's health checks drop a sleeping replica."""
+
 from __future__ import annotations
 
 import time
@@ -25,8 +26,9 @@ PROBE = pb.SamplingParams(max_new_tokens=1)  # a stateless call that only asks w
 
 @pytest.fixture(scope="module")
 def replicas(checkpoint):
-    servers = [ServerThread(EngineConfig(dtype="float32", kv_cache_tokens=4096), checkpoint, replica_id=r)
-               for r in REPLICAS]
+    servers = [
+        ServerThread(EngineConfig(dtype="float32", kv_cache_tokens=4096), checkpoint, replica_id=r) for r in REPLICAS
+    ]
     yield servers
     for s in servers:
         s.stop()
@@ -41,8 +43,10 @@ def proxy(request, replicas, tmp_path_factory):
 
 def _turn(stub, session_id: int, prompt: str) -> tuple[str, pb.Usage]:
     """One turn; the replica that answered (the response header) and the turn's usage."""
-    call = stub.Generate(pb.GenerateRequest(session_id=session_id, prompt=prompt, sampling=SAMPLING),
-                         metadata=session_metadata(session_id))
+    call = stub.Generate(
+        pb.GenerateRequest(session_id=session_id, prompt=prompt, sampling=SAMPLING),
+        metadata=session_metadata(session_id),
+    )
     responses = list(call)
     return dict(call.initial_metadata())[HEADER], responses[-1].usage
 
@@ -90,8 +94,11 @@ def test_a_request_of_megabytes_reaches_a_replica(proxy):
     to it directly, not the proxy's: nginx's default 1 MiB request body refused it as UNKNOWN."""
     with grpc.insecure_channel(proxy) as channel:
         with pytest.raises(grpc.RpcError) as refused:
-            list(pb_grpc.InferenceStub(channel).Generate(pb.GenerateRequest(prompt="word " * 400_000, sampling=PROBE),
-                                                          timeout=READY_TIMEOUT))
+            list(
+                pb_grpc.InferenceStub(channel).Generate(
+                    pb.GenerateRequest(prompt="word " * 400_000, sampling=PROBE), timeout=READY_TIMEOUT
+                )
+            )
     assert refused.value.code() == grpc.StatusCode.OUT_OF_RANGE, refused.value
 
 
@@ -163,7 +170,9 @@ def test_client_side_ring_hash_without_a_proxy(replicas):
         for _ in range(10):
             with client.start() as session:
                 for prompt in ("Hi.", " More.", " Again."):
-                    assert list(session.generate(prompt, max_new_tokens=2, ignore_eos=True))[-1].finish_reason == "length"
+                    assert (
+                        list(session.generate(prompt, max_new_tokens=2, ignore_eos=True))[-1].finish_reason == "length"
+                    )
         assert {client.info().replica_id for _ in range(40)} == set(REPLICAS)
 
 
@@ -234,4 +243,3 @@ def _home(stub: pb_grpc.InferenceStub, session_id: int) -> str:
 
 
 TURN = {"max_new_tokens": 6, "ignore_eos": True}
-

@@ -2,6 +2,7 @@
 
 The ranks here are plain threads playing engine loops, calling `Gateway.pop` as `EngineLoop.run` does.
 """
+
 from __future__ import annotations
 
 import queue
@@ -23,8 +24,14 @@ LOOPS = 3
 
 
 def generate_request(session_id: int = 0) -> Request:
-    return Request(RequestKind.GENERATE, session_id, lambda _: None, input_ids=[1, 2, 3], params=SamplingParams(),
-                   stateless=not session_id)
+    return Request(
+        RequestKind.GENERATE,
+        session_id,
+        lambda _: None,
+        input_ids=[1, 2, 3],
+        params=SamplingParams(),
+        stateless=not session_id,
+    )
 
 
 @pytest.fixture
@@ -76,8 +83,14 @@ def test_requests_cancelled_while_queued_are_skipped(gateway):
 def test_a_request_cancelled_while_queued_counts_its_wait_as_queue_time(gateway):
     """Its usage says how long it waited (the queue-time histogram once got a 0 for every such request)."""
     outputs = queue.Queue()
-    request = Request(RequestKind.GENERATE, 0, outputs.put, input_ids=[1, 2, 3], params=SamplingParams(),
-                      arrival=time.monotonic() - 5.0)  # submitted 5 s ago
+    request = Request(
+        RequestKind.GENERATE,
+        0,
+        outputs.put,
+        input_ids=[1, 2, 3],
+        params=SamplingParams(),
+        arrival=time.monotonic() - 5.0,
+    )  # submitted 5 s ago
     gateway.push(request)
     assert gateway.cancel(request)
     usage = outputs.get(timeout=60).usage

@@ -3,6 +3,7 @@ against transformers on the same GPU, decode steps from CUDA graphs against eage
 KV accounting, Sleep giving device memory back, and the gRPC server end to end.
 
 The models are written on the spot (tests/gpu_models.py): the lent GPU machine has no embedded model."""
+
 from __future__ import annotations
 
 import random
@@ -29,8 +30,14 @@ from tests.serving import ServerThread
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 VOCAB = 2048
-_COMMON = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_attention_heads=8, num_key_value_heads=2,
-               max_position_embeddings=1024)
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=128,
+    intermediate_size=256,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+)
 ARCHS = {
     "llama": transformers.LlamaConfig(**_COMMON, num_hidden_layers=2, head_dim=32, rope_theta=50000.0),
     # a head_dim that is not a power of two (h2o-danube's 80): the Triton kernels pad it
@@ -78,17 +85,27 @@ def assert_all_blocks_free(eng: Engine) -> None:
 
 
 def hf_model(path: str, dtype: torch.dtype):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").cuda().eval()
+    return (
+        transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").cuda().eval()
+    )
 
 
 def hf_greedy(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
     """transformers' greedy tokens and the log-softmax of each step's logits, in float32."""
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt], device="cuda"), attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device="cuda"),
-                             do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, eos_token_id=None,
-                             pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        out = model.generate(
+            torch.tensor([prompt], device="cuda"),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device="cuda"),
+            do_sample=False,
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            eos_token_id=None,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
     logprobs = torch.log_softmax(torch.stack(out.logits)[:, 0].float(), dim=-1)
-    return out.sequences[0, len(prompt):].tolist(), logprobs
+    return out.sequences[0, len(prompt) :].tolist(), logprobs
 
 
 def ours(eng: Engine, prompt: list[int]) -> tuple[list[int], list]:
@@ -98,7 +115,9 @@ def ours(eng: Engine, prompt: list[int]) -> tuple[list[int], list]:
 
 def top_error(logprobs: list, reference: torch.Tensor, steps: int) -> float:
     """The largest difference between our top-5 logprobs and the reference's at the same ids."""
-    return max(abs(value - reference[step, token].item()) for step in range(steps) for token, value in logprobs[step].top)
+    return max(
+        abs(value - reference[step, token].item()) for step in range(steps) for token, value in logprobs[step].top
+    )
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
@@ -256,8 +275,13 @@ def test_grpc_server_on_cuda(models):
         assert turn2 == tokens(pb.GenerateRequest(tokens=pb.TokenIds(ids=first[0] + turn1 + first[1]), sampling=params))
         stub.End(pb.EndRequest(session_id=sid))
 
-        long = stub.Generate(pb.GenerateRequest(request_id="long", tokens=pb.TokenIds(ids=first[0]),
-                                                sampling=pb.SamplingParams(max_new_tokens=900, ignore_eos=True)))
+        long = stub.Generate(
+            pb.GenerateRequest(
+                request_id="long",
+                tokens=pb.TokenIds(ids=first[0]),
+                sampling=pb.SamplingParams(max_new_tokens=900, ignore_eos=True),
+            )
+        )
         next(msg for msg in long if msg.token_ids)
         assert stub.Cancel(pb.CancelRequest(request_id="long")).cancelled
         assert [msg.finish_reason for msg in long][-1] == pb.FINISH_REASON_CANCELLED
@@ -274,7 +298,11 @@ def test_grpc_server_on_cuda(models):
 def test_a_device_index_past_the_machines_gpus_exits_two():
     """One line naming the devices there are, before anything loads, not a traceback from the first CUDA call."""
     count = torch.cuda.device_count()
-    result = subprocess.run([sys.executable, "-m", "lmgate.service.main", "--port", "0", "--device", f"cuda:{count}"],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "lmgate.service.main", "--port", "0", "--device", f"cuda:{count}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2, result.stderr
     assert f"cuda:0 to cuda:{count - 1}" in result.stderr and "Traceback" not in result.stderr

@@ -1,5 +1,6 @@
 """CPU features read in one place, and the dtype `--dtype auto` chooses from them (tested for every kind of
 CPU without needing each: the choice is a function of the flags)."""
+
 from __future__ import annotations
 
 import logging
@@ -27,20 +28,25 @@ def x86(flags: str) -> CpuFeatures:
     return CpuFeatures("test cpu", "x86_64", frozenset(flags.split()))
 
 
-@pytest.mark.parametrize("arch,flags,want", [
-    ("x86_64", AVX2, torch.float32),  # AMD Zen 3, Intel Haswell .. Alder Lake
-    ("x86_64", AVX512, torch.float32),  # Skylake-X: AVX-512 but no bf16 arithmetic
-    ("x86_64", AVX512 + " avx512_bf16", torch.bfloat16),  # Cooper Lake, Zen 4 / 5
-    ("x86_64", AVX512 + " amx_bf16 amx_tile", torch.bfloat16),  # Sapphire Rapids
-    ("aarch64", "fp asimd sve", torch.float32),
-    ("aarch64", "fp asimd sve bf16", torch.bfloat16),  # Graviton 3, Neoverse V1
-])
+@pytest.mark.parametrize(
+    "arch,flags,want",
+    [
+        ("x86_64", AVX2, torch.float32),  # AMD Zen 3, Intel Haswell .. Alder Lake
+        ("x86_64", AVX512, torch.float32),  # Skylake-X: AVX-512 but no bf16 arithmetic
+        ("x86_64", AVX512 + " avx512_bf16", torch.bfloat16),  # Cooper Lake, Zen 4 / 5
+        ("x86_64", AVX512 + " amx_bf16 amx_tile", torch.bfloat16),  # Sapphire Rapids
+        ("aarch64", "fp asimd sve", torch.float32),
+        ("aarch64", "fp asimd sve bf16", torch.bfloat16),  # Graviton 3, Neoverse V1
+    ],
+)
 def test_auto_dtype_follows_cpu_flags(arch, flags, want):
     dtype, why = choose_dtype("auto", CPU, CpuFeatures("test cpu", arch, frozenset(flags.split())))
     assert dtype == want and why.startswith("auto:")
 
 
-@pytest.mark.parametrize("capability, want", [((9, 0), torch.bfloat16), ((8, 0), torch.bfloat16), ((7, 5), torch.float16)])
+@pytest.mark.parametrize(
+    "capability, want", [((9, 0), torch.bfloat16), ((8, 0), torch.bfloat16), ((7, 5), torch.float16)]
+)
 def test_auto_dtype_on_cuda_is_bfloat16_from_ampere_on_else_float16(monkeypatch, capability, want):
     """The device's compute capability as the driver reports it (stood in for here: this machine has no GPU)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -112,8 +118,10 @@ def test_auto_dtype_under_tensor_parallelism_is_one_ranks(cpu_flags, gguf_path):
     """A GGUF split over ranks is expanded to float, but `--dtype auto` still picks what one rank computes
     in: bfloat16 there would change greedy tokens against one rank's (README: "Outputs equal one rank's")."""
     cpu_flags(AVX512 + " avx512_bf16")
-    chosen = [choose_dtype("auto", CPU, quantized_weights=quantized_gguf(EngineConfig(tensor_parallel=tp), gguf_path, CPU))
-              for tp in (1, 2, 4)]
+    chosen = [
+        choose_dtype("auto", CPU, quantized_weights=quantized_gguf(EngineConfig(tensor_parallel=tp), gguf_path, CPU))
+        for tp in (1, 2, 4)
+    ]
     assert chosen[0] == chosen[1] == chosen[2]
     assert chosen[0][0] == (torch.float32 if compiler_found() else torch.bfloat16)
 
@@ -123,13 +131,16 @@ def test_engine_refuses_unknown_dtype(tiny_models):
         Engine(EngineConfig(model=tiny_models("llama").path, dtype="int3"))
 
 
-@pytest.mark.parametrize("files,want", [
-    ({"cpu.max": "max 100000\n"}, None),
-    ({"cpu.max": "150000 100000\n"}, 1.5),
-    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
-    ({"cpu/cpu.cfs_quota_us": "50000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 0.5),
-    ({}, None),
-])
+@pytest.mark.parametrize(
+    "files,want",
+    [
+        ({"cpu.max": "max 100000\n"}, None),
+        ({"cpu.max": "150000 100000\n"}, 1.5),
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+        ({"cpu/cpu.cfs_quota_us": "50000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 0.5),
+        ({}, None),
+    ],
+)
 def test_cgroup_cpu_quota_v1_and_v2(tmp_path, files, want):
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)

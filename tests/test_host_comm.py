@@ -80,9 +80,12 @@ class RankProcesses:
         self.jobs = [ctx.Queue() for _ in range(size)]
         self.results = ctx.Queue()
         secret = new_secret()
-        self.procs = [ctx.Process(target=_rank_process, args=(self.store.port, secret, r, size, self.jobs[r], self.results),
-                                  daemon=True)  # never outlive the test process
-                      for r in range(size)]
+        self.procs = [
+            ctx.Process(
+                target=_rank_process, args=(self.store.port, secret, r, size, self.jobs[r], self.results), daemon=True
+            )  # never outlive the test process
+            for r in range(size)
+        ]
         for p in self.procs:
             p.start()
 
@@ -454,8 +457,15 @@ def test_gloo_abort_then_closed_connection_still_reports_the_abort(on_ranks, siz
 
 def _late_broadcast(c: GlooComm, patient: bool) -> str:
     """A broadcast whose root comes 3 s late, on a group whose limit on a collective is 1 s."""
-    short = GlooComm(c._store, c.rank, c.size, c._secret, prefix=f"late/{patient}", timeout=datetime.timedelta(seconds=1),
-                     hostname=c.hostname)
+    short = GlooComm(
+        c._store,
+        c.rank,
+        c.size,
+        c._secret,
+        prefix=f"late/{patient}",
+        timeout=datetime.timedelta(seconds=1),
+        hostname=c.hostname,
+    )
     if c.rank == 0:
         time.sleep(3)
     try:
@@ -492,8 +502,9 @@ def _record_unpickled() -> str:
 
 def _impostor_broadcast(c: GlooComm) -> tuple[str, bool]:
     """Rank 0 sends under a secret of its own, as a process that took a peer's place on the ports would."""
-    impostor = GlooComm(c._store, c.rank, c.size, new_secret() if c.rank == 0 else c._secret, prefix="impostor",
-                        hostname=c.hostname)
+    impostor = GlooComm(
+        c._store, c.rank, c.size, new_secret() if c.rank == 0 else c._secret, prefix="impostor", hostname=c.hostname
+    )
     try:
         impostor.broadcast(_Marker() if c.rank == 0 else None)
         outcome = "passed"
@@ -507,4 +518,5 @@ def test_gloo_never_unpickles_a_value_its_secret_did_not_sign(on_ranks):
     unpickled (which runs code)."""
     assert on_ranks("gloo", 2, _impostor_broadcast) == [
         ("passed", False),
-        ("a message not signed with this group's secret: is another process on its ports?", False)]
+        ("a message not signed with this group's secret: is another process on its ports?", False),
+    ]

@@ -3,6 +3,7 @@ panels for many rows, a matvec over the blocks where they lie for few) against f
 way (so only summation order may differ), the types they do not take left to the float32 kernels, and the
 embedded model's perplexity against the float-activation path (the issue's measure: tokens may differ). Skipped
 where no C++ compiler builds the kernels."""
+
 from __future__ import annotations
 
 import math
@@ -25,9 +26,12 @@ from tests.perplexity import PASSAGE, perplexity
 from tests.test_engine import hf_model  # noqa: F401  (fixture)
 from tests.test_quantized import blocks_for
 
-kernels = pytest.mark.skipif(not (compiler_found() and load_cpu_kernels()), reason="no C++ compiler: the quantized kernels cannot be built")
+kernels = pytest.mark.skipif(
+    not (compiler_found() and load_cpu_kernels()), reason="no C++ compiler: the quantized kernels cannot be built"
+)
 INT8 = [GGMLQuantizationType(t) for t in sorted(INT8_TYPES)]
 OTHERS = [GGMLQuantizationType.Q6_K]
+
 
 def rounded(x: torch.Tensor) -> torch.Tensor:
     """x as the kernel rounds it, in float64: per block of 32, round(x * (127 / max|x|)) in float32 arithmetic
@@ -66,10 +70,20 @@ def test_int8_kernel_is_rounded_x_times_the_weights(qtype, op, m):
 
 
 @kernels
-@pytest.mark.skipif(not cpu_features().int8_vnni, reason="this CPU has no AVX512-VNNI: its vpdpbusd path cannot run here")
+@pytest.mark.skipif(
+    not cpu_features().int8_vnni, reason="this CPU has no AVX512-VNNI: its vpdpbusd path cannot run here"
+)
 @pytest.mark.parametrize("qtype", INT8, ids=lambda t: t.name)
-@pytest.mark.parametrize("op, m", [("gguf_matmul_int8", 3), ("gguf_matmul_int8", 64), ("gguf_matmul_int8", 300),
-                                   ("gguf_matvec_int8", 1), ("gguf_matvec_int8", 5)])
+@pytest.mark.parametrize(
+    "op, m",
+    [
+        ("gguf_matmul_int8", 3),
+        ("gguf_matmul_int8", 64),
+        ("gguf_matmul_int8", 300),
+        ("gguf_matvec_int8", 1),
+        ("gguf_matvec_int8", 5),
+    ],
+)
 def test_vnni_kernel_gives_the_same_bits_as_avx2(qtype, op, m):
     """vpdpbusd and vpmaddubsw sum the same integers exactly (Q5_K's near the int16 limit, Q8_0's signed ones),
     and the float steps after them are the same."""
@@ -81,8 +95,10 @@ def test_vnni_kernel_gives_the_same_bits_as_avx2(qtype, op, m):
 
 
 @kernels
-@pytest.mark.skipif(CpuFeatures("", "x86_64", _read_cpuinfo()[1]).int8_vnni,  # the CPU's own, not LMGATE_CPU_FLAGS
-                    reason="this CPU has AVX512-VNNI: the refusal is for CPUs without it")
+@pytest.mark.skipif(
+    CpuFeatures("", "x86_64", _read_cpuinfo()[1]).int8_vnni,  # the CPU's own, not LMGATE_CPU_FLAGS
+    reason="this CPU has AVX512-VNNI: the refusal is for CPUs without it",
+)
 @pytest.mark.parametrize("op", ["gguf_matmul_int8", "gguf_matvec_int8"])
 def test_vnni_kernel_refused_on_a_cpu_without_it(op):
     raw, _, x = weights_and_x(GGMLQuantizationType.Q4_0, 16)
@@ -120,8 +136,14 @@ def test_embedded_model_perplexity_with_int8_activations(checkpoint, tokenizer, 
     assert len(ids) > 200
     ppl = {}
     for int8 in (False, True):
-        model = build_model(checkpoint.config, checkpoint.weights, torch.float32, torch.device("cpu"),
-                            quantized=True, int8_activations=int8)
+        model = build_model(
+            checkpoint.config,
+            checkpoint.weights,
+            torch.float32,
+            torch.device("cpu"),
+            quantized=True,
+            int8_activations=int8,
+        )
         assert model.model.layers[0].mlp.down_proj.int8_activations == int8
         assert model.fused_decode.int8_activations == int8
         ppl[int8] = perplexity(model, ids, decode=decode)

@@ -1,6 +1,7 @@
 """`--kv-cache-tokens auto`: a fixed size on the CPU; on CUDA the share of the GPU that
 `--gpu-memory-utilization` leaves after what is in use, the weights and a step's activations (the CUDA run of
 it is in test_gpu.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,8 +19,9 @@ QWEN_KV = 2 * 24 * 2 * 64 * 2  # bytes per token of Qwen2.5-0.5B's bf16 KV: laye
 
 
 def test_the_cache_takes_what_the_share_leaves_in_whole_blocks():
-    tokens = kv_tokens_in_budget(free=79 * GiB, total=80 * GiB, utilization=0.9, fixed=3 * GiB,
-                                 bytes_per_token=QWEN_KV, block_size=16)
+    tokens = kv_tokens_in_budget(
+        free=79 * GiB, total=80 * GiB, utilization=0.9, fixed=3 * GiB, bytes_per_token=QWEN_KV, block_size=16
+    )
     assert tokens % 16 == 0
     assert tokens * QWEN_KV <= (72 - 1 - 3) * GiB < (tokens + 16) * QWEN_KV  # 90% of 80, less 1 used and 3 fixed
 
@@ -52,14 +54,14 @@ def test_activations_grow_with_the_step(checkpoint):
     eager = step(max_batched_tokens=256, max_batch_size=64, cuda_graphs=False)
     assert base - eager == sum(buckets(64)) * checkpoint.config.vocab_size * 4 == 295 * 49152 * 4
     assert step(tp=3, max_batched_tokens=256, max_batch_size=64) == step(
-        tp=3, max_batched_tokens=256, max_batch_size=64, cuda_graphs=False)  # no graphs under tensor parallelism
+        tp=3, max_batched_tokens=256, max_batch_size=64, cuda_graphs=False
+    )  # no graphs under tensor parallelism
 
 
 def test_settings_out_of_range_are_refused():
     with pytest.raises(InvalidRequest, match="must be 0 .auto. or at least 16"):
         EngineConfig(kv_cache_tokens=-16)
-    for bad in (dict(kv_cache_tokens=8), dict(gpu_memory_utilization=0.0),
-                dict(gpu_memory_utilization=1.5)):
+    for bad in (dict(kv_cache_tokens=8), dict(gpu_memory_utilization=0.0), dict(gpu_memory_utilization=1.5)):
         with pytest.raises(InvalidRequest):
             EngineConfig(**bad)
 

@@ -1,5 +1,6 @@
 """The C++ elementwise layer ops (engine/kernels/layer_ops.cpp) against the torch expressions they replace,
 on shapes with vector tails, single rows, many rows (split over threads) and strided views."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,9 @@ import torch.nn.functional as F
 from lmgate.engine.kernels import compiler_found, load_cpu_kernels
 from lmgate.engine.models.llama import RMSNorm, apply_rotary, layer_kernels
 
-pytestmark = pytest.mark.skipif(not (compiler_found() and load_cpu_kernels()), reason="no C++ compiler: the kernels cannot be built")
+pytestmark = pytest.mark.skipif(
+    not (compiler_found() and load_cpu_kernels()), reason="no C++ compiler: the kernels cannot be built"
+)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 64, 300])
@@ -31,7 +34,11 @@ def test_add_rms_norm_adds_in_place_then_normalizes(rows, dim):
     """A decoder layer's residual add inside the norm that reads the sum: x becomes x + delta, in place, and
     the result equals rms_norm of that sum, in C++ and on torch's path (a dtype the kernels do not take)."""
     g = torch.Generator().manual_seed(rows + dim)
-    x, delta, w = torch.randn(rows, dim, generator=g), torch.randn(rows, dim, generator=g), torch.randn(dim, generator=g)
+    x, delta, w = (
+        torch.randn(rows, dim, generator=g),
+        torch.randn(rows, dim, generator=g),
+        torch.randn(dim, generator=g),
+    )
     total = x + delta
     want = torch.ops.lmgate.rms_norm(total, w, 1e-5)
     got = torch.ops.lmgate.add_rms_norm(x, delta, w, 1e-5)
@@ -112,7 +119,7 @@ def equal_but_for_a_rounding(got: torch.Tensor, want: torch.Tensor, share: float
     assert got.dtype == want.dtype == BF16 and got.shape == want.shape
     differ = int((got != want).sum())
     assert differ <= max(1, share * got.numel()), f"{differ} of {got.numel()} differ"
-    torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-6)
+    torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-6)
 
 
 @pytest.mark.parametrize("rows", [1, 64, 2000])
@@ -182,8 +189,17 @@ def test_store_kv_refuses_a_slot_outside_the_cache_and_writes_nothing():
     assert not k_cache.any() and not v_cache.any()
 
 
-@pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float16), (torch.float32, torch.bfloat16),
-                                                 (BF16, BF16), (BF16, torch.float16), (BF16, torch.float32)], ids=str)
+@pytest.mark.parametrize(
+    "dtype, cache_dtype",
+    [
+        (torch.float32, torch.float16),
+        (torch.float32, torch.bfloat16),
+        (BF16, BF16),
+        (BF16, torch.float16),
+        (BF16, torch.float32),
+    ],
+    ids=str,
+)
 def test_store_kv_converts_into_the_caches_dtype(dtype, cache_dtype):
     k, v = torch.randn(5, 2, 64).to(dtype), torch.randn(5, 2, 64).to(dtype)
     k_cache, v_cache = torch.zeros(2, 4, 16, 64, dtype=cache_dtype), torch.zeros(2, 4, 16, 64, dtype=cache_dtype)

@@ -1,5 +1,6 @@
 """/metrics scraped over HTTP and read with prometheus_client's own parser: Prometheus' naming conventions,
 the series vLLM users expect, and counters that move; the access log's line per finished request."""
+
 from __future__ import annotations
 
 import json
@@ -16,14 +17,33 @@ from lmgate.service.logs import JsonFormatter
 from lmgate.v1 import lmgate_pb2 as pb
 
 HISTOGRAMS = (
-    "lmgate_time_to_first_token_seconds", "lmgate_inter_token_latency_seconds", "lmgate_time_per_output_token_seconds",
-    "lmgate_e2e_request_latency_seconds", "lmgate_request_queue_time_seconds", "lmgate_request_prompt_tokens",
+    "lmgate_time_to_first_token_seconds",
+    "lmgate_inter_token_latency_seconds",
+    "lmgate_time_per_output_token_seconds",
+    "lmgate_e2e_request_latency_seconds",
+    "lmgate_request_queue_time_seconds",
+    "lmgate_request_prompt_tokens",
     "lmgate_request_generation_tokens",
 )
-COUNTERS = ("lmgate_requests", "lmgate_output_tokens", "lmgate_prompt_tokens", "lmgate_preemptions",
-            "lmgate_prefix_cache_queries", "lmgate_prefix_cache_hits", "lmgate_sessions_expired", "process_cpu_seconds")
-GAUGES = ("lmgate_kv_cache_blocks", "lmgate_kv_cache_free_blocks", "lmgate_kv_cache_usage_ratio",
-          "lmgate_running_requests", "lmgate_sessions_open", "lmgate_sleeping", "process_resident_memory_bytes")
+COUNTERS = (
+    "lmgate_requests",
+    "lmgate_output_tokens",
+    "lmgate_prompt_tokens",
+    "lmgate_preemptions",
+    "lmgate_prefix_cache_queries",
+    "lmgate_prefix_cache_hits",
+    "lmgate_sessions_expired",
+    "process_cpu_seconds",
+)
+GAUGES = (
+    "lmgate_kv_cache_blocks",
+    "lmgate_kv_cache_free_blocks",
+    "lmgate_kv_cache_usage_ratio",
+    "lmgate_running_requests",
+    "lmgate_sessions_open",
+    "lmgate_sleeping",
+    "process_resident_memory_bytes",
+)
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +59,11 @@ def scrape(server):
 
 
 def value(families: dict, name: str, **labels: str) -> float:
-    return sum(s.value for s in families[name].samples
-               if s.name in (name, name + "_total") and labels.items() <= s.labels.items())
+    return sum(
+        s.value
+        for s in families[name].samples
+        if s.name in (name, name + "_total") and labels.items() <= s.labels.items()
+    )
 
 
 def count(families: dict, histogram: str) -> float:
@@ -73,7 +96,11 @@ def test_metrics_counters_and_histograms_move(scrape, server):
     before = scrape()
     prompt = pb.TokenIds(ids=list(range(300, 340)))
     for _ in range(2):
-        list(server.stub().Generate(pb.GenerateRequest(tokens=prompt, sampling=pb.SamplingParams(max_new_tokens=5, ignore_eos=True))))
+        list(
+            server.stub().Generate(
+                pb.GenerateRequest(tokens=prompt, sampling=pb.SamplingParams(max_new_tokens=5, ignore_eos=True))
+            )
+        )
     after = scrape()
     assert value(after, "lmgate_requests", reason="length") == value(before, "lmgate_requests", reason="length") + 2
     assert value(after, "lmgate_output_tokens") == value(before, "lmgate_output_tokens") + 10
@@ -87,7 +114,13 @@ def test_metrics_counters_and_histograms_move(scrape, server):
 
 def test_access_log_line_per_request(server, caplog):
     with caplog.at_level(logging.INFO, logger="lmgate.access"):
-        list(server.stub().Generate(pb.GenerateRequest(request_id="logged-1", prompt="Hi", sampling=pb.SamplingParams(max_new_tokens=3, ignore_eos=True))))
+        list(
+            server.stub().Generate(
+                pb.GenerateRequest(
+                    request_id="logged-1", prompt="Hi", sampling=pb.SamplingParams(max_new_tokens=3, ignore_eos=True)
+                )
+            )
+        )
         with pytest.raises(Exception):
             list(server.stub().Generate(pb.GenerateRequest(session_id=424242, prompt="Hi")))
         forged = "x\n12:00:00 INFO lmgate.access: request_id=forged outcome=stop"
@@ -96,14 +129,19 @@ def test_access_log_line_per_request(server, caplog):
     records = [r for r in caplog.records if r.name == "lmgate.access"]
     assert [r.getMessage() for r in records if r.fields["request_id"] == forged] == [
         f"request_id={forged!r} session_id=0 peer={records[-1].fields['peer']} prompt_tokens=0 completion_tokens=0 "
-        "cached_tokens=0 ttft_s=None duration_s=0.0 outcome=INVALID_ARGUMENT"]
+        "cached_tokens=0 ttft_s=None duration_s=0.0 outcome=INVALID_ARGUMENT"
+    ]
     done = next(r for r in records if r.fields["request_id"] == "logged-1")
     assert done.fields["completion_tokens"] == 3 and done.fields["outcome"] == "length"
     assert done.fields["prompt_tokens"] > 0 and done.fields["ttft_s"] is not None and "127.0.0.1" in done.fields["peer"]
     refused = next(r for r in records if r.fields["session_id"] == 424242)
     assert refused.fields["outcome"] == "NOT_FOUND"
     line = json.loads(JsonFormatter().format(done))
-    assert line["logger"] == "lmgate.access" and line["request_id"] == "logged-1" and "request_id=logged-1" in line["message"]
+    assert (
+        line["logger"] == "lmgate.access"
+        and line["request_id"] == "logged-1"
+        and "request_id=logged-1" in line["message"]
+    )
 
 
 def test_access_log_names_the_peer_of_streams_whose_client_left(server, caplog):
@@ -113,8 +151,13 @@ def test_access_log_names_the_peer_of_streams_whose_client_left(server, caplog):
     ids = [f"left-{i}" for i in range(20)]
     with caplog.at_level(logging.INFO, logger="lmgate.access"):
         for request_id in ids:
-            call = server.stub().Generate(pb.GenerateRequest(request_id=request_id, prompt="Tell me a story",
-                                                             sampling=pb.SamplingParams(max_new_tokens=64, ignore_eos=True)))
+            call = server.stub().Generate(
+                pb.GenerateRequest(
+                    request_id=request_id,
+                    prompt="Tell me a story",
+                    sampling=pb.SamplingParams(max_new_tokens=64, ignore_eos=True),
+                )
+            )
             next(call)
             call.cancel()
         deadline = time.monotonic() + 60  # a guard against a hang, not a performance bound
@@ -128,5 +171,6 @@ def test_access_log_names_the_peer_of_streams_whose_client_left(server, caplog):
 
 
 def _access(caplog, ids: list[str]) -> dict:
-    return {r.fields["request_id"]: r for r in caplog.records
-            if r.name == "lmgate.access" and r.fields["request_id"] in ids}
+    return {
+        r.fields["request_id"]: r for r in caplog.records if r.name == "lmgate.access" and r.fields["request_id"] in ids
+    }

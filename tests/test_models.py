@@ -8,6 +8,7 @@ tokenizer), then loaded by our loader. We compare
 A GGUF file written from the same weights (llama.cpp tensor names and Q/K layout) must load to the
 same tensors and generate the same tokens. Checkpoints that don't fit are refused.
 """
+
 from __future__ import annotations
 
 import copy
@@ -25,8 +26,15 @@ import safetensors.torch
 import torch
 import transformers
 
-from lmgate.engine.models.attention import (AttentionMetadata, DecodeTables, GatheredDecode, PrefillChunk, PrefillTables, decode_mask,
-                                     gather_rows)
+from lmgate.engine.models.attention import (
+    AttentionMetadata,
+    DecodeTables,
+    GatheredDecode,
+    PrefillChunk,
+    PrefillTables,
+    decode_mask,
+    gather_rows,
+)
 from lmgate.engine.config import EngineConfig, ModelConfig
 from lmgate.engine.engine import Engine
 from lmgate.engine.errors import UnsupportedModel
@@ -65,13 +73,27 @@ ARCHS = {
     "qwen2": (transformers.Qwen2Config, dict(num_hidden_layers=2, rope_theta=1e6)),
     "qwen3": (transformers.Qwen3Config, dict(num_hidden_layers=2, head_dim=32, rope_theta=1e6)),
     # Llama 3.1's scaled RoPE, its original context shorter than a prompt here: tests of its own
-    "llama3": (transformers.LlamaConfig, dict(num_hidden_layers=2, rope_theta=500000.0, rope_parameters=dict(
-        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32,
-        rope_theta=500000.0))),
+    "llama3": (
+        transformers.LlamaConfig,
+        dict(
+            num_hidden_layers=2,
+            rope_theta=500000.0,
+            rope_parameters=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=32,
+                rope_theta=500000.0,
+            ),
+        ),
+    ),
     # Q/K/V biases in a Llama GGUF (early Qwen conversions): only their loading is tested, as lmgate's Llama
     # has no o_proj bias
-    "llama_bias": (transformers.LlamaConfig, dict(num_hidden_layers=2, head_dim=32, rope_theta=50000.0,
-                                                  attention_bias=True)),
+    "llama_bias": (
+        transformers.LlamaConfig,
+        dict(num_hidden_layers=2, head_dim=32, rope_theta=50000.0, attention_bias=True),
+    ),
     # A head_dim that is not a power of two (h2o-danube's 80, open_llama_3b's 100): the Triton path's own test
     "llama_head_24": (transformers.LlamaConfig, dict(num_hidden_layers=2, head_dim=24, rope_theta=50000.0)),
 }
@@ -216,14 +238,20 @@ def _meta(kv, slots: list[int], prefills=(), decodes=None, kernel: bool = False)
     tables padded with block 0. The C++ kernels read both in place (tables); the torch path gathers them.
     """
     kvh, num_blocks, block_size = kv[0][0].shape[:3]
-    chunks = [PrefillChunk(start, end, ctx, gather_rows(torch.tensor(table[: -(-ctx // block_size)]), kvh, num_blocks))
-              for start, end, ctx, table in prefills]
+    chunks = [
+        PrefillChunk(start, end, ctx, gather_rows(torch.tensor(table[: -(-ctx // block_size)]), kvh, num_blocks))
+        for start, end, ctx, table in prefills
+    ]
     if kernel and prefills:
         width = max(len(table) for *_, table in prefills)
         first = prefills[0][0]
-        chunks = PrefillTables(torch.tensor([table + [0] * (width - len(table)) for *_, table in prefills]),
-                               _ids([start - first for start, *_ in prefills]), _ids([end - start for start, end, *_ in prefills]),
-                               _ids([ctx for _, _, ctx, _ in prefills]), max(end - start for start, end, *_ in prefills))
+        chunks = PrefillTables(
+            torch.tensor([table + [0] * (width - len(table)) for *_, table in prefills]),
+            _ids([start - first for start, *_ in prefills]),
+            _ids([end - start for start, end, *_ in prefills]),
+            _ids([ctx for _, _, ctx, _ in prefills]),
+            max(end - start for start, end, *_ in prefills),
+        )
     meta = AttentionMetadata(slot_mapping=_ids(slots), num_decode=0, decode=None, prefills=chunks)
     if decodes is not None:
         block_tables, lengths = decodes
@@ -241,8 +269,7 @@ def _meta(kv, slots: list[int], prefills=(), decodes=None, kernel: bool = False)
 def _decode_paths() -> list:
     """The torch path always; the C++ kernels where they could be built (tests/test_attention_kernel.py says
     why it could not)."""
-    kernel = pytest.param(True, id="kernel", marks=pytest.mark.skipif(
-        not compiler_found(), reason="no C++ compiler"))
+    kernel = pytest.param(True, id="kernel", marks=pytest.mark.skipif(not compiler_found(), reason="no C++ compiler"))
     return [pytest.param(False, id="torch"), kernel]
 
 
@@ -252,10 +279,14 @@ def test_config_from_hf_reads_tiny_model(tiny):
     hf = tiny.hf.config
     assert cfg.architecture == hf.architectures[0]
     assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers) == (
-        hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers
+        hf.hidden_size,
+        hf.intermediate_size,
+        hf.num_hidden_layers,
     )
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
-        hf.num_attention_heads, hf.num_key_value_heads, tiny.hf.model.layers[0].self_attn.head_dim
+        hf.num_attention_heads,
+        hf.num_key_value_heads,
+        tiny.hf.model.layers[0].self_attn.head_dim,
     )
     assert cfg.rope_theta == ARCHS[tiny.name][1]["rope_theta"]
     assert cfg.rms_norm_eps == pytest.approx(hf.rms_norm_eps)
@@ -292,7 +323,9 @@ def test_model_chunked_prefill_matches_transformers(tiny, prompt_ids, kernel):
     outs = []
     with torch.inference_mode():
         for start, end in ((0, split), (split, n)):
-            meta = _meta(kv, _slots(table, range(start, end), bs), prefills=[(0, end - start, end, table)], kernel=kernel)
+            meta = _meta(
+                kv, _slots(table, range(start, end), bs), prefills=[(0, end - start, end, table)], kernel=kernel
+            )
             hidden = model(_ids(prompt_ids[start:end]), torch.arange(start, end), kv, meta)
             outs.append(model.compute_logits(hidden))
     torch.testing.assert_close(torch.cat(outs), tiny.hf_logits(prompt_ids), atol=ATOL, rtol=RTOL)
@@ -336,7 +369,9 @@ def test_model_batched_decode_matches_transformers(tiny, prompt_ids, prompt_b_id
 def test_engine_greedy_tokens_match_transformers(tiny, prompt_ids, kernel):
     expected = tiny.hf_greedy(prompt_ids)
     assert len(set(expected)) >= NEW_TOKENS // 2, f"degenerate reference {expected}"
-    with Engine(EngineConfig(dtype="float32", model=tiny.path, kv_cache_tokens=4096, attention_kernel=kernel)) as engine:
+    with Engine(
+        EngineConfig(dtype="float32", model=tiny.path, kv_cache_tokens=4096, attention_kernel=kernel)
+    ) as engine:
         assert engine.loops[0].runner.attention == ("cpu" if kernel else "torch")
         out = engine.generate(prompt_ids, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
     assert out.error is None
@@ -359,11 +394,15 @@ def test_ids_past_the_tokenizer_are_never_generated(tmp_path, hf_tokenizer_dir, 
     hf.save_pretrained(str(tmp_path))
     for f in os.listdir(hf_tokenizer_dir):
         shutil.copy(os.path.join(hf_tokenizer_dir, f), tmp_path / f)
-    with Engine(EngineConfig(dtype="float32", model=str(tmp_path), kv_cache_tokens=1024, dp_backend=dp_backend)) as engine:
+    with Engine(
+        EngineConfig(dtype="float32", model=str(tmp_path), kv_cache_tokens=1024, dp_backend=dp_backend)
+    ) as engine:
         assert engine.vocab_size == VOCAB
         prompt = engine.tokenizer.encode("Hello")
-        for params in (SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=3),
-                       SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=1.0, seed=1)):
+        for params in (
+            SamplingParams(max_new_tokens=6, ignore_eos=True, logprobs=3),
+            SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=1.0, seed=1),
+        ):
             out = engine.generate(prompt, params)
             assert out.error is None and len(out.token_ids) == 6
             assert all(t < VOCAB for t in out.token_ids), out.token_ids
@@ -371,8 +410,14 @@ def test_ids_past_the_tokenizer_are_never_generated(tmp_path, hf_tokenizer_dir, 
 
 
 # --------------------------------------------------------------------------------------------- GGUF
-_GGUF_ARCH = {"llama": "llama", "llama_tied": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "llama3": "llama",
-              "llama_bias": "llama"}
+_GGUF_ARCH = {
+    "llama": "llama",
+    "llama_tied": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "llama3": "llama",
+    "llama_bias": "llama",
+}
 _GGUF_LAYER = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -465,7 +510,9 @@ def _llama3_freq_divisors(cfg) -> np.ndarray:
     """transformers' plain inverse frequencies over its llama3 ones."""
     scaled, _ = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["llama3"](cfg, CPU)
     head_dim = cfg.head_dim
-    plain = 1.0 / (cfg.rope_parameters["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    plain = 1.0 / (
+        cfg.rope_parameters["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    )
     return (plain / scaled).numpy()
 
 
@@ -545,9 +592,15 @@ def test_gguf_unsupported_architecture_refused(tmp_path):
 def test_gguf_rope_scaling_refused(tmp_path, how):
     """Scaled RoPE other than Llama 3's (a rope_freqs tensor) is refused, as in a config.json, never run as
     plain RoPE."""
-    fields = {"llama.block_count": 1, "llama.embedding_length": 8, "llama.feed_forward_length": 16,
-              "llama.context_length": 131072, "llama.attention.head_count": 2, "llama.rope.scaling.type": how,
-              "llama.rope.scaling.factor": 8.0}
+    fields = {
+        "llama.block_count": 1,
+        "llama.embedding_length": 8,
+        "llama.feed_forward_length": 16,
+        "llama.context_length": 131072,
+        "llama.attention.head_count": 2,
+        "llama.rope.scaling.type": how,
+        "llama.rope.scaling.factor": 8.0,
+    }
     path = _metadata_gguf(str(tmp_path / "scaled.gguf"), "llama", fields)
     with pytest.raises(UnsupportedModel, match="RoPE scaling"):
         load_checkpoint(path)
@@ -694,7 +747,9 @@ def test_config_rope_scaling_refused(key, rope_type, tiny_models):
 
 def test_config_rope_scaling_from_transformers_config_refused(tmp_path):
     transformers.LlamaConfig(
-        **_COMMON, num_hidden_layers=1, architectures=["LlamaForCausalLM"],
+        **_COMMON,
+        num_hidden_layers=1,
+        architectures=["LlamaForCausalLM"],
         rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
     ).save_pretrained(str(tmp_path))
     with pytest.raises(UnsupportedModel, match="linear"):
@@ -717,12 +772,16 @@ def test_build_model_swaps_every_linear_layer_on_cpu(tiny):
     if kind is PanelLinear or torch.backends.mkldnn.is_available():
         assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
         assert sum(isinstance(m, kind) for m in model.modules()) == 4 * model.config.num_layers + 1
-        assert all(m.gated == (name.endswith("gate_up_proj")) for name, m in model.named_modules()
-                   if isinstance(m, PanelLinear))
+        assert all(
+            m.gated == (name.endswith("gate_up_proj"))
+            for name, m in model.named_modules()
+            if isinstance(m, PanelLinear)
+        )
         # weights counted once each: the parameters left (norms, the embedding) and every layer's packed copy
         layers = [m for m in model.modules() if isinstance(m, kind)]
-        assert count_weight_bytes(model) == (sum(p.nbytes for p in model.parameters())
-                                             + sum(m.packed_bytes for m in layers))
+        assert count_weight_bytes(model) == (
+            sum(p.nbytes for p in model.parameters()) + sum(m.packed_bytes for m in layers)
+        )
         assert all(m.packed_bytes >= m.in_features * m.out_features * 4 for m in layers)
     assert isinstance(model.fused_decode, FusedDecode) == (kind is PanelLinear)
 
@@ -742,8 +801,10 @@ def test_float32_fused_decode_equals_the_layer_path(tiny, prompt_ids, kv):
         counting = CountingFusedDecode(model.fused_decode)
         for fused in (counting, None):
             model.fused_decode = fused
-            streams = [engine.submit(ids, SamplingParams(max_new_tokens=4 + i, ignore_eos=True, logprobs=2))
-                       for i, ids in enumerate(prompts)]
+            streams = [
+                engine.submit(ids, SamplingParams(max_new_tokens=4 + i, ignore_eos=True, logprobs=2))
+                for i, ids in enumerate(prompts)
+            ]
             runs.append([o for s in streams for o in s])
         assert engine.info().kv_blocks_free == engine.info().kv_blocks_total
     assert counting.calls >= 10  # 12 rows down to 1, over 15 tokens of the longest stream
@@ -769,7 +830,9 @@ def test_bfloat16_engine_is_as_close_to_float32_as_transformers_own_bfloat16(tin
     with torch.no_grad():
         hf_bf16 = copy.deepcopy(tiny.hf).to(torch.bfloat16)(torch.tensor([ids])).logits[0, at].float().log_softmax(-1)
     ours_error = max(abs(lp - reference[i, t].item()) for i, step in enumerate(out.logprobs) for t, lp in step.top)
-    hf_error = max(abs(hf_bf16[i, t] - reference[i, t]).item() for i, step in enumerate(out.logprobs) for t, _ in step.top)
+    hf_error = max(
+        abs(hf_bf16[i, t] - reference[i, t]).item() for i, step in enumerate(out.logprobs) for t, _ in step.top
+    )
     assert ours_error <= max(4 * hf_error, 0.05), (ours_error, hf_error)
 
 
@@ -780,8 +843,18 @@ def test_ids_the_model_cannot_embed_are_refused(tmp_path):
     from tests.gpu_models import write_model, write_tokenizer
 
     path = str(tmp_path / "trimmed")
-    write_model(path, transformers.LlamaConfig(vocab_size=600, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                               num_attention_heads=4, num_key_value_heads=2), torch.float32)
+    write_model(
+        path,
+        transformers.LlamaConfig(
+            vocab_size=600,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        ),
+        torch.float32,
+    )
     write_tokenizer(path, 1000)
     with Engine(EngineConfig(dtype="float32", model=path, kv_cache_tokens=1024)) as engine:
         assert engine.info().vocab_size == 600
@@ -791,13 +864,16 @@ def test_ids_the_model_cannot_embed_are_refused(tmp_path):
         assert engine.info().kv_blocks_free == engine.info().kv_blocks_total
 
 
-@pytest.mark.parametrize("name,extra,context", [
-    ("mistral", dict(sliding_window=8), 8),  # Mistral 7B v0.1: every layer windowed
-    ("mistral", dict(sliding_window=None), 4096),
-    ("qwen2", dict(sliding_window=8, use_sliding_window=False), 4096),  # Qwen2.5's configs: the window unused
-    ("qwen2", dict(sliding_window=8, use_sliding_window=True, max_window_layers=1), 8),
-    ("qwen2", dict(sliding_window=8, use_sliding_window=True, max_window_layers=2), 4096),
-])
+@pytest.mark.parametrize(
+    "name,extra,context",
+    [
+        ("mistral", dict(sliding_window=8), 8),  # Mistral 7B v0.1: every layer windowed
+        ("mistral", dict(sliding_window=None), 4096),
+        ("qwen2", dict(sliding_window=8, use_sliding_window=False), 4096),  # Qwen2.5's configs: the window unused
+        ("qwen2", dict(sliding_window=8, use_sliding_window=True, max_window_layers=1), 8),
+        ("qwen2", dict(sliding_window=8, use_sliding_window=True, max_window_layers=2), 4096),
+    ],
+)
 def test_config_sliding_window_caps_the_context(name, extra, context, tiny_models):
     """Attention over a sliding window equals full attention within the window: the context stops there, where
     lmgate's full attention and the model's windowed attention would part."""

@@ -1,6 +1,7 @@
 """Two nodes on one machine: node 1 runs in a network namespace of its own, joined to this one (node 0's) by a
 veth pair, so every request, output and collective between them crosses a real link between two network
 stacks. Needs root and `ip`; skipped with the reason where the machine forbids it."""
+
 from __future__ import annotations
 
 import os
@@ -77,8 +78,9 @@ def _common_flags(*flags: str) -> tuple[str, ...]:
 def _start_node1(netns: str, common: tuple[str, ...]) -> subprocess.Popen:
     """Node 1 in `netns`; it waits for node 0. A session of its own: its ranks share its process group, which
     the tests stop and kill as one node."""
-    return subprocess.Popen(["ip", "netns", "exec", netns, *LMGATE, "serve", "--node-rank", "1", *common],
-                            start_new_session=True)
+    return subprocess.Popen(
+        ["ip", "netns", "exec", netns, *LMGATE, "serve", "--node-rank", "1", *common], start_new_session=True
+    )
 
 
 def start_nodes(netns: str, *flags: str) -> tuple[subprocess.Popen, subprocess.Popen, str]:
@@ -107,8 +109,11 @@ def _kill(node1: subprocess.Popen, node0: subprocess.Popen | None = None) -> Non
 
 def greedy(stub: pb_grpc.InferenceStub, prompt: str) -> list[int]:
     sampling = pb.SamplingParams(max_new_tokens=NEW, ignore_eos=True)
-    return [t for m in stub.Generate(pb.GenerateRequest(prompt=prompt, sampling=sampling), timeout=GUARD)
-            for t in m.token_ids]
+    return [
+        t
+        for m in stub.Generate(pb.GenerateRequest(prompt=prompt, sampling=sampling), timeout=GUARD)
+        for t in m.token_ids
+    ]
 
 
 def test_data_parallel_ranks_on_two_nodes_answer_as_one_node_and_stop_together(node1_netns, hf_model, tokenizer):
@@ -138,8 +143,9 @@ def test_tensor_parallel_across_two_nodes_and_a_hung_node_ends_every_stream(node
             got = [greedy(stub, p) for p in PROMPTS[:2]]
             assert got == [hf_greedy(hf_model, tokenizer.encode(p), NEW) for p in PROMPTS[:2]]
             long = pb.SamplingParams(max_new_tokens=2000, ignore_eos=True)  # within the 2048-token context
-            streams = [stub.Generate(pb.GenerateRequest(prompt=f"Story {i}:", sampling=long), timeout=GUARD)
-                       for i in range(3)]
+            streams = [
+                stub.Generate(pb.GenerateRequest(prompt=f"Story {i}:", sampling=long), timeout=GUARD) for i in range(3)
+            ]
             for s in streams:
                 assert next(m for m in s if m.token_ids)
             ends = StreamEnds(streams)

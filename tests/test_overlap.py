@@ -4,6 +4,7 @@ On the CPU the device is the host, so nothing overlaps in time, but every path o
 whose input is a draw the host has not read yet, sequences that end a step late (their extra token dropped),
 cancels and session ends between a step's launch and its read, preemption. Each test compares with the same
 engine run one step at a time."""
+
 from __future__ import annotations
 
 import threading
@@ -35,8 +36,9 @@ def outcome(out) -> tuple:
 
 def run_mixed(checkpoint, prompts: list[list[int]], overlap: str, max_batch_size: int) -> list[tuple]:
     """Every prompt with every kind of sampling, all submitted at once."""
-    config = EngineConfig(dtype="float32", max_batch_size=max_batch_size, max_batched_tokens=64,
-                          overlap_scheduling=overlap)
+    config = EngineConfig(
+        dtype="float32", max_batch_size=max_batch_size, max_batched_tokens=64, overlap_scheduling=overlap
+    )
     with Engine(config, checkpoint=checkpoint) as engine:
         with ThreadPoolExecutor(16) as pool:
             outs = list(pool.map(lambda job: engine.generate(*job), [(p, s) for p in prompts for s in MIXED]))
@@ -47,9 +49,14 @@ def run_mixed(checkpoint, prompts: list[list[int]], overlap: str, max_batch_size
 
 @pytest.fixture(scope="module")
 def prompts(tokenizer) -> list[list[int]]:
-    return [tokenizer.encode(t) for t in (
-        "Once upon a time", "def fibonacci(n):\n    ", chat(tokenizer, ("user", "Name three colours.")),
-    )]
+    return [
+        tokenizer.encode(t)
+        for t in (
+            "Once upon a time",
+            "def fibonacci(n):\n    ",
+            chat(tokenizer, ("user", "Name three colours.")),
+        )
+    ]
 
 
 def test_one_sequence_at_a_time_every_bit_equals_one_step_at_a_time(checkpoint, tokenizer, prompts):
@@ -61,7 +68,7 @@ def test_one_sequence_at_a_time_every_bit_equals_one_step_at_a_time(checkpoint, 
     reasons = [o[2] for o in overlapped]
     assert FinishReason.LENGTH in reasons
     assert any(o[2] is FinishReason.STOP and o[0][-1] in tokenizer.eos_token_ids for o in overlapped)
-    assert any(o[2] is FinishReason.STOP and "\n" not in o[1] and len(o[0]) < 50 for o in overlapped[4::len(MIXED)])
+    assert any(o[2] is FinishReason.STOP and "\n" not in o[1] and len(o[0]) < 50 for o in overlapped[4 :: len(MIXED)])
 
 
 def test_a_changing_batch_gives_the_greedy_tokens_of_one_step_at_a_time(checkpoint, prompts):
@@ -72,7 +79,9 @@ def test_a_changing_batch_gives_the_greedy_tokens_of_one_step_at_a_time(checkpoi
     greedy = [i for i, params in enumerate(MIXED * len(prompts)) if params.greedy]
     assert [overlapped[i][:3] for i in greedy] == [sequential[i][:3] for i in greedy]
     for run in (overlapped, sequential):  # a sampled stream may end at EOS in one run only: each run on its own
-        assert all(len(o[0]) == p.max_new_tokens for o, p in zip(run, MIXED * len(prompts)) if o[2] is FinishReason.LENGTH)
+        assert all(
+            len(o[0]) == p.max_new_tokens for o, p in zip(run, MIXED * len(prompts)) if o[2] is FinishReason.LENGTH
+        )
 
 
 def session_turns(checkpoint, tokenizer, overlap: str) -> list[tuple]:
@@ -90,7 +99,10 @@ def session_turns(checkpoint, tokenizer, overlap: str) -> list[tuple]:
             for turn in ("Hi! Who are you?", "Say that in five words.", "Thanks. Now count to five."):
                 results.append(outcome(engine.generate([{"role": "user", "content": turn}], greedy, session_id=sid)))
                 if sid == 11:
-                    conversation += [{"role": "user", "content": turn}, {"role": "assistant", "content": results[-1][1]}]
+                    conversation += [
+                        {"role": "user", "content": turn},
+                        {"role": "assistant", "content": results[-1][1]},
+                    ]
         story = {"role": "user", "content": "Tell me a long story about a dragon."}
         stream = engine.submit([story], SamplingParams(max_new_tokens=200, ignore_eos=True), session_id=11)
         first = next(iter(stream))
@@ -98,8 +110,9 @@ def session_turns(checkpoint, tokenizer, overlap: str) -> list[tuple]:
         rest = list(stream)
         results.append((len(first.token_ids) > 0, rest[-1].finish_reason))
         conversation += [story, {"role": "assistant", "content": first.text + "".join(r.text for r in rest)}]
-        ended = engine.submit("Count from one to a hundred.", SamplingParams(max_new_tokens=200, ignore_eos=True),
-                              session_id=12)
+        ended = engine.submit(
+            "Count from one to a hundred.", SamplingParams(max_new_tokens=200, ignore_eos=True), session_id=12
+        )
         next(iter(ended))
         engine.end_session(12)
         results.append(list(ended)[-1].finish_reason)

@@ -1,4 +1,5 @@
 """Prepacked oneDNN linear layers: same results as `F.linear`, every linear of a CPU model packed."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,6 @@
 """gemm.cpp's float32 linear layer (column tiles over W packed in panels, plain or gated) against a float64
 matmul, and which layer each linear of a CPU model gets."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,8 +11,9 @@ from torch import nn
 from lmgate.engine.kernels import compiler_found, load_cpu_kernels
 from lmgate.engine.models.panel_linear import PanelLinear, cpu_linears
 
-pytestmark = pytest.mark.skipif(not (compiler_found() and load_cpu_kernels()),
-                                reason="no C++ compiler: gemm.cpp cannot be built")
+pytestmark = pytest.mark.skipif(
+    not (compiler_found() and load_cpu_kernels()), reason="no C++ compiler: gemm.cpp cannot be built"
+)
 
 
 def linear_columns(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -46,9 +48,12 @@ def test_linear_takes_a_strided_x():
 
 def test_column_panels_refuse_what_they_cannot_compute():
     packed = torch.ops.lmgate.pack_columns(torch.randn(50, 32))
-    for x, n, match in [(torch.randn(4, 48), 50, "K"), (torch.randn(4, 32), 20, "n does not match"),
-                        (torch.randn(4, 32), 200, "n does not match"),
-                        (torch.randn(4, 32, dtype=torch.bfloat16), 50, "float32")]:
+    for x, n, match in [
+        (torch.randn(4, 48), 50, "K"),
+        (torch.randn(4, 32), 20, "n does not match"),
+        (torch.randn(4, 32), 200, "n does not match"),
+        (torch.randn(4, 32, dtype=torch.bfloat16), 50, "float32"),
+    ]:
         with pytest.raises(RuntimeError, match=match):
             torch.ops.lmgate.linear_columns(x, packed, n)
     with pytest.raises(RuntimeError, match="float32"):
@@ -72,8 +77,11 @@ def test_gated_linear_is_silu_of_gate_times_up(m, n, k):
 
 def test_gated_panels_refuse_what_they_cannot_compute():
     packed = torch.ops.lmgate.pack_gated_columns(torch.randn(2 * 30, 32))
-    for x, n, match in [(torch.randn(4, 48), 30, "K"), (torch.randn(4, 32), 60, "n does not match"),
-                        (torch.randn(4, 32, dtype=torch.float64), 30, "float32")]:
+    for x, n, match in [
+        (torch.randn(4, 48), 30, "K"),
+        (torch.randn(4, 32), 60, "n does not match"),
+        (torch.randn(4, 32, dtype=torch.float64), 30, "float32"),
+    ]:
         with pytest.raises(RuntimeError, match=match):
             torch.ops.lmgate.linear_gated_columns(x, packed, n)
     with pytest.raises(RuntimeError, match=r"\[2n, K\]"):
@@ -99,8 +107,9 @@ def test_panel_linear_matches_f_linear_on_any_leading_shape(bias):
 
 def tied_model() -> nn.ModuleDict:
     embed = nn.Embedding(50, 32)
-    model = nn.ModuleDict({"embed": embed, "proj": nn.Linear(32, 64), "odd": nn.Linear(24, 8),
-                           "head": nn.Linear(32, 50, bias=False)})
+    model = nn.ModuleDict(
+        {"embed": embed, "proj": nn.Linear(32, 64), "odd": nn.Linear(24, 8), "head": nn.Linear(32, 50, bias=False)}
+    )
     model["head"].weight = embed.weight
     return model
 

@@ -1,6 +1,7 @@
 """Which GPU each rank process takes: a machine's ranks spread over its GPUs, a tensor-parallel group never
 doubled up on one (NCCL refuses that), refused before any rank starts. The mapping runs on any machine; the
 refusals are the engine's own, from a real `Engine`."""
+
 from __future__ import annotations
 
 import pytest
@@ -45,8 +46,10 @@ def test_a_group_spread_over_machines_needs_only_its_share_of_each_machines_gpus
         check_placement("cuda", 4, 4, 2)
 
 
-@pytest.mark.parametrize("device, error", [("cuda", "each needing a GPU of its own; this machine has"),
-                                           ("cuda:0", "puts every rank on one GPU")])
+@pytest.mark.parametrize(
+    "device, error",
+    [("cuda", "each needing a GPU of its own; this machine has"), ("cuda:0", "puts every rank on one GPU")],
+)
 def test_a_tensor_parallel_group_without_its_gpus_is_refused_before_any_rank_starts(device, error):
     too_many = max(2, torch.cuda.device_count() + 1)
     with pytest.raises(InvalidRequest, match=error):

@@ -1,6 +1,7 @@
 """Automatic prefix caching: full KV blocks shared by prompts that start with the same tokens, in stateless
 requests and across sessions; never a change in output; evicted (least recently used) before any session's
 KV or running sequence is touched; every block free again afterwards."""
+
 from __future__ import annotations
 
 import random

@@ -2,6 +2,7 @@
 weights, tiny models written as GGUF files of each type against the float path over the same file, the
 embedded SmolLM2 against transformers, and bad files refused. Where no C++ compiler is found the kernels
 cannot be built and these tests are skipped (the engine then keeps float weights)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -23,7 +24,9 @@ from tests.conftest import CountingFusedDecode
 from tests.test_engine import NEW, hf_greedy, hf_model, reference_prompts  # noqa: F401  (fixtures)
 from tests.test_models import TinyModel, _write_gguf, prompt_ids, tokenizer_fields  # noqa: F401  (fixtures)
 
-kernels = pytest.mark.skipif(not (compiler_found() and load_cpu_kernels()), reason="no C++ compiler: the quantized kernels cannot be built")
+kernels = pytest.mark.skipif(
+    not (compiler_found() and load_cpu_kernels()), reason="no C++ compiler: the quantized kernels cannot be built"
+)
 TYPES = [GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")]
 QUANTIZABLE = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0}
 
@@ -95,28 +98,43 @@ def test_rows_of_different_types_stay_blocks(m):
     the stack equals float64 over the stacked weights."""
     k, rng = 256, np.random.default_rng(m)
     parts = [(GGMLQuantizationType.Q4_K, 24), (GGMLQuantizationType.Q6_K, 8), (GGMLQuantizationType.Q4_K, 5)]
-    blocks = [GGUFBlocks(torch.from_numpy(blocks_for(rng.standard_normal((n, k)).astype(np.float32), t, seed=n)), int(t), k)
-              for t, n in parts]
+    blocks = [
+        GGUFBlocks(torch.from_numpy(blocks_for(rng.standard_normal((n, k)).astype(np.float32), t, seed=n)), int(t), k)
+        for t, n in parts
+    ]
     stacked = cat_rows(blocks)
     assert isinstance(stacked, GGUFStack) and stacked.shape == (37, k)
     weight = torch.cat([torch.from_numpy(dequantize(b.blocks.numpy(), GGMLQuantizationType(b.qtype))) for b in blocks])
     torch.testing.assert_close(stacked.dequantize(), weight.reshape(37, k))
     x = torch.randn(m, k)
     want = x.double() @ weight.reshape(37, k).double().T
-    torch.testing.assert_close(QuantizedLinear(stacked)(x).double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    torch.testing.assert_close(
+        QuantizedLinear(stacked)(x).double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item()
+    )
 
 
 def random_tiny(name: str, config_class=transformers.LlamaConfig, kv_heads: int = 2) -> TinyModel:
     """A model with every matrix a multiple of 256 wide (the K types' block), random weights (norms near 1,
     biases included), the embedded tokenizer's vocabulary."""
-    config = config_class(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=64, rope_theta=50000.0,
-                          max_position_embeddings=512, tie_word_embeddings=True)
+    config = config_class(
+        vocab_size=49152,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        head_dim=64,
+        rope_theta=50000.0,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
         for param_name, p in hf.named_parameters():
-            p.copy_(torch.ones_like(p) + 0.3 * torch.randn_like(p) if "norm" in param_name else 0.3 * torch.randn_like(p))
+            p.copy_(
+                torch.ones_like(p) + 0.3 * torch.randn_like(p) if "norm" in param_name else 0.3 * torch.randn_like(p)
+            )
     return TinyModel(name, "", hf)
 
 
@@ -131,14 +149,24 @@ def test_tiny_gguf_quantized_equals_float_path(qtype, tiny_gguf_model, tokenizer
     """The same file served with its blocks kept and with them expanded: the same model, so the same greedy
     tokens and logprobs up to summation order; the quantized one holds a fraction of the bytes."""
     path = str(tmp_path / f"tiny-{qtype.name}.gguf")
-    _write_gguf(tiny_gguf_model, path, tokenizer_fields,
-                quantize=lambda name, data: (blocks_for(data, qtype, seed=len(name)), qtype) if data.ndim == 2 else None)
+    _write_gguf(
+        tiny_gguf_model,
+        path,
+        tokenizer_fields,
+        quantize=lambda name, data: (blocks_for(data, qtype, seed=len(name)), qtype) if data.ndim == 2 else None,
+    )
     ckpt = load_checkpoint(path)
-    assert all(isinstance(ckpt.weights[k], GGUFBlocks) for k in ckpt.weights if k.endswith(("proj.weight", "embed_tokens.weight")))
+    assert all(
+        isinstance(ckpt.weights[k], GGUFBlocks)
+        for k in ckpt.weights
+        if k.endswith(("proj.weight", "embed_tokens.weight"))
+    )
     params = SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=3)
     runs = {}
     for mode in ("float", "quantized"):
-        with Engine(EngineConfig(dtype="float32", model=path, kv_cache_tokens=2048, weights=mode), checkpoint=ckpt) as eng:
+        with Engine(
+            EngineConfig(dtype="float32", model=path, kv_cache_tokens=2048, weights=mode), checkpoint=ckpt
+        ) as eng:
             model = eng.loops[0].runner.model
             assert isinstance(model.lm_head, QuantizedLinear) == (mode == "quantized")
             assert isinstance(model.model.embed_tokens, QuantizedEmbedding) == (mode == "quantized")
@@ -160,23 +188,60 @@ def q4_k_m(name: str) -> GGMLQuantizationType:
 
 
 @kernels
-@pytest.mark.parametrize("arch, config_class, type_of, kv, int8, kv_heads", [
-    ("llama", transformers.LlamaConfig, lambda name: GGMLQuantizationType.Q4_K, "float32", False, 2),
-    ("qwen2", transformers.Qwen2Config, lambda name: GGMLQuantizationType.Q8_0, "float32", False, 2),  # a bias on Q, K, V
-    ("qwen3", transformers.Qwen3Config, lambda name: GGMLQuantizationType.Q4_1, "float32", False, 2),  # RMSNorm on heads
-    ("llama", transformers.LlamaConfig, q4_k_m, "float32", False, 2),  # Q, K, V one projection of two types
-    ("llama", transformers.LlamaConfig, lambda name: GGMLQuantizationType.Q4_1, "float16", False, 2),
-    ("qwen3", transformers.Qwen3Config, lambda name: GGMLQuantizationType.Q4_K, "bfloat16", False, 2),
-    ("llama", transformers.LlamaConfig, q4_k_m, "float32", True, 2),  # Q6_K parts stay float32 beside int8 ones
-    ("qwen2", transformers.Qwen2Config, lambda name: GGMLQuantizationType.Q8_0, "float32", True, 2),  # signed integers
-    ("qwen3", transformers.Qwen3Config, lambda name: GGMLQuantizationType.Q4_1, "float16", True, 2),
-    # one KV head: odd row counts split each context over the threads (decode_layers.cpp's context_parts)
-    ("llama", transformers.LlamaConfig, lambda name: GGMLQuantizationType.Q4_1, "float32", False, 1),
-    ("qwen3", transformers.Qwen3Config, lambda name: GGMLQuantizationType.Q4_0, "float16", False, 1),
-], ids=["llama-Q4_K", "qwen2-Q8_0", "qwen3-Q4_1", "llama-Q4_K_M", "llama-Q4_1-f16-kv", "qwen3-Q4_K-bf16-kv",
-        "llama-Q4_K_M-int8", "qwen2-Q8_0-int8", "qwen3-Q4_1-f16-kv-int8", "llama-Q4_1-mqa", "qwen3-Q4_0-f16-kv-mqa"])
-def test_fused_decode_equals_the_layer_path(arch, config_class, type_of, kv, int8, kv_heads, tokenizer_fields,
-                                            tmp_path, prompt_ids):
+@pytest.mark.parametrize(
+    "arch, config_class, type_of, kv, int8, kv_heads",
+    [
+        ("llama", transformers.LlamaConfig, lambda name: GGMLQuantizationType.Q4_K, "float32", False, 2),
+        (
+            "qwen2",
+            transformers.Qwen2Config,
+            lambda name: GGMLQuantizationType.Q8_0,
+            "float32",
+            False,
+            2,
+        ),  # a bias on Q, K, V
+        (
+            "qwen3",
+            transformers.Qwen3Config,
+            lambda name: GGMLQuantizationType.Q4_1,
+            "float32",
+            False,
+            2,
+        ),  # RMSNorm on heads
+        ("llama", transformers.LlamaConfig, q4_k_m, "float32", False, 2),  # Q, K, V one projection of two types
+        ("llama", transformers.LlamaConfig, lambda name: GGMLQuantizationType.Q4_1, "float16", False, 2),
+        ("qwen3", transformers.Qwen3Config, lambda name: GGMLQuantizationType.Q4_K, "bfloat16", False, 2),
+        ("llama", transformers.LlamaConfig, q4_k_m, "float32", True, 2),  # Q6_K parts stay float32 beside int8 ones
+        (
+            "qwen2",
+            transformers.Qwen2Config,
+            lambda name: GGMLQuantizationType.Q8_0,
+            "float32",
+            True,
+            2,
+        ),  # signed integers
+        ("qwen3", transformers.Qwen3Config, lambda name: GGMLQuantizationType.Q4_1, "float16", True, 2),
+        # one KV head: odd row counts split each context over the threads (decode_layers.cpp's context_parts)
+        ("llama", transformers.LlamaConfig, lambda name: GGMLQuantizationType.Q4_1, "float32", False, 1),
+        ("qwen3", transformers.Qwen3Config, lambda name: GGMLQuantizationType.Q4_0, "float16", False, 1),
+    ],
+    ids=[
+        "llama-Q4_K",
+        "qwen2-Q8_0",
+        "qwen3-Q4_1",
+        "llama-Q4_K_M",
+        "llama-Q4_1-f16-kv",
+        "qwen3-Q4_K-bf16-kv",
+        "llama-Q4_K_M-int8",
+        "qwen2-Q8_0-int8",
+        "qwen3-Q4_1-f16-kv-int8",
+        "llama-Q4_1-mqa",
+        "qwen3-Q4_0-f16-kv-mqa",
+    ],
+)
+def test_fused_decode_equals_the_layer_path(
+    arch, config_class, type_of, kv, int8, kv_heads, tokenizer_fields, tmp_path, prompt_ids
+):
     """Decode steps of up to 8 rows run every layer in one C++ call (models/fused_decode.py). The same engine
     with it switched off runs the modules: the same tokens, logprobs up to the order of float32 sums, for
     batches shrinking from 8 rows to 1 at different context lengths, over a 32- or 16-bit KV cache (both paths
@@ -184,20 +249,28 @@ def test_fused_decode_equals_the_layer_path(arch, config_class, type_of, kv, int
     input alike). With one KV head, a step of an odd row count splits each row's context into two parts (one
     per thread, merged by log-sum-exp), one of them empty while the context is a single block."""
     path = str(tmp_path / f"{arch}.gguf")
-    _write_gguf(random_tiny(arch, config_class, kv_heads), path, tokenizer_fields,
-                quantize=lambda name, data: (blocks_for(data, type_of(name), seed=len(name)), type_of(name))
-                if data.ndim == 2 else None)
+    _write_gguf(
+        random_tiny(arch, config_class, kv_heads),
+        path,
+        tokenizer_fields,
+        quantize=lambda name, data: (
+            (blocks_for(data, type_of(name), seed=len(name)), type_of(name)) if data.ndim == 2 else None
+        ),
+    )
     prompts = [prompt_ids[: 3 + 2 * i] * (1 + i % 3) for i in range(8)]
     runs = []
-    config = EngineConfig(dtype="float32", model=path, kv_cache_tokens=2048, weights="quantized", kv_cache_dtype=kv,
-                          int8_activations=int8)
+    config = EngineConfig(
+        dtype="float32", model=path, kv_cache_tokens=2048, weights="quantized", kv_cache_dtype=kv, int8_activations=int8
+    )
     with Engine(config) as eng:
         model = eng.loops[0].runner.model
         counting = model.fused_decode = CountingFusedDecode(model.fused_decode)
         for fused in (counting, None):
             model.fused_decode = fused
-            streams = [eng.submit(ids, SamplingParams(max_new_tokens=4 + 2 * i, ignore_eos=True, logprobs=2))
-                       for i, ids in enumerate(prompts)]
+            streams = [
+                eng.submit(ids, SamplingParams(max_new_tokens=4 + 2 * i, ignore_eos=True, logprobs=2))
+                for i, ids in enumerate(prompts)
+            ]
             runs.append([o for s in streams for o in s])
     assert counting.calls >= 15  # 8 rows down to 1, over 18 tokens of the longest stream
     assert isinstance(model.model.layers[0].self_attn.qkv_proj, QuantizedLinear)  # blocks kept, whatever the mix
@@ -233,7 +306,9 @@ def test_weights_stay_float_where_the_kernels_cannot_run():
     assert not keep_quantized(EngineConfig(weights="quantized", tensor_parallel=2), torch.float32, cpu)
     assert not keep_quantized(EngineConfig(weights="quantized"), torch.float32, torch.device("cuda"))
     for mode in ("auto", "quantized"):
-        assert keep_quantized(EngineConfig(weights=mode), torch.float32, cpu) == (compiler_found() and load_cpu_kernels())
+        assert keep_quantized(EngineConfig(weights=mode), torch.float32, cpu) == (
+            compiler_found() and load_cpu_kernels()
+        )
 
 
 def test_a_gguf_file_without_the_extension_keeps_its_blocks(gguf_path, tmp_path):
@@ -241,15 +316,24 @@ def test_a_gguf_file_without_the_extension_keeps_its_blocks(gguf_path, tmp_path)
     blob = tmp_path / "sha256-0123abcd"
     blob.symlink_to(gguf_path)
     cpu = torch.device("cpu")
-    assert quantized_gguf(EngineConfig(), str(blob), cpu) == quantized_gguf(EngineConfig(), gguf_path, cpu) == compiler_found()
+    assert (
+        quantized_gguf(EngineConfig(), str(blob), cpu)
+        == quantized_gguf(EngineConfig(), gguf_path, cpu)
+        == compiler_found()
+    )
     assert not quantized_gguf(EngineConfig(), str(tmp_path), cpu)  # a Hugging Face directory
 
 
 def test_a_truncated_tensor_is_a_clear_load_error(tiny_gguf_model, tokenizer_fields, tmp_path):
     path = tmp_path / "truncated.gguf"
-    _write_gguf(tiny_gguf_model, str(path), tokenizer_fields,
-                quantize=lambda name, data: (quantize(data, GGMLQuantizationType.Q4_0), GGMLQuantizationType.Q4_0)
-                if data.ndim == 2 else None)
+    _write_gguf(
+        tiny_gguf_model,
+        str(path),
+        tokenizer_fields,
+        quantize=lambda name, data: (
+            (quantize(data, GGMLQuantizationType.Q4_0), GGMLQuantizationType.Q4_0) if data.ndim == 2 else None
+        ),
+    )
     path.write_bytes(path.read_bytes()[:-4096])
     with pytest.raises(UnsupportedModel, match="is not a readable GGUF file"):
         load_checkpoint(str(path))

@@ -2,6 +2,7 @@
 
 The session, cancel, end, sleep and stress tests run over processes too, through the `server2`, `served` and
 `sleepy` fixtures."""
+
 from __future__ import annotations
 
 import errno
@@ -56,14 +57,35 @@ def test_each_rank_is_a_process_and_info_counts_them_all(process_ranks_server, s
 
 def test_an_output_crosses_the_pipe_whole():
     """Every field of a RequestOutput survives the pickling a rank's outputs cross to the server by."""
-    full = RequestOutput("r-1", 7, token_ids=[5, 6], text="hi", logprobs=[TokenLogprob(5, -0.5, [(5, -0.5), (9, -1.0)])],
-                         finish_reason=FinishReason.LENGTH, usage=Usage(3, 2, 1, 0.25))
+    full = RequestOutput(
+        "r-1",
+        7,
+        token_ids=[5, 6],
+        text="hi",
+        logprobs=[TokenLogprob(5, -0.5, [(5, -0.5), (9, -1.0)])],
+        finish_reason=FinishReason.LENGTH,
+        usage=Usage(3, 2, 1, 0.25),
+    )
     failed = RequestOutput("r-2", 0, error=Unavailable("engine rank 0 has gone"))
     for output in (full, failed, RequestOutput("r-3", 0)):
         copy = pickle.loads(pickle.dumps(output))
-        assert (copy.request_id, copy.session_id, copy.token_ids, copy.text, copy.logprobs, copy.finish_reason,
-                copy.usage) == (output.request_id, output.session_id, output.token_ids, output.text, output.logprobs,
-                                output.finish_reason, output.usage)
+        assert (
+            copy.request_id,
+            copy.session_id,
+            copy.token_ids,
+            copy.text,
+            copy.logprobs,
+            copy.finish_reason,
+            copy.usage,
+        ) == (
+            output.request_id,
+            output.session_id,
+            output.token_ids,
+            output.text,
+            output.logprobs,
+            output.finish_reason,
+            output.usage,
+        )
         assert type(copy.error) is type(output.error) and str(copy.error) == str(output.error)
 
 
@@ -111,8 +133,12 @@ def test_admin_calls_after_shutdown_are_refused_not_left_waiting(checkpoint, bac
     UNAVAILABLE. A weight call that slipped past the engine's check (racing with shutdown) too."""
     engine = Engine(EngineConfig(dtype="float32", kv_cache_tokens=512, dp_backend=backend), checkpoint=checkpoint)
     engine.shutdown()
-    calls = [lambda: engine.sleep(1), engine.wakeup, lambda: engine.update_weights(embedded_model_path()),
-             engine.ranks.restore_weights]  # as a Wakeup past the engine's check would: no model loaded again
+    calls = [
+        lambda: engine.sleep(1),
+        engine.wakeup,
+        lambda: engine.update_weights(embedded_model_path()),
+        engine.ranks.restore_weights,
+    ]  # as a Wakeup past the engine's check would: no model loaded again
     for call in calls:
         error = raised_on_a_thread(call)
         assert isinstance(error, Unavailable) and "shut down" in str(error), error
@@ -121,8 +147,9 @@ def test_admin_calls_after_shutdown_are_refused_not_left_waiting(checkpoint, bac
 def test_a_wakeup_that_a_dead_rank_never_did_fails(checkpoint):
     """A rank dies holding a Wakeup's request: the Wakeup fails UNAVAILABLE, as no loop woke there. It once
     returned as if every rank had woken (and a Sleep so answered, as if every rank had freed its KV)."""
-    engine = Engine(EngineConfig(dtype="float32", kv_cache_tokens=512, engine_loops=1, dp_backend="process"),
-                    checkpoint=checkpoint)  # one rank: no peer whose own failure answers the Wakeup first
+    engine = Engine(
+        EngineConfig(dtype="float32", kv_cache_tokens=512, engine_loops=1, dp_backend="process"), checkpoint=checkpoint
+    )  # one rank: no peer whose own failure answers the Wakeup first
     try:
         engine.sleep(1)
         rank = engine.ranks._procs[0].pid
@@ -147,8 +174,9 @@ def test_a_turn_that_cannot_cross_to_its_rank_is_refused_and_changes_nothing(pro
     try:
         with pytest.raises(InvalidRequest, match="cannot be sent"):
             engine.submit([{"role": "user", "content": "Hi", "lock": threading.Lock()}], session_id=sid)
-        out = engine.generate([{"role": "user", "content": "Hi"}], SamplingParams(max_new_tokens=2, ignore_eos=True),
-                              session_id=sid)
+        out = engine.generate(
+            [{"role": "user", "content": "Hi"}], SamplingParams(max_new_tokens=2, ignore_eos=True), session_id=sid
+        )
         assert len(out.token_ids) == 2
     finally:
         engine.end_session(sid)
@@ -168,8 +196,10 @@ def test_a_rank_that_cannot_start_takes_the_started_ones_with_it(checkpoint, mon
 
     monkeypatch.setattr(SpawnProcess, "start", start_or_fail)
     with pytest.raises(OSError, match="injected"):
-        Engine(EngineConfig(dtype="float32", kv_cache_tokens=512, engine_loops=2, dp_backend="process"),
-               checkpoint=checkpoint)
+        Engine(
+            EngineConfig(dtype="float32", kv_cache_tokens=512, engine_loops=2, dp_backend="process"),
+            checkpoint=checkpoint,
+        )
     assert len(started) == 1 and started[0].exitcode is not None
 
 
@@ -205,8 +235,9 @@ def test_on_one_machine_only_this_user_reaches_the_ranks(checkpoint):
     """Rank messages are pickles, which run code as they load: the sockets they cross are files in a directory
     only this user may enter (removed at shutdown), and the rendezvous store listens on loopback alone, not
     on every interface as a TCPStore binds by itself."""
-    engine = Engine(EngineConfig(dtype="float32", kv_cache_tokens=512, dp_backend="process", engine_loops=2),
-                    checkpoint=checkpoint)
+    engine = Engine(
+        EngineConfig(dtype="float32", kv_cache_tokens=512, dp_backend="process", engine_loops=2), checkpoint=checkpoint
+    )
     try:
         specs = engine.ranks._specs
         addresses = {a for spec in specs for a in (spec.requests_address, spec.outputs_address)}
@@ -224,12 +255,19 @@ def test_on_one_machine_only_this_user_reaches_the_ranks(checkpoint):
 def test_an_owner_that_exits_without_shutdown_leaves_no_socket_directory(tmp_path):
     """A script that forgets `shutdown` (or an error before the server's handlers are in place): its ranks
     are killed at exit, and their sockets' directory goes with them."""
-    script = ("from lmgate.engine.config import EngineConfig\n"
-              "from lmgate.engine.engine import Engine\n"
-              "engine = Engine(EngineConfig(dtype='float32', kv_cache_tokens=512, dp_backend='process'))\n"
-              "import os, sys; print(os.listdir(sys.argv[1]))\n")
-    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
-                          timeout=GUARD, env={**os.environ, "TMPDIR": str(tmp_path)})
+    script = (
+        "from lmgate.engine.config import EngineConfig\n"
+        "from lmgate.engine.engine import Engine\n"
+        "engine = Engine(EngineConfig(dtype='float32', kv_cache_tokens=512, dp_backend='process'))\n"
+        "import os, sys; print(os.listdir(sys.argv[1]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=GUARD,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
     assert done.returncode == 0, done.stderr
     assert "lmgate-" in done.stdout  # it was there while the engine ran
     assert not [name for name in os.listdir(tmp_path) if name.startswith("lmgate-")]
@@ -249,7 +287,9 @@ def test_a_rank_killed_or_hung_mid_stream_ends_every_stream_and_the_server_exits
         health = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service="lmgate.v1.Inference"))
         assert next(health).status == health_pb2.HealthCheckResponse.SERVING
         sid = stub.Start(pb.StartRequest()).session_id
-        streams = [stub.Generate(pb.GenerateRequest(prompt=f"Story {i}:", sampling=LONG), timeout=GUARD) for i in range(5)]
+        streams = [
+            stub.Generate(pb.GenerateRequest(prompt=f"Story {i}:", sampling=LONG), timeout=GUARD) for i in range(5)
+        ]
         streams.append(stub.Generate(pb.GenerateRequest(session_id=sid, prompt="Once", sampling=LONG), timeout=GUARD))
         for s in streams:  # every stream is running, on both ranks (stateless requests go round robin)
             assert next(m for m in s if m.token_ids)
@@ -279,8 +319,9 @@ def test_a_rank_killed_while_idle_stops_the_server():
     try:
         ranks = rank_pids(proc.pid)
         channel = grpc.insecure_channel(address)
-        health = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service="lmgate.v1.Inference"),
-                                                            timeout=GUARD)
+        health = health_pb2_grpc.HealthStub(channel).Watch(
+            health_pb2.HealthCheckRequest(service="lmgate.v1.Inference"), timeout=GUARD
+        )
         assert next(health).status == health_pb2.HealthCheckResponse.SERVING
         os.kill(ranks[1], signal.SIGKILL)
         assert_server_stopped(health, proc, ranks)
@@ -306,8 +347,9 @@ raise RuntimeError("a caller's bug, before any shutdown")
 def test_an_owner_that_exits_without_shutdown_takes_its_ranks_with_it():
     """multiprocessing's exit handler SIGTERMs daemon children, which rank processes ignore, then joins them,
     while they wait for their owner to go: the owner hung at exit. Now the ranks are killed first."""
-    owner = subprocess.Popen([sys.executable, "-c", OWNER_THAT_FORGETS_SHUTDOWN], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER_THAT_FORGETS_SHUTDOWN], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         ranks = [int(pid) for pid in owner.stdout.readline().split()]
         assert ranks

@@ -1,5 +1,6 @@
 """OutputRelay (service/relay.py): outputs from other threads reach their queues on the event loop, each
 producer's in order, and a burst wakes the loop once."""
+
 from __future__ import annotations
 
 import asyncio
@@ -36,12 +37,14 @@ def stop(loop: CountingLoop, thread: threading.Thread) -> None:
 def on_loop(loop: asyncio.AbstractEventLoop, fn):
     async def call():
         return fn()
+
     return asyncio.run_coroutine_threadsafe(call(), loop).result()
 
 
 def drained(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, n: int) -> list:
     async def take():
         return [await queue.get() for _ in range(n)]
+
     return asyncio.run_coroutine_threadsafe(asyncio.wait_for(take(), 30), loop).result()
 
 

@@ -1,6 +1,7 @@
 """The batched sampler (engine/sampling/sampler.py) on tensors: penalties against transformers' logits processors,
 draws that depend on the row alone (seed and draw number), filters that hold, logprobs, and the same tokens
 on CUDA as on the CPU where a GPU is present."""
+
 from __future__ import annotations
 
 import random
@@ -20,7 +21,9 @@ def logits_for(rows: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
 
 
-def row(seed: int = 0, output: list[int] | None = None, prompt: list[int] | None = None, banned=(), **params) -> SampleRow:
+def row(
+    seed: int = 0, output: list[int] | None = None, prompt: list[int] | None = None, banned=(), **params
+) -> SampleRow:
     prompt = prompt or [1, 2, 3]
     return SampleRow(SamplingParams(**params), seed, prompt + (output or []), len(prompt), list(banned))
 
@@ -65,8 +68,12 @@ def test_penalties_match_transformers_and_the_presence_frequency_formula():
     torch.testing.assert_close(logits, logits_for(4))  # the caller's logits are left alone
 
 
-PROBES = {"top-p and top-k": dict(top_p=0.95, top_k=20), "top-k": dict(top_k=5), "no filter": {},
-          "min-p": dict(min_p=0.02)}
+PROBES = {
+    "top-p and top-k": dict(top_p=0.95, top_k=20),
+    "top-k": dict(top_k=5),
+    "no filter": {},
+    "min-p": dict(min_p=0.02),
+}
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -75,9 +82,14 @@ def test_a_rows_token_does_not_depend_on_its_batch(device, probe):
     """The probe row, over many draws, at every position of batches of greedy, penalized, filtered, unfiltered
     and logprob rows."""
     probe_logits = logits_for(1, seed=3)[0]
-    others = [row(), row(seed=1, temperature=1.2, min_p=0.05), row(output=[1, 1], repetition_penalty=1.2, logprobs=3),
-              row(seed=4, temperature=0.7, presence_penalty=1.0, output=[3]), row(seed=6, temperature=1.0, top_p=0.5),
-              row(seed=7, temperature=0.5, top_k=3)]
+    others = [
+        row(),
+        row(seed=1, temperature=1.2, min_p=0.05),
+        row(output=[1, 1], repetition_penalty=1.2, logprobs=3),
+        row(seed=4, temperature=0.7, presence_penalty=1.0, output=[3]),
+        row(seed=6, temperature=1.0, top_p=0.5),
+        row(seed=7, temperature=0.5, top_k=3),
+    ]
     for draw in range(8):
         probe_row = row(seed=99 + draw, output=[5, 6], temperature=0.9, **PROBES[probe])
         alone = sample(probe_logits[None].to(device), [probe_row]).token_ids[0]
@@ -115,8 +127,11 @@ def test_a_temperature_near_zero_is_greedy_and_leaves_its_batch_alone(temperatur
     """Below GREEDY_BELOW, logits / temperature would overflow to inf and the draw run off the vocabulary:
     such a row is greedy, and the rows beside it sample as they would without it."""
     logits = logits_for(3, seed=2)
-    rows = [row(seed=1, temperature=1.0, top_k=10), row(seed=2, temperature=temperature, top_p=0.9),
-            row(seed=3, temperature=0.8)]
+    rows = [
+        row(seed=1, temperature=1.0, top_k=10),
+        row(seed=2, temperature=temperature, top_p=0.9),
+        row(seed=3, temperature=0.8),
+    ]
     tokens = sample(logits, rows).token_ids
     assert tokens[1] == int(logits[1].argmax())
     assert [tokens[0], tokens[2]] == sample(logits[[0, 2]], [rows[0], rows[2]]).token_ids
@@ -131,8 +146,10 @@ def test_a_tiny_repetition_penalty_picks_the_repeated_token(vocab, filters, temp
     now far the most likely, is drawn."""
     logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(0)) * 3
     top = int(logits[0].argmax())
-    rows = [row(seed=123, prompt=[top], temperature=temperature, repetition_penalty=1e-38, **filters),
-            row(seed=1, temperature=1.0)]
+    rows = [
+        row(seed=123, prompt=[top], temperature=temperature, repetition_penalty=1e-38, **filters),
+        row(seed=1, temperature=1.0),
+    ]
     tokens = sample(logits, rows).token_ids
     assert tokens == [top, sample(logits[1:], rows[1:]).token_ids[0]]
 
@@ -193,8 +210,12 @@ def test_rows_that_look_past_the_candidates_sort_the_vocabulary(device):
     flat = torch.randn(vocab, generator=torch.Generator().manual_seed(1)) * 0.1
     peaked = flat.clone()
     peaked[:5] += 12
-    cases = [(flat, dict(top_p=0.5)), (peaked, dict(top_p=0.9)), (flat, dict(top_k=sampling.CANDIDATES + 44)),
-             (flat, dict(top_k=7, top_p=0.99))]
+    cases = [
+        (flat, dict(top_p=0.5)),
+        (peaked, dict(top_p=0.9)),
+        (flat, dict(top_k=sampling.CANDIDATES + 44)),
+        (flat, dict(top_k=7, top_p=0.99)),
+    ]
     for counter in range(30):
         rows = [row(seed=i, output=[0] * counter, temperature=1.0, **params) for i, (_, params) in enumerate(cases)]
         logits = torch.stack([lg for lg, _ in cases]).to(device)
@@ -255,8 +276,17 @@ def test_logprobs_of_the_unpenalized_distribution_per_row(device):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_same_tokens_on_cuda_as_on_the_cpu():
     logits = logits_for(8, seed=6)
-    rows = [row(seed=s, output=[s % 7], temperature=0.8, top_k=10 * (s % 3), top_p=0.9 if s % 2 else 0.0,
-                repetition_penalty=1.1 if s % 4 == 0 else 0.0) for s in range(8)]
+    rows = [
+        row(
+            seed=s,
+            output=[s % 7],
+            temperature=0.8,
+            top_k=10 * (s % 3),
+            top_p=0.9 if s % 2 else 0.0,
+            repetition_penalty=1.1 if s % 4 == 0 else 0.0,
+        )
+        for s in range(8)
+    ]
     assert sample(logits.cuda(), rows).token_ids == sample(logits, rows).token_ids
 
 
@@ -264,4 +294,3 @@ def test_a_step_where_no_row_samples():
     """Every sequence of a step mid-prompt (chunked prefills): no logits, nothing drawn."""
     result = sample(torch.empty(0, VOCAB), [])
     assert result.token_ids == [] and result.logprobs == []
-

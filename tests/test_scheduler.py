@@ -1,5 +1,6 @@
 """The scheduler on hand-built sequences: its batch order (the model runner reads the first rows as decodes) and
 its admission under a full cache."""
+
 from __future__ import annotations
 
 import threading

@@ -1,4 +1,5 @@
 """The Inference service over real gRPC on loopback: streams, sessions, cancellation, errors."""
+
 from __future__ import annotations
 
 import asyncio
@@ -54,8 +55,13 @@ def wait_first_token(stream) -> pb.GenerateResponse:
 
 
 def test_generate_stateless_matches_engine(server):
-    ids, text, last = collect(server.stub().Generate(pb.GenerateRequest(messages=chat("Tell me about owls."), sampling=GREEDY)))
-    prompt = server.engine.tokenizer.encode(server.engine.tokenizer.apply_chat_template([{"role": "user", "content": "Tell me about owls."}]), add_special_tokens=False)
+    ids, text, last = collect(
+        server.stub().Generate(pb.GenerateRequest(messages=chat("Tell me about owls."), sampling=GREEDY))
+    )
+    prompt = server.engine.tokenizer.encode(
+        server.engine.tokenizer.apply_chat_template([{"role": "user", "content": "Tell me about owls."}]),
+        add_special_tokens=False,
+    )
     ref = server.engine.generate(prompt, SamplingParams(max_new_tokens=24, ignore_eos=True))
     assert ids == ref.token_ids
     assert text == server.engine.tokenizer.decode(ids)
@@ -66,16 +72,21 @@ def test_generate_stateless_matches_engine(server):
 def test_logprobs_name_each_token_and_alternative_by_its_text(server):
     """As OpenAI's logprobs do: each token's text (its leading space kept, U+FFFD for part of a character),
     and the alternatives'; the tokens' texts make the reply's text where no character is split."""
-    request = pb.GenerateRequest(prompt="The capital of France is", sampling=pb.SamplingParams(
-        max_new_tokens=12, ignore_eos=True, logprobs=3))
+    request = pb.GenerateRequest(
+        prompt="The capital of France is", sampling=pb.SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=3)
+    )
     messages = list(server.stub().Generate(request))
     logprobs = [lp for m in messages for lp in m.logprobs]
     tok = server.engine.tokenizer
-    assert [lp.token for lp in logprobs] == [tok.decode([tok.encode("a", False)[-1], lp.token_id])[1:] for lp in logprobs]
+    assert [lp.token for lp in logprobs] == [
+        tok.decode([tok.encode("a", False)[-1], lp.token_id])[1:] for lp in logprobs
+    ]
     assert "".join(lp.token for lp in logprobs) == "".join(m.text for m in messages)
     assert any(lp.token.startswith(" ") for lp in logprobs)
     for lp in logprobs:
-        assert [t.token for t in lp.top] == [tok.token_text(t.token_id) for t in lp.top] and all(t.token for t in lp.top)
+        assert [t.token for t in lp.top] == [tok.token_text(t.token_id) for t in lp.top] and all(
+            t.token for t in lp.top
+        )
 
 
 def test_token_text_keeps_a_sentencepiece_space_and_marks_split_characters(tmp_path):
@@ -97,8 +108,18 @@ def test_serve_stream_interval_sends_fewer_messages_with_the_same_tokens(server)
     behind a slow reader go as one), the same tokens as the default's one a message. The server's engine loop
     is a rank process that overlaps its steps (the defaults on CUDA)."""
     request = pb.GenerateRequest(tokens=pb.TokenIds(ids=[504, 3575, 282]), sampling=GREEDY)
-    proc, address = serve_process("--dtype", "float32", "--kv-cache-tokens", "1024", "--stream-interval", "3",
-                                  "--dp-backend", "process", "--overlap-scheduling", "on")
+    proc, address = serve_process(
+        "--dtype",
+        "float32",
+        "--kv-cache-tokens",
+        "1024",
+        "--stream-interval",
+        "3",
+        "--dp-backend",
+        "process",
+        "--overlap-scheduling",
+        "on",
+    )
     try:
         with grpc.insecure_channel(address) as channel:
             msgs = list(pb_grpc.InferenceStub(channel).Generate(request))
@@ -116,8 +137,16 @@ def test_serve_session_idle_timeout_ends_sessions_their_clients_left():
     End would end it: its KV freed, Info no longer counting it, its next turn NOT_FOUND; and counted."""
     with socket.create_server(("127.0.0.1", 0)) as sock:
         metrics_port = sock.getsockname()[1]
-    proc, address = serve_process("--dtype", "float32", "--kv-cache-tokens", "1024", "--session-idle-timeout", "2",
-                                  "--metrics-port", str(metrics_port))
+    proc, address = serve_process(
+        "--dtype",
+        "float32",
+        "--kv-cache-tokens",
+        "1024",
+        "--session-idle-timeout",
+        "2",
+        "--metrics-port",
+        str(metrics_port),
+    )
     try:
         with grpc.insecure_channel(address) as channel:
             stub = pb_grpc.InferenceStub(channel)
@@ -133,15 +162,23 @@ def test_serve_session_idle_timeout_ends_sessions_their_clients_left():
                 collect(stub.Generate(pb.GenerateRequest(session_id=sid, prompt=" Again", sampling=GREEDY)))
             assert err.value.code() == grpc.StatusCode.NOT_FOUND
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics").read().decode()
-        assert [s.value for f in text_string_to_metric_families(metrics) for s in f.samples
-                if s.name == "lmgate_sessions_expired_total"] == [1]
+        assert [
+            s.value
+            for f in text_string_to_metric_families(metrics)
+            for s in f.samples
+            if s.name == "lmgate_sessions_expired_total"
+        ] == [1]
     finally:
         proc.terminate()
         proc.wait()
 
 
 def test_generate_echoes_request_id_and_accepts_token_ids(server):
-    msgs = list(server.stub().Generate(pb.GenerateRequest(request_id="r-1", tokens=pb.TokenIds(ids=[504, 3575, 282]), sampling=GREEDY)))
+    msgs = list(
+        server.stub().Generate(
+            pb.GenerateRequest(request_id="r-1", tokens=pb.TokenIds(ids=[504, 3575, 282]), sampling=GREEDY)
+        )
+    )
     assert {m.request_id for m in msgs} == {"r-1"}
     assert sum(len(m.token_ids) for m in msgs) == 24
 
@@ -151,9 +188,15 @@ def test_session_two_turns_reuse_history(served):
     sid = stub.Start(pb.StartRequest()).session_id
     turn1 = [504, 3575, 282, 4649, 314]
     turn2 = [1060, 314, 253]
-    out1, _, _ = collect(stub.Generate(pb.GenerateRequest(session_id=sid, tokens=pb.TokenIds(ids=turn1), sampling=GREEDY)))
-    out2, _, last2 = collect(stub.Generate(pb.GenerateRequest(session_id=sid, tokens=pb.TokenIds(ids=turn2), sampling=GREEDY)))
-    ref, _, _ = collect(stub.Generate(pb.GenerateRequest(tokens=pb.TokenIds(ids=turn1 + out1 + turn2), sampling=GREEDY)))
+    out1, _, _ = collect(
+        stub.Generate(pb.GenerateRequest(session_id=sid, tokens=pb.TokenIds(ids=turn1), sampling=GREEDY))
+    )
+    out2, _, last2 = collect(
+        stub.Generate(pb.GenerateRequest(session_id=sid, tokens=pb.TokenIds(ids=turn2), sampling=GREEDY))
+    )
+    ref, _, _ = collect(
+        stub.Generate(pb.GenerateRequest(tokens=pb.TokenIds(ids=turn1 + out1 + turn2), sampling=GREEDY))
+    )
     assert out2 == ref
     assert last2.usage.cached_tokens >= len(turn1) + len(out1) - 1
     assert last2.usage.prompt_tokens == len(turn1) + len(out1) + len(turn2)
@@ -167,7 +210,9 @@ def test_chat_session_turns_equal_stateless_conversation(served):
     chat_params = pb.SamplingParams(max_new_tokens=24)
     conversation = pb.ChatMessages()
     for question in ("Name a large city in Italy.", "And one in Spain?"):
-        got, text, last = collect(stub.Generate(pb.GenerateRequest(session_id=sid, messages=chat(question), sampling=chat_params)))
+        got, text, last = collect(
+            stub.Generate(pb.GenerateRequest(session_id=sid, messages=chat(question), sampling=chat_params))
+        )
         conversation.messages.add(role="user", content=question)
         want, _, want_last = collect(stub.Generate(pb.GenerateRequest(messages=conversation, sampling=chat_params)))
         assert got == want and last.usage.prompt_tokens == want_last.usage.prompt_tokens
@@ -185,7 +230,9 @@ def test_info_says_dtype_and_why(server):
 def test_cancel_mid_stream_keeps_history(served):
     stub = served.stub()
     sid = stub.Start(pb.StartRequest()).session_id
-    stream = stub.Generate(pb.GenerateRequest(session_id=sid, request_id="to-cancel", prompt="Count to one thousand:", sampling=LONG))
+    stream = stub.Generate(
+        pb.GenerateRequest(session_id=sid, request_id="to-cancel", prompt="Count to one thousand:", sampling=LONG)
+    )
     first = wait_first_token(stream)
     assert stub.Cancel(pb.CancelRequest(request_id="to-cancel")).cancelled
     ids, _, last = collect(stream)
@@ -276,25 +323,42 @@ BAD_REQUESTS = [
     (pb.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT),
     (pb.GenerateRequest(tokens=pb.TokenIds(ids=[])), grpc.StatusCode.INVALID_ARGUMENT),
     (pb.GenerateRequest(tokens=pb.TokenIds(ids=[10, 999999])), grpc.StatusCode.INVALID_ARGUMENT),
-    (pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="wizard", content="hi")])), grpc.StatusCode.INVALID_ARGUMENT),
+    (
+        pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="wizard", content="hi")])),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
     (pb.GenerateRequest(messages=pb.ChatMessages()), grpc.StatusCode.INVALID_ARGUMENT),
     (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(temperature=-1)), grpc.StatusCode.INVALID_ARGUMENT),
     (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(top_p=float("nan"))), grpc.StatusCode.INVALID_ARGUMENT),
     (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(top_k=-2)), grpc.StatusCode.INVALID_ARGUMENT),
-    (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(repetition_penalty=float("inf"))), grpc.StatusCode.INVALID_ARGUMENT),
-    (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_new_tokens=4, min_new_tokens=8)), grpc.StatusCode.INVALID_ARGUMENT),
+    (
+        pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(repetition_penalty=float("inf"))),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
+    (
+        pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_new_tokens=4, min_new_tokens=8)),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
     (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(logprobs=500)), grpc.StatusCode.INVALID_ARGUMENT),
-    (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(stop_token_ids=[10**6])), grpc.StatusCode.INVALID_ARGUMENT),
+    (
+        pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(stop_token_ids=[10**6])),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
     (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(stop=[""])), grpc.StatusCode.INVALID_ARGUMENT),
-    (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(stop_token_ids=range(257))), grpc.StatusCode.INVALID_ARGUMENT),
+    (
+        pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(stop_token_ids=range(257))),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
     (pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_new_tokens=10**6)), grpc.StatusCode.OUT_OF_RANGE),
     (pb.GenerateRequest(tokens=pb.TokenIds(ids=[10] * 9000)), grpc.StatusCode.OUT_OF_RANGE),
     (pb.GenerateRequest(prompt="x" * (5 * 2**20)), grpc.StatusCode.RESOURCE_EXHAUSTED),  # past the 4 MiB limit
     (pb.GenerateRequest(session_id=987654321, prompt="hi"), grpc.StatusCode.NOT_FOUND),
     (pb.GenerateRequest(request_id="x" * 257, prompt="hi"), grpc.StatusCode.INVALID_ARGUMENT),
     (pb.GenerateRequest(prompt="hi", session_epoch=3), grpc.StatusCode.INVALID_ARGUMENT),  # no session
-    (pb.GenerateRequest(request_id="a\n12:00:00 INFO lmgate.access: request_id=forged", prompt="hi"),
-     grpc.StatusCode.INVALID_ARGUMENT),
+    (
+        pb.GenerateRequest(request_id="a\n12:00:00 INFO lmgate.access: request_id=forged", prompt="hi"),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ),
 ]
 
 
@@ -362,8 +426,9 @@ def assert_idle(server, before: pb.InfoResponse | None = None) -> None:
     """All KV blocks free and nothing running once in-flight cancellations have landed."""
     guard = time.monotonic() + 60  # time for those cancellations on a slow machine, not a timing
     info = server.info()
-    while (info.kv_blocks_free != info.kv_blocks_total or info.running_requests or info.waiting_requests) \
-            and time.monotonic() < guard:
+    while (
+        info.kv_blocks_free != info.kv_blocks_total or info.running_requests or info.waiting_requests
+    ) and time.monotonic() < guard:
         threading.Event().wait(0.05)
         info = server.info()
     assert info.kv_blocks_free == info.kv_blocks_total
@@ -377,7 +442,9 @@ def test_full_queue_resource_exhausted_and_changes_nothing(checkpoint):
     from lmgate.engine.config import EngineConfig
     from tests.serving import ServerThread
 
-    small = ServerThread(EngineConfig(dtype="float32", kv_cache_tokens=2048, max_batch_size=1, max_queued_requests=2), checkpoint)
+    small = ServerThread(
+        EngineConfig(dtype="float32", kv_cache_tokens=2048, max_batch_size=1, max_queued_requests=2), checkpoint
+    )
     try:
         stub = small.stub()
         sid = stub.Start(pb.StartRequest()).session_id
@@ -395,7 +462,12 @@ def test_full_queue_resource_exhausted_and_changes_nothing(checkpoint):
         # The refused turn left the session free: once there is room, it runs.
         running.cancel()
         assert [collect(q)[2].finish_reason for q in queued] == [pb.FINISH_REASON_LENGTH] * 2
-        assert collect(stub.Generate(pb.GenerateRequest(session_id=sid, prompt="one more", sampling=GREEDY)))[2].finish_reason == pb.FINISH_REASON_LENGTH
+        assert (
+            collect(stub.Generate(pb.GenerateRequest(session_id=sid, prompt="one more", sampling=GREEDY)))[
+                2
+            ].finish_reason
+            == pb.FINISH_REASON_LENGTH
+        )
         stub.End(pb.EndRequest(session_id=sid))
         assert_idle(small)
     finally:
@@ -405,6 +477,7 @@ def test_full_queue_resource_exhausted_and_changes_nothing(checkpoint):
 def test_a_slow_clients_backlog_goes_in_messages_of_bounded_size():
     """Outputs that queued while the client was slow go as one message, but one of at most about
     MAX_TOKENS_PER_MESSAGE tokens: a long backlog with logprobs would pass a client's limit on a message."""
+
     async def batches() -> list[int]:
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         for _ in range(2 * MAX_TOKENS_PER_MESSAGE + 1):
@@ -432,8 +505,10 @@ def test_a_cancel_while_the_prompt_is_encoded_cancels_the_turn(server, monkeypat
     stub = server.stub()
     sid = stub.Start(pb.StartRequest()).session_id
     try:
-        stream = stub.Generate(pb.GenerateRequest(session_id=sid, request_id="encoding", prompt="Count to a thousand:",
-                                                  sampling=LONG), timeout=GUARD)
+        stream = stub.Generate(
+            pb.GenerateRequest(session_id=sid, request_id="encoding", prompt="Count to a thousand:", sampling=LONG),
+            timeout=GUARD,
+        )
         deadline = time.monotonic() + GUARD  # a guard against a hang only
         while "encoding" not in servicer._submitting:
             assert time.monotonic() < deadline

@@ -1,4 +1,5 @@
 """SIGTERM on a real `python -m lmgate.service.main` process: NOT_SERVING, UNAVAILABLE, streams end, exit 0."""
+
 from __future__ import annotations
 
 import asyncio
@@ -26,7 +27,9 @@ GUARD = 300  # seconds: a guard against a hang, never a performance bound
 def start_server(*flags: str) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "lmgate.service.main", "--port", "0", "--kv-cache-tokens", "4096", *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     for line in proc.stdout:
         m = re.search(r"serving .* on (\S+:\d+)", line)
@@ -62,8 +65,9 @@ def test_sigterm_serves_a_request_queued_before_it_in_the_grace_period(flags):
         proc.kill()
 
 
-@pytest.mark.parametrize("flags", [(), ("--engine-loops", "2", "--dp-backend", "process")],
-                         ids=["one loop", "two rank processes"])
+@pytest.mark.parametrize(
+    "flags", [(), ("--engine-loops", "2", "--dp-backend", "process")], ids=["one loop", "two rank processes"]
+)
 def test_sigterm_drains_and_exits_zero(flags):
     """With two rank processes, a stream on each: the leaders agree to close, and one may see that agreement
     before its own "close" arrives; it must still stop as closed (its streams CANCELLED, exit 0), not as failed."""
@@ -74,8 +78,10 @@ def test_sigterm_drains_and_exits_zero(flags):
         health = health_pb2_grpc.HealthStub(channel)
         assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
         sampling = pb.SamplingParams(max_new_tokens=4000, ignore_eos=True)
-        streams = [stub.Generate(pb.GenerateRequest(prompt=f"Once upon a time {i}", sampling=sampling), timeout=GUARD)
-                   for i in range(2)]  # stateless requests go to the ranks in turn
+        streams = [
+            stub.Generate(pb.GenerateRequest(prompt=f"Once upon a time {i}", sampling=sampling), timeout=GUARD)
+            for i in range(2)
+        ]  # stateless requests go to the ranks in turn
         for stream in streams:
             assert next(m for m in stream if m.token_ids)
         proc.send_signal(signal.SIGTERM)
@@ -100,6 +106,7 @@ def test_a_server_built_after_its_engine_failed_says_not_serving_and_stops(check
     of it when it starts, so it never says SERVING to a load balancer, and `failed` tells its owner to stop."""
     engine = Engine(EngineConfig(dtype="float32", kv_cache_tokens=512), checkpoint=checkpoint)
     try:
+
         def broken_pop(*args):
             raise RuntimeError("the queue broke")
 
@@ -129,8 +136,12 @@ def test_a_second_sigterm_ends_the_server_at_once():
     proc, address = start_server("--grace", str(10 * GUARD))
     try:
         stub = pb_grpc.InferenceStub(grpc.insecure_channel(address))
-        stream = stub.Generate(pb.GenerateRequest(prompt="Once upon a time", sampling=pb.SamplingParams(
-            max_new_tokens=4000, ignore_eos=True)), timeout=GUARD)
+        stream = stub.Generate(
+            pb.GenerateRequest(
+                prompt="Once upon a time", sampling=pb.SamplingParams(max_new_tokens=4000, ignore_eos=True)
+            ),
+            timeout=GUARD,
+        )
         assert next(m for m in stream if m.token_ids)
         health = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))
         proc.send_signal(signal.SIGTERM)

@@ -1,4 +1,5 @@
 """Sleep, wake-up and weight updates over real gRPC: safe under load, memory really released, Admin protected."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,7 +43,9 @@ LONG = pb.SamplingParams(max_new_tokens=4000, ignore_eos=True)
 @pytest.fixture(scope="module", params=DP_BACKENDS)
 def sleepy(checkpoint, request):
     """A server of its own, two ranks as threads, then as processes: these tests put it to sleep."""
-    s = ServerThread(EngineConfig(dtype="float32", kv_cache_tokens=8192, engine_loops=2, dp_backend=request.param), checkpoint)
+    s = ServerThread(
+        EngineConfig(dtype="float32", kv_cache_tokens=8192, engine_loops=2, dp_backend=request.param), checkpoint
+    )
     yield s
     s.stop()
 
@@ -126,8 +129,9 @@ def test_a_sleep_that_fails_part_way_is_woken_whole(sleepy, monkeypatch):
         monkeypatch.undo()
         assert set(stub.Info(pb.InfoRequest()).sleeping_tags) == {"kv_cache"}
         monkeypatch.setattr(engine.ranks, "offload_weights", fails)
-        monkeypatch.setattr(engine.ranks, "restore_weights",
-                            lambda real=engine.ranks.restore_weights: restored.append(real()))
+        monkeypatch.setattr(
+            engine.ranks, "restore_weights", lambda real=engine.ranks.restore_weights: restored.append(real())
+        )
         assert code_of(lambda: adm.Sleep(pb.SleepRequest(level=2))) == grpc.StatusCode.INTERNAL
         assert stub.Info(pb.InfoRequest()).kv_cache_bytes == 0  # the Sleep again freed what the first could not
     finally:
@@ -135,8 +139,10 @@ def test_a_sleep_that_fails_part_way_is_woken_whole(sleepy, monkeypatch):
         monkeypatch.undo()
     assert restored and not stub.Info(pb.InfoRequest()).sleeping
     for sid in sessions:
-        assert code_of(lambda: list(stub.Generate(pb.GenerateRequest(session_id=sid, tokens=PROMPT, sampling=GREEDY)))) \
+        assert (
+            code_of(lambda: list(stub.Generate(pb.GenerateRequest(session_id=sid, tokens=PROMPT, sampling=GREEDY))))
             == grpc.StatusCode.NOT_FOUND
+        )
         stub.End(pb.EndRequest(session_id=sid))
     assert len(greedy(stub)) == GREEDY.max_new_tokens
     assert_idle(sleepy)
@@ -161,7 +167,14 @@ def test_fifty_sleep_cycles_under_load(sleepy):
         local, done = random.Random(seed), 0
         while not stop.is_set():
             try:
-                msgs = list(stub.Generate(pb.GenerateRequest(tokens=PROMPT, sampling=pb.SamplingParams(max_new_tokens=local.randint(1, 16), ignore_eos=True))))
+                msgs = list(
+                    stub.Generate(
+                        pb.GenerateRequest(
+                            tokens=PROMPT,
+                            sampling=pb.SamplingParams(max_new_tokens=local.randint(1, 16), ignore_eos=True),
+                        )
+                    )
+                )
                 ids = [t for m in msgs for t in m.token_ids]
                 assert ids == reference[: len(ids)]
                 assert msgs[-1].finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_CANCELLED)
@@ -190,13 +203,24 @@ def test_fifty_sleep_cycles_under_load(sleepy):
 def save_hf_dir(path, config, weights: dict[str, torch.Tensor], tokenizer_dir: str) -> str:
     """A Hugging Face model directory: config.json, model.safetensors and the tokenizer files."""
     path.mkdir()
-    (path / "config.json").write_text(json.dumps({
-        "architectures": [config.architecture], "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
-        "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
-        "max_position_embeddings": config.max_position_embeddings, "tie_word_embeddings": config.tie_word_embeddings,
-    }))
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": [config.architecture],
+                "vocab_size": config.vocab_size,
+                "hidden_size": config.hidden_size,
+                "intermediate_size": config.intermediate_size,
+                "num_hidden_layers": config.num_layers,
+                "num_attention_heads": config.num_heads,
+                "num_key_value_heads": config.num_kv_heads,
+                "head_dim": config.head_dim,
+                "rms_norm_eps": config.rms_norm_eps,
+                "rope_theta": config.rope_theta,
+                "max_position_embeddings": config.max_position_embeddings,
+                "tie_word_embeddings": config.tie_word_embeddings,
+            }
+        )
+    )
     save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"))
     for name in os.listdir(tokenizer_dir):
         shutil.copy(os.path.join(tokenizer_dir, name), path / name)
@@ -210,25 +234,36 @@ def checkpoints(tmp_path_factory, gguf_path, checkpoint):
 
     root = tmp_path_factory.mktemp("ckpt")
     tokenizer_dir = root / "tokenizer"
-    AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path)).save_pretrained(tokenizer_dir)
+    AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path)).save_pretrained(
+        tokenizer_dir
+    )
     weights = expand_blocks(checkpoint.weights)  # the GGUF's blocks as float32, to save as safetensors
     changed = dict(weights)
     for i in range(4):
         name = f"model.layers.{i}.mlp.down_proj.weight"
         changed[name] = -changed[name]
-    small_config = dataclasses.replace(checkpoint.config, hidden_size=64, intermediate_size=128, num_layers=2, head_dim=16)
+    small_config = dataclasses.replace(
+        checkpoint.config, hidden_size=64, intermediate_size=128, num_layers=2, head_dim=16
+    )
     generator = torch.Generator().manual_seed(0)
-    small = {k: torch.randn(_small_shape(k, v.shape, small_config), generator=generator)
-             for k, v in weights.items() if not k.startswith("model.layers.") or k.startswith(("model.layers.0.", "model.layers.1."))}
+    small = {
+        k: torch.randn(_small_shape(k, v.shape, small_config), generator=generator)
+        for k, v in weights.items()
+        if not k.startswith("model.layers.") or k.startswith(("model.layers.0.", "model.layers.1."))
+    }
     return {
         "changed": save_hf_dir(root / "changed", checkpoint.config, changed, str(tokenizer_dir)),
         "other_shape": save_hf_dir(root / "other_shape", small_config, small, str(tokenizer_dir)),
         # the same weights run with other settings, as Mistral 7B v0.1 and v0.2 share their shapes
-        "other_rope": save_hf_dir(root / "other_rope", dataclasses.replace(checkpoint.config, rope_theta=500.0),
-                                  weights, str(tokenizer_dir)),
-        "short_context": save_hf_dir(root / "short_context",
-                                     dataclasses.replace(checkpoint.config, max_position_embeddings=1024),
-                                     weights, str(tokenizer_dir)),
+        "other_rope": save_hf_dir(
+            root / "other_rope", dataclasses.replace(checkpoint.config, rope_theta=500.0), weights, str(tokenizer_dir)
+        ),
+        "short_context": save_hf_dir(
+            root / "short_context",
+            dataclasses.replace(checkpoint.config, max_position_embeddings=1024),
+            weights,
+            str(tokenizer_dir),
+        ),
         "original": gguf_path,
     }
 
@@ -272,10 +307,17 @@ def test_update_weights_runs_the_new_checkpoint_with_its_own_settings(sleepy, ch
     the server's is refused."""
     stub, adm = sleepy.stub(), admin(sleepy)
     original = greedy(stub)
-    with Engine(EngineConfig(model=checkpoints["other_rope"], dtype="float32", kv_cache_tokens=1024,
-                             threads=sleepy.engine.threads_per_loop)) as alone:  # summing as each loop does
-        want = alone.generate(list(PROMPT.ids), SamplingParams(max_new_tokens=GREEDY.max_new_tokens,
-                                                              ignore_eos=True)).token_ids
+    with Engine(
+        EngineConfig(
+            model=checkpoints["other_rope"],
+            dtype="float32",
+            kv_cache_tokens=1024,
+            threads=sleepy.engine.threads_per_loop,
+        )
+    ) as alone:  # summing as each loop does
+        want = alone.generate(
+            list(PROMPT.ids), SamplingParams(max_new_tokens=GREEDY.max_new_tokens, ignore_eos=True)
+        ).token_ids
     try:
         adm.UpdateWeights(pb.UpdateWeightsRequest(path=checkpoints["other_rope"]))
         assert greedy(stub) == want != original
@@ -380,8 +422,10 @@ def test_health_follows_an_admin_call_whose_caller_left(sleepy):
     awake one."""
     adm = admin(sleepy)
     serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
-    for call, request, health, tags in ((adm.Sleep, pb.SleepRequest(level=1), not_serving, ["kv_cache"]),
-                                        (adm.Wakeup, pb.WakeupRequest(), serving, [])):
+    for call, request, health, tags in (
+        (adm.Sleep, pb.SleepRequest(level=1), not_serving, ["kv_cache"]),
+        (adm.Wakeup, pb.WakeupRequest(), serving, []),
+    ):
         with sleepy.engine._admin_lock:  # the engine call waits here until its caller has gone
             future = call.future(request)
             guard = time.monotonic() + 60  # a hang guard, not a timing
@@ -411,7 +455,9 @@ def test_health_stays_not_serving_while_a_sleep_waits_behind_another_admin_call(
                 time.sleep(0.01)
             assert health_of(sleepy, "lmgate.v1.Inference") == not_serving
             assert code_of(lambda: greedy(sleepy.stub())) == grpc.StatusCode.UNAVAILABLE  # admission closed already
-            assert code_of(lambda: adm.UpdateWeights(pb.UpdateWeightsRequest(path=""))) == grpc.StatusCode.INVALID_ARGUMENT
+            assert (
+                code_of(lambda: adm.UpdateWeights(pb.UpdateWeightsRequest(path=""))) == grpc.StatusCode.INVALID_ARGUMENT
+            )
             assert health_of(sleepy, "lmgate.v1.Inference") == not_serving
     finally:
         sleeping.result(timeout=60)
@@ -424,7 +470,10 @@ def test_rl_loop_sleep_wake_weights_update_wake_kv(sleepy, checkpoints):
     stub, adm = sleepy.stub(), admin(sleepy)
     original = greedy(stub)
     adm.Sleep(pb.SleepRequest(level=2))
-    assert code_of(lambda: adm.UpdateWeights(pb.UpdateWeightsRequest(path=checkpoints["changed"]))) == grpc.StatusCode.UNAVAILABLE
+    assert (
+        code_of(lambda: adm.UpdateWeights(pb.UpdateWeightsRequest(path=checkpoints["changed"])))
+        == grpc.StatusCode.UNAVAILABLE
+    )
     adm.Wakeup(pb.WakeupRequest(tags=["weights"]))
     adm.UpdateWeights(pb.UpdateWeightsRequest(path=checkpoints["changed"]))
     adm.Wakeup(pb.WakeupRequest(tags=["kv_cache"]))
@@ -456,10 +505,16 @@ def test_admin_auth_with_token(checkpoint):
         adm = pb_grpc.AdminStub(server.channel())
         wake = pb.WakeupRequest(tags=["kv_cache"])
         assert code_of(lambda: adm.Wakeup(wake)) == grpc.StatusCode.UNAUTHENTICATED
-        assert code_of(lambda: adm.Wakeup(wake, metadata=[("authorization", "Bearer nope")])) == grpc.StatusCode.PERMISSION_DENIED
+        assert (
+            code_of(lambda: adm.Wakeup(wake, metadata=[("authorization", "Bearer nope")]))
+            == grpc.StatusCode.PERMISSION_DENIED
+        )
         assert code_of(lambda: adm.Wakeup(wake, metadata=[("authorization", "Bearer s3cret")])) is None
         assert code_of(lambda: adm.Wakeup(wake, metadata=[("authorization", "bearer s3cret")])) is None  # RFC 7235
-        assert code_of(lambda: adm.Wakeup(wake, metadata=[("authorization", "Basic s3cret")])) == grpc.StatusCode.UNAUTHENTICATED
+        assert (
+            code_of(lambda: adm.Wakeup(wake, metadata=[("authorization", "Basic s3cret")]))
+            == grpc.StatusCode.UNAUTHENTICATED
+        )
         assert server.info().vocab_size  # Inference needs no token
     finally:
         server.stop()
@@ -469,19 +524,22 @@ def test_admin_without_token_accepts_loopback(sleepy):
     assert code_of(lambda: admin(sleepy).Wakeup(pb.WakeupRequest(tags=["kv_cache"]))) is None
 
 
-@pytest.mark.parametrize("peer, local", [
-    ("ipv4:127.0.0.1:50051", True),
-    ("ipv4:127.8.9.1:1", True),
-    ("ipv6:[::1]:50051", True),
-    ("ipv6:%5B::1%5D:50051", True),  # as grpcio 1.85 writes it
-    ("unix:/tmp/lmgate.sock", True),
-    ("ipv4:10.1.2.3:50051", False),
-    ("ipv4:192.168.1.20:4000", False),
-    ("ipv6:[2001:db8::1]:443", False),
-    ("ipv6:%5B2001:db8::1%5D:443", False),
-    ("ipv6:[::ffff:10.0.0.1]:80", False),
-    ("garbage", False),
-])
+@pytest.mark.parametrize(
+    "peer, local",
+    [
+        ("ipv4:127.0.0.1:50051", True),
+        ("ipv4:127.8.9.1:1", True),
+        ("ipv6:[::1]:50051", True),
+        ("ipv6:%5B::1%5D:50051", True),  # as grpcio 1.85 writes it
+        ("unix:/tmp/lmgate.sock", True),
+        ("ipv4:10.1.2.3:50051", False),
+        ("ipv4:192.168.1.20:4000", False),
+        ("ipv6:[2001:db8::1]:443", False),
+        ("ipv6:%5B2001:db8::1%5D:443", False),
+        ("ipv6:[::ffff:10.0.0.1]:80", False),
+        ("garbage", False),
+    ],
+)
 def test_loopback_rule_on_peer_strings(peer, local):
     assert is_loopback_peer(peer) is local
 

@@ -1,5 +1,6 @@
 """`lmgate serve` with settings that cannot work: one clear line on stderr, exit status 2, no traceback, and
 the cheap checks (ports, flags, paths, device) made before the model loads."""
+
 from __future__ import annotations
 
 import os
@@ -15,7 +16,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def serve(*flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "lmgate.service.main", *flags], capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "lmgate.service.main", *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**os.environ, **(env or {})},
     )
 
@@ -47,22 +51,47 @@ def bad_settings(taken_port: str) -> list[tuple[list[str], dict[str, str], str]]
         ([], {"LMGATE_HOST": ""}, "--host: is empty"),
         (["--prefix-caching", "maybe"], {}, "--prefix-caching: invalid choice: 'maybe'"),
         (["--int8-activations", "maybe"], {}, "--int8-activations: invalid choice: 'maybe'"),
-        (["--port", "0", "--weights", "float", "--int8-activations", "on"], {},
-         "int8 activations run on quantized weights: they cannot be had with weights float"),
+        (
+            ["--port", "0", "--weights", "float", "--int8-activations", "on"],
+            {},
+            "int8 activations run on quantized weights: they cannot be had with weights float",
+        ),
         (["--kv-cache-dtype", "fp8"], {}, "--kv-cache-dtype: invalid choice: 'fp8'"),
-        (["--port", "0", "--dtype", "bfloat16", "--kv-cache-dtype", "float16"], {},
-         "--kv-cache-dtype float16 under bfloat16 weights on cpu"),
+        (
+            ["--port", "0", "--dtype", "bfloat16", "--kv-cache-dtype", "float16"],
+            {},
+            "--kv-cache-dtype float16 under bfloat16 weights on cpu",
+        ),
         (["--port", "0", "--model", os.path.join(ROOT, "README.md")], {}, "is not a readable GGUF file"),
         (["--port", "0", "--model", "/nonexistent/model"], {}, "does not exist"),
         (["--port", "0", "--device", "tpu"], {}, "--device"),
-        (["--port", "0", "--kv-cache-tokens", "8", "--dtype", "float32"], {}, "kv_cache_tokens (8) must hold one block"),
-        ([], {"LMGATE_KV_CACHE_TOKENS": "most"}, "--kv-cache-tokens: invalid auto or a count value: 'most' (from LMGATE_KV_CACHE_TOKENS)"),
-        (["--port", "abc"], {"LMGATE_PORT": "1"}, "--port: invalid int value: 'abc'\n"),  # the flag's, not the variable's
+        (
+            ["--port", "0", "--kv-cache-tokens", "8", "--dtype", "float32"],
+            {},
+            "kv_cache_tokens (8) must hold one block",
+        ),
+        (
+            [],
+            {"LMGATE_KV_CACHE_TOKENS": "most"},
+            "--kv-cache-tokens: invalid auto or a count value: 'most' (from LMGATE_KV_CACHE_TOKENS)",
+        ),
+        (
+            ["--port", "abc"],
+            {"LMGATE_PORT": "1"},
+            "--port: invalid int value: 'abc'\n",
+        ),  # the flag's, not the variable's
         (["--gpu-memory-utilization", "1.5"], {}, "--gpu-memory-utilization: must be 0.01..1.0"),
         (["--port", "0", "--nnodes", "2", "--node-rank", "2"], {}, "--node-rank 2 is not one of --nnodes 2"),
-        (["--port", "0", "--nnodes", "2", "--engine-loops", "3"], {}, "3 ranks (engine_loops x tensor_parallel) do not spread evenly over 2 nodes"),
-        (["--port", "0", "--nnodes", "2", "--engine-loops", "2", "--master-addr", "192.0.2.1"], {},
-         "--master-port 29500: cannot listen on 192.0.2.1:29500"),  # node 0 listens on --master-addr: one of its own
+        (
+            ["--port", "0", "--nnodes", "2", "--engine-loops", "3"],
+            {},
+            "3 ranks (engine_loops x tensor_parallel) do not spread evenly over 2 nodes",
+        ),
+        (
+            ["--port", "0", "--nnodes", "2", "--engine-loops", "2", "--master-addr", "192.0.2.1"],
+            {},
+            "--master-port 29500: cannot listen on 192.0.2.1:29500",
+        ),  # node 0 listens on --master-addr: one of its own
     ]
 
 

@@ -1,4 +1,5 @@
 """Many concurrent streams over two engine loops with cancels, session ends and client disconnects mixed in."""
+
 from __future__ import annotations
 
 import random
@@ -32,7 +33,9 @@ def references(server2) -> dict[str, list[int]]:
     """Each prompt's greedy tokens, run alone through the engine API."""
     engine = server2.engine
     return {
-        p: engine.generate(engine.tokenizer.encode(p), SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)).token_ids
+        p: engine.generate(
+            engine.tokenizer.encode(p), SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+        ).token_ids
         for p in PROMPTS
     }
 
@@ -52,7 +55,11 @@ def _plain(stub, prompt, ref, rng):
 
 def _session(stub, prompt, ref, rng):
     sid = stub.Start(pb.StartRequest()).session_id
-    ids = [t for tokens, _ in _stream(stub, pb.GenerateRequest(session_id=sid, prompt=prompt, sampling=SAMPLING)) for t in tokens]
+    ids = [
+        t
+        for tokens, _ in _stream(stub, pb.GenerateRequest(session_id=sid, prompt=prompt, sampling=SAMPLING))
+        for t in tokens
+    ]
     stub.End(pb.EndRequest(session_id=sid))
     assert ids == ref  # a session turn's text gets no added special tokens; SmolLM2 adds none anyway
 
@@ -143,7 +150,9 @@ def _chat(stub, prompt, ref, rng):
 def shared_references(server2) -> dict[str, list[int]]:
     engine = server2.engine
     return {
-        SHARED + p: engine.generate(engine.tokenizer.encode(SHARED + p), SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)).token_ids
+        SHARED + p: engine.generate(
+            engine.tokenizer.encode(SHARED + p), SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+        ).token_ids
         for p in PROMPTS
     }
 

@@ -1,5 +1,6 @@
 """Tensor parallelism: heads split by whole GQA groups, rank processes summing over gloo, outputs equal to
 one rank's (and to transformers')."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,6 +1,7 @@
 """TLS, mutual TLS and the Inference API key, with real certificates made here (a CA, a server certificate
 for localhost, a client certificate): the Python client, the CLI and grpc-js connect; plaintext, missing
 certificates and missing or wrong keys are refused with UNAVAILABLE or UNAUTHENTICATED."""
+
 from __future__ import annotations
 
 import datetime
@@ -37,7 +38,9 @@ def _name(common_name: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 
 
-def _issue(subject: str, key, issuer_cert, issuer_key, *, ca: bool = False, hosts: tuple[str, ...] = ()) -> x509.Certificate:
+def _issue(
+    subject: str, key, issuer_cert, issuer_key, *, ca: bool = False, hosts: tuple[str, ...] = ()
+) -> x509.Certificate:
     now = datetime.datetime.now(datetime.timezone.utc)
     builder = (
         x509.CertificateBuilder()
@@ -70,25 +73,39 @@ def pki(tmp_path_factory) -> dict[str, str]:
     write("ca.pem", ca.public_bytes(serialization.Encoding.PEM))
     for who, hosts in (("server", ("localhost", "127.0.0.1")), ("client", ())):
         key = ec.generate_private_key(ec.SECP256R1())
-        write(f"{who}.pem", _issue(f"lmgate test {who}", key, ca, ca_key, hosts=hosts).public_bytes(serialization.Encoding.PEM))
-        write(f"{who}-key.pem", key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                  serialization.NoEncryption()))
+        write(
+            f"{who}.pem",
+            _issue(f"lmgate test {who}", key, ca, ca_key, hosts=hosts).public_bytes(serialization.Encoding.PEM),
+        )
+        write(
+            f"{who}-key.pem",
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            ),
+        )
     return files
 
 
 @pytest.fixture(scope="module")
 def tls_server(checkpoint, pki):
     """TLS and an API key on the Inference service."""
-    s = ServerThread(EngineConfig(dtype="float32", kv_cache_tokens=1024), checkpoint,
-                     tls=TlsFiles(pki["server.pem"], pki["server-key.pem"]), api_key=API_KEY)
+    s = ServerThread(
+        EngineConfig(dtype="float32", kv_cache_tokens=1024),
+        checkpoint,
+        tls=TlsFiles(pki["server.pem"], pki["server-key.pem"]),
+        api_key=API_KEY,
+    )
     yield s
     s.stop()
 
 
 @pytest.fixture(scope="module")
 def mtls_server(checkpoint, pki):
-    s = ServerThread(EngineConfig(dtype="float32", kv_cache_tokens=1024), checkpoint,
-                     tls=TlsFiles(pki["server.pem"], pki["server-key.pem"], client_ca=pki["ca.pem"]))
+    s = ServerThread(
+        EngineConfig(dtype="float32", kv_cache_tokens=1024),
+        checkpoint,
+        tls=TlsFiles(pki["server.pem"], pki["server-key.pem"], client_ca=pki["ca.pem"]),
+    )
     yield s
     s.stop()
 
@@ -133,13 +150,16 @@ def test_a_list_of_replicas_over_tls_verifies_the_name_their_certificate_carries
         Client(replicas, tls=Tls(ca=pki["ca.pem"]))
     with Client(replicas, tls=Tls(ca=pki["ca.pem"], server_name="localhost"), api_key=API_KEY, timeout=60) as client:
         assert len(generate(client)) == 4
-    with Client(replicas, tls=Tls(ca=pki["ca.pem"], server_name="elsewhere.example"), api_key=API_KEY,
-                timeout=10) as client:
+    with Client(
+        replicas, tls=Tls(ca=pki["ca.pem"], server_name="elsewhere.example"), api_key=API_KEY, timeout=10
+    ) as client:
         assert code_of(client.info) == grpc.StatusCode.UNAVAILABLE
 
 
 def test_mutual_tls_needs_a_client_certificate(mtls_server, pki):
-    with Client(target(mtls_server), tls=Tls(pki["ca.pem"], pki["client.pem"], pki["client-key.pem"]), timeout=60) as client:
+    with Client(
+        target(mtls_server), tls=Tls(pki["ca.pem"], pki["client.pem"], pki["client-key.pem"]), timeout=60
+    ) as client:
         assert len(generate(client)) == 4
     with Client(target(mtls_server), tls=Tls(pki["ca.pem"]), timeout=10) as anonymous:
         assert code_of(anonymous.info) == grpc.StatusCode.UNAVAILABLE
@@ -158,8 +178,13 @@ def test_grpc_js_client_over_tls_with_api_key(tls_server, pki):
     def run(key: str | None) -> subprocess.CompletedProcess:
         env = {k: v for k, v in os.environ.items() if k != "LMGATE_API_KEY"}
         env.update({"LMGATE_TLS_CA": pki["ca.pem"], **({"LMGATE_API_KEY": key} if key else {})})
-        return subprocess.run(["node", str(JS_DIR / "generate.js"), target(tls_server), "Hello"],
-                              capture_output=True, text=True, timeout=120, env=env)
+        return subprocess.run(
+            ["node", str(JS_DIR / "generate.js"), target(tls_server), "Hello"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+        )
 
     ok = run(API_KEY)
     assert ok.returncode == 0, ok.stderr

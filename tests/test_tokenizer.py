@@ -117,8 +117,14 @@ def test_a_tokenizer_files_own_truncation_and_padding_are_ignored(tokenizer, hf_
     hf_tokenizer.save_pretrained(tmp_path)
     spec = json.loads((tmp_path / "tokenizer.json").read_text())
     spec["truncation"] = {"direction": "Right", "max_length": 4, "strategy": "LongestFirst", "stride": 0}
-    spec["padding"] = {"strategy": {"Fixed": 64}, "direction": "Right", "pad_to_multiple_of": None, "pad_id": 0,
-                       "pad_type_id": 0, "pad_token": "<|endoftext|>"}
+    spec["padding"] = {
+        "strategy": {"Fixed": 64},
+        "direction": "Right",
+        "pad_to_multiple_of": None,
+        "pad_id": 0,
+        "pad_type_id": 0,
+        "pad_token": "<|endoftext|>",
+    }
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
     loaded = Tokenizer.from_hf_dir(str(tmp_path))
     for text in TEXTS:
@@ -141,14 +147,21 @@ def test_tokenizer_chat_template_renders_as_transformers_does(hf_tokenizer, tmp_
     model lacks is undefined, not the text "None"."""
     hf_tokenizer.save_pretrained(tmp_path)
     config = tmp_path / "tokenizer_config.json"
-    config.write_text(json.dumps({**json.loads(config.read_text()), "chat_template": "OLD {{ messages[0]['content'] }}"}))
+    config.write_text(
+        json.dumps({**json.loads(config.read_text()), "chat_template": "OLD {{ messages[0]['content'] }}"})
+    )
     (tmp_path / "chat_template.jinja").write_text(
         "{% if tools is not none %}[TOOLS]{% endif %}{% if documents is not none %}[DOCS]{% endif %}"
-        "{{ bos_token }}NEW {{ messages[0]['content'] }}")
+        "{{ bos_token }}NEW {{ messages[0]['content'] }}"
+    )
     messages = [{"role": "user", "content": "hi"}]
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
     ours = Tokenizer.from_hf_dir(str(tmp_path))
-    assert ours.apply_chat_template(messages) == theirs.apply_chat_template(messages, tokenize=False) == "<|im_start|>NEW hi"
+    assert (
+        ours.apply_chat_template(messages)
+        == theirs.apply_chat_template(messages, tokenize=False)
+        == "<|im_start|>NEW hi"
+    )
     ours.bos_token_id = None
     assert ours.apply_chat_template(messages) == "NEW hi"
 
@@ -159,7 +172,8 @@ def test_tokenizer_chat_template_generation_blocks_render_and_broken_templates_a
     hf_tokenizer.save_pretrained(tmp_path)
     (tmp_path / "chat_template.jinja").write_text(
         "{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}A: {{ m['content'] }}"
-        "{% endgeneration %}{% else %}U: {{ m['content'] }}{% endif %}\n{% endfor %}")
+        "{% endgeneration %}{% else %}U: {{ m['content'] }}{% endif %}\n{% endfor %}"
+    )
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
     ours = Tokenizer.from_hf_dir(str(tmp_path))
@@ -212,8 +226,9 @@ def test_a_continuation_gets_no_space_before_its_start(tmp_path, tokenizer):
     tok = Tokenizer.from_gguf(gguf.GGUFReader(path))
     assert tok.convert_ids_to_tokens(tok.encode("world", add_special_tokens=False)) == ["▁world"]
     assert tok.decode(tok.encode("hello", add_special_tokens=False) + tok.encode_continuation("world")) == "helloworld"
-    assert tok.encode("hello", add_special_tokens=False) + tok.encode_continuation(" world") == \
-        tok.encode("hello world", add_special_tokens=False)
+    assert tok.encode("hello", add_special_tokens=False) + tok.encode_continuation(" world") == tok.encode(
+        "hello world", add_special_tokens=False
+    )
     for text in (" world", "world", "\n\nA: yes", "2 + 2"):
         assert tokenizer.encode_continuation(text) == tokenizer.encode(text, add_special_tokens=False)
 
@@ -223,13 +238,16 @@ def test_a_continuation_gets_no_space_where_the_normalizer_prepends_one_to_every
     their normalizer, after a special token too, so no anchor keeps it off a continuation: "hello" then
     " world" must still encode as "hello world" does, and a first turn as a stateless prompt."""
     pieces = ["<unk>", "<s>", "</s>", "▁", "▁hello", "▁world", "hello", "world", *"helowrd"]
-    backend = _Backend(models.Unigram([(p, -1.0 if len(p) > 1 else -5.0) for p in pieces], unk_id=0, byte_fallback=False))
+    backend = _Backend(
+        models.Unigram([(p, -1.0 if len(p) > 1 else -5.0) for p in pieces], unk_id=0, byte_fallback=False)
+    )
     backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
     backend.add_special_tokens(["<unk>", "<s>", "</s>"])
     backend.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
-                                                                "add_bos_token": True}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True})
+    )
     tok = Tokenizer.from_hf_dir(str(tmp_path))
     assert tok.convert_ids_to_tokens(tok.encode("hello world")) == ["<s>", "▁hello", "▁world"]
     first = tok.encode_continuation("hello")
@@ -290,15 +308,20 @@ def _vocabulary_gguf(path, source: str, pre: str) -> None:
     """A qwen2 GGUF with the embedded model's byte-level vocabulary, stating pre-tokenizer `pre`."""
     reader = gguf.GGUFReader(source)
     writer = gguf.GGUFWriter(str(path), "qwen2")
-    for key, value in dict(vocab_size=49152, context_length=4096, embedding_length=64, block_count=1,
-                           feed_forward_length=128).items():
+    for key, value in dict(
+        vocab_size=49152, context_length=4096, embedding_length=64, block_count=1, feed_forward_length=128
+    ).items():
         writer.add_uint32(f"qwen2.{key}", value)
     writer.add_uint32("qwen2.attention.head_count", 4)
     for key, f in reader.fields.items():
         if key.startswith("tokenizer."):
             kind = f.types[0]
-            writer.add_key_value(key, pre if key == "tokenizer.ggml.pre" else f.contents(), kind,
-                                 f.types[1] if kind == gguf.GGUFValueType.ARRAY else None)
+            writer.add_key_value(
+                key,
+                pre if key == "tokenizer.ggml.pre" else f.contents(),
+                kind,
+                f.types[1] if kind == gguf.GGUFValueType.ARRAY else None,
+            )
     writer.add_tensor("token_embd.weight", np.zeros((8, 64), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

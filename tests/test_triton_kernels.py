@@ -2,6 +2,7 @@
 lengths, GQA groups that are not powers of two, blocks shared and out of order, padded rows. Without a GPU
 they run in Triton's interpreter on CPU tensors (`TRITON_INTERPRET=1`, set by conftest.py before Triton
 loads); the engine's Triton path then runs a tiny model end to end on the CPU."""
+
 from __future__ import annotations
 
 import math
@@ -25,14 +26,17 @@ BLOCK, D = 16, 32
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
-def make_cache(kvh: int, num_blocks: int, dtype: torch.dtype, seed: int, d: int = D,
-               block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def make_cache(
+    kvh: int, num_blocks: int, dtype: torch.dtype, seed: int, d: int = D, block: int = BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     shape = (kvh, num_blocks, block, d)
     return (torch.randn(shape, generator=g).to(dtype).to(DEVICE), torch.randn(shape, generator=g).to(dtype).to(DEVICE))
 
 
-def tables_for(lengths: list[int], num_blocks: int, seed: int, block: int = BLOCK) -> tuple[list[list[int]], torch.Tensor]:
+def tables_for(
+    lengths: list[int], num_blocks: int, seed: int, block: int = BLOCK
+) -> tuple[list[list[int]], torch.Tensor]:
     """Distinct random blocks per sequence, out of order; the table padded with block 0."""
     rng = random.Random(seed)
     ids = list(range(num_blocks))
@@ -58,7 +62,9 @@ def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, prefix:
     k, v = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)  # [H, L, D]
     scores = torch.einsum("mhd,hld->hml", q.double(), k) * scale
     pos = torch.arange(keys.shape[1], device=q.device)
-    scores = scores.masked_fill(pos[None, None, :] > (prefix + torch.arange(m, device=q.device))[None, :, None], float("-inf"))
+    scores = scores.masked_fill(
+        pos[None, None, :] > (prefix + torch.arange(m, device=q.device))[None, :, None], float("-inf")
+    )
     return torch.einsum("hml,hld->mhd", torch.softmax(scores, -1), v)
 
 
@@ -89,8 +95,9 @@ def test_decode_attention_matches_reference(dtype, heads, kvh, max_splits, d, bl
     tables, table_tensor = tables_for(lengths, 40, seed=kvh, block=block)
     q = torch.randn(len(lengths), heads, d).to(dtype).to(DEVICE)
     scale = 1 / math.sqrt(d)
-    got = triton_kernels.decode_attention(q, k_cache, v_cache, table_tensor, torch.tensor(lengths, device=DEVICE),
-                                          scale, max_splits)
+    got = triton_kernels.decode_attention(
+        q, k_cache, v_cache, table_tensor, torch.tensor(lengths, device=DEVICE), scale, max_splits
+    )
     assert got.shape == q.shape and got.dtype == dtype
     for i, n in enumerate(lengths):
         if n == 0:
@@ -109,8 +116,9 @@ def test_a_decodes_sums_depend_on_its_own_length_only():
     q = torch.randn(len(lengths), 6, D, device=DEVICE)
     wide = torch.nn.functional.pad(table_tensor, (0, 64 - table_tensor.shape[1]))
     together = triton_kernels.decode_attention(q, k_cache, v_cache, wide, torch.tensor(lengths, device=DEVICE), 0.2)
-    alone = triton_kernels.decode_attention(q[:1], k_cache, v_cache, table_tensor[:1, : len(tables[0])],
-                                            torch.tensor(lengths[:1], device=DEVICE), 0.2)
+    alone = triton_kernels.decode_attention(
+        q[:1], k_cache, v_cache, table_tensor[:1, : len(tables[0])], torch.tensor(lengths[:1], device=DEVICE), 0.2
+    )
     assert torch.equal(alone[0], together[0])
 
 
@@ -128,19 +136,35 @@ def test_prefill_attention_over_cached_prefix_matches_reference(dtype, heads, kv
     starts = [sum(m for m, _ in chunks[:c]) for c in range(len(chunks))]
     scale = 1 / math.sqrt(d)
     got = triton_kernels.prefill_attention(
-        q, k_cache, v_cache, table_tensor, torch.tensor(starts, device=DEVICE),
-        torch.tensor([m for m, _ in chunks], device=DEVICE), torch.tensor(lengths, device=DEVICE), scale,
-        max_q_len=max(m for m, _ in chunks))
+        q,
+        k_cache,
+        v_cache,
+        table_tensor,
+        torch.tensor(starts, device=DEVICE),
+        torch.tensor([m for m, _ in chunks], device=DEVICE),
+        torch.tensor(lengths, device=DEVICE),
+        scale,
+        max_q_len=max(m for m, _ in chunks),
+    )
     for c, (m, prefix) in enumerate(chunks):
         n = m + prefix
-        want = reference(q[starts[c] : starts[c] + m], context(k_cache, tables[c], n), context(v_cache, tables[c], n), prefix, scale)
+        want = reference(
+            q[starts[c] : starts[c] + m], context(k_cache, tables[c], n), context(v_cache, tables[c], n), prefix, scale
+        )
         torch.testing.assert_close(got[starts[c] : starts[c] + m].double(), want, rtol=TOL[dtype], atol=TOL[dtype])
 
 
-@pytest.mark.parametrize("graphs,overlap,model", [(False, False, "llama"), (True, False, "llama"), (True, True, "llama"),
-                                                  ("failing", False, "llama"), (True, False, "llama_head_24")],
-                         ids=["eager", "graph-buffers", "graph-buffers-overlap", "graph-capture-fails",
-                              "graph-buffers-head-dim-24"])
+@pytest.mark.parametrize(
+    "graphs,overlap,model",
+    [
+        (False, False, "llama"),
+        (True, False, "llama"),
+        (True, True, "llama"),
+        ("failing", False, "llama"),
+        (True, False, "llama_head_24"),
+    ],
+    ids=["eager", "graph-buffers", "graph-buffers-overlap", "graph-capture-fails", "graph-buffers-head-dim-24"],
+)
 def test_engine_greedy_tokens_equal_on_the_triton_path(tiny_models, monkeypatch, graphs, overlap, model):
     """Chunked prefills (some after a cached prefix), decodes and mixed steps through the Triton kernels, the
     layer ops' included, give the torch path's tokens. With `graphs`, decode-only steps go through the
@@ -156,6 +180,7 @@ def test_engine_greedy_tokens_equal_on_the_triton_path(tiny_models, monkeypatch,
         def call(*args, **kwargs):
             calls[name] += 1
             return kernel(*args, **kwargs)
+
         monkeypatch.setattr(owner, name, call)
 
     for name in ("decode_attention", "prefill_attention"):
@@ -163,10 +188,21 @@ def test_engine_greedy_tokens_equal_on_the_triton_path(tiny_models, monkeypatch,
     for name in ("rms_norm", "rotary"):
         counted(layer_ops, name)
     counted(DecodeGraphs, "run")
-    with Engine(EngineConfig(dtype="float32", model=tiny_models(model).path, kv_cache_tokens=1024,
-                             attention_kernel=False, max_batched_tokens=16, prefix_caching=False)) as eng:
-        texts = ("The quick brown fox jumps over the lazy dog, twice.", "Paged attention keeps blocks apart.",
-                 "Graphs replay.")
+    with Engine(
+        EngineConfig(
+            dtype="float32",
+            model=tiny_models(model).path,
+            kv_cache_tokens=1024,
+            attention_kernel=False,
+            max_batched_tokens=16,
+            prefix_caching=False,
+        )
+    ) as eng:
+        texts = (
+            "The quick brown fox jumps over the lazy dog, twice.",
+            "Paged attention keeps blocks apart.",
+            "Graphs replay.",
+        )
         prompts = [eng.tokenizer.encode(text) for text in texts]
         params = SamplingParams(max_new_tokens=6, ignore_eos=True)
         want = [eng.generate(p, params).token_ids for p in prompts]
@@ -193,8 +229,16 @@ TORCH_LAYERS = {
     "rotary": lambda x, cos, sin: x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin,
     "silu_and_mul": lambda gate_up: torch.nn.functional.silu(gate_up.chunk(2, -1)[0]) * gate_up.chunk(2, -1)[1],
 }
-LAYER_DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-    DEVICE == "cpu", reason="Triton's interpreter casts float32 to bfloat16 by truncation, not to nearest"))]
+LAYER_DTYPES = [
+    torch.float32,
+    torch.float16,
+    pytest.param(
+        torch.bfloat16,
+        marks=pytest.mark.skipif(
+            DEVICE == "cpu", reason="Triton's interpreter casts float32 to bfloat16 by truncation, not to nearest"
+        ),
+    ),
+]
 # One rounding step of the dtype apart at most: 1/sqrt against torch's rsqrt, exp against its own
 LAYER_TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}
 
@@ -234,5 +278,9 @@ def test_per_head_norm_and_rotary_read_a_view_of_the_projection(dtype):
 @pytest.mark.parametrize("n", [48, 1500])  # one program a row, and several
 def test_silu_and_mul_as_torch(dtype, n):
     gate_up = (torch.randn(3, 2 * n, generator=torch.Generator().manual_seed(n)) * 4).to(dtype).to(DEVICE)
-    torch.testing.assert_close(layer_ops.silu_and_mul(gate_up), TORCH_LAYERS["silu_and_mul"](gate_up),
-                               rtol=LAYER_TOL[dtype], atol=LAYER_TOL[dtype])
+    torch.testing.assert_close(
+        layer_ops.silu_and_mul(gate_up),
+        TORCH_LAYERS["silu_and_mul"](gate_up),
+        rtol=LAYER_TOL[dtype],
+        atol=LAYER_TOL[dtype],
+    )

@@ -1,4 +1,5 @@
 """Collectives among engine ranks (`HostComm`), whether the ranks are threads or processes."""
+
 from .host_comm import CommAborted, HostComm, RedOp
 from .thread_comm import ThreadComm
 

@@ -1,5 +1,6 @@
 """`DeviceGroup`: the tensor-parallel ranks' all-reduce over activations, on torch.distributed (gloo for CPU
 tensors, NCCL for CUDA ones: the same code), beside the gloo `GlooComm` that carries their control."""
+
 from __future__ import annotations
 
 import datetime
@@ -18,8 +19,9 @@ class DeviceGroup:
     """Made collectively by the `size` ranks of one tensor-parallel group, each from its own thread; used by
     its loop's thread (leader) or follower thread only, one step at a time."""
 
-    def __init__(self, store: Store, prefix: str, rank: int, size: int, device: torch.device,
-                 hostname: str = "127.0.0.1") -> None:
+    def __init__(
+        self, store: Store, prefix: str, rank: int, size: int, device: torch.device, hostname: str = "127.0.0.1"
+    ) -> None:
         self.rank, self.size = rank, size
         prefixed = PrefixStore(prefix, store)
         if device.type == "cuda":

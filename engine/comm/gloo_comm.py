@@ -13,6 +13,7 @@ lists its keys), and unpickling runs code. So every pickle is signed with the gr
 ranks get from their parent (on one machine never through the store; the ranks of other machines fetch it
 there, on the network they must trust), and one that fails the check is never unpickled.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -53,9 +54,17 @@ class GlooComm(HostComm):
     as gloo notices the closed connection.
     """
 
-    def __init__(self, store: Store, rank: int, size: int, secret: bytes, prefix: str = "lmgate",
-                 timeout: datetime.timedelta = DEFAULT_TIMEOUT, abort_keys: tuple[str, ...] = (),
-                 hostname: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        store: Store,
+        rank: int,
+        size: int,
+        secret: bytes,
+        prefix: str = "lmgate",
+        timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+        abort_keys: tuple[str, ...] = (),
+        hostname: str = "127.0.0.1",
+    ) -> None:
         """Collective over the `size` processes: each must call it with its own rank and the same secret and
         prefix. `secret`: the key that signs the values they send (`new_secret`), up to 64 bytes.
         `abort_keys`: the store keys of the communicators it was split from, whose abort aborts it too.
@@ -78,8 +87,9 @@ class GlooComm(HostComm):
         self._abort_keys = (*abort_keys, f"{prefix}/aborted")
 
     @classmethod
-    def connect(cls, host: str, port: int, rank: int, size: int, secret: bytes,
-                timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> GlooComm:
+    def connect(
+        cls, host: str, port: int, rank: int, size: int, secret: bytes, timeout: datetime.timedelta = DEFAULT_TIMEOUT
+    ) -> GlooComm:
         """Join the group whose `TCPStore` listens at host:port (made by `create_store`), from any machine
         that reaches it."""
         store = TCPStore(host, port, is_master=False, timeout=timeout)
@@ -98,8 +108,9 @@ class GlooComm(HostComm):
         except OSError:
             listener.close()
             raise
-        return TCPStore(host, listener.getsockname()[1], is_master=True, wait_for_workers=False,
-                        master_listen_fd=listener.detach())  # the store owns the socket, and closes it when it goes
+        return TCPStore(
+            host, listener.getsockname()[1], is_master=True, wait_for_workers=False, master_listen_fd=listener.detach()
+        )  # the store owns the socket, and closes it when it goes
 
     @property
     def store(self) -> Store:
@@ -119,7 +130,9 @@ class GlooComm(HostComm):
             raise ValueError(f"root {root} out of range for a group of {self._size}")
         data = self._encode(value) if self._rank == root else torch.empty(0, dtype=torch.uint8)
         length = torch.tensor([data.numel()])
-        self._run(lambda: self._group.broadcast([length], _broadcast_options(root, PATIENT_TIMEOUT if patient else None)))
+        self._run(
+            lambda: self._group.broadcast([length], _broadcast_options(root, PATIENT_TIMEOUT if patient else None))
+        )
         if self._rank != root:
             data = torch.empty(int(length), dtype=torch.uint8)
         self._run(lambda: self._group.broadcast([data], _broadcast_options(root)))
@@ -152,8 +165,16 @@ class GlooComm(HostComm):
         entries = self.all_gather((color, key))
         members = sorted((r for r, (c, _) in enumerate(entries) if c == color), key=lambda r: (entries[r][1], r))
         self._splits += 1
-        child = GlooComm(self._store, members.index(self._rank), len(members), self._secret,
-                         f"{self._prefix}/{self._splits}/{color}", self._timeout, self._abort_keys, self.hostname)
+        child = GlooComm(
+            self._store,
+            members.index(self._rank),
+            len(members),
+            self._secret,
+            f"{self._prefix}/{self._splits}/{color}",
+            self._timeout,
+            self._abort_keys,
+            self.hostname,
+        )
         with self._lock:
             self._children.append(child)
             aborted = self._aborted

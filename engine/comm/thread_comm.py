@@ -1,4 +1,5 @@
 """`ThreadComm`: a `HostComm` whose ranks are threads of one process, after TurboMind's ThreadCommImpl."""
+
 from __future__ import annotations
 
 import threading

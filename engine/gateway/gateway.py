@@ -9,6 +9,7 @@ Gateway._signal_cond is a leaf. No thread waits on one while holding another.
 Callbacks run on the signal thread with no lock held. Engine loops wait on `_arrivals` (idle) and in the host
 communicator's collectives (every step), never while holding a lock.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -224,7 +225,9 @@ class Gateway:
                 self._arrivals.wait_for(lambda: self._num_arrivals != oldest)
         live = []
         for r in queue.pop(max_infer) or []:  # closed since the agreement: seen and agreed next step
-            if r.kind is RequestKind.GENERATE and not r.cancel_flag.compare_exchange(CancelFlag.QUEUED, CancelFlag.ACTIVE):
+            if r.kind is RequestKind.GENERATE and not r.cancel_flag.compare_exchange(
+                CancelFlag.QUEUED, CancelFlag.ACTIVE
+            ):
                 continue
             r.unique_id = next(self._next_id)
             live.append(r)

@@ -1,4 +1,5 @@
 """What crosses threads: a request with its atomic cancel flag, and the outputs the engine sends back."""
+
 from __future__ import annotations
 
 import enum
@@ -52,8 +53,16 @@ class RequestOutput:
     def __reduce__(self) -> tuple:
         """Pickled as its fields in order: a rank process sends a few hundred a step, and pickle's way with a
         slotted dataclass (a dict of its slots each) takes over twice as long to write and to read."""
-        return RequestOutput, (self.request_id, self.session_id, self.token_ids, self.text, self.logprobs,
-                               self.finish_reason, self.usage, self.error)
+        return RequestOutput, (
+            self.request_id,
+            self.session_id,
+            self.token_ids,
+            self.text,
+            self.logprobs,
+            self.finish_reason,
+            self.usage,
+            self.error,
+        )
 
 
 class CancelFlag:

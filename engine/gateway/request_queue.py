@@ -1,4 +1,5 @@
 """One engine loop's inbox of generate and kill requests, in arrival order."""
+
 from __future__ import annotations
 
 import threading
@@ -32,7 +33,9 @@ class RequestQueue:
                 if self._num_generates >= self.max_generates:
                     self._drop_cancelled()
                 if self._num_generates >= self.max_generates:
-                    raise ResourceExhausted(f"this engine loop's queue is full ({self._num_generates} waiting); retry later")
+                    raise ResourceExhausted(
+                        f"this engine loop's queue is full ({self._num_generates} waiting); retry later"
+                    )
                 self._num_generates += 1
             self._items.append(request)
             return True
@@ -63,7 +66,9 @@ class RequestQueue:
 
     def _drop_cancelled(self) -> None:
         """Under `_lock`. A generate is CANCELLED here only by `Gateway.cancel`, which has ended its stream."""
-        kept = deque(r for r in self._items if r.kind is not RequestKind.GENERATE or r.cancel_flag.value != CancelFlag.CANCELLED)
+        kept = deque(
+            r for r in self._items if r.kind is not RequestKind.GENERATE or r.cancel_flag.value != CancelFlag.CANCELLED
+        )
         self._num_generates -= len(self._items) - len(kept)
         self._items = kept
 

@@ -1,4 +1,5 @@
 """Which engine loop holds each session, and which request is generating on it."""
+
 from __future__ import annotations
 
 import random
@@ -77,8 +78,10 @@ class SequenceBinding:
             if b is None:
                 raise SessionNotFound(f"session {session_id} not found (never started, or ended)")
             if request.session_epoch is not None and request.session_epoch != b.epoch:
-                raise SessionStale(f"session {session_id} here is not the copy of epoch {request.session_epoch} "
-                                   "(it was started again elsewhere): end it and start it again")
+                raise SessionStale(
+                    f"session {session_id} here is not the copy of epoch {request.session_epoch} "
+                    "(it was started again elsewhere): end it and start it again"
+                )
             if b.active is not None and b.active.cancel_flag.value != CancelFlag.CANCELLED:
                 raise SessionBusy(f"session {session_id} is already generating; cancel it or wait for it to finish")
             b.active = request

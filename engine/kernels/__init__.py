@@ -18,6 +18,7 @@ Where no compiler is found, or the build fails, `load_cpu_kernels` says so once 
 False; the engine then runs attention with torch ops, linear layers on oneDNN, and expands GGUF weights to
 float at load.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,15 +35,31 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [os.path.join(os.path.dirname(__file__), name)
-           for name in ("paged_attention.cpp", "gemm.cpp", "quantized_matmul.cpp", "int8_matmul.cpp", "layer_ops.cpp",
-                         "decode_layers.cpp")]
+SOURCES = [
+    os.path.join(os.path.dirname(__file__), name)
+    for name in (
+        "paged_attention.cpp",
+        "gemm.cpp",
+        "quantized_matmul.cpp",
+        "int8_matmul.cpp",
+        "layer_ops.cpp",
+        "decode_layers.cpp",
+    )
+]
 
 # The flags torch builds its own kernels of each capability with, so that ATen's Vectorized takes the same
 # instructions; "DEFAULT" (and other architectures) get its portable version.
 CAPABILITY_FLAGS = {
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
-               "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"],
+    "AVX512": [
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512dq",
+        "-mfma",
+        "-mf16c",
+        "-DCPU_CAPABILITY_AVX512",
+        "-DCPU_CAPABILITY=AVX512",
+    ],
     "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
 }
 
@@ -87,16 +104,26 @@ def _build() -> bool:
         from torch.utils.cpp_extension import get_default_build_root, load  # imports setuptools, which a venv may lack
 
         root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-        build_dir = os.path.join(root, f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}", name)
+        build_dir = os.path.join(
+            root, f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}", name
+        )
         os.makedirs(build_dir, exist_ok=True)
         with _builder_lock(build_dir):
             # -fopenmp: at::parallel_for is inline OpenMP; it runs on the pool torch's own ops use.
-            load(name=name, sources=SOURCES, is_python_module=False, build_directory=build_dir,
-                 extra_cflags=["-O3", "-fopenmp", *CAPABILITY_FLAGS.get(capability, [])])
+            load(
+                name=name,
+                sources=SOURCES,
+                is_python_module=False,
+                build_directory=build_dir,
+                extra_cflags=["-O3", "-fopenmp", *CAPABILITY_FLAGS.get(capability, [])],
+            )
     except Exception as exc:  # no compiler, ninja or setuptools, or a failed build: the torch path still works
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        log.warning("CPU kernels unavailable (%s): attention runs on torch ops, linear layers on oneDNN, "
-                    "GGUF weights are expanded to float", first_line)
+        log.warning(
+            "CPU kernels unavailable (%s): attention runs on torch ops, linear layers on oneDNN, "
+            "GGUF weights are expanded to float",
+            first_line,
+        )
         return False
     log.info("CPU kernels %s ready in %.1fs", name, time.perf_counter() - start)
     return True

@@ -1,6 +1,7 @@
 """Loading a GGUF file: metadata to a config, tensors to Hugging Face names and layout. Matrices of the
 quantization types the CPU kernels read stay quantized (`GGUFBlocks`); `build_model` expands them where the
 model runs in float."""
+
 from __future__ import annotations
 
 import logging
@@ -120,6 +121,9 @@ def read_gguf_weights(reader: GGUFReader, config: ModelConfig) -> dict[str, torc
             data = _unpermute(data, heads)
         weights[name] = torch.from_numpy(np.array(data, dtype=np.float32))
     if expanded:
-        log.info("GGUF tensors of types %s expanded to float32 (the CPU kernels read %s)", ", ".join(sorted(expanded)),
-                 ", ".join(TYPE_NAMES.values()))
+        log.info(
+            "GGUF tensors of types %s expanded to float32 (the CPU kernels read %s)",
+            ", ".join(sorted(expanded)),
+            ", ".join(TYPE_NAMES.values()),
+        )
     return weights

@@ -1,4 +1,5 @@
 """Loading a Hugging Face model directory: config.json, *.safetensors, tokenizer files."""
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """Finding and loading a checkpoint: a Hugging Face directory or a GGUF file, by path."""
+
 from __future__ import annotations
 
 import contextlib
@@ -93,8 +94,16 @@ def _unreadable_refused(path: str) -> Iterator[None]:
         yield
     except EngineError:
         raise
-    except (ValueError, KeyError, TypeError, IndexError, AttributeError, OSError, SafetensorError,
-            NotImplementedError) as exc:  # the last: a GGUF tensor type gguf cannot dequantize
+    except (
+        ValueError,
+        KeyError,
+        TypeError,
+        IndexError,
+        AttributeError,
+        OSError,
+        SafetensorError,
+        NotImplementedError,
+    ) as exc:  # the last: a GGUF tensor type gguf cannot dequantize
         kind = "GGUF file" if Path(path).is_file() else "Hugging Face model directory"
         raise UnsupportedModel(f"{path} is not a readable {kind}: {exc or type(exc).__name__}") from None
 

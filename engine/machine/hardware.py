@@ -6,6 +6,7 @@ never the CPU itself, so one value decides and tests can set it. `LMGATE_CPU_FLA
 /proc/cpuinfo names them, separated by spaces or commas) replaces what the CPU reports: with
 `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` beside it, an AVX-512 machine takes an AVX2 one's paths.
 """
+
 from __future__ import annotations
 
 import functools
@@ -17,8 +18,14 @@ from dataclasses import dataclass
 import torch
 
 FLAGS_ENV = "LMGATE_CPU_FLAGS"
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -89,8 +96,9 @@ def _read_cpuinfo() -> tuple[str, frozenset[str]]:
     return name, flags
 
 
-def choose_dtype(requested: str, device: torch.device, features: CpuFeatures | None = None,
-                 quantized_weights: bool = False) -> tuple[torch.dtype, str]:
+def choose_dtype(
+    requested: str, device: torch.device, features: CpuFeatures | None = None, quantized_weights: bool = False
+) -> tuple[torch.dtype, str]:
     """The weights' and KV cache's dtype, and why. `auto`: bfloat16 on CUDA (float16 before Ampere) and on CPUs
     with bf16 arithmetic in hardware, float32 elsewhere (emulated bf16 runs several times slower than float32),
     and float32 where a GGUF's quantized weights stay blocks on one rank (`quantized_weights`): their kernels

@@ -1,5 +1,6 @@
 """The process heap: keeping freed step buffers for reuse, and giving memory back to the system on sleep; and
 the CUDA allocator's cache, which engine loops on threads of one process share."""
+
 from __future__ import annotations
 
 import ctypes

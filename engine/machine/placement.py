@@ -9,6 +9,7 @@ every rank to GPU N, so it cannot serve tensor parallelism.
 Every thread that launches kernels on a rank's GPU makes it its current device first (`use_device`): a new
 thread starts on GPU 0, and Triton launches on the current device whatever its tensors' device.
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,9 +39,13 @@ def check_placement(device: str, tensor_parallel: int, ranks_per_node: int, num_
     if configured.type != "cuda" or tensor_parallel == 1:
         return
     if configured.index is not None:
-        raise InvalidRequest(f"device {device} puts every rank on one GPU, and tensor parallelism needs a GPU per "
-                             "rank: use device cuda, whose ranks take the machine's GPUs in turn")
+        raise InvalidRequest(
+            f"device {device} puts every rank on one GPU, and tensor parallelism needs a GPU per "
+            "rank: use device cuda, whose ranks take the machine's GPUs in turn"
+        )
     on_one_machine = min(tensor_parallel, ranks_per_node)
     if on_one_machine > num_gpus:
-        raise InvalidRequest(f"tensor_parallel {tensor_parallel} puts {on_one_machine} ranks of a group on each "
-                             f"machine, each needing a GPU of its own; this machine has {num_gpus}")
+        raise InvalidRequest(
+            f"tensor_parallel {tensor_parallel} puts {on_one_machine} ranks of a group on each "
+            f"machine, each needing a GPU of its own; this machine has {num_gpus}"
+        )

@@ -7,6 +7,7 @@ Torch work that is not a step (loading, building, allocating) runs on a short-li
 them (`Engine.threads_per_loop`). Importing the engine sets `OMP_WAIT_POLICY=PASSIVE` unless the environment
 chose, before torch loads libgomp (engine/__init__.py says what it measured).
 """
+
 from __future__ import annotations
 
 import math

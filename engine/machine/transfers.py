@@ -5,6 +5,7 @@ step already queued, which is what overlap scheduling (engine_loop.py) must not 
 memory instead, the copy is queued behind that step; torch's pinned allocator keeps the staging buffer until
 the copy has run.
 """
+
 from __future__ import annotations
 
 import torch

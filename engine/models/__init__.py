@@ -1,4 +1,5 @@
 """Model classes by Hugging Face architecture name, and building one from a checkpoint's weights."""
+
 from __future__ import annotations
 
 import logging
@@ -25,8 +26,13 @@ MODEL_CLASSES = {
 
 
 def build_model(
-    cfg: ModelConfig, weights: dict[str, torch.Tensor | GGUFBlocks], dtype: torch.dtype, device: torch.device,
-    batch_hint: int = 256, quantized: bool = False, int8_activations: bool = False,
+    cfg: ModelConfig,
+    weights: dict[str, torch.Tensor | GGUFBlocks],
+    dtype: torch.dtype,
+    device: torch.device,
+    batch_hint: int = 256,
+    quantized: bool = False,
+    int8_activations: bool = False,
 ) -> LlamaForCausalLM:
     """`instantiate`, then on the device in the dtype; on the CPU each linear layer then runs the fastest way
     the machine has (`panel_linear.cpu_linears`), and decode steps run all layers in one call where the layers
@@ -36,8 +42,9 @@ def build_model(
     if not quantized:
         weights = expand_blocks(weights)
     model = instantiate(cfg, weights)
-    model.model.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings,
-                                             cfg.rope_freq_factors)
+    model.model.rotary_emb = RotaryEmbedding(
+        cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_freq_factors
+    )
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     if device.type == "cpu":
         own_memory(model, weights)
@@ -72,7 +79,8 @@ def count_weight_bytes(model: LlamaForCausalLM) -> int:
 def quantized_blocks(model: LlamaForCausalLM) -> list[torch.Tensor]:
     """Every block tensor of the quantized layers (a tied head's are its embedding's)."""
     return [p.blocks for m in model.modules() if isinstance(m, QuantizedLinear) for p in m.parts] + [
-        m.blocks for m in model.modules() if isinstance(m, QuantizedEmbedding)]
+        m.blocks for m in model.modules() if isinstance(m, QuantizedEmbedding)
+    ]
 
 
 def expand_blocks(weights: dict[str, torch.Tensor | GGUFBlocks]) -> dict[str, torch.Tensor]:
@@ -90,7 +98,9 @@ def own_memory(model: nn.Module, weights: dict[str, torch.Tensor | GGUFBlocks]) 
                 if isinstance(tensor, nn.Parameter):
                     tensor.data = tensor.data.clone()  # a tied head shares the Parameter, so follows it
                 else:
-                    module.register_buffer(name, tensor.clone(), persistent=name not in module._non_persistent_buffers_set)
+                    module.register_buffer(
+                        name, tensor.clone(), persistent=name not in module._non_persistent_buffers_set
+                    )
 
 
 def load_weights(model: LlamaForCausalLM, weights: dict[str, torch.Tensor]) -> None:
@@ -116,8 +126,9 @@ def load_weights(model: LlamaForCausalLM, weights: dict[str, torch.Tensor]) -> N
         packed = {k: v.to(device=ref.device, dtype=ref.dtype) for k, v in packed.items()}
     model.load_state_dict(packed, strict=False, assign=True)
     if tied and isinstance(model.model.embed_tokens, QuantizedEmbedding):
-        model.lm_head = QuantizedLinear(GGUFBlocks(model.model.embed_tokens.blocks, model.model.embed_tokens.qtype,
-                                                   cfg.hidden_size))
+        model.lm_head = QuantizedLinear(
+            GGUFBlocks(model.model.embed_tokens.blocks, model.model.embed_tokens.qtype, cfg.hidden_size)
+        )
     elif tied:
         model.lm_head.weight = model.model.embed_tokens.weight
 

@@ -16,6 +16,7 @@ Which attention path a loop's `ModelRunner` takes (`ATTENTION_PATHS`) is chosen 
 `attention_kernel=False`). The runner builds the metadata that path reads (`DecodeTables` and `PrefillTables`
 for Triton and C++, rows and masks for torch ops); the model calls one `paged_attention`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -106,7 +107,9 @@ def paged_attention(
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
     """A step's keys and values [T, KVH, D] into their slots, rounded to the cache's dtype: in C++ (layer_ops.cpp)
     for float32 or bfloat16 on the CPU where the kernels are loaded, else with index_copy_."""
     if layer_kernels(k):
@@ -125,19 +128,32 @@ def _triton_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale:
     parts = []
     if meta.num_decode:
         d = meta.decode
-        parts.append(kernels.decode_attention(q[: meta.num_decode], k_cache, v_cache, d.block_tables, d.lengths, scale,
-                                              MAX_DECODE_SPLITS))
+        parts.append(
+            kernels.decode_attention(
+                q[: meta.num_decode], k_cache, v_cache, d.block_tables, d.lengths, scale, MAX_DECODE_SPLITS
+            )
+        )
     p = meta.prefills
     if isinstance(p, PrefillTables) and len(p.q_lens):
-        parts.append(kernels.prefill_attention(q[meta.num_decode :], k_cache, v_cache, p.block_tables, p.q_starts,
-                                               p.q_lens, p.context_lens, scale, p.max_q_len))
+        parts.append(
+            kernels.prefill_attention(
+                q[meta.num_decode :],
+                k_cache,
+                v_cache,
+                p.block_tables,
+                p.q_starts,
+                p.q_lens,
+                p.context_lens,
+                scale,
+                p.max_q_len,
+            )
+        )
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _decode(q, k_cache, v_cache, decode: DecodeTables | GatheredDecode, scale: float) -> torch.Tensor:
     if isinstance(decode, DecodeTables):
-        return torch.ops.lmgate.paged_decode_attention(
-            q, k_cache, v_cache, decode.block_tables, decode.lengths, scale)
+        return torch.ops.lmgate.paged_decode_attention(q, k_cache, v_cache, decode.block_tables, decode.lengths, scale)
     return _gathered_decode(q, k_cache, v_cache, decode, scale)
 
 
@@ -158,8 +174,9 @@ def _gathered_decode(q, k_cache, v_cache, decode: GatheredDecode, scale: float) 
 def _prefill_kernel(q, k_cache, v_cache, chunks: PrefillTables, scale: float) -> torch.Tensor:
     """The prefill chunks read in place by the C++ kernel: causal, each block read once per tile of 16
     queries. torch's flash kernel, on gathered copies, computed the masked half of a 128-token chunk too."""
-    return torch.ops.lmgate.paged_prefill_attention(q, k_cache, v_cache, chunks.block_tables, chunks.q_starts,
-                                                    chunks.q_lens, chunks.context_lens, scale)
+    return torch.ops.lmgate.paged_prefill_attention(
+        q, k_cache, v_cache, chunks.block_tables, chunks.q_starts, chunks.q_lens, chunks.context_lens, scale
+    )
 
 
 def _prefill(q, k_cache, v_cache, chunk: PrefillChunk, scale: float) -> torch.Tensor:

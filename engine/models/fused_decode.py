@@ -8,6 +8,7 @@ kernel (engine/kernels/decode_layers.cpp) runs every layer in one parallel regio
 panels, norms and KV cache the module path uses, and rounds activations to int8 where the layers do
 (`--int8-activations`), so the two paths are interchangeable step by step.
 """
+
 from __future__ import annotations
 
 import torch
@@ -61,19 +62,25 @@ class FusedDecode:
         none, or all float32 in column panels (`PanelLinear`) with gate_up gated; its other weights float32; and
         no bias but qkv_proj's (Qwen2's, which the kernel adds)."""
         layers = model.model.layers
-        per_layer = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-                     for layer in layers]
+        per_layer = [
+            (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            for layer in layers
+        ]
         linears = [m for four in per_layer for m in four]
         quantized = all(isinstance(m, QuantizedLinear) for m in linears)
         if quantized and len({m.int8_activations for m in linears}) > 1:
             return None
-        if not quantized and not all(isinstance(m, PanelLinear) and m.gated == (m is four[2])
-                                     for four in per_layer for m in four):
+        if not quantized and not all(
+            isinstance(m, PanelLinear) and m.gated == (m is four[2]) for four in per_layer for m in four
+        ):
             return None
         if any(p.dtype != torch.float32 for layer in layers for p in layer.parameters()):
             return None
-        if any(m.bias is not None for layer in layers for m in (layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                                                                  layer.mlp.down_proj)):
+        if any(
+            m.bias is not None
+            for layer in layers
+            for m in (layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        ):
             return None
         return FusedDecode(model, quantized)
 
@@ -81,17 +88,43 @@ class FusedDecode:
         """A step of only decodes (for a quantized model, few enough for one pass over the blocks), on the C++
         attention path (over a float32, float16 or bfloat16 KV cache: the kernel converts as the module path's
         kernels do)."""
-        return ((self.max_rows is None or rows <= self.max_rows) and meta.num_decode == rows
-                and isinstance(meta.decode, DecodeTables) and not meta.triton
-                and kv_dtype in (torch.float32, torch.float16, torch.bfloat16))
+        return (
+            (self.max_rows is None or rows <= self.max_rows)
+            and meta.num_decode == rows
+            and isinstance(meta.decode, DecodeTables)
+            and not meta.triton
+            and kv_dtype in (torch.float32, torch.float16, torch.bfloat16)
+        )
 
-    def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         """x: [rows, hidden] float32 embeddings, updated in place into the last layer's output."""
         x = x.contiguous()
         cos, sin = (t.reshape(x.shape[0], -1).contiguous() for t in rope)
         torch.ops.lmgate.decode_layers(
-            x, self.norms, self.weights, self.types, self.parts, self.qkv_bias, cos, sin, [k for k, _ in kv_caches],
-            [v for _, v in kv_caches], meta.slot_mapping, meta.decode.block_tables, meta.decode.lengths,
-            self.num_heads, self.num_kv_heads, self.eps, self.scale, self.int8_activations, self.vnni)
+            x,
+            self.norms,
+            self.weights,
+            self.types,
+            self.parts,
+            self.qkv_bias,
+            cos,
+            sin,
+            [k for k, _ in kv_caches],
+            [v for _, v in kv_caches],
+            meta.slot_mapping,
+            meta.decode.block_tables,
+            meta.decode.lengths,
+            self.num_heads,
+            self.num_kv_heads,
+            self.eps,
+            self.scale,
+            self.int8_activations,
+            self.vnni,
+        )
         return x

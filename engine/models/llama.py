@@ -3,6 +3,7 @@
 Module names mirror Hugging Face's so checkpoints load by name; Q/K/V and gate/up are packed into one
 matmul each at load time (`pack_weights`).
 """
+
 from __future__ import annotations
 
 import functools
@@ -24,6 +25,7 @@ from .quantized_linear import GGUFBlocks, cat_rows
 def triton_layer_ops():
     """kernels/triton/layer_ops.py, imported where it serves (Triton is needed on CUDA only)."""
     from ..kernels.triton import layer_ops
+
     return layer_ops
 
 
@@ -92,7 +94,9 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
+    def forward(
+        self, x, rope: tuple[torch.Tensor, torch.Tensor], kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+    ):
         """Q and K heads rotate together, in one pass over a view of the packed projection."""
         heads = self.num_heads + self.num_kv_heads
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
@@ -148,7 +152,9 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_freq_factors)
+        self.rotary_emb = RotaryEmbedding(
+            cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_freq_factors
+        )
 
 
 class LlamaForCausalLM(nn.Module):
@@ -181,7 +187,9 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
 
-def pack_weights(weights: dict[str, torch.Tensor | GGUFBlocks], cfg: ModelConfig) -> dict[str, torch.Tensor | GGUFBlocks]:
+def pack_weights(
+    weights: dict[str, torch.Tensor | GGUFBlocks], cfg: ModelConfig
+) -> dict[str, torch.Tensor | GGUFBlocks]:
     """Hugging Face names to this module's: q/k/v into qkv_proj, gate/up into gate_up_proj, tied head."""
     packed = dict(weights)
     for i in range(cfg.num_layers):

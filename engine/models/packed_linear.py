@@ -6,6 +6,7 @@ AMD processors is the slow one. Packing once and calling oneDNN directly made a 
 Where oneDNN cannot take a weight (a torch build without it, an unsupported dtype, bf16 on a CPU without
 AVX512 BW/VL/DQ or AVX-NE-CONVERT, as `hardware.cpu_features` says) the layer stays a plain `nn.Linear`.
 """
+
 from __future__ import annotations
 
 import logging

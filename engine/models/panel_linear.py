@@ -8,6 +8,7 @@ decode_layers.cpp shares between threads, so a float32 model's decode steps run 
 (`FusedDecode`). A tied head gets a packed copy of its own (the embedding's size again), as oneDNN's did. Other
 dtypes go to oneDNN.
 """
+
 from __future__ import annotations
 
 import torch
@@ -56,8 +57,10 @@ class PanelLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
-                f"{', gated' if self.gated else ''}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+            f"{', gated' if self.gated else ''}"
+        )
 
 
 def cpu_linears(model: nn.Module, batch_hint: int) -> None:

@@ -7,6 +7,7 @@ writes W out; a step of many rows (prefill, big batches) runs the float path's o
 (kernels/gemm.cpp) over panels of W expanded in L2. An embedding over blocks expands only the rows
 it looks up.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -48,7 +49,9 @@ class GGUFBlocks:
         """float32 [rows, cols]: the values `gguf.quants.dequantize` gives (the tests hold them equal), by the
         C++ kernel, or by gguf itself where no compiler built it."""
         if not load_cpu_kernels():
-            return torch.from_numpy(dequantize(self.blocks.numpy(), GGMLQuantizationType(self.qtype)).reshape(self.shape))
+            return torch.from_numpy(
+                dequantize(self.blocks.numpy(), GGMLQuantizationType(self.qtype)).reshape(self.shape)
+            )
         out = torch.empty(self.shape, dtype=torch.float32)
         torch.ops.lmgate.gguf_dequantize(self.blocks, self.qtype, out)
         return out
@@ -62,9 +65,13 @@ def gguf_blocks(data: np.ndarray, qtype: int, shape: tuple[int, int]) -> GGUFBlo
     weights, nbytes = BLOCK_LAYOUTS[qtype]
     rows, cols = shape
     if cols % weights or data.size != rows * cols // weights * nbytes:
-        raise ValueError(f"{TYPE_NAMES[qtype]} tensor of shape {shape} has {data.size} bytes, "
-                         f"expected {rows * (cols // weights) * nbytes}")
-    return GGUFBlocks(torch.from_numpy(np.array(data, dtype=np.uint8)).view(rows, -1), qtype, cols)  # a copy: the file may close
+        raise ValueError(
+            f"{TYPE_NAMES[qtype]} tensor of shape {shape} has {data.size} bytes, "
+            f"expected {rows * (cols // weights) * nbytes}"
+        )
+    return GGUFBlocks(
+        torch.from_numpy(np.array(data, dtype=np.uint8)).view(rows, -1), qtype, cols
+    )  # a copy: the file may close
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,8 +105,9 @@ class QuantizedLinear(nn.Module):
     allows it (llama.cpp's way on the CPU: not the float model, tokens may differ). Few rows gain too: turning
     4-bit weights into floats for float32 x bound the matvec, not reading them."""
 
-    def __init__(self, weight: GGUFBlocks | GGUFStack, bias: torch.Tensor | None = None,
-                 int8_activations: bool = False) -> None:
+    def __init__(
+        self, weight: GGUFBlocks | GGUFStack, bias: torch.Tensor | None = None, int8_activations: bool = False
+    ) -> None:
         super().__init__()
         self.int8_activations = int8_activations
         self.out_features, self.in_features = weight.shape

@@ -7,6 +7,7 @@ and each keeps a copy of its KV head. Q/K/V and gate/up are column-parallel (the
 o_proj and down_proj row-parallel (their input columns split), so each decoder layer sums two partial
 outputs across the group (`DecoderLayer.reduce`). Norms, the embedding and the LM head are replicated.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,8 +49,10 @@ def shard_of(cfg: ModelConfig, rank: int, size: int) -> Shard:
         owners = [even_part(size, cfg.num_kv_heads, g) for g in range(cfg.num_kv_heads)]
         g = next(g for g, ranks in enumerate(owners) if rank in ranks)
         if len(owners[g]) > group:
-            raise InvalidRequest(f"tensor parallelism {size} leaves a rank without query heads: "
-                                 f"{cfg.num_kv_heads} KV groups of {group} heads")
+            raise InvalidRequest(
+                f"tensor parallelism {size} leaves a rank without query heads: "
+                f"{cfg.num_kv_heads} KV groups of {group} heads"
+            )
         part = even_part(group, len(owners[g]), rank - owners[g].start)
         kv, q = range(g, g + 1), range(g * group + part.start, g * group + part.stop)
     return Shard(q, kv, even_part(cfg.intermediate_size, size, rank))
@@ -57,8 +60,9 @@ def shard_of(cfg: ModelConfig, rank: int, size: int) -> Shard:
 
 def shard_config(cfg: ModelConfig, shard: Shard) -> ModelConfig:
     """The config of the smaller model a rank runs: its heads, its MLP columns."""
-    return dataclasses.replace(cfg, num_heads=len(shard.q_heads), num_kv_heads=len(shard.kv_heads),
-                               intermediate_size=len(shard.intermediate))
+    return dataclasses.replace(
+        cfg, num_heads=len(shard.q_heads), num_kv_heads=len(shard.kv_heads), intermediate_size=len(shard.intermediate)
+    )
 
 
 def shard_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig, shard: Shard) -> dict[str, torch.Tensor]:
@@ -67,8 +71,13 @@ def shard_weights(weights: dict[str, torch.Tensor], cfg: ModelConfig, shard: Sha
     q_rows = slice(shard.q_heads.start * d, shard.q_heads.stop * d)
     kv_rows = slice(shard.kv_heads.start * d, shard.kv_heads.stop * d)
     inter = slice(shard.intermediate.start, shard.intermediate.stop)
-    rows = {"self_attn.q_proj": q_rows, "self_attn.k_proj": kv_rows, "self_attn.v_proj": kv_rows,
-            "mlp.gate_proj": inter, "mlp.up_proj": inter}
+    rows = {
+        "self_attn.q_proj": q_rows,
+        "self_attn.k_proj": kv_rows,
+        "self_attn.v_proj": kv_rows,
+        "mlp.gate_proj": inter,
+        "mlp.up_proj": inter,
+    }
     columns = {"self_attn.o_proj": q_rows, "mlp.down_proj": inter}
     out = {}
     for name, tensor in weights.items():

@@ -4,6 +4,7 @@ Node 0's serving process publishes each other node's `RankSpec`s in its TCPStore
 process fetches its own, spawns them as node 0 spawns its share, and waits for them. It serves nothing:
 requests, outputs and collectives go between the ranks and node 0 directly.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,8 +35,9 @@ def fetch_specs(config: EngineConfig) -> tuple[TCPStore, list[RankSpec]]:
     store = TCPStore(config.master_addr, config.master_port, is_master=False, timeout=JOIN_TIMEOUT)
     nnodes = int(store.get(NNODES_KEY))
     if nnodes != config.nnodes:
-        raise InvalidRequest(f"node 0 at {config.master_addr}:{config.master_port} serves {nnodes} nodes, "
-                             f"not --nnodes {config.nnodes}")
+        raise InvalidRequest(
+            f"node 0 at {config.master_addr}:{config.master_port} serves {nnodes} nodes, not --nnodes {config.nnodes}"
+        )
     specs: list[RankSpec] = pickle.loads(store.get(node_specs_key(config.node_rank)))
     threads = max(1, (config.threads or available_cpus()) // len(specs))
     return store, [dataclasses.replace(spec, num_threads=threads) for spec in specs]
@@ -50,12 +52,19 @@ def run_node(config: EngineConfig) -> int:
     before node 0 ever spoke to it, would wait for ever)."""
     store, specs = fetch_specs(config)
     spawn = multiprocessing.get_context("spawn")
-    procs = [spawn.Process(target=run_rank, args=(spec,), name=f"lmgate-rank-{spec.rank}", daemon=True) for spec in specs]
+    procs = [
+        spawn.Process(target=run_rank, args=(spec,), name=f"lmgate-rank-{spec.rank}", daemon=True) for spec in specs
+    ]
     for p in procs:
         p.start()
-    log.info("node %d of %d: ranks %s started as processes (pids %s), served by node 0 at %s",
-             config.node_rank, config.nnodes, ", ".join(str(s.rank) for s in specs),
-             ", ".join(str(p.pid) for p in procs), config.master_addr)
+    log.info(
+        "node %d of %d: ranks %s started as processes (pids %s), served by node 0 at %s",
+        config.node_rank,
+        config.nnodes,
+        ", ".join(str(s.rank) for s in specs),
+        ", ".join(str(p.pid) for p in procs),
+        config.master_addr,
+    )
 
     def stop(signum: int, _frame) -> None:
         log.info("node %d: %s, killing its ranks", config.node_rank, signal.Signals(signum).name)
@@ -70,8 +79,9 @@ def run_node(config: EngineConfig) -> int:
         for sentinel in ended:
             p = running.pop(sentinel)
             p.join()
-            (log.info if p.exitcode == 0 else log.error)("node %d: %s exited with status %s", config.node_rank,
-                                                         p.name, p.exitcode)
+            (log.info if p.exitcode == 0 else log.error)(
+                "node %d: %s exited with status %s", config.node_rank, p.name, p.exitcode
+            )
             if p.exitcode != 0:
                 with contextlib.suppress(RuntimeError):  # node 0 has gone already
                     store.set(node_failed_key(config.node_rank), f"{p.name} exited with status {p.exitcode}")

@@ -10,6 +10,7 @@ publishes the others' `RankSpec`s in its TCPStore, where each other node's `run_
 Its sockets then listen on `master_addr`, and its remote ranks are watched by heartbeats. On one machine the
 sockets are files in a private directory, and the store listens on `master_addr` (loopback) only.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -137,8 +138,9 @@ class ProcessRanks(Ranks):
     weight calls).
     `_procs` holds this node's rank processes, by world rank; the others are `remote` ranks."""
 
-    def __init__(self, config: EngineConfig, model_path: str, max_context_length: int, threads_per_loop: int,
-                 log_level: int) -> None:
+    def __init__(
+        self, config: EngineConfig, model_path: str, max_context_length: int, threads_per_loop: int, log_level: int
+    ) -> None:
         super().__init__()
         self.config = config
         self.threads_per_loop = threads_per_loop
@@ -152,9 +154,13 @@ class ProcessRanks(Ranks):
         # pickles (run on unpickling) from any local user, and hand them the prompts.
         self._socket_dir = tempfile.mkdtemp(prefix="lmgate-") if config.nnodes == 1 else None
         # Removed at shutdown; at exit, or when collected, where shutdown never ran. A Finalize runs once.
-        self._remove_socket_dir = multiprocessing.util.Finalize(
-            self, shutil.rmtree, args=(self._socket_dir,), kwargs={"ignore_errors": True},
-            exitpriority=0) if self._socket_dir is not None else lambda: None
+        self._remove_socket_dir = (
+            multiprocessing.util.Finalize(
+                self, shutil.rmtree, args=(self._socket_dir,), kwargs={"ignore_errors": True}, exitpriority=0
+            )
+            if self._socket_dir is not None
+            else lambda: None
+        )
         self._outputs = self._context.socket(zmq.PULL)
         outputs_address = self._bind(self._outputs, "outputs", host)
         self._ids = ids = itertools.count(1)  # wire ids of requests and weight calls
@@ -166,9 +172,24 @@ class ProcessRanks(Ranks):
             push.setsockopt(zmq.SNDHWM, 0)  # never block a caller: the rank takes what it is sent
             requests_address = self._bind(push, f"rank-{rank}", host)
             self._links.append(RemoteQueue(push, rank // tp, ids, self))
-            self._specs.append(RankSpec(config, model_path, rank, size, tp, host, self._store.port, secret,
-                                        requests_address, outputs_address, threads_per_loop, max_context_length, log_level,
-                                        node=rank // per_node))
+            self._specs.append(
+                RankSpec(
+                    config,
+                    model_path,
+                    rank,
+                    size,
+                    tp,
+                    host,
+                    self._store.port,
+                    secret,
+                    requests_address,
+                    outputs_address,
+                    threads_per_loop,
+                    max_context_length,
+                    log_level,
+                    node=rank // per_node,
+                )
+            )
         self.queues = self._links[::tp]  # the tensor-parallel leaders take the requests
         self.remote = set(range(per_node, size))
         self._procs: dict[int, BaseProcess] = {}
@@ -202,8 +223,11 @@ class ProcessRanks(Ranks):
             self._store.set(node_specs_key(node), pickle.dumps([s for s in self._specs if s.node == node]))
         self._store.set(NNODES_KEY, str(self.config.nnodes))
         spawn = multiprocessing.get_context("spawn")
-        self._procs = {spec.rank: spawn.Process(target=run_rank, args=(spec,), name=f"lmgate-rank-{spec.rank}", daemon=True)
-                       for spec in self._specs if spec.node == 0}
+        self._procs = {
+            spec.rank: spawn.Process(target=run_rank, args=(spec,), name=f"lmgate-rank-{spec.rank}", daemon=True)
+            for spec in self._specs
+            if spec.node == 0
+        }
         # An owner that exits without `shutdown` (an error before the server's handlers are in place, a script
         # that forgets it): at exit multiprocessing would SIGTERM these daemons, which ignore it, and join them
         # for ever, while they wait for this process to go. Killed first instead; after a shutdown, no-op.
@@ -212,12 +236,20 @@ class ProcessRanks(Ranks):
         try:
             for p in self._procs.values():
                 p.start()  # one that cannot start (no memory for it) leaves the started ones to the except below
-            log.info("engine ranks started as processes: %s",
-                     ", ".join(f"rank {i} pid {p.pid}" for i, p in self._procs.items()))
+            log.info(
+                "engine ranks started as processes: %s",
+                ", ".join(f"rank {i} pid {p.pid}" for i, p in self._procs.items()),
+            )
             if self.remote:
-                log.info("waiting for ranks %s from nodes 1..%d (lmgate serve --nnodes %d --node-rank K --master-addr "
-                         "%s --master-port %d)", ", ".join(map(str, sorted(self.remote))), self.config.nnodes - 1,
-                         self.config.nnodes, self.config.master_addr, self._store.port)
+                log.info(
+                    "waiting for ranks %s from nodes 1..%d (lmgate serve --nnodes %d --node-rank K --master-addr "
+                    "%s --master-port %d)",
+                    ", ".join(map(str, sorted(self.remote))),
+                    self.config.nnodes - 1,
+                    self.config.nnodes,
+                    self.config.master_addr,
+                    self._store.port,
+                )
             checked = time.monotonic()
             while waiting:
                 message = self._receive_during_start(waiting)
@@ -251,8 +283,10 @@ class ProcessRanks(Ranks):
                 if proc is not None and not proc.is_alive():
                     raise InternalError(f"engine rank {proc.name} exited while starting (exit status {proc.exitcode})")
                 if proc is None and time.monotonic() > deadline:
-                    raise InternalError(f"engine rank {rank} on node {self._specs[rank].node} said it was ready "
-                                        f"but never connected to {self.config.master_addr}")
+                    raise InternalError(
+                        f"engine rank {rank} on node {self._specs[rank].node} said it was ready "
+                        f"but never connected to {self.config.master_addr}"
+                    )
                 time.sleep(0.01)
 
     def _receive_during_start(self, waiting: set[int]) -> tuple:
@@ -275,8 +309,10 @@ class ProcessRanks(Ranks):
             message = self._outputs.recv_pyobj()  # the others' heartbeats, or (most likely) its "failed"
             if message[0] == "failed":
                 return message
-        raise InternalError(f"engine rank {rank} exited while starting (exit status {self._procs[rank].exitcode}); "
-                            f"ranks {sorted(waiting)} had not said ready")
+        raise InternalError(
+            f"engine rank {rank} exited while starting (exit status {self._procs[rank].exitcode}); "
+            f"ranks {sorted(waiting)} had not said ready"
+        )
 
     def _check_nodes(self, waiting: set[int]) -> None:
         """Raise where another node reported a rank of its own that exited while starting (one killed sends
@@ -324,8 +360,9 @@ class ProcessRanks(Ranks):
             raise
         self._weights("install", version, links=self.queues)
 
-    def _weights(self, action: str, argument: object = None, links: list[RemoteQueue] | None = None,
-                 wire_id: int | None = None) -> None:
+    def _weights(
+        self, action: str, argument: object = None, links: list[RemoteQueue] | None = None, wire_id: int | None = None
+    ) -> None:
         """Every rank (of `links`, else all) does `action` on its own model; returns once all have, raising
         the first error."""
         links = self._links if links is None else links
@@ -375,7 +412,9 @@ class ProcessRanks(Ranks):
                     running.discard(rank)
                 elif silent > HEARTBEAT_TIMEOUT and self.failure is None and rank not in self._exited:
                     running -= {rank} & self.remote  # a local one is still waited for: shutdown kills it
-                    where = f"on node {self._specs[rank].node}" if rank in self.remote else f"(pid {self._procs[rank].pid})"
+                    where = (
+                        f"on node {self._specs[rank].node}" if rank in self.remote else f"(pid {self._procs[rank].pid})"
+                    )
                     self._fail(f"engine rank {rank} {where} has not answered for {silent:.0f}s")
             if now - pinged >= HEARTBEAT_SECONDS:
                 pinged = now
@@ -390,7 +429,9 @@ class ProcessRanks(Ranks):
         while rank not in self._exited and self._outputs.poll(max(0.0, deadline - time.monotonic()) * 1000):
             self._handle(self._outputs.recv_pyobj())
         if rank not in self._exited:
-            self._fail(f"engine rank {rank} (pid {self._procs[rank].pid}) exited with status {self._procs[rank].exitcode}")
+            self._fail(
+                f"engine rank {rank} (pid {self._procs[rank].pid}) exited with status {self._procs[rank].exitcode}"
+            )
 
     def _handle(self, message: tuple) -> None:
         kind, rank = message[0], message[1]

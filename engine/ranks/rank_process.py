@@ -24,6 +24,7 @@ Gateway, its queue filled from the serving process. The loops of all ranks agree
 A rank on another machine cannot be watched through its process's sentinel, nor watch its server's: each
 side takes HEARTBEAT_TIMEOUT without a message from the other as a death.
 """
+
 from __future__ import annotations
 
 import logging
@@ -94,7 +95,6 @@ class RankSpec:
     max_context_length: int
     log_level: int
     node: int = 0  # the machine it runs on; past node 0 its server is watched by heartbeats
-
 
     @property
     def dp_rank(self) -> int:
@@ -180,18 +180,29 @@ class RankProcess:
         dtype, _ = choose_dtype(c.dtype, device)  # the one the front end chose (never auto here)
         tp = None
         if spec.tp_size > 1:
-            group = DeviceGroup(world.store, f"tp-device/{spec.dp_rank}", spec.tp_rank, spec.tp_size, device,
-                                world.hostname)
+            group = DeviceGroup(
+                world.store, f"tp-device/{spec.dp_rank}", spec.tp_rank, spec.tp_size, device, world.hostname
+            )
             tp = TensorParallel(shard_of(ckpt.config, spec.tp_rank, spec.tp_size), group.all_reduce)
-        self.weights = LocalWeights(ckpt, dtype, device, c.max_batched_tokens, tp, keep_quantized(c, dtype, device),
-                                    c.int8_activations)
+        self.weights = LocalWeights(
+            ckpt, dtype, device, c.max_batched_tokens, tp, keep_quantized(c, dtype, device), c.int8_activations
+        )
         self.gateway = RankGateway(spec.dp_rank, spec.size // spec.tp_size, c.max_queued_requests, outbox)
         self.loop: EngineLoop | None = None
         if spec.tp_rank == 0:
             tokenizer = ckpt.tokenizer  # read now: the checkpoint is let go of below
-            self.loop = on_fresh_thread(lambda: EngineLoop.build(
-                spec.dp_rank, dp_comm, self.gateway, self.weights, tokenizer, c, spec.max_context_length,
-                spec.num_threads))
+            self.loop = on_fresh_thread(
+                lambda: EngineLoop.build(
+                    spec.dp_rank,
+                    dp_comm,
+                    self.gateway,
+                    self.weights,
+                    tokenizer,
+                    c,
+                    spec.max_context_length,
+                    spec.num_threads,
+                )
+            )
             self.runner = self.loop.runner
             if spec.tp_size > 1:
                 self.runner.install_weights = self.weights.install_staged
@@ -239,8 +250,11 @@ class RankProcess:
                 beat = now
                 self.outbox.send(("alive", self.spec.rank))
             if self.spec.node and heard is not None and now - heard > HEARTBEAT_TIMEOUT:
-                log.error("rank %d: nothing from the serving process on node 0 for %.0fs; exiting",
-                          self.spec.rank, now - heard)
+                log.error(
+                    "rank %d: nothing from the serving process on node 0 for %.0fs; exiting",
+                    self.spec.rank,
+                    now - heard,
+                )
                 os._exit(1)
         thread.join()
         self.gateway.stop_signals()  # delivers, and so sends, the last outputs
@@ -347,10 +361,14 @@ class RankProcess:
         error = None
         try:
             use_device(self.runner.device)
-            {"offload": self.weights.offload, "drop": self.weights.drop, "restore": self.weights.restore,
-             "load": lambda: self.weights.load(argument, version=wire_id),
-             "discard": lambda: self.weights.discard_staged(argument),
-             "install": lambda: self._install(argument)}[action]()
+            {
+                "offload": self.weights.offload,
+                "drop": self.weights.drop,
+                "restore": self.weights.restore,
+                "load": lambda: self.weights.load(argument, version=wire_id),
+                "discard": lambda: self.weights.discard_staged(argument),
+                "install": lambda: self._install(argument),
+            }[action]()
             if action == "drop":
                 release_host_memory()
         except Exception as exc:
@@ -361,8 +379,9 @@ class RankProcess:
 
 def run_rank(spec: RankSpec) -> None:
     """The spawned process's entry point."""
-    logging.basicConfig(level=spec.log_level,
-                        format=f"%(asctime)s %(levelname)s rank {spec.rank} %(name)s: %(message)s")
+    logging.basicConfig(
+        level=spec.log_level, format=f"%(asctime)s %(levelname)s rank {spec.rank} %(name)s: %(message)s"
+    )
     # A terminal's Ctrl-C or a supervisor's SIGTERM to the whole group is for the serving process, which
     # closes its ranks in order; a rank leaves on its own only when that process has gone.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -379,7 +398,9 @@ def run_rank(spec: RankSpec) -> None:
         rank = RankProcess(spec, context, outbox)
     except Exception as exc:
         log.exception("rank %d failed to start", spec.rank)
-        outbox.send(("failed", spec.rank, exc if isinstance(exc, EngineError) else InternalError(f"rank {spec.rank}: {exc}")))
+        outbox.send(
+            ("failed", spec.rank, exc if isinstance(exc, EngineError) else InternalError(f"rank {spec.rank}: {exc}"))
+        )
         _exit(context, 1)
     _exit(context, rank.serve())
 

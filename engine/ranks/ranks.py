@@ -1,4 +1,5 @@
 """`Ranks`: the engine's data-parallel ranks as the Engine sees them, whether threads or processes."""
+
 from __future__ import annotations
 
 import abc

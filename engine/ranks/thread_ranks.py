@@ -1,4 +1,5 @@
 """`ThreadRanks`: each data-parallel rank an `EngineLoop` thread of this process, all reading one model."""
+
 from __future__ import annotations
 
 import contextlib
@@ -23,15 +24,21 @@ from ..comm.thread_comm import ThreadComm
 class ThreadRanks(Ranks):
     """Shared read-only weights; each loop has its own KV cache and agrees with its peers over `ThreadComm`."""
 
-    def __init__(self, config: EngineConfig, ckpt: Checkpoint, dtype: torch.dtype, max_context_length: int,
-                 threads_per_loop: int) -> None:
+    def __init__(
+        self, config: EngineConfig, ckpt: Checkpoint, dtype: torch.dtype, max_context_length: int, threads_per_loop: int
+    ) -> None:
         super().__init__()
         self.config = config
         self.tokenizer = ckpt.tokenizer  # not the checkpoint: it holds the raw weights
         device = torch.device(config.device)
-        self.weights = LocalWeights(ckpt, dtype, device, config.max_batched_tokens,
-                                    quantized=keep_quantized(config, dtype, device),
-                                    int8_activations=config.int8_activations)
+        self.weights = LocalWeights(
+            ckpt,
+            dtype,
+            device,
+            config.max_batched_tokens,
+            quantized=keep_quantized(config, dtype, device),
+            int8_activations=config.int8_activations,
+        )
         self.max_context_length = max_context_length
         self.threads_per_loop = threads_per_loop
         self.queues = [RequestQueue(config.max_queued_requests) for _ in range(config.engine_loops)]
@@ -46,13 +53,25 @@ class ThreadRanks(Ranks):
 
     def start(self, gateway: Gateway) -> None:
         comms = ThreadComm.create_group(self.config.engine_loops)
-        self.loops = on_fresh_thread(lambda: [
-            EngineLoop.build(comm.rank, comm, gateway, self.weights, self.tokenizer, self.config,
-                             self.max_context_length, self.threads_per_loop)
-            for comm in comms
-        ])
-        self._threads = [threading.Thread(target=self._serve, args=(loop,), name=f"lmgate-engine-{loop.rank}", daemon=True)
-                         for loop in self.loops]
+        self.loops = on_fresh_thread(
+            lambda: [
+                EngineLoop.build(
+                    comm.rank,
+                    comm,
+                    gateway,
+                    self.weights,
+                    self.tokenizer,
+                    self.config,
+                    self.max_context_length,
+                    self.threads_per_loop,
+                )
+                for comm in comms
+            ]
+        )
+        self._threads = [
+            threading.Thread(target=self._serve, args=(loop,), name=f"lmgate-engine-{loop.rank}", daemon=True)
+            for loop in self.loops
+        ]
         for t in self._threads:
             t.start()
 

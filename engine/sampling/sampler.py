@@ -1,4 +1,5 @@
 """Sampling parameters (validated at the door) and the batched sampler the model runner calls."""
+
 from __future__ import annotations
 
 import math
@@ -167,22 +168,31 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
         tok_idx = [t for _, ids in token_lists for t in ids]
         return to_device(torch.tensor([row_idx, tok_idx], dtype=torch.long), device).unbind()
 
-    repeat = [(i, sorted(set(r.token_ids))) for i, r in enumerate(rows)
-              if r.params.repetition_penalty not in (0, 1)]
+    repeat = [(i, sorted(set(r.token_ids))) for i, r in enumerate(rows) if r.params.repetition_penalty not in (0, 1)]
     if repeat:
         row_idx, tok_idx = pairs(repeat)
         penalty = to_device(torch.tensor([rows[i].params.repetition_penalty for i, ids in repeat for _ in ids]), device)
         penalty.clamp_(max=torch.finfo(torch.float32).max)  # past it float32 holds inf, and a logit of 0 x inf is NaN
         vals = logits[row_idx, tok_idx]
-        logits[row_idx, tok_idx] = torch.where(vals > 0, vals / penalty, vals * penalty).clamp_(-PENALIZED_LIMIT,
-                                                                                               PENALIZED_LIMIT)
-    counted = [i for i, r in enumerate(rows) if (r.params.presence_penalty or r.params.frequency_penalty) and r.num_output]
+        logits[row_idx, tok_idx] = torch.where(vals > 0, vals / penalty, vals * penalty).clamp_(
+            -PENALIZED_LIMIT, PENALIZED_LIMIT
+        )
+    counted = [
+        i for i, r in enumerate(rows) if (r.params.presence_penalty or r.params.frequency_penalty) and r.num_output
+    ]
     if counted:
         row_idx, tok_idx = pairs([(j, rows[i].token_ids[rows[i].num_prompt :]) for j, i in enumerate(counted)])
         counts = torch.zeros((len(counted), logits.shape[-1]), device=device)
         counts.index_put_((row_idx, tok_idx), torch.ones_like(tok_idx, dtype=counts.dtype), accumulate=True)
-        freq, presence = to_device(torch.tensor([[[rows[i].params.frequency_penalty] for i in counted],
-                                                 [[rows[i].params.presence_penalty] for i in counted]]), device)
+        freq, presence = to_device(
+            torch.tensor(
+                [
+                    [[rows[i].params.frequency_penalty] for i in counted],
+                    [[rows[i].params.presence_penalty] for i in counted],
+                ]
+            ),
+            device,
+        )
         at = to_device(torch.tensor(counted), device)
         logits[at] -= freq * counts + presence * (counts > 0).float()
     banned = [(i, r.banned_ids) for i, r in enumerate(rows) if r.banned_ids]
@@ -199,8 +209,17 @@ def _sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     vocab = logits.shape[-1]
     params = [r.params for r in rows]
     host = np.empty((5, len(rows)), dtype=np.float32)
-    host[:4] = np.array([(p.temperature, p.min_p, p.top_k if 0 < p.top_k < vocab else vocab,
-                          p.top_p if 0 < p.top_p < 1 else 1.0) for p in params], dtype=np.float32).reshape(-1, 4).T
+    host[:4] = (
+        np.array(
+            [
+                (p.temperature, p.min_p, p.top_k if 0 < p.top_k < vocab else vocab, p.top_p if 0 < p.top_p < 1 else 1.0)
+                for p in params
+            ],
+            dtype=np.float32,
+        )
+        .reshape(-1, 4)
+        .T
+    )
     host[4] = uniforms([r.seed for r in rows], [r.num_output for r in rows])
     columns = to_device(torch.from_numpy(host), logits.device).unsqueeze(2)
     temps, min_ps, top_ks, top_ps, draws = columns  # each [rows, 1]
@@ -219,13 +238,19 @@ def _sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     at_plain, at_filtered = order[: len(plain)], order[len(plain) :]
     tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     tokens[at_plain] = _draw(probs[at_plain], draws[at_plain])
-    tokens[at_filtered] = _top_k_top_p(probs[at_filtered], top_ks[at_filtered], top_ps[at_filtered],
-                                       draws[at_filtered], [rows[i].params for i in filtered])
+    tokens[at_filtered] = _top_k_top_p(
+        probs[at_filtered],
+        top_ks[at_filtered],
+        top_ps[at_filtered],
+        draws[at_filtered],
+        [rows[i].params for i in filtered],
+    )
     return tokens
 
 
-def _top_k_top_p(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, draws: torch.Tensor,
-                 params: list[SamplingParams]) -> torch.Tensor:
+def _top_k_top_p(
+    probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, draws: torch.Tensor, params: list[SamplingParams]
+) -> torch.Tensor:
     """Rows that each have a top-k or a top-p: top-k keeps the k most likely tokens, then top-p the most likely
     of those until their share of what top-k (and min-p before it) kept reaches p."""
     vocab = probs.shape[-1]
@@ -316,8 +341,9 @@ def _fetch(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SampleRow]) -> "S
     lp = torch.log_softmax(raw[idx], dim=-1)
     chosen = lp.gather(1, tokens[idx].unsqueeze(1))
     top = lp.topk(max(rows[i].params.logprobs for i in wanted), dim=-1)
-    packed = torch.cat([tokens.double(), chosen.double().flatten(), top.indices.double().flatten(),
-                        top.values.double().flatten()])
+    packed = torch.cat(
+        [tokens.double(), chosen.double().flatten(), top.indices.double().flatten(), top.values.double().flatten()]
+    )
     return SampleFuture(tokens, packed, rows, wanted)
 
 
@@ -351,5 +377,8 @@ class SampleFuture:
         out: list[tuple[float, list[tuple[int, float]]] | None] = [None] * n
         for j, i in enumerate(wanted):
             k = rows[i].params.logprobs
-            out[i] = (chosen_list[j], [(int(t), v) for t, v in zip(top_ids[j, :k].tolist(), top_values[j, :k].tolist())])
+            out[i] = (
+                chosen_list[j],
+                [(int(t), v) for t, v in zip(top_ids[j, :k].tolist(), top_values[j, :k].tolist())],
+            )
         return SampleResult(token_list, out)

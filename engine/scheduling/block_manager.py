@@ -1,4 +1,5 @@
 """KV block ids, reference counts, the free list and the prefix cache. Owned by one engine loop's thread."""
+
 from __future__ import annotations
 
 import hashlib
@@ -145,8 +146,12 @@ class BlockManager:
         a block boundary and every block before it is keyed, up to the block that holds its last token. (A turn
         that ended with its step unread hands its session blocks not keyed yet: the next turn keys them.)"""
         start = len(seq.block_table)
-        if (not self.prefix_caching or not seq.keyable or seq.num_computed != start * self.block_size
-                or len(seq.block_hashes) != start):
+        if (
+            not self.prefix_caching
+            or not seq.keyable
+            or seq.num_computed != start * self.block_size
+            or len(seq.block_hashes) != start
+        ):
             return range(0)
         return range(start, max(start, (len(seq.token_ids) - 1) // self.block_size))
 

@@ -6,6 +6,7 @@ blocks run out the scheduler drops idle sessions' KV (their history recomputes o
 makes the room, else preempts the newest running sequence, which recomputes later, and tries again; a
 request is never failed for lack of blocks.
 """
+
 from __future__ import annotations
 
 import time
@@ -111,6 +112,7 @@ class Scheduler:
         took over from their sessions, newest first: else a waiting turn could hold blocks that the head of
         the queue needs, and nothing would be admitted again. Where dropping all of it would not make room,
         none is dropped: the sessions would recompute their history for nothing."""
+
         def room() -> bool:
             return self.blocks.can_allocate(needed + self.blocks.num_free_of(taking))
 

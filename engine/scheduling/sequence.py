@@ -1,4 +1,5 @@
 """Per-sequence and per-session state. Owned by one engine loop's thread; nothing else touches it."""
+
 from __future__ import annotations
 
 import enum
@@ -62,7 +63,11 @@ class Sequence(HoldsKV):
         self.token_ids = session.token_ids + request.input_ids
         self.num_prompt_tokens = len(self.token_ids)
         self.num_cached_tokens = session.num_computed
-        self.block_table, self.num_computed, self.block_hashes = session.block_table, session.num_computed, session.block_hashes
+        self.block_table, self.num_computed, self.block_hashes = (
+            session.block_table,
+            session.num_computed,
+            session.block_hashes,
+        )
         self.keyable = session.keyable
         self.max_new_tokens = max_new_tokens
         self.stop_ids = frozenset(self.params.stop_token_ids) | (frozenset() if self.params.ignore_eos else eos_ids)

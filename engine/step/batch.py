@@ -5,6 +5,7 @@
 Se: session (history + blocks), Rc: request cache (`Sequence`), B: host batch, D: device tensors,
 St: stepping state. Every op runs on the engine loop's thread.
 """
+
 from __future__ import annotations
 
 import enum

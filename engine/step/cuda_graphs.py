@@ -14,6 +14,7 @@ table grows, and a step gathers its rows on the device.
 
 Without CUDA (`capture=False`, the tests on a CPU), the same buffers and padding run eagerly at every step.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -125,8 +126,9 @@ class DecodeGraphs:
     def bucket(self, n: int) -> int:
         return self.sizes[bisect.bisect_left(self.sizes, n)]
 
-    def load(self, input_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
-             lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def load(
+        self, input_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]], lengths: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """A decode step's inputs into the static buffers, padded to its bucket; returns the bucket's views.
         One copy of the per-row inputs (a few KB), one per table row written since the last step, and a gather
         of the step's table rows on the device. A pinned host buffer is written again two loads later: by
@@ -150,8 +152,9 @@ class DecodeGraphs:
         meta = AttentionMetadata(self.slots[:b], b, decode, [], triton=True)
         return self.input_ids[:b], self.positions[:b], meta
 
-    def run(self, model: LlamaForCausalLM, weights_version: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-            b: int) -> torch.Tensor:
+    def run(
+        self, model: LlamaForCausalLM, weights_version: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], b: int
+    ) -> torch.Tensor:
         """Logits of all b rows of the loaded step (the caller keeps the first n), from bucket b's graph."""
         if not self.capture:
             return self._forward(model, kv_caches, b)
@@ -166,8 +169,11 @@ class DecodeGraphs:
                 with DEVICE_CACHE_LOCK:
                     self._graphs[b] = self._capture(model, kv_caches, b)
             except Exception:  # out of memory, say: slower steps, but steps
-                log.exception("capturing the CUDA graph of %d rows failed; decode steps run eagerly until the "
-                              "model, its weights or the KV cache change", b)
+                log.exception(
+                    "capturing the CUDA graph of %d rows failed; decode steps run eagerly until the "
+                    "model, its weights or the KV cache change",
+                    b,
+                )
                 if stream is not None:  # a capture that failed to end leaves its thread on the capture stream
                     torch.cuda.set_stream(stream)
                 self._graphs.clear()

@@ -1,4 +1,5 @@
 """One data-parallel engine loop: continuous batching over its own KV cache, driven by `BatchOp`s."""
+
 from __future__ import annotations
 
 import logging
@@ -28,6 +29,7 @@ from ..text.tokenizer import Tokenizer
 from .weights import LocalWeights
 
 log = logging.getLogger(__name__)
+
 
 @dataclass(slots=True)
 class LoopStats:
@@ -59,7 +61,11 @@ def build_runner(weights: LocalWeights, config: EngineConfig, max_context_length
     runner = ModelRunner(
         weights.model,
         lambda: allocate_kv_cache(weights.config, num_blocks, config.block_size, kv_dtype, weights.device),
-        config.block_size, weights.device, attention, graphs)
+        config.block_size,
+        weights.device,
+        attention,
+        graphs,
+    )
     weights.runners.append(runner)
     return runner
 
@@ -123,24 +129,51 @@ class EngineLoop:
         self._signals: list[Signal] = []
 
     @classmethod
-    def build(cls, rank: int, comm: HostComm, gateway: Gateway, weights: LocalWeights, tokenizer: Tokenizer,
-              config: EngineConfig, max_context_length: int, num_threads: int) -> "EngineLoop":
+    def build(
+        cls,
+        rank: int,
+        comm: HostComm,
+        gateway: Gateway,
+        weights: LocalWeights,
+        tokenizer: Tokenizer,
+        config: EngineConfig,
+        max_context_length: int,
+        num_threads: int,
+    ) -> "EngineLoop":
         """A loop over `weights`' model with a KV cache of its own (allocated here: call on a fresh thread)."""
         num_blocks = config.kv_cache_tokens // config.block_size
         runner = build_runner(weights, config, max_context_length)
         runner.vocab_size = tokenizer.vocab_size
 
         return cls(
-            rank, gateway, comm, runner, BlockManager(num_blocks, config.block_size, config.prefix_caching), tokenizer,
-            config.max_batch_size, config.max_batched_tokens, max_context_length, config.default_max_new_tokens,
-            num_threads, overlap_scheduling(config, weights.device), config.stream_interval,
+            rank,
+            gateway,
+            comm,
+            runner,
+            BlockManager(num_blocks, config.block_size, config.prefix_caching),
+            tokenizer,
+            config.max_batch_size,
+            config.max_batched_tokens,
+            max_context_length,
+            config.default_max_new_tokens,
+            num_threads,
+            overlap_scheduling(config, weights.device),
+            config.stream_interval,
         )
 
     def stats(self) -> LoopStats:
         return LoopStats(
-            self.blocks.num_blocks, self.blocks.num_free, self.runner.kv_cache_bytes, len(self.scheduler.running),
-            len(self.scheduler.waiting), self.gateway.queues[self.rank].num_generates, self.scheduler.num_preemptions,
-            self.blocks.queried_tokens, self.blocks.hit_tokens, self.num_steps, self.pop_seconds,
+            self.blocks.num_blocks,
+            self.blocks.num_free,
+            self.runner.kv_cache_bytes,
+            len(self.scheduler.running),
+            len(self.scheduler.waiting),
+            self.gateway.queues[self.rank].num_generates,
+            self.scheduler.num_preemptions,
+            self.blocks.queried_tokens,
+            self.blocks.hit_tokens,
+            self.num_steps,
+            self.pop_seconds,
         )
 
     # the loop ----------------------------------------------------------------------------------------------
@@ -271,12 +304,23 @@ class EngineLoop:
         if self._ended_while_queued(request):
             self._emit(request, cancelled_output(request))
             return
-        session = Session(0) if request.stateless else self.sessions.setdefault(request.session_id, Session(request.session_id))
+        session = (
+            Session(0)
+            if request.stateless
+            else self.sessions.setdefault(request.session_id, Session(request.session_id))
+        )
         if session.active is not None and session.active.request.cancel_flag.value == CancelFlag.CANCELLED:
             self._finish(session.active, FinishReason.CANCELLED)  # a cancelled turn the next one overtook: as
             self._del(session.active)  # `_reap_cancelled` would end it, so that its history leads into this one
         if session.active is not None:
-            self._emit(request, RequestOutput(request.request_id, request.session_id, error=SessionBusy(f"session {request.session_id} is already generating")))
+            self._emit(
+                request,
+                RequestOutput(
+                    request.request_id,
+                    request.session_id,
+                    error=SessionBusy(f"session {request.session_id} is already generating"),
+                ),
+            )
             return
         if not session.token_ids and request.first_turn_ids:  # a first text turn, as a stateless prompt
             request.input_ids = request.first_turn_ids
@@ -290,8 +334,12 @@ class EngineLoop:
             return
         self._truncate_history(session, keep)
         skip = request.params.skip_special_tokens
-        detok = IncrementalDetokenizer(self.tokenizer, skip, request.params.stop,
-                                       context=reply_context(self.tokenizer, session.token_ids + request.input_ids, skip))
+        detok = IncrementalDetokenizer(
+            self.tokenizer,
+            skip,
+            request.params.stop,
+            context=reply_context(self.tokenizer, session.token_ids + request.input_ids, skip),
+        )
         seq = Sequence(request, session, detok, max_new, self.tokenizer.eos_token_ids)
         seq.conversation = conversation
         session.drop_kv()  # the sequence holds the blocks until kDel
@@ -302,8 +350,10 @@ class EngineLoop:
         """Render the whole conversation; the turn's input is what follows the longest prefix the session
         holds (at least one token). Returns that prefix's length and the conversation."""
         if session.messages is None:
-            raise InvalidRequest(f"session {session.session_id} holds prompt or token turns; messages continue "
-                                 "only a session whose every turn is messages")
+            raise InvalidRequest(
+                f"session {session.session_id} holds prompt or token turns; messages continue "
+                "only a session whose every turn is messages"
+            )
         conversation = session.messages + request.messages
         ids = chat.render_ids(self.tokenizer, conversation)
         keep = min(chat.common_prefix(session.token_ids, ids), len(ids) - 1)
@@ -453,9 +503,9 @@ class EngineLoop:
             # does, so the history never depends on when the Cancel came. (Its input's KV goes with it.)
             self._truncate_history(session, len(seq.token_ids) - len(seq.request.input_ids))
             return True
-        session.messages = None if seq.conversation is None else [
-            *seq.conversation, chat.assistant_reply(seq.detokenizer.text)
-        ]
+        session.messages = (
+            None if seq.conversation is None else [*seq.conversation, chat.assistant_reply(seq.detokenizer.text)]
+        )
         return True
 
     # failure and shutdown ----------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ on the CPU: keys and values are rounded once, when `store_kv` writes them, and e
 Half the memory per token, and half the bytes decode attention reads, which bound it. A quantized model's fused
 decode stores and reads a 16-bit cache the same way (`attend_group` takes the cache's dtype).
 """
+
 from __future__ import annotations
 
 import math
@@ -31,9 +32,11 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) ->
         return model_dtype
     dtype = getattr(torch, name)
     if dtype != model_dtype and (device.type != "cpu" or model_dtype != torch.float32):
-        raise InvalidRequest(f"--kv-cache-dtype {name} under {str(model_dtype).removeprefix('torch.')} weights on "
-                             f"{device.type}: a cache of another dtype than the model's is served on the CPU under "
-                             f"float32 only")
+        raise InvalidRequest(
+            f"--kv-cache-dtype {name} under {str(model_dtype).removeprefix('torch.')} weights on "
+            f"{device.type}: a cache of another dtype than the model's is served on the CPU under "
+            f"float32 only"
+        )
     return dtype
 
 
@@ -69,8 +72,9 @@ def auto_kv_cache_tokens(config: EngineConfig, model: ModelConfig, dtype: torch.
         ranks = config.engine_loops
         fixed = weights + ranks * activation_bytes(config, rank, dtype) + GPU_PROCESS_RESERVE
     free, total = torch.cuda.mem_get_info(device)
-    return kv_tokens_in_budget(free, total, config.gpu_memory_utilization, fixed,
-                               kv_bytes_per_token(rank, kv_dtype) * ranks, config.block_size)
+    return kv_tokens_in_budget(
+        free, total, config.gpu_memory_utilization, fixed, kv_bytes_per_token(rank, kv_dtype) * ranks, config.block_size
+    )
 
 
 def activation_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dtype) -> int:
@@ -88,8 +92,9 @@ def activation_bytes(config: EngineConfig, model: ModelConfig, dtype: torch.dtyp
     return chunk + sampler + decode + graph_logits
 
 
-def kv_tokens_in_budget(free: int, total: int, utilization: float, fixed: int, bytes_per_token: int,
-                        block_size: int) -> int:
+def kv_tokens_in_budget(
+    free: int, total: int, utilization: float, fixed: int, bytes_per_token: int, block_size: int
+) -> int:
     """Whole blocks of tokens in `utilization` x `total` bytes, less what is in use (`total - free`) and `fixed`."""
     used = total - free
     budget = int(utilization * total) - used - fixed
@@ -98,5 +103,6 @@ def kv_tokens_in_budget(free: int, total: int, utilization: float, fixed: int, b
         raise InvalidRequest(
             f"no room for a KV cache: gpu_memory_utilization {utilization} of the GPU's {total / 2**30:.1f} GiB, "
             f"of which {used / 2**30:.1f} GiB is in use, and weights and activations need {fixed / 2**30:.1f} GiB; "
-            "raise gpu_memory_utilization, free the GPU, or set kv_cache_tokens")
+            "raise gpu_memory_utilization, free the GPU, or set kv_cache_tokens"
+        )
     return tokens

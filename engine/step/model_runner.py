@@ -1,4 +1,5 @@
 """Turns a scheduled batch into tensors, runs the model over the paged cache, and samples."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -10,8 +11,15 @@ from typing import Callable
 
 import torch
 
-from ..models.attention import (AttentionMetadata, DecodeTables, GatheredDecode, PrefillChunk, PrefillTables, decode_mask,
-                        gather_rows)
+from ..models.attention import (
+    AttentionMetadata,
+    DecodeTables,
+    GatheredDecode,
+    PrefillChunk,
+    PrefillTables,
+    decode_mask,
+    gather_rows,
+)
 from .cuda_graphs import DecodeGraphs
 from ..machine.memory import empty_device_cache, release_host_memory
 from ..models.llama import LlamaForCausalLM
@@ -184,33 +192,43 @@ class ModelRunner:
                 plan.prefills.append((first_row, len(input_ids), end, table[: -(-end // bs)]))
             if end == num_tokens:  # `Sequence.samples_this_step`
                 plan.logit_rows.append(len(input_ids) - 1)
-                plan.sample_rows.append(SampleRow(seq.params, seq.seed, token_ids, seq.num_prompt_tokens,
-                                                  seq.banned_ids, seq.num_pending))
+                plan.sample_rows.append(
+                    SampleRow(seq.params, seq.seed, token_ids, seq.num_prompt_tokens, seq.banned_ids, seq.num_pending)
+                )
         return plan
 
     def prepare(self, plan: StepPlan, drawn: torch.Tensor | None = None) -> StepInputs:
         """kPrepare: the plan as device tensors and the attention metadata this runner's path reads."""
         width = max((len(t) for t in plan.decode_tables), default=0)
         if self.graphs is not None and self.graphs.fits(len(plan.input_ids), len(plan.prefills), width):
-            input_ids, positions, meta = self.graphs.load(plan.input_ids, plan.positions, plan.slots, plan.decode_tables,
-                                                          plan.decode_lengths)
+            input_ids, positions, meta = self.graphs.load(
+                plan.input_ids, plan.positions, plan.slots, plan.decode_tables, plan.decode_lengths
+            )
             self._fill_pending(input_ids, plan.pending_inputs, drawn)
             # Every decode samples, in order: the logits are the bucket's first rows (only their count is read).
-            return StepInputs(input_ids, positions, meta, torch.arange(len(plan.logit_rows)), plan.sample_rows,
-                              bucket=meta.num_decode)
+            return StepInputs(
+                input_ids, positions, meta, torch.arange(len(plan.logit_rows)), plan.sample_rows, bucket=meta.num_decode
+            )
         if self.attention in ("triton", "cpu"):
             prefills = self._prefill_tables(plan.prefills)
         else:
-            prefills = [PrefillChunk(start, end, context, self._rows(torch.tensor(table, dtype=torch.long)))
-                        for start, end, context, table in plan.prefills]
+            prefills = [
+                PrefillChunk(start, end, context, self._rows(torch.tensor(table, dtype=torch.long)))
+                for start, end, context, table in plan.prefills
+            ]
         decode = self._decode_tables(plan.decode_tables, plan.decode_lengths) if plan.decode_tables else None
-        meta = AttentionMetadata(self._tensor(plan.slots), len(plan.decode_tables), decode, prefills,
-                                 triton=self.attention == "triton")
+        meta = AttentionMetadata(
+            self._tensor(plan.slots), len(plan.decode_tables), decode, prefills, triton=self.attention == "triton"
+        )
         input_ids = self._tensor(plan.input_ids)
         self._fill_pending(input_ids, plan.pending_inputs, drawn)
-        return StepInputs(input_ids, self._tensor(plan.positions), meta, self._tensor(plan.logit_rows), plan.sample_rows)
+        return StepInputs(
+            input_ids, self._tensor(plan.positions), meta, self._tensor(plan.logit_rows), plan.sample_rows
+        )
 
-    def _fill_pending(self, input_ids: torch.Tensor, pending: list[tuple[int, int]], drawn: torch.Tensor | None) -> None:
+    def _fill_pending(
+        self, input_ids: torch.Tensor, pending: list[tuple[int, int]], drawn: torch.Tensor | None
+    ) -> None:
         """The decodes' input ids the host has not read, from the last step's draws, on the device."""
         if pending:
             rows, sources = self._tensor(list(zip(*pending)))
@@ -222,7 +240,10 @@ class ModelRunner:
         lengths = torch.tensor(lengths)
         if self.attention != "torch":
             return DecodeTables(to_device(tables, self.device), to_device(lengths, self.device))
-        return GatheredDecode(self._rows(tables), to_device(decode_mask(lengths, width * self.block_size, self.kv_caches[0][0]), self.device))
+        return GatheredDecode(
+            self._rows(tables),
+            to_device(decode_mask(lengths, width * self.block_size, self.kv_caches[0][0]), self.device),
+        )
 
     def _prefill_tables(self, prefills: list[tuple[int, int, int, list[int]]]) -> PrefillTables:
         """Rows counted from the first prefill row: the chunks follow one another after the decodes."""
@@ -231,8 +252,10 @@ class ModelRunner:
         tables = [table + [0] * (width - len(table)) for *_, table in prefills]
         return PrefillTables(
             self._tensor(tables) if prefills else torch.zeros((0, 1), dtype=torch.long, device=self.device),
-            self._tensor([0, *itertools.accumulate(lens)][: len(lens)]), self._tensor(lens),
-            self._tensor([context for _, _, context, _ in prefills]), max(lens, default=0),
+            self._tensor([0, *itertools.accumulate(lens)][: len(lens)]),
+            self._tensor(lens),
+            self._tensor([context for _, _, context, _ in prefills]),
+            max(lens, default=0),
         )
 
     def _rows(self, tables: torch.Tensor) -> torch.Tensor:
@@ -257,7 +280,7 @@ class ModelRunner:
         if self.vocab_size is not None and self.vocab_size < out.shape[-1]:
             # An embedding padded past its tokenizer (Qwen2.5: 151,936 rows for 151,665 tokens): those ids are
             # no tokens, and a client could not send them back. Here, where logits are inference tensors.
-            out[:, self.vocab_size:] = float("-inf")
+            out[:, self.vocab_size :] = float("-inf")
         return out
 
     def sample(self, logits: torch.Tensor, inputs: StepInputs) -> SampleFuture:

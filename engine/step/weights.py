@@ -1,4 +1,5 @@
 """`LocalWeights`: the model a process's runners share, and how it sleeps, wakes and is replaced."""
+
 from __future__ import annotations
 
 import logging
@@ -53,7 +54,9 @@ def keep_quantized(config: EngineConfig, dtype: torch.dtype, device: torch.devic
         if _blocks_allowed(config, device) and dtype == torch.float32 and load_cpu_kernels():
             return True
         if config.weights == "quantized":
-            log.warning("--weights quantized needs the CPU kernels, float32 and no tensor parallelism: weights are float")
+            log.warning(
+                "--weights quantized needs the CPU kernels, float32 and no tensor parallelism: weights are float"
+            )
     if config.int8_activations:
         log.warning("--int8-activations needs weights kept quantized (--weights): activations stay float32")
     return False
@@ -70,8 +73,16 @@ class LocalWeights:
     compute nothing, and data-parallel ranks on different weights would answer alike requests differently.
     """
 
-    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, batch_hint: int,
-                 tp: TensorParallel | None = None, quantized: bool = False, int8_activations: bool = False) -> None:
+    def __init__(
+        self,
+        ckpt: Checkpoint,
+        dtype: torch.dtype,
+        device: torch.device,
+        batch_hint: int,
+        tp: TensorParallel | None = None,
+        quantized: bool = False,
+        int8_activations: bool = False,
+    ) -> None:
         self.dtype, self.device, self.batch_hint = dtype, device, batch_hint
         self.quantized = quantized and tp is None  # GGUF blocks kept as blocks (`keep_quantized`)
         self.int8_activations = int8_activations and self.quantized  # every step rounds x to int8
@@ -149,8 +160,11 @@ class LocalWeights:
         shard, whose decoder layers sum their row-parallel outputs over the group (so they run as modules)."""
         weights = shard_weights(expand_blocks(ckpt.weights), ckpt.config, self.tp.shard) if self.tp else ckpt.weights
         config = self._config_of(ckpt)  # its own RoPE, norm eps, tied head
-        model = on_fresh_thread(lambda: build_model(config, weights, self.dtype, self.device, self.batch_hint,
-                                                    self.quantized, self.int8_activations))
+        model = on_fresh_thread(
+            lambda: build_model(
+                config, weights, self.dtype, self.device, self.batch_hint, self.quantized, self.int8_activations
+            )
+        )
         if self.tp:
             model.fused_decode = None  # its layers know no all-reduce
             for layer in model.model.layers:

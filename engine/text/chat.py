@@ -7,6 +7,7 @@ follow (a default system prompt that moves, reasoning stripped from past replies
 differently from how it was sampled), the held tokens past the common prefix and their KV are dropped and
 recomputed: the turn's tokens always equal the stateless request's, reuse is a matter of speed only.
 """
+
 from __future__ import annotations
 
 from typing import Any, Sequence

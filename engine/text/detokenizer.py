@@ -30,7 +30,7 @@ def reply_context(tokenizer: Tokenizer, preceding: Sequence[int], skip_special_t
         text = tokenizer.decode(tail, skip_special_tokens)
         if text.startswith("\ufffd"):
             continue
-        whole = whole if whole is not None else tokenizer.decode(preceding[-CONTEXT_TOKENS - 1:], skip_special_tokens)
+        whole = whole if whole is not None else tokenizer.decode(preceding[-CONTEXT_TOKENS - 1 :], skip_special_tokens)
         if whole.endswith(text):
             return list(tail)
     return list(preceding)
@@ -90,7 +90,7 @@ class IncrementalDetokenizer:
         """Generation ended for another reason (length, eos, cancel): release held-back text."""
         if self.stopped:
             return ""
-        full = self._decode(self._context + self._ids)[len(self._decode(self._context)):]
+        full = self._decode(self._context + self._ids)[len(self._decode(self._context)) :]
         if full.startswith(self._decoded):  # always so, unless a decoder is context-sensitive
             self._decoded = full
         return self._release(final=True)

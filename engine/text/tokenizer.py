@@ -41,8 +41,14 @@ _TEKKEN_SPLIT = (  # Mistral NeMo's
     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _PRE_SPLITS = {
-    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
-    "dbrx": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT, "tekken": _TEKKEN_SPLIT,
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "dbrx": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+    "tekken": _TEKKEN_SPLIT,
 }
 _GPT2_PRE = (None, "default", "gpt-2", "gpt2")
 # Vocabularies whose merges llama.cpp ignores for a word that is a token whole, and which start text with BOS
@@ -50,10 +56,20 @@ _GPT2_PRE = (None, "default", "gpt-2", "gpt2")
 _WHOLE_WORD_PRE = frozenset({"llama3", "llama-v3", "llama-bpe", "tekken"})
 # Texts that end a turn whatever the GGUF's eos/eot keys say, as llama.cpp treats them: an older Llama 3
 # Instruct GGUF names only <|end_of_text|>, while its model ends each reply with <|eot_id|>.
-_END_OF_GENERATION_TEXTS = frozenset({
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>",
-    "<|end_of_text|>", "<end_of_utterance>",
-})
+_END_OF_GENERATION_TEXTS = frozenset(
+    {
+        "<|eot_id|>",
+        "<|im_end|>",
+        "<|end|>",
+        "<end_of_turn>",
+        "<|endoftext|>",
+        "<|eom_id|>",
+        "<EOT>",
+        "_<EOT>",
+        "<|end_of_text|>",
+        "<end_of_utterance>",
+    }
+)
 
 
 class Tokenizer:
@@ -83,8 +99,11 @@ class Tokenizer:
         self._anchor = self._continuation_anchor()
         self._continuation = None if self._anchor else _without_prepended_space(backend)
         # Whether a text's stateless encoding is its continuation's after the prefix (no suffix such as an EOS)
-        self._prefix_only = (self._anchor is None and self._continuation is None
-                             and self.encode("a") == [*self.prefix_ids, *self.encode("a", False)])
+        self._prefix_only = (
+            self._anchor is None
+            and self._continuation is None
+            and self.encode("a") == [*self.prefix_ids, *self.encode("a", False)]
+        )
         # `token_text`: each id decoded after a plain one, whose text is cut off again; filled as ids are asked for
         self._plain_id = self.encode("a", add_special_tokens=False)[-1]
         self._plain_len = len(self.decode([self._plain_id], skip_special_tokens=False))
@@ -129,8 +148,11 @@ class Tokenizer:
             for key in ("eos_token_id", "eot_token_id", "eom_token_id")
             if (i := field(f"tokenizer.ggml.{key}")) is not None
         ]
-        eos_ids += [i for i, (t, ty) in enumerate(typed) if ty == _CONTROL and t in _END_OF_GENERATION_TEXTS
-                    and i not in eos_ids]
+        eos_ids += [
+            i
+            for i, (t, ty) in enumerate(typed)
+            if ty == _CONTROL and t in _END_OF_GENERATION_TEXTS and i not in eos_ids
+        ]
         return cls(
             backend,
             bos_token_id=field("tokenizer.ggml.bos_token_id"),
@@ -229,7 +251,7 @@ class Tokenizer:
         a special token's own text. Cached: a step's logprobs ask for the same alternatives again and again."""
         text = self._token_texts.get(token_id)
         if text is None:
-            text = self.decode([self._plain_id, token_id], skip_special_tokens=False)[self._plain_len:]
+            text = self.decode([self._plain_id, token_id], skip_special_tokens=False)[self._plain_len :]
             self._token_texts[token_id] = text
         return text
 
@@ -286,11 +308,15 @@ class Tokenizer:
         self.check_messages(messages)
         # As transformers: tools and documents are none, and a special token the model lacks is undefined (a
         # template that prints it prints nothing, not "None").
-        specials = {name: self._backend.id_to_token(i) for name, i in
-                    (("bos_token", self.bos_token_id), ("eos_token", self._eos_token_id)) if i is not None}
+        specials = {
+            name: self._backend.id_to_token(i)
+            for name, i in (("bos_token", self.bos_token_id), ("eos_token", self._eos_token_id))
+            if i is not None
+        }
         try:
-            return _compile_template(self.chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
-                                   documents=None, **specials)
+            return _compile_template(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt, tools=None, documents=None, **specials
+            )
         except jinja2.TemplateSyntaxError as e:  # the model's template, not the messages
             raise ValueError(f"this model's chat template does not compile: {e}") from e
         except jinja2.TemplateError as e:  # raise_exception() or a missing field: the messages don't fit
@@ -313,8 +339,14 @@ def _without_prepended_space(backend: _Backend) -> _Backend | None:
 
 
 def _byte_level_bpe(vocab: dict[str, int], merges: list[str], pre: str | None) -> _Backend:
-    backend = _Backend(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False,
-                                  ignore_merges=pre in _WHOLE_WORD_PRE))
+    backend = _Backend(
+        models.BPE(
+            vocab=vocab,
+            merges=[tuple(m.split(" ", 1)) for m in merges],
+            fuse_unk=False,
+            ignore_merges=pre in _WHOLE_WORD_PRE,
+        )
+    )
     if pre == "smollm":  # as SmolLM2's own tokenizer.json: every digit is its own pre-token
         backend.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
@@ -393,8 +425,9 @@ def _compile_template(source: str) -> jinja2.Template:
         # Jinja's own tojson HTML-escapes; transformers overrides it like this.
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols, _GenerationBlock])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationBlock]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

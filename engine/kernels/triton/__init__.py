@@ -5,6 +5,7 @@ storing a step's keys and values, decode attention as flash decoding, prefill at
 Testable without a GPU: with `TRITON_INTERPRET=1` set before Triton is imported, they run on CPU tensors
 (tests/test_triton_kernels.py). `available()` says whether Triton can be imported at all.
 """
+
 from __future__ import annotations
 
 import functools

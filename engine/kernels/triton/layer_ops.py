@@ -7,6 +7,7 @@ every intermediate the torch code keeps in the model's dtype is rounded to it he
 agree within one rounding step (a norm's sum of squares adds in another order). Rows are the last dimension,
 contiguous: a norm's program handles one (a head's, for per-head norms), rotary's a token's heads.
 """
+
 from __future__ import annotations
 
 import torch
@@ -42,15 +43,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Ten
     n = x.shape[-1]
     add = delta is not None
     block = triton.next_power_of_2(n)
-    _rms_norm_kernel[(x3.shape[0], x3.shape[1])](x3, delta if add else x3, weight, out, eps, n, x3.stride(0),
-                                                 x3.stride(1), delta.stride(0) if add else 0, ADD=add, BLOCK=block,
-                                                 num_warps=1 if block <= 256 else 4)  # a head's norm: one warp
+    _rms_norm_kernel[(x3.shape[0], x3.shape[1])](
+        x3,
+        delta if add else x3,
+        weight,
+        out,
+        eps,
+        n,
+        x3.stride(0),
+        x3.stride(1),
+        delta.stride(0) if add else 0,
+        ADD=add,
+        BLOCK=block,
+        num_warps=1 if block <= 256 else 4,
+    )  # a head's norm: one warp
     return out
 
 
 @triton.jit
-def _rotary_kernel(X, Cos, Sin, Out, heads, half, stride_xt, stride_xh, stride_c, HEADS: tl.constexpr,
-                   BLOCK: tl.constexpr):
+def _rotary_kernel(
+    X, Cos, Sin, Out, heads, half, stride_xt, stride_xh, stride_c, HEADS: tl.constexpr, BLOCK: tl.constexpr
+):
     t = tl.program_id(0)
     h = tl.arange(0, HEADS)
     first = tl.arange(0, BLOCK)
@@ -79,8 +92,19 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     tokens, heads, d = x.shape
     out = torch.empty((tokens, heads, d), dtype=x.dtype, device=x.device)
     cos, sin = cos.contiguous(), sin.contiguous()
-    _rotary_kernel[(tokens,)](x, cos, sin, out, heads, d // 2, x.stride(0), x.stride(1), cos.stride(0),
-                              HEADS=triton.next_power_of_2(heads), BLOCK=triton.next_power_of_2(d // 2))
+    _rotary_kernel[(tokens,)](
+        x,
+        cos,
+        sin,
+        out,
+        heads,
+        d // 2,
+        x.stride(0),
+        x.stride(1),
+        cos.stride(0),
+        HEADS=triton.next_power_of_2(heads),
+        BLOCK=triton.next_power_of_2(d // 2),
+    )
     return out
 
 

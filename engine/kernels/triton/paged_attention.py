@@ -13,6 +13,7 @@ them; a block table row lists a sequence's blocks in order. Softmax runs in fp32
   plus the chunk itself, whose keys `store_kv` wrote first), causal within the chunk; flash attention's
   loop, its two products `tl.dot`s (tensor cores).
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,8 +24,21 @@ DECODE_KEYS = 64  # keys a decode program reads at a time: four 16-token blocks,
 
 
 @triton.jit
-def _store_kv_kernel(K, V, KCache, VCache, Slots, num_blocks, stride_kt, stride_kh, stride_vt, stride_vh,
-                     BLOCK: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr):
+def _store_kv_kernel(
+    K,
+    V,
+    KCache,
+    VCache,
+    Slots,
+    num_blocks,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    BLOCK: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+):
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(Slots + t)
@@ -36,16 +50,42 @@ def _store_kv_kernel(K, V, KCache, VCache, Slots, num_blocks, stride_kt, stride_
         tl.store(VCache + dest, tl.load(V + t * stride_vt + h * stride_vh + d, mask=real), mask=real)
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
     """k, v: [T, KVH, D] (last dim contiguous); slots: [T] int, -1 for rows that write nothing."""
     kvh, num_blocks, block, d = k_cache.shape
-    _store_kv_kernel[(k.shape[0], kvh)](k, v, k_cache, v_cache, slots, num_blocks, k.stride(0), k.stride(1),
-                                        v.stride(0), v.stride(1), BLOCK=block, D=d, D_PAD=_padded(d))
+    _store_kv_kernel[(k.shape[0], kvh)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slots,
+        num_blocks,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        BLOCK=block,
+        D=d,
+        D_PAD=_padded(d),
+    )
 
 
 @triton.jit
-def _load_keys(KCache, VCache, Table, pos, valid, h, num_blocks, BLOCK: tl.constexpr, D: tl.constexpr,
-               D_PAD: tl.constexpr, DOT: tl.constexpr):
+def _load_keys(
+    KCache,
+    VCache,
+    Table,
+    pos,
+    valid,
+    h,
+    num_blocks,
+    BLOCK: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    DOT: tl.constexpr,
+):
     """KV head h's keys and values [len(pos), D_PAD] at context positions `pos` of the sequence whose block
     table row is `Table` (zeros where not `valid`, and past D): a run of positions spans several cache blocks,
     their table entries loaded together."""
@@ -66,7 +106,11 @@ def _online_softmax(scores, v, m, s_sum, acc, DOT: tl.constexpr, PRECISION: tl.c
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp(scores - m_safe[:, None])
     alpha = tl.exp(m - m_safe)
-    return m_new, s_sum * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + tl.dot(p.to(DOT), v, input_precision=PRECISION)
+    return (
+        m_new,
+        s_sum * alpha + tl.sum(p, axis=1),
+        acc * alpha[:, None] + tl.dot(p.to(DOT), v, input_precision=PRECISION),
+    )
 
 
 @triton.jit
@@ -77,10 +121,31 @@ def _split_len(length, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr):
 
 
 @triton.jit
-def _decode_split_kernel(Q, KCache, VCache, Tables, Lengths, Acc, Max, Sum, scale, num_blocks, table_width,
-                         num_splits, stride_qt, stride_qh, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                         DOT: tl.constexpr, PRECISION: tl.constexpr, MAX_SPLITS: tl.constexpr):
+def _decode_split_kernel(
+    Q,
+    KCache,
+    VCache,
+    Tables,
+    Lengths,
+    Acc,
+    Max,
+    Sum,
+    scale,
+    num_blocks,
+    table_width,
+    num_splits,
+    stride_qt,
+    stride_qh,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
+):
     i = tl.program_id(0)
     h = tl.program_id(1)
     j = tl.program_id(2)
@@ -115,9 +180,22 @@ def _decode_split_kernel(Q, KCache, VCache, Tables, Lengths, Acc, Max, Sum, scal
 
 
 @triton.jit
-def _decode_merge_kernel(Acc, Max, Sum, Out, Lengths, num_splits, stride_ot, stride_oh, heads_per_seq,
-                         SPLITS_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                         MAX_SPLITS: tl.constexpr):
+def _decode_merge_kernel(
+    Acc,
+    Max,
+    Sum,
+    Out,
+    Lengths,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    heads_per_seq,
+    SPLITS_PAD: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
+):
     i = tl.program_id(0)
     hq = tl.program_id(1)
     length = tl.load(Lengths + i)
@@ -135,8 +213,15 @@ def _decode_merge_kernel(Acc, Max, Sum, Out, Lengths, num_splits, stride_ot, str
     tl.store(Out + i * stride_ot + hq * stride_oh + d, out.to(Out.dtype.element_ty), mask=d < D)
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     lengths: torch.Tensor, scale: float, max_splits: int = 64) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+    max_splits: int = 64,
+) -> torch.Tensor:
     """q: [n, H, D]; block_tables: [n, width] int (padding entries never read); lengths: [n], tokens of KV
     each query sees (0 for a padded row, whose output is zeros). Returns [n, H, D] in q's dtype. A sequence's
     context is cut into at most `max_splits` pieces by its own length; the grid, by the table's width. The
@@ -152,21 +237,75 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     part_sum = torch.empty_like(part_max)
     group = heads // kvh
     _decode_split_kernel[(n, kvh, splits)](
-        q, k_cache, v_cache, block_tables, lengths, acc, part_max, part_sum, scale, num_blocks, width, splits,
-        q.stride(0), q.stride(1), GROUP=group, GROUP_PAD=max(triton.next_power_of_2(group), 16), BLOCK_N=block_n,
-        BLOCK=block, D=d, D_PAD=_padded(d), MAX_SPLITS=max_splits, **_dot_types(q))
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        lengths,
+        acc,
+        part_max,
+        part_sum,
+        scale,
+        num_blocks,
+        width,
+        splits,
+        q.stride(0),
+        q.stride(1),
+        GROUP=group,
+        GROUP_PAD=max(triton.next_power_of_2(group), 16),
+        BLOCK_N=block_n,
+        BLOCK=block,
+        D=d,
+        D_PAD=_padded(d),
+        MAX_SPLITS=max_splits,
+        **_dot_types(q),
+    )
     out = torch.empty_like(q)
-    _decode_merge_kernel[(n, heads)](acc, part_max, part_sum, out, lengths, splits, out.stride(0), out.stride(1), heads,
-                                     SPLITS_PAD=triton.next_power_of_2(max_splits), D=d, D_PAD=_padded(d), BLOCK_N=block_n,
-                                     MAX_SPLITS=max_splits)
+    _decode_merge_kernel[(n, heads)](
+        acc,
+        part_max,
+        part_sum,
+        out,
+        lengths,
+        splits,
+        out.stride(0),
+        out.stride(1),
+        heads,
+        SPLITS_PAD=triton.next_power_of_2(max_splits),
+        D=d,
+        D_PAD=_padded(d),
+        BLOCK_N=block_n,
+        MAX_SPLITS=max_splits,
+    )
     return out
 
 
 @triton.jit
-def _prefill_kernel(Q, KCache, VCache, Out, Tables, QStarts, QLens, ContextLens, scale, num_blocks, table_width,
-                    stride_qt, stride_qh, stride_ot, stride_oh, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                    DOT: tl.constexpr, PRECISION: tl.constexpr):
+def _prefill_kernel(
+    Q,
+    KCache,
+    VCache,
+    Out,
+    Tables,
+    QStarts,
+    QLens,
+    ContextLens,
+    scale,
+    num_blocks,
+    table_width,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     c = tl.program_id(0)
     tile = tl.program_id(1)
     hq = tl.program_id(2)
@@ -180,7 +319,9 @@ def _prefill_kernel(Q, KCache, VCache, Out, Tables, QStarts, QLens, ContextLens,
         live = rows < q_len
         d = tl.arange(0, D_PAD)
         real = live[:, None] & (d < D)[None, :]
-        q = tl.load(Q + (q_start + rows)[:, None] * stride_qt + hq * stride_qh + d[None, :], mask=real, other=0.0).to(DOT)
+        q = tl.load(Q + (q_start + rows)[:, None] * stride_qt + hq * stride_qh + d[None, :], mask=real, other=0.0).to(
+            DOT
+        )
         m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         s_sum = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
@@ -195,13 +336,24 @@ def _prefill_kernel(Q, KCache, VCache, Out, Tables, QStarts, QLens, ContextLens,
             scores = tl.where(allowed, scores, float("-inf"))
             m, s_sum, acc = _online_softmax(scores, v, m, s_sum, acc, DOT, PRECISION)
         out = acc / tl.where(s_sum == 0.0, 1.0, s_sum)[:, None]
-        tl.store(Out + (q_start + rows)[:, None] * stride_ot + hq * stride_oh + d[None, :],
-                 out.to(Out.dtype.element_ty), mask=real)
+        tl.store(
+            Out + (q_start + rows)[:, None] * stride_ot + hq * stride_oh + d[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=real,
+        )
 
 
-def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                      q_starts: torch.Tensor, q_lens: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                      max_q_len: int) -> torch.Tensor:
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    q_starts: torch.Tensor,
+    q_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_q_len: int,
+) -> torch.Tensor:
     """q: [T, H, D], the chunks' rows one after another; per chunk c: rows [q_starts[c], +q_lens[c]),
     context_lens[c] tokens of KV (its chunk's included, already stored), block_tables[c]. Returns [T, H, D].
     Both products run on tensor cores: bf16 and fp16 in their own type (the probabilities rounded to it, as
@@ -212,10 +364,30 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     out = torch.empty_like(q)
     tile = 32 if q.dtype == torch.float32 else 64  # fp32 tiles of 64 x 64 spill registers on an H100 or H200
     grid = (len(q_lens), triton.cdiv(max_q_len, tile), heads)
-    _prefill_kernel[grid](q, k_cache, v_cache, out, block_tables, q_starts, q_lens, context_lens, scale, num_blocks,
-                          block_tables.shape[1], q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-                          GROUP=heads // kvh, BLOCK_M=tile, BLOCK_N=max(tile, triton.next_power_of_2(block)), BLOCK=block, D=d,
-                          D_PAD=_padded(d), **_dot_types(q))
+    _prefill_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        q_starts,
+        q_lens,
+        context_lens,
+        scale,
+        num_blocks,
+        block_tables.shape[1],
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        GROUP=heads // kvh,
+        BLOCK_M=tile,
+        BLOCK_N=max(tile, triton.next_power_of_2(block)),
+        BLOCK=block,
+        D=d,
+        D_PAD=_padded(d),
+        **_dot_types(q),
+    )
     return out
 
 
