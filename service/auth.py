@@ -56,23 +56,24 @@ def admin_denial(context: grpc.aio.ServicerContext, token: str | None) -> tuple[
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Inference calls must carry 'authorization: Bearer <api key>' (compared in constant time); Admin has
-    its own token, and health and reflection stay open for load balancers and tools."""
+    """Inference calls (of either protocol) must carry 'authorization: Bearer <api key>' (compared in constant
+    time); Admin has its own token, and health and reflection stay open for load balancers and tools."""
 
     def __init__(
         self,
         api_key: str,
-        service: str,
+        services: tuple[str, ...],
         on_refused: Callable[[str, Any, grpc.aio.ServicerContext], None] = lambda *_: None,
     ) -> None:
-        """`on_refused(method, request, context)`: told of each call refused, to count and log it."""
+        """`services`: those whose calls need the key (lmgate.v1's Inference, the gateway's worker protocol);
+        `on_refused(method, request, context)`: told of each call refused, to count and log it."""
         self._api_key = api_key
-        self._prefix = f"/{service}/"
+        self._prefixes = tuple(f"/{service}/" for service in services)
         self._on_refused = on_refused
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
-        if handler is None or not details.method.startswith(self._prefix):
+        if handler is None or not details.method.startswith(self._prefixes):
             return handler
         sent = bearer_token(details.invocation_metadata)
         if same_secret(sent, self._api_key):

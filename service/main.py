@@ -352,6 +352,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="this server's name among replicas, in Info and the x-lmgate-replica response header [LMGATE_REPLICA_ID]",
     )
     ap.add_argument(
+        "--served-model-name",
+        type=_optional,
+        default=_env("SERVED_MODEL_NAME", None),
+        metavar="NAME",
+        help="the model's name to the gateway's clients (the VllmEngine service's GetModelInfo, the OpenAI API's "
+        "model); unset: the model's folder or GGUF file name [LMGATE_SERVED_MODEL_NAME]",
+    )
+    ap.add_argument(
         "--metrics-port",
         type=PORT,
         default=_env("METRICS_PORT", 0),
@@ -509,6 +517,7 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> None:
             api_key=args.api_key,
             replica_id=args.replica_id,
             session_idle_timeout=args.session_idle_timeout,
+            served_model_name=args.served_model_name,
         )
         if args.metrics_port:
             start_http_server(args.metrics_port, addr=args.host, registry=server.metrics.registry)

@@ -14,17 +14,20 @@ from grpc_reflection.v1alpha import reflection
 from lmgate.engine.engine import Engine
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from .admin import AdminServicer
 from .auth import ApiKeyInterceptor
 from .replica import ReplicaHeaderInterceptor, default_replica_id
 from .metrics import Metrics
 from .servicer import InferenceServicer, log_access
+from .vllm_servicer import SERVICE as VLLM_SERVICE
+from .vllm_servicer import VllmEngineServicer, default_model_name
 
 log = logging.getLogger(__name__)
 SHUTDOWN_FLUSH_SECONDS = 1.0  # for the last messages of cancelled streams to reach their clients
 INFERENCE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
-SERVICES = (INFERENCE, pb.DESCRIPTOR.services_by_name["Admin"].full_name)
+SERVICES = (INFERENCE, pb.DESCRIPTOR.services_by_name["Admin"].full_name, VLLM_SERVICE)
 # The largest request a client may send: gRPC's default of 4 MiB, or more where the context window is long
 # enough for a prompt to need it (a token's text is rarely past a few bytes; 64 leaves room for long ones).
 DEFAULT_MESSAGE_BYTES = 4 * 2**20
@@ -72,8 +75,10 @@ class Server:
         api_key: str | None = None,
         replica_id: str | None = None,
         session_idle_timeout: float = 0.0,
+        served_model_name: str | None = None,
     ) -> None:
-        """`session_idle_timeout`: seconds after which a session without a turn is ended; 0: never."""
+        """`session_idle_timeout`: seconds after which a session without a turn is ended, 0: never;
+        `served_model_name`: the model's name to the gateway's clients (default: its file or folder name)."""
         self.engine = engine
         self.session_idle_timeout = session_idle_timeout
         self._expiry: asyncio.Task | None = None
@@ -81,18 +86,25 @@ class Server:
         self.replica_id = replica_id or default_replica_id()
         interceptors = [ReplicaHeaderInterceptor(self.replica_id)]
         if api_key:
-            interceptors.append(ApiKeyInterceptor(api_key, INFERENCE, self._refused))
+            interceptors.append(ApiKeyInterceptor(api_key, (INFERENCE, VLLM_SERVICE), self._refused))
         self.grpc = grpc.aio.server(
             interceptors=interceptors,
             options=[
                 ("grpc.so_reuseport", 0),
                 ("grpc.max_receive_message_length", max_request_bytes(engine.max_context_length)),
+                # The gateway pings its workers every 30 s, calls or not: accepted, and never counted as abuse.
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_recv_ping_interval_without_data_ms", 10000),
+                ("grpc.http2.max_ping_strikes", 0),
             ],
         )
         self.inference = InferenceServicer(engine, self.metrics, self.replica_id)
         pb_grpc.add_InferenceServicer_to_server(self.inference, self.grpc)
         admin = AdminServicer(engine, self.metrics, admin_token, self.refresh_health)
         pb_grpc.add_AdminServicer_to_server(admin, self.grpc)
+        name = served_model_name or default_model_name(engine.model_path)
+        self.worker = VllmEngineServicer(engine, name, self.unhealthy)
+        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(self.worker, self.grpc)
         self.health = health.aio.HealthServicer()
         self.failed = asyncio.Event()  # set once the engine has lost a rank
         self._stopping = False
@@ -142,6 +154,16 @@ class Server:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.failed.set()
 
+    def unhealthy(self) -> str | None:
+        """Why this server should get no work now, or None: the gateway's HealthCheck says it."""
+        if self.failed.is_set():
+            return f"an engine rank failed: {self.engine.failure}"
+        if self._stopping:
+            return "the server is shutting down"
+        if self.engine.sleeping:
+            return f"asleep ({', '.join(sorted(self.engine.sleeping))}): call Admin.Wakeup"
+        return None
+
     async def refresh_health(self, closing: bool = False) -> None:
         """While any part of the engine sleeps (or is about to), Generate is refused: Inference and the server
         as a whole ("") report NOT_SERVING, so load balancers send traffic elsewhere; Admin stays SERVING, to be
@@ -150,7 +172,7 @@ class Server:
             return
         asleep = closing or bool(self.engine.sleeping)
         serving = health_pb2.HealthCheckResponse.NOT_SERVING if asleep else health_pb2.HealthCheckResponse.SERVING
-        for name in ("", INFERENCE):
+        for name in ("", INFERENCE, VLLM_SERVICE):
             await self.health.set(name, serving)
 
     async def stop(self, grace: float) -> None:

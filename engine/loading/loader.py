@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import json
 import logging
 import sys
 import time
@@ -55,6 +56,26 @@ def read_config(path: str) -> ModelConfig:
     p = _existing(path)
     with _unreadable_refused(path):
         return read_gguf_config(GGUFReader(p)) if p.is_file() else read_hf_config(p)
+
+
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def read_generation_defaults(path: str) -> dict[str, float]:
+    """The sampling defaults a model directory's generation_config.json suggests (those of
+    GENERATION_DEFAULTS it sets); none for a GGUF file, or a directory without one."""
+    config = Path(path) / "generation_config.json"
+    if not config.is_file():
+        return {}
+    try:
+        values = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {
+        k: values[k]
+        for k in GENERATION_DEFAULTS
+        if isinstance(values, dict) and isinstance(values.get(k), (int, float))
+    }
 
 
 def load_checkpoint(path: str | None = None, weights: bool = True) -> Checkpoint:

@@ -303,6 +303,21 @@ class Tokenizer:
             if role not in CHAT_ROLES:
                 raise ValueError(f"unknown message role {role!r}; expected one of {sorted(CHAT_ROLES)}")
 
+    def hf_files(self) -> dict[str, str]:
+        """This tokenizer as the files a Hugging Face loader reads (tokenizer.json, tokenizer_config.json with
+        the chat template and the special tokens), a GGUF's made from its metadata: another process (the
+        gateway) then tokenizes and renders exactly as this one does."""
+        token = self._backend.id_to_token
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": None if self.bos_token_id is None else token(self.bos_token_id),
+            "eos_token": None if self._eos_token_id is None else token(self._eos_token_id),
+            "add_bos_token": self._prepend_bos,
+            "chat_template": self.chat_template,
+            "clean_up_tokenization_spaces": False,
+        }
+        return {"tokenizer.json": self._backend.to_str(), "tokenizer_config.json": json.dumps(config, indent=2)}
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """Render messages the way transformers' `apply_chat_template(tokenize=False)` does."""
         self.check_messages(messages)

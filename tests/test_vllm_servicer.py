@@ -1,0 +1,271 @@
+"""The gateway's worker protocol (`vllm.grpc.engine.VllmEngine`) on lmgate's port: called directly, and behind
+the real Shepherd Model Gateway (the `smg` binary) through the OpenAI SDK."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import zipfile
+
+import grpc
+import pytest
+from smg_grpc_proto.generated import common_pb2
+from smg_grpc_proto.generated import vllm_engine_pb2 as vllm
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
+from tokenizers import Tokenizer as Backend
+
+from lmgate.engine.config import EngineConfig
+from lmgate.v1 import lmgate_pb2 as pb
+from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
+from tests.serving import ServerThread
+
+SMG = os.path.join(os.path.dirname(sys.executable), "smg")  # the venv's, beside its python
+GUARD = 120  # seconds: a guard against a hang, never a timing
+MESSAGES = [{"role": "user", "content": "Name three colors."}]
+MODEL = "SmolLM2-135M-Instruct.Q4_1"  # the embedded model's name to the gateway's clients
+
+
+@pytest.fixture(scope="module")
+def worker(checkpoint):
+    """A server of its own: these tests put it to sleep."""
+    s = ServerThread(EngineConfig(dtype="float32", kv_cache_tokens=8192), checkpoint)
+    yield s
+    s.stop()
+
+
+def stub(server) -> vllm_grpc.VllmEngineStub:
+    return vllm_grpc.VllmEngineStub(server.channel())
+
+
+def generate(server, ids: list[int], stream: bool, **sampling) -> list[vllm.GenerateResponse]:
+    request = vllm.GenerateRequest(
+        tokenized=vllm.TokenizedInput(input_ids=ids), stream=stream, sampling_params=vllm.SamplingParams(**sampling)
+    )
+    return list(stub(server).Generate(request, timeout=GUARD))
+
+
+def lmgate_v1(server, **request) -> list[pb.GenerateResponse]:
+    return list(pb_grpc.InferenceStub(server.channel()).Generate(pb.GenerateRequest(**request), timeout=GUARD))
+
+
+def assert_idle(server) -> None:
+    info = server.engine.info()
+    assert info.kv_blocks_free == info.kv_blocks_total and info.running_sequences == info.waiting_sequences == 0
+
+
+# ------------------------------------------------------------------------------------------- called directly
+def test_model_server_and_load_info_say_what_the_gateway_reads(worker):
+    engine = worker.engine
+    model = stub(worker).GetModelInfo(vllm.GetModelInfoRequest())
+    assert model.is_generation and model.served_model_name == "SmolLM2-135M-Instruct.Q4_1"
+    assert (model.max_context_length, model.vocab_size) == (engine.max_context_length, engine.vocab_size)
+    assert list(model.eos_token_ids) == sorted(engine.tokenizer.eos_token_ids) and model.model_type == "llama"
+    assert model.architectures == ["LlamaForCausalLM"] and model.tokenizer_path == ""  # a GGUF: GetTokenizer
+    server = stub(worker).GetServerInfo(vllm.GetServerInfoRequest())
+    assert server.max_num_seqs == engine.config.max_batch_size and server.block_size == engine.config.block_size
+    assert server.constrained_decoding_start == "first_token" and server.engine_reasoning_parser == ""
+    loads = stub(worker).GetLoads(vllm.GetLoadsRequest())
+    assert loads.dp_rank_count == 1 and loads.loads[0].token_usage == 0.0 and loads.loads[0].num_waiting_reqs == 0
+
+
+def test_the_tokenizer_bundle_tokenizes_and_renders_as_lmgate_does(worker):
+    """The gateway cannot read a GGUF's tokenizer: it asks for this zip, checks its sha256, and from then on
+    tokenizes and renders chat templates itself."""
+    chunks = list(stub(worker).GetTokenizer(common_pb2.GetTokenizerRequest()))
+    data = b"".join(c.data for c in chunks)
+    assert [c.sha256 for c in chunks[:-1]] == [""] * (len(chunks) - 1)
+    assert chunks[-1].sha256 == hashlib.sha256(data).hexdigest()
+    bundle = zipfile.ZipFile(io.BytesIO(data))
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(bundle.namelist())
+    theirs = Backend.from_str(bundle.read("tokenizer.json").decode())
+    ours = worker.engine.tokenizer
+    text = "Party time 🎉 with 日本語 and <|im_start|>user\nhi<|im_end|>"
+    assert theirs.encode(text, add_special_tokens=False).ids == ours.encode(text, add_special_tokens=False)
+    config = json.loads(bundle.read("tokenizer_config.json"))
+    assert config["chat_template"] == ours.chat_template and config["eos_token"] == "<|im_end|>"
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_generate_equals_lmgate_v1_with_its_logprobs(worker, stream):
+    ids = worker.engine.tokenizer.encode("The capital of France is")
+    messages = generate(worker, ids, stream, temperature=0, max_tokens=12, logprobs=3)
+    *chunks, last = messages
+    assert all(m.HasField("chunk") for m in chunks) and last.HasField("complete")
+    done = last.complete
+    tokens = [t for m in chunks for t in m.chunk.token_ids] if stream else list(done.output_ids)
+    logprobs = [m.chunk.output_logprobs for m in chunks] if stream else [done.output_logprobs]
+    reference = lmgate_v1(
+        worker, tokens=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(max_new_tokens=12, logprobs=3)
+    )
+    assert tokens == [t for m in reference for t in m.token_ids]
+    assert [v for lp in logprobs for v in lp.token_logprobs] == [lp.logprob for m in reference for lp in m.logprobs]
+    assert [list(top.token_ids) for lp in logprobs for top in lp.top_logprobs] == [
+        [t.token_id for t in lp.top] for m in reference for lp in m.logprobs
+    ]
+    assert (done.finish_reason, done.prompt_tokens, done.completion_tokens) == ("length", len(ids), 12)
+
+
+def test_a_stop_token_ends_the_stream_as_stop_and_names_it(worker):
+    tokenizer = worker.engine.tokenizer
+    prompt = tokenizer.apply_chat_template(MESSAGES)
+    done = generate(worker, tokenizer.encode(prompt, add_special_tokens=False), True, temperature=0, max_tokens=64)[-1]
+    assert done.complete.finish_reason == "stop" and done.complete.matched_token_id in tokenizer.eos_token_ids
+
+
+@pytest.mark.parametrize(
+    "sampling, words",
+    [
+        ({"n": 2}, "n > 1"),
+        ({"logit_bias": {5: 1.0}}, "logit_bias"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
+        ({"json_schema": '{"type": "object"}'}, "json_schema constraint"),
+        ({"logprobs": -1}, "whole vocabulary"),
+        ({"temperature": -1}, "temperature"),
+    ],
+)
+def test_what_is_not_served_is_invalid_argument_naming_it(worker, sampling, words):
+    with pytest.raises(grpc.RpcError) as err:
+        generate(worker, [1, 2, 3], True, **sampling)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in err.value.details()
+    assert_idle(worker)
+
+
+def test_abort_ends_a_running_stream_and_is_idempotent(worker):
+    ids = worker.engine.tokenizer.encode("Count to a thousand:")
+    request = vllm.GenerateRequest(
+        request_id="to-abort",
+        tokenized=vllm.TokenizedInput(input_ids=ids),
+        stream=True,
+        sampling_params=vllm.SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True),
+    )
+    call = stub(worker).Generate(request, timeout=GUARD)
+    assert next(call).chunk.token_ids
+    for _ in range(2):  # a second Abort, and one of an id never seen, are no errors
+        stub(worker).Abort(vllm.AbortRequest(request_ids=["to-abort", "never-seen"]))
+    assert [m.complete.finish_reason for m in call if m.HasField("complete")] == ["abort"]
+    assert_idle(worker)
+
+
+def test_health_check_says_why_a_sleeping_server_takes_no_work(worker):
+    assert stub(worker).HealthCheck(vllm.HealthCheckRequest()).healthy
+    worker.engine.sleep(1)
+    try:
+        health = stub(worker).HealthCheck(vllm.HealthCheckRequest())
+        assert not health.healthy and "asleep (kv_cache)" in health.message
+        assert stub(worker).GetServerInfo(vllm.GetServerInfoRequest()).is_paused
+    finally:
+        worker.engine.wakeup()
+    assert stub(worker).HealthCheck(vllm.HealthCheckRequest()).healthy
+
+
+# --------------------------------------------------------------------------------- behind the real gateway
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def gateway(worker):
+    """`smg launch` in front of the worker, once it lists the model (the OpenAI API on its port)."""
+    if not os.path.exists(SMG):
+        pytest.skip("the smg gateway is not installed (its wheel exists for Linux x86_64 only)")
+    port = free_port()
+    proc = subprocess.Popen(
+        [SMG, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", f"grpc://{worker.address}",
+         "--policy", "round_robin", "--log-level", "warn"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    probe = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 1}).encode()
+    deadline = time.monotonic() + GUARD
+    while True:  # until a completion goes through: the model is listed before its tokenizer has come
+        try:
+            request = urllib.request.Request(f"{url}/v1/completions", probe, {"content-type": "application/json"})
+            if json.load(urllib.request.urlopen(request, timeout=GUARD))["choices"]:
+                break
+        except OSError:  # not listening yet, or 503 while it registers the worker and its tokenizer
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, "the gateway never served the model"
+        time.sleep(0.2)
+    yield url
+    proc.terminate()
+    proc.wait(GUARD)
+
+
+@pytest.fixture(scope="module")
+def openai_client(gateway):
+    import openai
+
+    return openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", timeout=GUARD, max_retries=0)
+
+
+def test_a_greedy_chat_completion_has_lmgate_v1s_tokens(worker, openai_client):
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in MESSAGES])
+    reference = lmgate_v1(worker, messages=chat, sampling=pb.SamplingParams(max_new_tokens=40))
+    text = "".join(m.text for m in reference)
+    reply = openai_client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=40)
+    assert reply.choices[0].message.content == text and reply.choices[0].finish_reason == "stop"
+    assert reply.usage.completion_tokens == sum(len(m.token_ids) for m in reference)
+    streamed = openai_client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=40, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text
+
+
+def test_completions_stop_strings_length_and_logprobs_through_the_gateway(worker, openai_client):
+    prompt = "The capital of France is"
+    reply = openai_client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=8)
+    ids = worker.engine.tokenizer.encode(prompt)
+    reference = lmgate_v1(worker, tokens=pb.TokenIds(ids=ids), sampling=pb.SamplingParams(max_new_tokens=8))
+    assert reply.choices[0].text == "".join(m.text for m in reference) and reply.choices[0].finish_reason == "length"
+    chat = openai_client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, max_tokens=6, logprobs=True, top_logprobs=2
+    )
+    chat_ids = worker.engine.tokenizer.encode(worker.engine.tokenizer.apply_chat_template(MESSAGES), False)
+    reference = lmgate_v1(
+        worker, tokens=pb.TokenIds(ids=chat_ids), sampling=pb.SamplingParams(max_new_tokens=6, logprobs=2)
+    )
+    positions = chat.choices[0].logprobs.content
+    assert [p.logprob for p in positions] == pytest.approx(
+        [lp.logprob for m in reference for lp in m.logprobs], abs=1e-5
+    )
+    assert [len(p.top_logprobs) for p in positions] == [2] * 6
+    cut = reply.choices[0].text[4:7]  # a stop string inside what greedy writes: the reply ends before it
+    stopped = openai_client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=8, stop=[cut])
+    assert stopped.choices[0].text == reply.choices[0].text[: reply.choices[0].text.index(cut)]
+    assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_bad_requests_get_the_http_status_a_user_expects(worker, openai_client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError):  # past the context window
+        openai_client.completions.create(model=MODEL, prompt="word " * 9000, max_tokens=8)
+    with pytest.raises(openai.BadRequestError):  # not served yet: lmgate's INVALID_ARGUMENT
+        openai_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, n=2)
+    assert_idle(worker)
+
+
+def test_a_client_that_leaves_its_stream_leaves_nothing_running(worker, openai_client):
+    """The gateway sends Abort for a dropped stream: afterwards the engine runs nothing and every block is free."""
+    stream = openai_client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=4000, stream=True, extra_body={"ignore_eos": True}
+    )
+    assert any(c.choices and c.choices[0].delta.content for c in stream)
+    stream.close()
+    deadline = time.monotonic() + GUARD
+    while (
+        worker.engine.info().running_sequences
+        or worker.engine.info().kv_blocks_free < worker.engine.info().kv_blocks_total
+    ):
+        assert time.monotonic() < deadline, "the engine still runs a request whose client left"
+        time.sleep(0.05)
+    assert_idle(worker)
