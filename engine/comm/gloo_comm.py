@@ -242,8 +242,11 @@ class GlooComm(HostComm):
             if finished:
                 break
             if self._peer_aborted():
+                # This rank's own abort sets its flag before the store's key: a key seen with the flag set is ours.
+                with self._lock:
+                    here = self._aborted
                 self._abort_here()
-                raise CommAborted("host communicator aborted by a peer")
+                raise CommAborted("host communicator aborted" if here else "host communicator aborted by a peer")
         try:
             work.wait()
         except RuntimeError as exc:
