@@ -25,6 +25,7 @@ from lmgate.engine.machine.hardware import DTYPE_CHOICES
 from lmgate.engine.loading.loader import read_config
 
 from .logs import configure as configure_logging
+from .openai_gateway import OpenAIGateway, smg_binary
 from .replica import default_replica_id
 from .server import Server, TlsFiles
 
@@ -55,6 +56,7 @@ def _ranged(kind: Callable[[str], Any], low: float, high: float = math.inf) -> C
 
 
 PORT = _ranged(int, 0, 65535)
+PORT_FLAGS = ("--port", "--metrics-port", "--openai-port")  # node 0's own: free, and not the same
 DEFAULT_MASTER_PORT = 29500  # torchrun's
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 COUNT = _ranged(int, 1)
@@ -360,6 +362,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "model); unset: the model's folder or GGUF file name [LMGATE_SERVED_MODEL_NAME]",
     )
     ap.add_argument(
+        "--openai-port",
+        type=PORT,
+        default=_env("OPENAI_PORT", 0),
+        help="serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/models) on this port through the "
+        "Shepherd Model Gateway (smg, pip install 'lmgate[openai]'), started as a child process in front of this "
+        "server; 0: off [LMGATE_OPENAI_PORT]",
+    )
+    ap.add_argument(
         "--metrics-port",
         type=PORT,
         default=_env("METRICS_PORT", 0),
@@ -402,14 +412,19 @@ def check_settings(args: argparse.Namespace) -> EngineConfig:
     if args.node_rank >= args.nnodes:
         raise StartupError(f"--node-rank {args.node_rank} is not one of --nnodes {args.nnodes} (0..{args.nnodes - 1})")
     serving = args.node_rank == 0  # other nodes run ranks only
-    ports = [("--port", args.host, args.port), ("--metrics-port", args.host, args.metrics_port)] if serving else []
+    ports = [(flag, args.host, getattr(args, flag[2:].replace("-", "_"))) for flag in PORT_FLAGS] if serving else []
     if serving and args.nnodes > 1:  # node 0's store and rank sockets listen on --master-addr
         ports.append(("--master-port", args.master_addr, args.master_port))
     for flag, host, port in ports:
         if port:
             _check_port_free(flag, host, port)
-    if args.port and args.port == args.metrics_port:
-        raise StartupError(f"--port and --metrics-port are both {args.port}")
+    taken = [(flag, port) for flag, _, port in ports if port]
+    for i, (flag, port) in enumerate(taken):
+        other = next((f for f, p in taken[i + 1 :] if p == port), None)
+        if other:
+            raise StartupError(f"{flag} and {other} are both {port}")
+    if args.openai_port and serving:
+        _check_openai_gateway(args)
     args.tls = _tls_files(args)
     try:
         device = torch.device(args.device)
@@ -457,6 +472,16 @@ def check_settings(args: argparse.Namespace) -> EngineConfig:
         )
     except EngineError as exc:
         raise StartupError(str(exc)) from None
+
+
+def _check_openai_gateway(args: argparse.Namespace) -> None:
+    """--openai-port: smg installed, and a server it can reach as it is started here (plaintext, no API key)."""
+    if smg_binary() is None:
+        raise StartupError("--openai-port needs the smg gateway: pip install 'lmgate[openai]' (Linux x86_64 wheels)")
+    if args.tls_cert or args.api_key:
+        raise StartupError(
+            "--openai-port fronts a plaintext server without --api-key: run smg yourself for TLS or a key"
+        )
 
 
 def _tls_files(args: argparse.Namespace) -> TlsFiles | None:
@@ -561,6 +586,21 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> None:
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    gateway = None
+    if args.openai_port:
+        gateway = OpenAIGateway(
+            smg_binary(),
+            args.host,
+            args.openai_port,
+            _address("127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host, server.port),
+        )
+        log.info(
+            "the OpenAI API on %s/v1 (smg, pid %d; its metrics on port %d)",
+            gateway.url,
+            gateway.process.pid,
+            gateway.metrics_port,
+        )
+        asyncio.ensure_future(_watch(gateway))
 
     def on_signal() -> None:
         stop.set()
@@ -578,10 +618,19 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> None:
         await server.stop(0)
         raise EngineFailed(engine.failure)
     log.info("shutting down: %.0fs grace for running streams", args.grace)
+    if gateway is not None:
+        await asyncio.to_thread(gateway.stop)
     await server.stop(args.grace)
     if engine.failure is not None:  # a rank died while the engine stopped
         raise EngineFailed(engine.failure)
     log.info("stopped")
+
+
+async def _watch(gateway: OpenAIGateway) -> None:
+    """One line if the gateway exits while lmgate serves (lmgate.v1 and the worker protocol go on)."""
+    status = await asyncio.to_thread(gateway.wait)
+    if not gateway.stopping:
+        log.error("the OpenAI gateway (smg) exited with status %d: %s/v1 no longer answers", status, gateway.url)
 
 
 def main(argv: list[str] | None = None) -> int:

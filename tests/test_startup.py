@@ -81,6 +81,8 @@ def bad_settings(taken_port: str) -> list[tuple[list[str], dict[str, str], str]]
             "--port: invalid int value: 'abc'\n",
         ),  # the flag's, not the variable's
         (["--gpu-memory-utilization", "1.5"], {}, "--gpu-memory-utilization: must be 0.01..1.0"),
+        (["--port", "0", "--openai-port", "8000", "--api-key", "k"], {}, "--openai-port fronts a plaintext server"),
+        (["--port", "8001", "--openai-port", "8001"], {}, "--port and --openai-port are both 8001"),
         (["--port", "0", "--nnodes", "2", "--node-rank", "2"], {}, "--node-rank 2 is not one of --nnodes 2"),
         (
             ["--port", "0", "--nnodes", "2", "--engine-loops", "3"],

@@ -24,7 +24,7 @@ from tokenizers import Tokenizer as Backend
 from lmgate.engine.config import EngineConfig
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
-from tests.serving import ServerThread
+from tests.serving import ServerThread, serve_process
 
 SMG = os.path.join(os.path.dirname(sys.executable), "smg")  # the venv's, beside its python
 GUARD = 120  # seconds: a guard against a hang, never a timing
@@ -180,24 +180,30 @@ def gateway(worker):
     port = free_port()
     proc = subprocess.Popen(
         [SMG, "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", f"grpc://{worker.address}",
-         "--policy", "round_robin", "--log-level", "warn"],
+         "--policy", "round_robin", "--log-level", "warn", "--prometheus-host", "127.0.0.1",
+         "--prometheus-port", str(free_port())],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
+    wait_until_served(url, proc)
+    yield url
+    proc.terminate()
+    proc.wait(GUARD)
+
+
+def wait_until_served(url: str, proc: subprocess.Popen) -> None:
+    """Until a completion goes through the gateway at `url`: it lists the model before its tokenizer has come."""
     probe = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 1}).encode()
     deadline = time.monotonic() + GUARD
-    while True:  # until a completion goes through: the model is listed before its tokenizer has come
+    while True:
         try:
             request = urllib.request.Request(f"{url}/v1/completions", probe, {"content-type": "application/json"})
             if json.load(urllib.request.urlopen(request, timeout=GUARD))["choices"]:
-                break
+                return
         except OSError:  # not listening yet, or 503 while it registers the worker and its tokenizer
             pass
         assert proc.poll() is None and time.monotonic() < deadline, "the gateway never served the model"
         time.sleep(0.2)
-    yield url
-    proc.terminate()
-    proc.wait(GUARD)
 
 
 @pytest.fixture(scope="module")
@@ -269,3 +275,22 @@ def test_a_client_that_leaves_its_stream_leaves_nothing_running(worker, openai_c
         assert time.monotonic() < deadline, "the engine still runs a request whose client left"
         time.sleep(0.05)
     assert_idle(worker)
+
+
+def test_serve_openai_port_runs_the_gateway_and_stops_it(gateway):
+    """`lmgate serve --openai-port P`: one command for the OpenAI API; SIGTERM stops the gateway with the server."""
+    import openai
+
+    port = free_port()
+    proc, address = serve_process("--openai-port", str(port), "--kv-cache-tokens", "2048")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until_served(url, proc)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=GUARD, max_retries=0)
+        reply = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=8)
+        assert reply.choices[0].message.content
+    finally:
+        proc.terminate()
+        assert proc.wait(GUARD) == 0
+    with pytest.raises(OSError):  # the gateway went with the server
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
