@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # had, pip's own choice of torch (set PIP_EXTRA_INDEX_URL for another build).
 TORCH ?= torch==2.13.0
 
-.PHONY: install proto serve lint test test-fast bench-engine bench-serve bench-prefix bench-fleet bench-comm bench-scale bench-quant gpu-install test-gpu bench-gpu gpu-wheels clean
+.PHONY: install proto serve lint test test-fast bench-engine bench-serve bench-openai bench-structured bench-prefix bench-fleet bench-comm bench-scale bench-quant gpu-install test-gpu bench-gpu gpu-wheels clean
 
 install: $(STAMP)
 
@@ -66,6 +66,14 @@ bench-engine: install
 bench-serve: install
 	$(PY) benchmarks/bench_serve.py $(ARGS)
 
+# lmgate.v1, the VllmEngine service and the OpenAI API through smg on one server; n samples against separate requests
+bench-openai: install
+	$(PY) benchmarks/bench_openai.py $(ARGS)
+
+# 64 requests constrained by a JSON schema against the same unconstrained; TTFT of a first-seen schema; mask time a step
+bench-structured: install
+	$(PY) benchmarks/bench_structured.py $(ARGS)
+
 bench-prefix: install
 	$(PY) benchmarks/bench_prefix.py $(ARGS)
 
@@ -97,10 +105,10 @@ bench-gpu: gpu-install
 	$(GPU_PY) benchmarks/bench_gpu.py $(ARGS)
 
 # The wheels the lent GPU machine lacks (Python 3.12, no network there), at the versions installed here, into
-# .whl/ for benchmarks/gpu_check.sh: gguf, pyzmq, the health and reflection services, and grpcio and protobuf as new
-# as the checked-in stubs require.
-GPU_WHEELS := gguf|pyzmq|grpcio|grpcio-health-checking|grpcio-reflection|protobuf
-WHEEL_PLATFORMS := $(foreach p,manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64,--platform $(p))
+# .whl/ for benchmarks/gpu_check.sh: gguf, pyzmq, the health and reflection services, the gateway's worker protocol,
+# llguidance (structured outputs), and grpcio and protobuf as new as the checked-in stubs require.
+GPU_WHEELS := llguidance|smg-grpc-proto|gguf|pyzmq|grpcio|grpcio-health-checking|grpcio-reflection|protobuf
+WHEEL_PLATFORMS := $(foreach p,manylinux_2_31_x86_64 manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64,--platform $(p))
 
 gpu-wheels: install
 	rm -rf .whl

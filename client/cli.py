@@ -144,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=_sampling_int("logprobs"),
         help="also print each token's log-probability and this many likeliest alternatives, as JSON lines on stderr",
     )
+    shape = turn.add_mutually_exclusive_group()  # structured outputs: what every reply must match
+    shape.add_argument("--json-schema", metavar="PATH", help="replies are JSON valid under the schema in this file")
+    shape.add_argument("--regex", help="each reply matches this regular expression as a whole")
+    shape.add_argument("--choice", action="append", metavar="S", help="each reply is one of these (repeat for each)")
     turn.add_argument("--system", help="a system message before the first user message")
 
     parser = argparse.ArgumentParser(prog="lmgate", description="Serve and talk to an lmgate server.")
@@ -283,7 +287,14 @@ def _with_client(args: argparse.Namespace, call: Callable[[Client], object], don
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
-    return {name: getattr(args, name) for name in SAMPLING_FLAGS}
+    """The sampling keyword arguments the flags give; --json-schema's file is read here (an OSError if it
+    cannot be, reported as `error: PATH: why`)."""
+    sampling = {name: getattr(args, name) for name in SAMPLING_FLAGS}
+    sampling.update(regex=args.regex, choice=args.choice)
+    if args.json_schema is not None:
+        with open(args.json_schema, encoding="utf-8") as f:
+            sampling["json_schema"] = f.read()
+    return sampling
 
 
 def _messages(system: str | None, user: str) -> list[dict[str, str]]:

@@ -24,6 +24,7 @@ from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 
 from .history import History
+from .weights import weight_stream
 from .routing import Target, channel_target
 from .wire import Delta, bearer_metadata, generate_request, new_session_id, session_metadata, to_delta
 
@@ -265,10 +266,19 @@ class Client(_ClientBase[Iterator[Delta]]):
         sleeps."""
         return self._admin.Wakeup(pb.WakeupRequest(tags=tags), timeout=self._timeout, metadata=self._admin_metadata)
 
-    def update_weights(self, path: str) -> None:
-        """Admin: loads new weights of the same architecture from a HF directory or GGUF file on the server."""
-        request = pb.UpdateWeightsRequest(path=path)
-        self._admin.UpdateWeights(request, timeout=self._timeout, metadata=self._admin_metadata)
+    def update_weights(self, weights: str | Mapping[str, Any], version: str = "") -> str:
+        """Admin: new weights of the same architecture, served as `version` (empty: the server counts), which
+        is returned. `weights`: a HF directory or GGUF file on the server, or the weights themselves, every
+        one of the model's by Hugging Face name (a `state_dict()`: torch tensors, float32, float16 or
+        bfloat16), streamed in chunks (`weights.weight_stream`)."""
+        if isinstance(weights, str):
+            request = pb.UpdateWeightsRequest(path=weights, weight_version=version)
+            return self._admin.UpdateWeights(
+                request, timeout=self._timeout, metadata=self._admin_metadata
+            ).weight_version
+        return self._admin.UpdateWeightsFromTensors(
+            weight_stream(weights, version), timeout=self._timeout, metadata=self._admin_metadata
+        ).weight_version
 
     def close(self) -> None:
         self._channel.close()
@@ -366,9 +376,15 @@ class AsyncClient(_ClientBase[AsyncIterator[Delta]]):
             pb.WakeupRequest(tags=tags), timeout=self._timeout, metadata=self._admin_metadata
         )
 
-    async def update_weights(self, path: str) -> None:
-        request = pb.UpdateWeightsRequest(path=path)
-        await self._admin.UpdateWeights(request, timeout=self._timeout, metadata=self._admin_metadata)
+    async def update_weights(self, weights: str | Mapping[str, Any], version: str = "") -> str:
+        if isinstance(weights, str):
+            request = pb.UpdateWeightsRequest(path=weights, weight_version=version)
+            response = await self._admin.UpdateWeights(request, timeout=self._timeout, metadata=self._admin_metadata)
+        else:
+            response = await self._admin.UpdateWeightsFromTensors(
+                weight_stream(weights, version), timeout=self._timeout, metadata=self._admin_metadata
+            )
+        return response.weight_version
 
     async def close(self) -> None:
         await self._channel.close()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from google.protobuf.descriptor import FieldDescriptor
@@ -38,7 +38,9 @@ class Delta:
     `{"token_id": int, "token": str, "logprob": float, "top": [{"token_id", "token", "logprob"}, ...]}`, each
     token with its text as OpenAI's logprobs show it (U+FFFD where it holds part of a character).
     `finish_reason` ("stop", "length", "cancelled") and `usage` (prompt_tokens, completion_tokens,
-    cached_tokens) are set on the last message of the stream only.
+    cached_tokens) are set on the last message of the stream only; with `n` samples, on each sample's last
+    (`index` says whose). `prompt_logprobs` (when asked for) come with sample 0's first message, in the form
+    of `logprobs`, one per prompt token from the second.
     """
 
     request_id: str
@@ -48,6 +50,8 @@ class Delta:
     logprobs: list[dict[str, Any]]
     finish_reason: str | None
     usage: dict[str, int] | None
+    index: int = 0
+    prompt_logprobs: list[dict[str, Any]] = field(default_factory=list)
 
 
 def sampling_range(name: str) -> tuple[int, int] | None:
@@ -75,6 +79,8 @@ def sampling_params(**sampling: Any) -> pb.SamplingParams:
             continue
         if isinstance(value, str) and fields[name].is_repeated:
             value = [value]
+        if name == "choice" and not isinstance(value, pb.Choices):  # a list of strings will do
+            value = pb.Choices(choices=list(value))
         _check_range(name, value)
         values[name] = value
     return pb.SamplingParams(**values)
@@ -131,10 +137,16 @@ def to_delta(response: pb.GenerateResponse) -> Delta:
         session_id=response.session_id,
         token_ids=list(response.token_ids),
         text=response.text,
-        logprobs=[{**_logprob(lp), "top": [_logprob(t) for t in lp.top]} for lp in response.logprobs],
+        logprobs=_logprobs(response.logprobs),
         finish_reason=_FINISH_REASONS.get(response.finish_reason),
         usage=({f: getattr(response.usage, f) for f in _USAGE_FIELDS} if response.HasField("usage") else None),
+        index=response.index,
+        prompt_logprobs=_logprobs(response.prompt_logprobs),
     )
+
+
+def _logprobs(logprobs: Sequence[pb.TokenLogprob]) -> list[dict[str, Any]]:
+    return [{**_logprob(lp), "top": [_logprob(t) for t in lp.top]} for lp in logprobs]
 
 
 def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:

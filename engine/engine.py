@@ -8,7 +8,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -22,6 +22,7 @@ from .step.engine_loop import EngineLoop
 from .models.tensor_parallel import shard_of
 from .errors import ContextOverflow, InvalidRequest, Unavailable, UnsupportedModel
 from .gateway.gateway import SLEEP_GATE, Gateway
+from .gateway.kv_events import KvEventLog
 from .machine.hardware import choose_dtype, cpu_features, matmul_gflops
 from .step.kv_cache import auto_kv_cache_tokens, kv_bytes_per_token, kv_cache_dtype
 from .loading.loader import Checkpoint, embedded_model_path, load_checkpoint, read_config
@@ -29,7 +30,8 @@ from .machine.memory import freeze_startup_heap, keep_freed_memory, thaw_heap
 from .gateway.request import Request, RequestKind, RequestOutput
 from .sampling.sampler import SamplingParams
 from .machine.threads import available_cpus, on_fresh_thread
-from .step.weights import quantized_gguf
+from .step.weights import WeightSource, quantized_gguf
+from .loading.pushed import TensorSpec, check_specs, pushed_weights
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,8 @@ class EngineInfo:
     preemptions: int
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
+    computed_tokens: int
+    weight_version: str = "0"
 
 
 class Stream:
@@ -128,6 +132,8 @@ class Engine:
         )  # of SLEEP_TAGS, asleep or partly (a Sleep failed on the way); under _admin_lock
         self._slept: set[str] = set()  # of those, the ones whose Sleep completed (a Sleep again leaves them be)
         self._admin_lock = threading.Lock()  # serializes sleep / wakeup / update_weights; loops never take it
+        self.weight_version = "0"  # the served weights' name (`update_weights`); written under _admin_lock
+        self._weight_updates = 0  # completed weight updates: the default name of the next is one more
         # Sleep calls that have closed admission and not yet ended: a Wakeup ending meanwhile must not reopen it.
         self._sleeps_pending = 0
         self._pending_lock = threading.Lock()  # guards _sleeps_pending; taken under _admin_lock or alone
@@ -258,6 +264,10 @@ class Engine:
         text_turn = bool(session_id) and isinstance(prompt, str)
         first_turn_ids = self.tokenizer.encode_first_turn(prompt, ids) if text_turn else []
         self._check_request(max(ids, first_turn_ids, key=len), params)
+        if session_id and (params.n > 1 or params.prompt_logprobs is not None):
+            raise InvalidRequest("n > 1 and prompt_logprobs are for stateless requests, not session turns")
+        if params.constraint is not None:  # compiled here, off the loop's thread; a bad one refused here
+            self.tokenizer.grammars.compile(params.constraint)
         stream = None if on_output else Stream(self)
         request = Request(
             RequestKind.GENERATE,
@@ -282,6 +292,10 @@ class Engine:
         vocab = self.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
             raise InvalidRequest(f"stop_token_ids must be below the vocabulary size {vocab}")
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise InvalidRequest(f"logit_bias token ids must be below the vocabulary size {vocab}")
+        if params.n > self.config.max_batch_size:
+            raise InvalidRequest(f"n ({params.n}) exceeds the batch's {self.config.max_batch_size} sequences")
         least = max(params.max_new_tokens, params.min_new_tokens)
         if len(ids) + least > self.max_context_length:
             raise ContextOverflow(
@@ -293,17 +307,23 @@ class Engine:
             )
 
     def generate(self, prompt: Prompt, params: SamplingParams | None = None, **kw) -> RequestOutput:
-        """Run one request to the end; the merged output (all tokens and text, last finish reason and usage)."""
-        merged = None
+        """Run one request to the end; the merged output (all tokens and text, last finish reason and usage).
+        A request of n samples: sample 0's (`generate_samples` has them all)."""
+        return self.generate_samples(prompt, params, **kw)[0]
+
+    def generate_samples(self, prompt: Prompt, params: SamplingParams | None = None, **kw) -> list[RequestOutput]:
+        """Run one request to the end; each sample's merged output, by index."""
+        merged: dict[int, RequestOutput] = {}
         for out in self.submit(prompt, params, **kw):
-            if merged is None:
-                merged = out
-            else:
-                merged.token_ids += out.token_ids
-                merged.text += out.text
-                merged.logprobs += out.logprobs
-                merged.finish_reason, merged.usage = out.finish_reason, out.usage
-        return merged
+            into = merged.setdefault(out.index, RequestOutput(out.request_id, out.session_id, index=out.index))
+            into.token_ids += out.token_ids
+            into.text += out.text
+            into.logprobs += out.logprobs
+            into.prompt_logprobs = into.prompt_logprobs or out.prompt_logprobs
+            into.weight_version = out.weight_version if out.token_ids else into.weight_version  # the last tokens'
+            if out.finish_reason is not None:
+                into.finish_reason, into.usage = out.finish_reason, out.usage
+        return [merged[i] for i in sorted(merged)]
 
     def cancel(self, request: Request) -> bool:
         return self.gateway.cancel(request)
@@ -361,6 +381,8 @@ class Engine:
             preemptions=sum(s.preemptions for s in stats),
             prefix_cache_queried_tokens=sum(s.prefix_queried_tokens for s in stats),
             prefix_cache_hit_tokens=sum(s.prefix_hit_tokens for s in stats),
+            computed_tokens=sum(s.computed_tokens for s in stats),
+            weight_version=self.weight_version,
         )
 
     # sleep and wake-up -------------------------------------------------------------------------------------
@@ -432,10 +454,11 @@ class Engine:
             log.info("woke %s; still asleep: %s", sorted(wanted), sorted(self.sleeping))
             return sorted(wanted), sorted(self.sleeping)
 
-    def update_weights(self, path: str) -> None:
+    def update_weights(self, path: str, version: str = "") -> str:
         """Replace the weights with a checkpoint of the same shape, run with its own settings (RoPE, norm eps);
         a mismatch, or a context shorter than the one served, is refused and the old ones stay. Loops pick
-        the new model up at their next step; a step in flight finishes on the old one. The tokenizer stays."""
+        the new model up at their next step; a step in flight finishes on the old one. The tokenizer stays.
+        The new weights are served as `version` (empty: the number of updates so far), which is returned."""
         if not path:
             raise InvalidRequest("path is required: a Hugging Face model directory or a .gguf file")
         with self._admin():
@@ -448,8 +471,47 @@ class Engine:
                     f"checkpoint takes {new.max_position_embeddings} tokens of context, fewer "
                     f"than the {self.max_context_length} served: start a server with it instead"
                 )
-            self.ranks.load_weights(path)
+            version = self._load(path, version)
             self.model_path, self.model_config = path, new
+            return version
+
+    def check_weight_specs(self, specs: Sequence[TensorSpec]) -> None:
+        """Refuses (InvalidRequest, naming it) a pushed tensor the served model has not, by name, shape or
+        dtype, or a set that lacks a weight: what `update_weights_from_tensors` would refuse, asked before the
+        bytes are read."""
+        check_specs(specs, self.model_config)
+
+    def update_weights_from_tensors(self, tensors: Mapping[str, torch.Tensor], version: str = "") -> str:
+        """Replace the weights with `tensors` (every weight of the served model, by Hugging Face name, float32,
+        float16 or bfloat16; a tied head may be left out), served in the engine's dtype as `version` (empty:
+        the number of updates so far), which is returned. Atomic as `update_weights`; a tensor the model has
+        not is refused (InvalidRequest) and nothing changes. A GGUF model's quantized matrices replaced this
+        way are served in float. The tensors are copied: the caller may change its own at once."""
+        with self._admin():
+            if "weights" in self.sleeping:
+                raise Unavailable("the weights are asleep: call Admin.Wakeup with tag 'weights' first")
+            pushed = pushed_weights(tensors, self.model_config)
+            return self._load(pushed, version)
+
+    def _load(self, source: WeightSource, version: str) -> str:
+        """Under `_admin_lock`: every rank serves `source` as `version` (or the next count), or none does."""
+        name = version or str(self._weight_updates + 1)
+        self.ranks.load_weights(source, name)
+        self._weight_updates += 1
+        self.weight_version = name
+        return name
+
+    def flush_prefix_cache(self) -> None:
+        """Every loop forgets its prefix cache's keys at its next step boundary (a gateway's FlushCache); blocks
+        in use stay in use, and later full blocks are keyed again. Returns once every loop has."""
+        with self._admin():
+            self.gateway.control(RequestKind.FLUSH_CACHE)
+
+    @property
+    def kv_events(self) -> KvEventLog:
+        """The prefix cache's block events of every loop, numbered (gateway/kv_events.py); with prefix caching
+        off, none ever comes."""
+        return self.gateway.kv_events
 
     @property
     def weights_bytes(self) -> int:
@@ -463,6 +525,7 @@ class Engine:
         self._shut_down = True
         self.gateway.shutdown()
         self.ranks.shutdown()
+        self.gateway.kv_events.close()  # after the loops' last events: its readers end
         self.gateway.stop_signals()
         thaw_heap()
 

@@ -1,15 +1,19 @@
-"""The Admin service: sleep, wake-up and weight updates, each a blocking engine call run off the event loop."""
+"""The Admin service: sleep, wake-up and weight updates, each a blocking engine call run off the event loop.
+Weights pushed as a stream (`UpdateWeightsFromTensors`) are gathered here, on the event loop, into one buffer;
+the engine sees them only once the stream has committed them whole."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
+import torch
 
 from lmgate.engine.engine import Engine
-from lmgate.engine.errors import EngineError, InternalError
+from lmgate.engine.errors import EngineError, InternalError, InvalidRequest
+from lmgate.engine.loading.pushed import PUSH_DTYPES, TensorSpec
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 
@@ -59,8 +63,61 @@ class AdminServicer(pb_grpc.AdminServicer):
     async def UpdateWeights(
         self, request: pb.UpdateWeightsRequest, context: grpc.aio.ServicerContext
     ) -> pb.UpdateWeightsResponse:
-        await self._run(context, self.engine.update_weights, request.path, self.metrics.weight_updates.inc)
-        return pb.UpdateWeightsResponse()
+        def update_weights(request: pb.UpdateWeightsRequest) -> str:
+            return self.engine.update_weights(request.path, request.weight_version)
+
+        version = await self._run(context, update_weights, request, self.metrics.weight_updates.inc)
+        return pb.UpdateWeightsResponse(weight_version=version)
+
+    async def UpdateWeightsFromTensors(
+        self, request_iterator: AsyncIterator[pb.UpdateWeightsFromTensorsRequest], context: grpc.aio.ServicerContext
+    ) -> pb.UpdateWeightsResponse:
+        denial = admin_denial(context, self.admin_token)
+        if denial is not None:  # before a byte is read
+            await context.abort(*denial)
+        try:
+            version, tensors = await self._receive_tensors(request_iterator)
+        except EngineError as exc:
+            await abort(context, exc)
+
+        def update_weights_from_tensors(pushed: tuple[str, dict[str, torch.Tensor]]) -> str:
+            return self.engine.update_weights_from_tensors(pushed[1], pushed[0])
+
+        version = await self._run(
+            context, update_weights_from_tensors, (version, tensors), self.metrics.weight_updates.inc
+        )
+        return pb.UpdateWeightsResponse(weight_version=version)
+
+    async def _receive_tensors(
+        self, requests: AsyncIterator[pb.UpdateWeightsFromTensorsRequest]
+    ) -> tuple[str, dict[str, torch.Tensor]]:
+        """The header (checked by the engine before any byte is read), its tensors' bytes into one buffer, the
+        commit: the version and the tensors, views of that buffer. A stream that ends otherwise is refused."""
+        header: pb.WeightsHeader | None = None
+        specs: list[TensorSpec] = []
+        buffer = bytearray()
+        received = 0
+        async for request in requests:
+            part = request.WhichOneof("part")
+            if header is None:
+                if part != "header":
+                    raise InvalidRequest("the stream's first message must be its header")
+                header = request.header
+                specs = [TensorSpec(t.name, t.dtype, tuple(t.shape)) for t in header.tensors]
+                self.engine.check_weight_specs(specs)
+                buffer = bytearray(sum(spec.nbytes for spec in specs))
+            elif part == "chunk":
+                if received + len(request.chunk) > len(buffer):
+                    raise InvalidRequest(f"more bytes than the header's tensors hold ({len(buffer)}): nothing changed")
+                buffer[received : received + len(request.chunk)] = request.chunk
+                received += len(request.chunk)
+            elif part == "commit":
+                if received != len(buffer):
+                    raise InvalidRequest(f"commit after {received} of {len(buffer)} bytes: nothing changed")
+                return header.weight_version, _tensors(specs, buffer)
+            else:
+                raise InvalidRequest(f"unexpected {part or 'empty message'} after the header")
+        raise InvalidRequest("the stream ended before its commit: nothing changed")
 
     async def _run(
         self,
@@ -108,3 +165,15 @@ class AdminServicer(pb_grpc.AdminServicer):
             log.warning("admin call failed: %s", error)
         elif error is not None:
             log.error("admin call failed", exc_info=error)
+
+
+def _tensors(specs: list[TensorSpec], buffer: bytearray) -> dict[str, torch.Tensor]:
+    """Each spec's tensor, a view of its bytes in `buffer` (the engine copies what it keeps)."""
+    tensors, at = {}, 0
+    for spec in specs:
+        dtype = PUSH_DTYPES[spec.dtype]
+        count = spec.nbytes // dtype.itemsize
+        flat = torch.frombuffer(buffer, dtype=dtype, count=count, offset=at) if count else torch.empty(0, dtype=dtype)
+        tensors[spec.name] = flat.view(spec.shape)
+        at += spec.nbytes
+    return tensors

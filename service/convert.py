@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 from lmgate.engine.errors import InvalidRequest
-from lmgate.engine.gateway.request import FinishReason, RequestOutput
+from lmgate.engine.gateway.request import FinishReason, RequestOutput, TokenLogprob
+from lmgate.engine.sampling.constraints import Constraint, ConstraintKind
 from lmgate.engine.sampling.sampler import SamplingParams
 from lmgate.v1 import lmgate_pb2 as pb
+from smg_grpc_proto.generated import vllm_engine_pb2 as vllm
 
 _FINISH = {
     None: pb.FINISH_REASON_UNSPECIFIED,
@@ -35,7 +38,22 @@ def sampling_params(s: pb.SamplingParams) -> SamplingParams:
         ignore_eos=s.ignore_eos,
         logprobs=s.logprobs,
         skip_special_tokens=not s.include_special_tokens,
+        n=max(s.n, 1),
+        logit_bias=tuple(sorted(s.logit_bias.items())),
+        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
+        constraint=constraint(s),
     )
+
+
+def constraint(s: pb.SamplingParams | vllm.SamplingParams) -> Constraint | None:
+    """The structured-output constraint of either protocol's SamplingParams (their `constraint` oneofs name the
+    same kinds), or None. A json_object set to false asks for nothing."""
+    kind = s.WhichOneof("constraint")
+    if kind is None or (kind == "json_object" and not s.json_object):
+        return None
+    if kind == "choice":
+        return Constraint.choice(s.choice.choices)
+    return Constraint(ConstraintKind(kind), "" if kind == "json_object" else getattr(s, kind))
 
 
 def prompt(request: pb.GenerateRequest) -> str | list[int] | list[dict[str, str]]:
@@ -54,9 +72,51 @@ def prompt(request: pb.GenerateRequest) -> str | list[int] | list[dict[str, str]
     raise InvalidRequest("no input: set one of prompt, tokens or messages")
 
 
+# A message's most bytes: under a client's default 4 MiB limit on what it receives, with room to spare.
+MAX_MESSAGE_BYTES = 3 << 20
+
+
+def responses(outputs: list[RequestOutput], token_text: Callable[[int], str]) -> list[pb.GenerateResponse]:
+    """Deltas that queued up while the client was slow, sent as one message per run of one sample's; a long
+    prompt's log-probabilities go ahead in messages of their own, each under MAX_MESSAGE_BYTES. Tokens of
+    different weight versions never share a message."""
+    runs = [list(run) for _, run in itertools.groupby(outputs, key=lambda o: o.index)]
+    return [part for run in runs for same in _by_weight_version(run) for part in _split(merge(same, token_text))]
+
+
+def _by_weight_version(run: list[RequestOutput]) -> list[list[RequestOutput]]:
+    """A sample's run cut where the weights that computed its tokens change (an output without tokens stays
+    with the one before it)."""
+    parts: list[list[RequestOutput]] = [[]]
+    version = None
+    for out in run:
+        if out.token_ids and version is not None and out.weight_version != version:
+            parts.append([])
+        if out.token_ids:
+            version = out.weight_version
+        parts[-1].append(out)
+    return parts
+
+
+def _split(msg: pb.GenerateResponse) -> list[pb.GenerateResponse]:
+    size = msg.ByteSize()
+    if size <= MAX_MESSAGE_BYTES or not msg.prompt_logprobs:
+        return [msg]
+    scored = list(msg.prompt_logprobs)
+    per = max(1, len(scored) * MAX_MESSAGE_BYTES // size)
+    del msg.prompt_logprobs[:]
+    heads = [
+        pb.GenerateResponse(
+            request_id=msg.request_id, session_id=msg.session_id, index=msg.index, prompt_logprobs=scored[at : at + per]
+        )
+        for at in range(0, len(scored), per)
+    ]
+    return [*heads, msg]
+
+
 def merge(outputs: list[RequestOutput], token_text: Callable[[int], str]) -> pb.GenerateResponse:
-    """Deltas that queued up while the client was slow, sent as one message; `token_text` names each
-    log-probability's token (`Tokenizer.token_text`)."""
+    """Deltas of one sample, sent as one message; `token_text` names each log-probability's token
+    (`Tokenizer.token_text`)."""
     last = outputs[-1]
     msg = pb.GenerateResponse(
         request_id=last.request_id,
@@ -64,17 +124,25 @@ def merge(outputs: list[RequestOutput], token_text: Callable[[int], str]) -> pb.
         token_ids=[t for o in outputs for t in o.token_ids],
         text="".join(o.text for o in outputs),
         finish_reason=_FINISH[last.finish_reason],
+        index=last.index,
+        weight_version=next((o.weight_version for o in outputs if o.token_ids), ""),
     )
     for o in outputs:
-        for lp in o.logprobs:
-            msg.logprobs.add(
-                token_id=lp.token_id,
-                logprob=lp.logprob,
-                token=token_text(lp.token_id),
-                top=[pb.TopLogprob(token_id=t, logprob=v, token=token_text(t)) for t, v in lp.top],
-            )
+        add_logprobs(msg.logprobs, o.logprobs, token_text)
+        add_logprobs(msg.prompt_logprobs, o.prompt_logprobs or [], token_text)
     if last.usage is not None:
         msg.usage.CopyFrom(
             pb.Usage(**{f: getattr(last.usage, f) for f in ("prompt_tokens", "completion_tokens", "cached_tokens")})
         )
     return msg
+
+
+def add_logprobs(into, logprobs: list[TokenLogprob], token_text: Callable[[int], str]) -> None:
+    """Append each token's log-probability and alternatives, with their texts, to a repeated TokenLogprob."""
+    for lp in logprobs:
+        into.add(
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            token=token_text(lp.token_id),
+            top=[pb.TopLogprob(token_id=t, logprob=v, token=token_text(t)) for t, v in lp.top],
+        )

@@ -17,7 +17,7 @@ def default_replica_id() -> str:
 
 class ReplicaHeaderInterceptor(grpc.aio.ServerInterceptor):
     """Sends the replica id as header metadata before a handler of `prefix` runs (health and reflection are
-    left as they are)."""
+    left as they are); lmgate's services have no bidirectional streams."""
 
     def __init__(self, replica_id: str, prefix: str = "/lmgate.v1.") -> None:
         self._metadata = ((HEADER, replica_id),)
@@ -45,6 +45,16 @@ class ReplicaHeaderInterceptor(grpc.aio.ServerInterceptor):
 
             return grpc.unary_stream_rpc_method_handler(
                 stream, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.stream_unary:  # Admin.UpdateWeightsFromTensors
+            inner_upload = handler.stream_unary
+
+            async def upload(requests, context: grpc.aio.ServicerContext):
+                await context.send_initial_metadata(metadata)
+                return await inner_upload(requests, context)
+
+            return grpc.stream_unary_rpc_method_handler(
+                upload, handler.request_deserializer, handler.response_serializer
             )
         inner_unary = handler.unary_unary
 

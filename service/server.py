@@ -183,10 +183,17 @@ class Server:
             self._expiry.cancel()
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.engine.gateway.close_admission("shutdown", "the server is shutting down")
-        await self.inference.wait_idle(grace)
+        await self._wait_idle(grace)
         await asyncio.to_thread(self.engine.shutdown)
         await self.grpc.stop(SHUTDOWN_FLUSH_SECONDS)
         self.inference.close()
+
+    async def _wait_idle(self, timeout: float) -> None:
+        """Until no Generate stream of either service is open, or `timeout` seconds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while (self.inference.busy or self.worker.busy) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
 
     async def _set_health(self, status: int) -> None:
         for name in ("",) + SERVICES:

@@ -55,12 +55,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     def close(self) -> None:
         self._encoders.shutdown(wait=False)
 
-    async def wait_idle(self, timeout: float) -> None:
-        """Until no Generate stream is open, or `timeout` seconds."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while (self._requests or self._submitting) and loop.time() < deadline:
-            await asyncio.sleep(0.05)
+    @property
+    def busy(self) -> bool:
+        """A Generate stream is open."""
+        return bool(self._requests or self._submitting)
 
     async def Start(self, request: pb.StartRequest, context: grpc.aio.ServicerContext) -> pb.StartResponse:
         try:
@@ -129,7 +127,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     await abort(context, error)
                 finished = batch[-1].finished
                 tracker.tokens(tokens, batch[-1].finish_reason, batch[-1].usage)
-                yield convert.merge(batch, self.engine.tokenizer.token_text)
+                for response in convert.responses(batch, self.engine.tokenizer.token_text):
+                    yield response
         finally:
             if finished:
                 del self._requests[request_id]
@@ -242,9 +241,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             kv_cache_dtype=str(self.engine.kv_dtype).removeprefix("torch."),
             prefix_cache_queried_tokens=i.prefix_cache_queried_tokens,
             prefix_cache_hit_tokens=i.prefix_cache_hit_tokens,
+            computed_tokens=i.computed_tokens,
             prefix_cache_hit_rate=i.prefix_cache_hit_tokens / max(i.prefix_cache_queried_tokens, 1),
             replica_id=self.replica_id,
             device=str(self.engine.device),
+            weight_version=i.weight_version,
         )
 
 

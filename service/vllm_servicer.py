@@ -3,17 +3,20 @@ served beside lmgate.v1 on the same port: the Shepherd Model Gateway (smg) front
 SGLang and TensorRT-LLM workers, and gives it the OpenAI API.
 
 A thin mapping onto the engine's calls, as `InferenceServicer` is; nothing here holds engine state but the ids of
-the streams it serves, for `Abort`. What the protocol has and the engine does not serve yet (`n` above 1, prompt
-log-probabilities, a logit bias, structured outputs) is INVALID_ARGUMENT naming it, before anything is queued.
+the streams it serves, for `Abort`. A request's `n` samples stream interleaved, each message naming its sample's
+index, each sample ending with its own GenerateComplete. Its structured-output `constraint` is the engine's
+(`convert.constraint`). What the protocol has and the engine does not serve yet (prompt truncation, stop strings
+kept in the output) is INVALID_ARGUMENT naming it, before anything is queued.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import datetime
-import functools
 import hashlib
 import io
+import itertools
 import json
 import os
 import time
@@ -27,10 +30,12 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vllm
 
 from lmgate.engine.engine import Engine
 from lmgate.engine.errors import EngineError, InvalidRequest
-from lmgate.engine.gateway.request import FinishReason, Request, RequestOutput
+from lmgate.engine.gateway.request import FinishReason, Request, RequestOutput, TokenLogprob
 from lmgate.engine.loading.loader import read_generation_defaults
 from lmgate.engine.sampling.sampler import MAX_LOGPROBS, SamplingParams
 
+from .kv_events import kv_event_stream
+from . import convert
 from .relay import OutputRelay
 from .servicer import queued_behind
 from .status import abort
@@ -46,20 +51,18 @@ def sampling_params(s: vllm.SamplingParams) -> SamplingParams:
     unserved = [
         name
         for name, asked in (
-            ("n > 1", s.n > 1),
-            ("prompt_logprobs", s.HasField("prompt_logprobs")),
-            ("logit_bias", bool(s.logit_bias)),
             ("truncate_prompt_tokens", s.HasField("truncate_prompt_tokens")),
             ("include_stop_str_in_output", s.include_stop_str_in_output),
-            (f"a {s.WhichOneof('constraint')} constraint (structured outputs)", s.WhichOneof("constraint") is not None),
         )
         if asked
     ]
     if unserved:
         raise InvalidRequest(f"lmgate does not serve {', '.join(unserved)} yet")
     logprobs = s.logprobs if s.HasField("logprobs") else 0
-    if logprobs < 0:
-        raise InvalidRequest(f"logprobs -1 (the whole vocabulary) is not served: at most {MAX_LOGPROBS}")
+    prompt_logprobs = s.prompt_logprobs if s.HasField("prompt_logprobs") else None
+    for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+        if value is not None and value < 0:
+            raise InvalidRequest(f"{name} -1 (the whole vocabulary) is not served: at most {MAX_LOGPROBS}")
     return SamplingParams(
         max_new_tokens=s.max_tokens if s.HasField("max_tokens") else 0,
         min_new_tokens=s.min_tokens,
@@ -76,6 +79,10 @@ def sampling_params(s: vllm.SamplingParams) -> SamplingParams:
         ignore_eos=s.ignore_eos,
         logprobs=logprobs,
         skip_special_tokens=s.skip_special_tokens,
+        n=max(s.n, 1),
+        logit_bias=tuple(sorted(s.logit_bias.items())),
+        prompt_logprobs=prompt_logprobs,
+        constraint=convert.constraint(s),
     )
 
 
@@ -108,6 +115,46 @@ def output_logprobs(outputs: list[RequestOutput]) -> vllm.OutputLogProbs | None:
     )
 
 
+# A message's most bytes (the gateway's limit on what it receives is 4 MiB), and what the logprobs of one position
+# with k alternatives take at most: the token's id and logprob, each alternative's, and the messages around them.
+MAX_MESSAGE_BYTES = 3 << 20
+
+
+def logprob_bytes(alternatives: int) -> int:
+    return 10 * (alternatives + 1) + 8
+
+
+def check_message_sizes(params: SamplingParams, prompt_len: int, stream: bool, default_max_tokens: int) -> None:
+    """INVALID_ARGUMENT, before anything is queued, for a request whose log-probabilities would not fit in one
+    message: the prompt's all go in one (its first chunk, or its complete), and so do the output's when not
+    streaming (its complete)."""
+    if params.prompt_logprobs is not None and prompt_len * logprob_bytes(params.prompt_logprobs) > MAX_MESSAGE_BYTES:
+        raise InvalidRequest(
+            f"prompt_logprobs of {prompt_len} prompt tokens with {params.prompt_logprobs} alternatives each exceed a "
+            f"message's {MAX_MESSAGE_BYTES >> 20} MiB: ask for fewer alternatives, or score a shorter prompt"
+        )
+    most = params.max_new_tokens or default_max_tokens
+    if not stream and params.logprobs and most * logprob_bytes(params.logprobs) > MAX_MESSAGE_BYTES:
+        raise InvalidRequest(
+            f"logprobs of up to {most} tokens with {params.logprobs} alternatives each exceed a message's "
+            f"{MAX_MESSAGE_BYTES >> 20} MiB when not streaming: stream them, or ask for fewer"
+        )
+
+
+def input_logprobs(first_token: int, logprobs: list[TokenLogprob] | None) -> vllm.InputLogProbs | None:
+    """The prompt's logprobs as vLLM sends them: one per prompt token, the first without a value."""
+    if not logprobs:
+        return None
+    return vllm.InputLogProbs(
+        token_logprobs=[vllm.InputTokenLogProb(), *(vllm.InputTokenLogProb(value=lp.logprob) for lp in logprobs)],
+        token_ids=[first_token, *(lp.token_id for lp in logprobs)],
+        top_logprobs=[
+            vllm.TopLogProbs(),
+            *(vllm.TopLogProbs(values=[v for _, v in lp.top], token_ids=[t for t, _ in lp.top]) for lp in logprobs),
+        ],
+    )
+
+
 class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     """On the gRPC event loop; reaches the engine only through its thread-safe calls. `_requests` (request id ->
     engine request, for Abort) is touched only on the event loop."""
@@ -120,6 +167,11 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         self._requests: dict[str, Request] = {}
         self._relay: OutputRelay | None = None
         self._started = time.time()
+
+    @property
+    def busy(self) -> bool:
+        """A Generate stream is open."""
+        return bool(self._requests)
 
     async def HealthCheck(
         self, request: vllm.HealthCheckRequest, context: grpc.aio.ServicerContext
@@ -207,6 +259,30 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 self.engine.cancel(running)
         return vllm.AbortResponse()
 
+    async def SubscribeKvEvents(
+        self, request: common_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[common_pb2.KvEventBatch]:
+        """The prefix cache's block events, for the gateway's cache-aware routing (service/kv_events.py);
+        UNIMPLEMENTED without prefix caching, which the gateway takes for "no events here"."""
+        if not self.engine.config.prefix_caching:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "prefix caching is off: no KV events")
+        events = kv_event_stream(
+            self.engine.kv_events, self.engine.config.block_size, request.start_sequence_number, context
+        )
+        async for batch in events:
+            yield batch
+
+    async def FlushCache(
+        self, request: common_pb2.FlushCacheRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.FlushCacheResponse:
+        """Forget the prefix cache at once, with requests in flight or not (`timeout_s` has nothing to wait for):
+        what runs keeps its blocks. The gateway's POST /flush_cache sends it to every worker."""
+        try:
+            await asyncio.to_thread(self.engine.flush_prefix_cache)
+        except EngineError as exc:
+            return common_pb2.FlushCacheResponse(success=False, message=str(exc))
+        return common_pb2.FlushCacheResponse(success=True, message="the prefix cache is empty")
+
     async def Generate(
         self, request: vllm.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[vllm.GenerateResponse]:
@@ -214,24 +290,28 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         request_id = request.request_id or uuid.uuid4().hex
         try:
+            params = sampling_params(request.sampling_params)
+            if request.HasField("tokenized"):
+                prompt = list(request.tokenized.input_ids)
+            elif request.text:  # encoded off the event loop: a long text takes a while
+                prompt = await asyncio.to_thread(self.engine.encode_prompt, request.text)
+            else:
+                raise InvalidRequest("no input: set tokenized.input_ids or text")
+            check_message_sizes(params, len(prompt), request.stream, self.engine.config.default_max_new_tokens)
             if request_id in self._requests:
                 raise InvalidRequest(f"request_id {request_id!r} is already in use by an active request")
-            params = sampling_params(request.sampling_params)
-            prompt: list[int] | str = (
-                list(request.tokenized.input_ids) if request.HasField("tokenized") else request.text
+            running = self.engine.submit(
+                prompt, params, request_id=request_id, on_output=lambda out: relay.put(outputs, out)
             )
-            if not prompt:
-                raise InvalidRequest("no input: set tokenized.input_ids or text")
-            submit = functools.partial(
-                self.engine.submit, prompt, params, request_id=request_id, on_output=lambda out: relay.put(outputs, out)
-            )
-            running = submit() if isinstance(prompt, list) else await self._encoded(submit)
         except EngineError as exc:
             await abort(context, exc)
         self._requests[request_id] = running
-        prompt_tokens = len(prompt) if isinstance(prompt, list) else 0
-        received: list[RequestOutput] = []  # all of them where the end carries every token (not streaming)
-        tokens: list[int] = []
+        prompt_tokens = len(running.input_ids)
+        # Per sample: its tokens so far, and (not streaming) its outputs, all sent with its end. Not streaming, the
+        # ends go together, in the order of their index: the gateway numbers the choices in the order they come.
+        tokens: dict[int, list[int]] = collections.defaultdict(list)
+        received: dict[int, list[RequestOutput]] = collections.defaultdict(list)
+        ends: dict[int, vllm.GenerateComplete] = {}
         finished = False
         try:
             while not finished:
@@ -240,34 +320,34 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                 if error is not None:
                     finished = True
                     await abort(context, error)
-                new = [t for o in batch for t in o.token_ids]
-                tokens += new
                 finished = batch[-1].finished
-                if request.stream and new:
-                    chunk = vllm.GenerateStreamChunk(
-                        token_ids=new,
-                        prompt_tokens=prompt_tokens,
-                        completion_tokens=len(new),
-                        output_logprobs=output_logprobs(batch),
-                    )
-                    yield vllm.GenerateResponse(chunk=chunk)
-                elif not request.stream:
-                    received += batch
-                if finished:
-                    yield vllm.GenerateResponse(complete=self._complete(running, batch[-1], tokens, received))
+                for index, group in itertools.groupby(batch, key=lambda o: o.index):
+                    run = list(group)
+                    new = [t for o in run for t in o.token_ids]
+                    tokens[index] += new
+                    if request.stream and new:
+                        chunk = vllm.GenerateStreamChunk(
+                            token_ids=new,
+                            prompt_tokens=prompt_tokens,
+                            completion_tokens=len(new),
+                            output_logprobs=output_logprobs(run),
+                            input_logprobs=input_logprobs(running.input_ids[0], run[0].prompt_logprobs),
+                            index=index,
+                        )
+                        yield vllm.GenerateResponse(chunk=chunk)
+                    elif not request.stream:
+                        received[index] += run
+                    if run[-1].finish_reason is not None:
+                        ends[index] = self._complete(running, run[-1], tokens[index], received[index])
+                        if request.stream:
+                            yield vllm.GenerateResponse(complete=ends[index])
+            if not request.stream:
+                for index in sorted(ends):
+                    yield vllm.GenerateResponse(complete=ends[index])
         finally:
             if not finished:  # the gateway left (its client did): nothing runs on for nobody
                 self.engine.cancel(running)
             del self._requests[request_id]
-
-    async def _encoded(self, submit: Callable[[], Request]) -> Request:
-        """A text prompt is encoded on a worker thread; a caller who leaves meanwhile cancels what it submitted."""
-        future = asyncio.get_running_loop().run_in_executor(None, submit)
-        try:
-            return await asyncio.shield(future)
-        except asyncio.CancelledError:
-            future.add_done_callback(lambda f: f.exception() is None and self.engine.cancel(f.result()))
-            raise
 
     def _complete(
         self, running: Request, last: RequestOutput, tokens: list[int], received: list[RequestOutput]
@@ -282,8 +362,12 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             cached_tokens=usage.cached_tokens if usage else 0,
             output_ids=tokens if received else (),
             output_logprobs=output_logprobs(received),
+            input_logprobs=input_logprobs(running.input_ids[0], next((o.prompt_logprobs for o in received), None)),
+            index=last.index,
         )
         stops = self.engine.tokenizer.eos_token_ids | set(running.params.stop_token_ids)
-        if last.finish_reason is FinishReason.STOP and tokens and tokens[-1] in stops:
+        if last.stop_string is not None:
+            complete.matched_stop_str = last.stop_string
+        elif last.finish_reason is FinishReason.STOP and tokens and tokens[-1] in stops:
             complete.matched_token_id = tokens[-1]
         return complete

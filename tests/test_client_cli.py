@@ -21,7 +21,7 @@ import pytest
 
 from lmgate.client import AsyncClient, Client, Delta, Session, Tls
 from lmgate.client import bench
-from lmgate.client.cli import SAMPLING_FLAGS, build_parser, main
+from lmgate.client.cli import SAMPLING_FLAGS, _sampling, build_parser, main
 from lmgate.client.wire import SAMPLING_FIELDS, bearer_metadata, generate_request, sampling_params, to_delta
 from lmgate.engine.config import EngineConfig
 from lmgate.engine.sampling.sampler import SamplingParams
@@ -75,13 +75,21 @@ def test_every_sampling_field_is_a_keyword():
         ignore_eos=True,
         logprobs=5,
         include_special_tokens=True,
+        n=3,
+        logit_bias={5: 1.5},
+        prompt_logprobs=0,
     )
-    assert set(values) == SAMPLING_FIELDS
+    constraints = dict(json_schema="{}", regex="a+", grammar="root ::= 'a'", json_object=True, structural_tag="{}")
+    assert set(values) | set(constraints) | {"choice"} == SAMPLING_FIELDS
     s = generate_request("x", **values).sampling
     for name, value in values.items():
         got = getattr(s, name)
-        assert (list(got) if isinstance(value, list) else got) == value, name
-    assert s.HasField("seed")  # seed 0 is a seed, not "random"
+        assert (list(got) if isinstance(value, list) else dict(got) if isinstance(value, dict) else got) == value, name
+    assert s.HasField("seed") and s.HasField("prompt_logprobs")  # 0 is a value, not "unset"
+    for name, value in constraints.items():  # a oneof: one at a time
+        assert getattr(generate_request("x", **{name: value}).sampling, name) == value
+    choice = generate_request("x", choice=["yes", "no"]).sampling  # a list of strings will do
+    assert choice.WhichOneof("constraint") == "choice" and list(choice.choice.choices) == ["yes", "no"]
 
 
 def test_sampling_none_means_unset_and_a_string_is_one_stop():
@@ -277,6 +285,9 @@ def test_sampling_flags_are_sampling_fields():
     s = sampling_params(**{name: getattr(args, name) for name in SAMPLING_FLAGS})
     assert (s.max_new_tokens, s.top_k, s.seed, list(s.stop), s.ignore_eos) == (9, 5, 1, ["a", "b", "c"], True)
     assert s.temperature == pytest.approx(0.7) and s.top_p == pytest.approx(0.9)
+    choice = sampling_params(**_sampling(build_parser().parse_args("generate hi --choice a --choice b".split())))
+    assert list(choice.choice.choices) == ["a", "b"]
+    assert sampling_params(**_sampling(build_parser().parse_args(["generate", "hi", "--regex", "x+"]))).regex == "x+"
 
 
 def test_bench_defaults():

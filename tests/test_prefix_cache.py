@@ -195,6 +195,7 @@ def test_block_manager_evicts_least_recently_released_cached_block():
         def __init__(self, tokens):
             super().__init__(0)
             self.token_ids = tokens
+            self.prompt_logprobs = None
 
     first, second = Seq([1, 2, 3, 4, 9]), Seq([5, 6, 7, 8, 9])
     for seq in (first, second):
@@ -222,6 +223,7 @@ def test_a_block_is_shared_only_after_the_same_whole_prefix():
         def __init__(self, tokens):
             super().__init__(0)
             self.token_ids = tokens
+            self.prompt_logprobs = None
 
     victim, crafted = [7, 8, 3, 4, 9], [7 + 2**61 - 1, 8, 3, 4, 9]
     assert hash(tuple(victim[:2])) == hash(tuple(crafted[:2]))

@@ -13,6 +13,8 @@ import time
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from smg_grpc_proto.generated import vllm_engine_pb2 as vllm
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
 
 from lmgate.engine.config import EngineConfig
 from lmgate.engine.engine import Engine
@@ -52,14 +54,18 @@ def test_sigterm_serves_a_request_queued_before_it_in_the_grace_period(flags):
         assert next(m for m in running if m.token_ids)
         few = pb.SamplingParams(max_new_tokens=5, ignore_eos=True)
         queued = stub.Generate(pb.GenerateRequest(prompt="Hello", sampling=few), timeout=GUARD)
+        worker = vllm_grpc.VllmEngineStub(channel)  # the gateway's protocol gets the same grace
+        gateway_params = vllm.SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+        gateways = worker.Generate(vllm.GenerateRequest(text="Hi", sampling_params=gateway_params), timeout=GUARD)
         deadline = time.monotonic() + GUARD
-        while not (info := stub.Info(pb.InfoRequest())).queued_requests + info.waiting_requests:
-            assert time.monotonic() < deadline, "the second request never reached the engine"
+        while (info := stub.Info(pb.InfoRequest())).queued_requests + info.waiting_requests < 2:
+            assert time.monotonic() < deadline, "the queued requests never reached the engine"
         proc.send_signal(signal.SIGTERM)
         assert list(running)[-1].finish_reason == pb.FINISH_REASON_LENGTH
         replies = list(queued)
         assert replies[-1].finish_reason == pb.FINISH_REASON_LENGTH
         assert sum(len(m.token_ids) for m in replies) == 5
+        assert list(gateways)[-1].complete.finish_reason == "length"
         assert proc.wait(timeout=GUARD) == 0
     finally:
         proc.kill()

@@ -112,28 +112,88 @@ def test_generate_equals_lmgate_v1_with_its_logprobs(worker, stream):
     assert (done.finish_reason, done.prompt_tokens, done.completion_tokens) == ("length", len(ids), 12)
 
 
-def test_a_stop_token_ends_the_stream_as_stop_and_names_it(worker):
+def test_a_stop_token_or_string_ends_the_stream_as_stop_and_names_it(worker):
     tokenizer = worker.engine.tokenizer
     prompt = tokenizer.apply_chat_template(MESSAGES)
     done = generate(worker, tokenizer.encode(prompt, add_special_tokens=False), True, temperature=0, max_tokens=64)[-1]
     assert done.complete.finish_reason == "stop" and done.complete.matched_token_id in tokenizer.eos_token_ids
+    ids = tokenizer.encode("The capital of France is")
+    text = tokenizer.decode(list(generate(worker, ids, False, temperature=0, max_tokens=8)[-1].complete.output_ids))
+    cut = text[4:7]
+    done = generate(worker, ids, True, temperature=0, max_tokens=8, stop=["@@", cut])[-1].complete
+    assert (done.finish_reason, done.WhichOneof("matched_stop"), done.matched_stop_str) == (
+        "stop",
+        "matched_stop_str",
+        cut,
+    )
 
 
 @pytest.mark.parametrize(
     "sampling, words",
     [
-        ({"n": 2}, "n > 1"),
-        ({"logit_bias": {5: 1.0}}, "logit_bias"),
-        ({"prompt_logprobs": 1}, "prompt_logprobs"),
-        ({"json_schema": '{"type": "object"}'}, "json_schema constraint"),
+        ({"n": 200}, "n must be"),
+        ({"logit_bias": {5: 101.0}}, "logit_bias"),
+        ({"prompt_logprobs": -1}, "whole vocabulary"),
+        ({"truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
+        ({"json_schema": "{not json"}, "invalid json_schema constraint"),
         ({"logprobs": -1}, "whole vocabulary"),
         ({"temperature": -1}, "temperature"),
     ],
 )
-def test_what_is_not_served_is_invalid_argument_naming_it(worker, sampling, words):
+def test_what_is_not_served_or_wrong_is_invalid_argument_naming_it(worker, sampling, words):
     with pytest.raises(grpc.RpcError) as err:
         generate(worker, [1, 2, 3], True, **sampling)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in err.value.details()
+    assert_idle(worker)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_n_samples_each_end_with_a_complete_of_their_index(worker, stream):
+    """What the gateway sends for `n`: one stream, the samples' chunks interleaved by index, a complete each; each
+    sample equal to an lmgate.v1 request with seed + index."""
+    ids = worker.engine.tokenizer.encode("Once upon a time")
+    messages = generate(worker, ids, stream, temperature=1.0, seed=4, n=3, max_tokens=10, ignore_eos=True)
+    completes = [m.complete for m in messages if m.HasField("complete")]
+    assert sorted(c.index for c in completes) == [0, 1, 2] and messages[-1].HasField("complete")
+    for c in completes:
+        tokens = [t for m in messages if m.HasField("chunk") and m.chunk.index == c.index for t in m.chunk.token_ids]
+        tokens = tokens if stream else list(c.output_ids)
+        seeded = pb.SamplingParams(seed=4 + c.index, temperature=1.0, max_new_tokens=10, ignore_eos=True)
+        reference = lmgate_v1(worker, tokens=pb.TokenIds(ids=ids), sampling=seeded)
+        assert tokens == [t for m in reference for t in m.token_ids]
+        assert (c.finish_reason, c.completion_tokens, c.prompt_tokens) == ("length", 10, len(ids))
+    assert_idle(worker)
+
+
+def test_what_the_gateway_never_sends_text_input_prompt_logprobs_and_logit_bias(worker):
+    tokenizer = worker.engine.tokenizer
+    text = "The capital of France is"
+    request = vllm.GenerateRequest(
+        text=text, stream=False, sampling_params=vllm.SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=2)
+    )
+    (message,) = list(stub(worker).Generate(request, timeout=GUARD))
+    ids = tokenizer.encode(text)
+    scored = message.complete.input_logprobs
+    assert list(scored.token_ids) == ids and not scored.token_logprobs[0].HasField("value")
+    reference = lmgate_v1(worker, prompt=text, sampling=pb.SamplingParams(max_new_tokens=4, prompt_logprobs=2))
+    assert [lp.value for lp in scored.token_logprobs[1:]] == [lp.logprob for lp in reference[0].prompt_logprobs]
+    assert [list(top.token_ids) for top in scored.top_logprobs[1:]] == [
+        [t.token_id for t in lp.top] for lp in reference[0].prompt_logprobs
+    ]
+    assert list(message.complete.output_ids) == [t for m in reference for t in m.token_ids]
+    first = message.complete.output_ids[0]
+    biased = generate(worker, ids, False, temperature=0, max_tokens=4, logit_bias={first: -100.0})
+    assert biased[-1].complete.output_ids[0] != first
+    assert_idle(worker)
+
+
+def test_logprobs_that_would_not_fit_in_a_message_are_refused_before_anything_runs(worker):
+    with pytest.raises(grpc.RpcError) as err:  # a prompt's go in one message: 15,000 x 21 would not fit
+        generate(worker, [1] * 15000, True, prompt_logprobs=20, max_tokens=1)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "exceed a message" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:  # not streaming, the output's too
+        generate(worker, [1, 2], False, logprobs=20, max_tokens=20000)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "stream them" in err.value.details()
     assert_idle(worker)
 
 
@@ -250,13 +310,51 @@ def test_completions_stop_strings_length_and_logprobs_through_the_gateway(worker
     assert stopped.choices[0].finish_reason == "stop"
 
 
+def test_n_choices_each_equal_the_lmgate_v1_request_with_seed_plus_index(worker, openai_client):
+    reply = openai_client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=1.0, seed=7, n=3, max_tokens=12
+    )
+    assert sorted(c.index for c in reply.choices) == [0, 1, 2]
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in MESSAGES])
+    streamed = openai_client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=1.0, seed=7, n=3, max_tokens=12, stream=True
+    )
+    deltas = [c for chunk in streamed for c in chunk.choices]
+    for choice in reply.choices:
+        seeded = pb.SamplingParams(seed=7 + choice.index, temperature=1.0, max_new_tokens=12)
+        text = "".join(m.text for m in lmgate_v1(worker, messages=chat, sampling=seeded))
+        assert choice.message.content == text
+        assert "".join(d.delta.content or "" for d in deltas if d.index == choice.index) == text
+    assert_idle(worker)
+
+
+def test_structured_outputs_through_the_gateway(worker, openai_client):
+    """The gateway sends the worker a json_schema constraint for `response_format`, a choice for none: lmgate's
+    masks hold the reply to it."""
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green", "blue"]}, "count": {"type": "integer", "minimum": 1}},
+        "required": ["color", "count"],
+        "additionalProperties": False,
+    }
+    response_format = {"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}}
+    for seed in range(3):
+        reply = openai_client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, temperature=1.0, seed=seed, max_tokens=60, response_format=response_format
+        )
+        jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
+    assert_idle(worker)
+
+
 def test_bad_requests_get_the_http_status_a_user_expects(worker, openai_client):
     import openai
 
     with pytest.raises(openai.BadRequestError):  # past the context window
         openai_client.completions.create(model=MODEL, prompt="word " * 9000, max_tokens=8)
-    with pytest.raises(openai.BadRequestError):  # not served yet: lmgate's INVALID_ARGUMENT
-        openai_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, n=2)
+    with pytest.raises(openai.BadRequestError):  # lmgate's INVALID_ARGUMENT
+        openai_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, presence_penalty=5)
     assert_idle(worker)
 
 

@@ -23,6 +23,7 @@ from typing import Callable, Iterator
 
 from ..errors import EngineError, SessionExists, Unavailable
 from ..comm import HostComm, RedOp
+from .kv_events import KvEventLog, RawEvent
 from .request import CancelFlag, FinishReason, Request, RequestKind, RequestOutput, Usage
 from .request_queue import RequestQueue
 from .sequence_binding import SequenceBinding
@@ -51,6 +52,7 @@ class Gateway:
         self._stopping = False
         self._signal_thread = threading.Thread(target=self._signal_loop, name="lmgate-signal", daemon=True)
         self._signal_thread.start()
+        self.kv_events = KvEventLog()  # the loops' prefix-cache block events, for a gateway's router
 
     # admission ---------------------------------------------------------------------------------------------
 
@@ -244,6 +246,11 @@ class Gateway:
                 self._signal_cond.notify()
                 return
         self._deliver_all(signals)
+
+    def publish_kv_events(self, rank: int, events: list[RawEvent]) -> None:
+        """A loop's prefix-cache events of one step, before its outputs are delivered (a client that sees its
+        reply and sends the next turn finds them published). A rank process's gateway sends them instead."""
+        self.kv_events.publish(rank, events)
 
     def shutdown(self, error: EngineError | None = None) -> None:
         """Refuse new work and end what is still queued: CANCELLED, or with `error` (a rank failed)."""

@@ -35,7 +35,9 @@ class TokenLogprob:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """One delta of a stream; the last carries finish_reason and usage, or an error."""
+    """One delta of a stream; the last carries finish_reason and usage, or an error. Of a request with n
+    samples, each sample's deltas carry its `index`, and each sample's last its finish_reason and usage: the
+    request's last is the one of those without `others_running`."""
 
     request_id: str
     session_id: int
@@ -45,10 +47,16 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: EngineError | None = None
+    index: int = 0  # which of the request's samples
+    others_running: bool = False  # this sample ended, others of the request have not
+    prompt_logprobs: list[TokenLogprob] | None = None  # on sample 0's first output, when asked: from token 1
+    stop_string: str | None = None  # on a last output: the stop string that ended it
+    weight_version: str = ""  # the weights that computed token_ids (one version per output); "" without tokens
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None or self.error is not None
+        """The request's last output."""
+        return (self.finish_reason is not None and not self.others_running) or self.error is not None
 
     def __reduce__(self) -> tuple:
         """Pickled as its fields in order: a rank process sends a few hundred a step, and pickle's way with a
@@ -62,6 +70,11 @@ class RequestOutput:
             self.finish_reason,
             self.usage,
             self.error,
+            self.index,
+            self.others_running,
+            self.prompt_logprobs,
+            self.stop_string,
+            self.weight_version,
         )
 
 
@@ -102,6 +115,7 @@ class RequestKind(enum.Enum):
     KILL = "kill"  # end a session: cancel its active generation, free its KV
     SLEEP = "sleep"  # control: cancel everything, end all sessions, free the KV cache
     WAKE_KV = "wake_kv"  # control: allocate the KV cache again
+    FLUSH_CACHE = "flush_cache"  # control: forget the prefix cache's keys; blocks in use stay in use
 
 
 @dataclass(eq=False)

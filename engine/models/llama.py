@@ -166,6 +166,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.fused_decode: FusedDecode | None = None  # set by build_model on the CPU (fused_decode.py)
+        self.weight_version = ""  # the engine's name for these weights (LocalWeights), reported with their tokens
 
     def forward(
         self,
@@ -204,3 +205,32 @@ def pack_weights(
     if (cfg.tie_word_embeddings or "lm_head.weight" not in packed) and "model.embed_tokens.weight" in packed:
         packed["lm_head.weight"] = packed["model.embed_tokens.weight"]
     return packed
+
+
+def hf_weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight a checkpoint of this shape holds, by Hugging Face name (`pack_weights`' inputs), with its
+    shape; `lm_head.weight` among them even when tied (transformers' `state_dict()` names it)."""
+    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (cfg.vocab_size, h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (cfg.vocab_size, h),
+    }
+    for i in range(cfg.num_layers):
+        layer, attn = f"model.layers.{i}", f"model.layers.{i}.self_attn"
+        shapes |= {
+            f"{layer}.input_layernorm.weight": (h,),
+            f"{layer}.post_attention_layernorm.weight": (h,),
+            f"{attn}.q_proj.weight": (q, h),
+            f"{attn}.k_proj.weight": (kv, h),
+            f"{attn}.v_proj.weight": (kv, h),
+            f"{attn}.o_proj.weight": (h, q),
+            f"{layer}.mlp.gate_proj.weight": (cfg.intermediate_size, h),
+            f"{layer}.mlp.up_proj.weight": (cfg.intermediate_size, h),
+            f"{layer}.mlp.down_proj.weight": (h, cfg.intermediate_size),
+        }
+        if cfg.attention_bias:
+            shapes |= {f"{attn}.q_proj.bias": (q,), f"{attn}.k_proj.bias": (kv,), f"{attn}.v_proj.bias": (kv,)}
+        if cfg.qk_norm:
+            shapes |= {f"{attn}.q_norm.weight": (cfg.head_dim,), f"{attn}.k_norm.weight": (cfg.head_dim,)}
+    return shapes

@@ -31,6 +31,7 @@ import zmq
 
 from ..config import EngineConfig
 from ..step.engine_loop import LoopStats
+from ..step.weights import WeightSource
 from ..errors import EngineError, InternalError, InvalidRequest, Unavailable
 from ..gateway.gateway import Gateway, Signal, unanswered_output
 from ..gateway.request import CancelFlag, FinishReason, Request, RequestKind, RequestOutput
@@ -349,12 +350,13 @@ class ProcessRanks(Ranks):
     def restore_weights(self) -> None:
         self._weights("restore")
 
-    def load_weights(self, path: str) -> None:
+    def load_weights(self, source: WeightSource, name: str) -> None:
         """In two phases: every rank stages its weights (or shard), then each group's leader puts its group's
-        in at its next step; none switches unless all loaded."""
+        in at its next step; none switches unless all loaded. Pushed weights travel whole to every rank, pickled
+        into its message (its own copy, from which it builds its shard)."""
         version = next(self._ids)
         try:
-            self._weights("load", path, wire_id=version)
+            self._weights("load", (source, name), wire_id=version)
         except EngineError:
             self._weights("discard", version)
             raise
@@ -446,6 +448,8 @@ class ProcessRanks(Ranks):
                 if request is not None:
                     signals.append((request, output))
             self._gateway.notify(signals)
+        elif kind == "kv_events":  # only from leaders
+            self._gateway.publish_kv_events(rank // self.tp_size, message[2])
         elif kind == "weights_done":
             _, _, wire_id, error, nbytes = message
             with self._lock:

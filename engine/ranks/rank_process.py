@@ -8,7 +8,7 @@ Gateway, its queue filled from the serving process. The loops of all ranks agree
     ("request", wire_id, fields)   a generate, kill or control request (`request_fields`)
     ("cancel", wire_id)            a request it sent was cancelled
     ("wake",)                      a request arrived at another rank: idle loops here must step with it
-    ("weights", wire_id, action, argument)   offload / drop / restore / load (argument: the path), done
+    ("weights", wire_id, action, argument)   offload / drop / restore / load (argument: source, name), done
                                    off the loop thread; a load only stages, as version wire_id, and
                                    "install" (to leaders) or "discard" of it follows once every rank answered
     ("close",)                     shut down: cancel everything, stop the loop, exit 0
@@ -17,6 +17,7 @@ Gateway, its queue filled from the serving process. The loops of all ranks agree
   rank → serving (PUSH → one PULL):
     ("ready", rank, stats, weights_bytes) | ("failed", rank, error)
     ("outputs", rank, stats, [(wire_id, RequestOutput), ...])   one message per delivered batch
+    ("kv_events", rank, [event, ...])   a step's prefix-cache events (gateway/kv_events.py), from the loop thread
     ("weights_done", rank, wire_id, error | None, weights_bytes)
     ("exited", rank)               its last message after a clean close
     ("alive", rank)                every HEARTBEAT_SECONDS
@@ -44,6 +45,7 @@ from ..config import EngineConfig
 from ..step.engine_loop import EngineLoop, LoopStats, build_runner
 from ..errors import EngineError, InternalError
 from ..gateway.gateway import Gateway, Signal, unanswered_output
+from ..gateway.kv_events import RawEvent
 from ..machine.hardware import choose_dtype
 from ..loading.loader import load_checkpoint
 from ..machine.memory import freeze_startup_heap, keep_freed_memory, release_host_memory
@@ -139,6 +141,9 @@ class Outbox:
         with self._lock:
             self._socket.send_pyobj(message)
 
+    def send_kv_events(self, events: list[RawEvent]) -> None:
+        self.send(("kv_events", self._rank, events))
+
 
 class RankGateway(Gateway):
     """The Gateway of one rank process: every request goes to its own loop, and each delivered batch of
@@ -155,6 +160,9 @@ class RankGateway(Gateway):
     def _deliver_all(self, signals: list[Signal]) -> None:
         super()._deliver_all(signals)
         self.outbox.flush()
+
+    def publish_kv_events(self, rank: int, events: list[RawEvent]) -> None:
+        self.outbox.send_kv_events(events)  # the serving process publishes them
 
 
 class RankProcess:
@@ -341,6 +349,8 @@ class RankProcess:
         if not request.stateless and gateway.binding.find(request.session_id) is None:
             gateway.binding.bind(request.session_id, self.spec.dp_rank)
         try:
+            if request.params.constraint is not None:  # compiled here, not on the loop's thread
+                self.loop.tokenizer.grammars.compile(request.params.constraint)
             gateway.push(request)
             self.live[wire_id] = request
         except EngineError as exc:
@@ -357,7 +367,8 @@ class RankProcess:
             self.weights.install_staged(version)
 
     def _weights(self, wire_id: int, action: str, argument: object) -> None:
-        """`argument`: a load's path; the version (the load's wire id) to install or discard."""
+        """`argument`: a load's source and weight version name; the version (the load's wire id) to install or
+        discard."""
         error = None
         try:
             use_device(self.runner.device)
@@ -365,7 +376,7 @@ class RankProcess:
                 "offload": self.weights.offload,
                 "drop": self.weights.drop,
                 "restore": self.weights.restore,
-                "load": lambda: self.weights.load(argument, version=wire_id),
+                "load": lambda: self.weights.load(*argument, version=wire_id),  # (source, name)
                 "discard": lambda: self.weights.discard_staged(argument),
                 "install": lambda: self._install(argument),
             }[action]()

@@ -7,6 +7,7 @@ import threading
 from typing import Callable
 
 from ..step.engine_loop import LoopStats
+from ..step.weights import WeightSource
 from ..gateway.gateway import Gateway
 from ..gateway.request_queue import RequestQueue
 
@@ -42,7 +43,8 @@ class Ranks(abc.ABC):
     def restore_weights(self) -> None: ...
 
     @abc.abstractmethod
-    def load_weights(self, path: str) -> None: ...
+    def load_weights(self, source: WeightSource, name: str) -> None:
+        """New weights (a checkpoint's path or pushed ones) served as weight version `name`."""
 
     @property
     @abc.abstractmethod

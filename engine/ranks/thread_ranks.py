@@ -16,7 +16,7 @@ from ..loading.loader import Checkpoint
 from ..machine.memory import release_host_memory
 from ..gateway.request_queue import RequestQueue
 from ..machine.threads import on_fresh_thread
-from ..step.weights import LocalWeights, keep_quantized
+from ..step.weights import LocalWeights, WeightSource, keep_quantized
 from .ranks import Ranks
 from ..comm.thread_comm import ThreadComm
 
@@ -101,9 +101,9 @@ class ThreadRanks(Ranks):
         with self._open_weights():
             self.weights.restore()
 
-    def load_weights(self, path: str) -> None:
+    def load_weights(self, source: WeightSource, name: str) -> None:
         with self._open_weights():
-            self.weights.load(path)
+            self.weights.load(source, name)
 
     @contextlib.contextmanager
     def _open_weights(self) -> Iterator[None]:

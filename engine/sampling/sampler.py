@@ -11,8 +11,11 @@ import torch
 from ..errors import InvalidRequest
 from ..kernels import layer_kernels
 from ..machine.transfers import to_device
+from .constraints import Constraint, apply_token_mask
 
 MAX_LOGPROBS = 20
+MAX_SAMPLES = 128  # n: within the engine's max_batch_size too, checked where that is known
+MAX_LOGIT_BIAS = 1024  # biased ids: each one an indexed update of its row every step
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 256  # each is looked up every step, and banned every step below min_new_tokens
 GREEDY_BELOW = 1e-5  # a temperature under this is greedy (as vLLM): dividing by less overflows the logits
@@ -42,6 +45,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int = 0  # top-n alternatives per token; 0: none
     skip_special_tokens: bool = True
+    n: int = 1  # samples of the prompt; sample i draws as seed + i would (`sample_seed`)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    prompt_logprobs: int | None = None  # top-n alternatives per prompt token; None: no prompt logprobs
+    constraint: Constraint | None = None  # structured outputs: what the output must match (constraints.py)
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
@@ -66,6 +73,15 @@ class SamplingParams:
         _check(all(self.stop), "stop strings must not be empty")
         _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be >= 0")
+        _check(1 <= self.n <= MAX_SAMPLES, f"n must be in [1, {MAX_SAMPLES}], got {self.n}")
+        _check(len(self.logit_bias) <= MAX_LOGIT_BIAS, f"at most {MAX_LOGIT_BIAS} logit_bias entries")
+        for token, bias in self.logit_bias:
+            _check(token >= 0, f"logit_bias token ids must be >= 0, got {token}")
+            _check(math.isfinite(bias) and -100 <= bias <= 100, f"logit_bias values must be in [-100, 100], got {bias}")
+        _check(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+            f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
+        )
 
     @property
     def greedy(self) -> bool:
@@ -74,6 +90,10 @@ class SamplingParams:
     def filtered(self, vocab: int) -> bool:
         """Whether a top-k or top-p filter applies to a vocabulary of `vocab` tokens."""
         return 0 < self.top_k < vocab or 0 < self.top_p < 1
+
+    def sample_seed(self, index: int) -> int | None:
+        """The seed sample `index` of n draws with: a request of its own with this seed gives its tokens."""
+        return None if self.seed is None else (self.seed + index) % 2**64
 
     @property
     def penalized(self) -> bool:
@@ -138,12 +158,17 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
     return launch_sample(logits, rows).result()
 
 
-def launch_sample(logits: torch.Tensor, rows: list[SampleRow]) -> "SampleFuture":
+def launch_sample(
+    logits: torch.Tensor, rows: list[SampleRow], masks: tuple[torch.Tensor, list[int]] | None = None
+) -> "SampleFuture":
     """logits: [rows, vocab] fp32 on the model's device, which does all the work; the chosen ids (and the
     logprobs asked for) come back to the host in one copy, queued here and read by `SampleFuture.result`.
     Each row's result depends only on that row, so a seeded request gives the same tokens whatever else shares
-    its batch."""
+    its batch. `masks`: the constrained rows' token bitmask and their row numbers (`TokenMasks.fill`), applied
+    first; logprobs are of the model's distribution, before the masks as before the penalties."""
     raw = logits
+    if masks is not None:
+        logits = apply_token_mask(logits.clone(), *masks)
     logits = _apply_penalties(logits, rows)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled and len(sampled) == len(rows):  # no greedy rows: no argmax, no scatter
@@ -156,9 +181,9 @@ def launch_sample(logits: torch.Tensor, rows: list[SampleRow]) -> "SampleFuture"
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """Repetition penalty over prompt and output (as Hugging Face and vLLM); presence / frequency over output;
-    banned ids to -inf. Each kind is one indexed update over all its rows' (row, token) pairs."""
-    if not any(r.params.penalized or r.banned_ids for r in rows):
+    """Logit bias; repetition penalty over prompt and output (as Hugging Face and vLLM); presence / frequency
+    over output; banned ids to -inf. Each kind is one indexed update over all its rows' (row, token) pairs."""
+    if not any(r.params.penalized or r.banned_ids or r.params.logit_bias for r in rows):
         return logits
     logits = logits.clone()
     device = logits.device
@@ -167,6 +192,12 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
         row_idx = [i for i, ids in token_lists for _ in ids]
         tok_idx = [t for _, ids in token_lists for t in ids]
         return to_device(torch.tensor([row_idx, tok_idx], dtype=torch.long), device).unbind()
+
+    biased = [(i, r.params.logit_bias) for i, r in enumerate(rows) if r.params.logit_bias]
+    if biased:
+        at = pairs([(i, [t for t, _ in bias]) for i, bias in biased])
+        values = torch.tensor([b for _, bias in biased for _, b in bias], dtype=logits.dtype)
+        logits.index_put_(at, to_device(values, device), accumulate=True)
 
     repeat = [(i, sorted(set(r.token_ids))) for i, r in enumerate(rows) if r.params.repetition_penalty not in (0, 1)]
     if repeat:

@@ -7,6 +7,7 @@ from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
 
+from ..gateway.kv_events import CLEARED, FORGOTTEN, KEYED, RawEvent
 from .sequence import Sequence
 
 # A full block's identity: the digest of the block before it (b"" for the first) and its own tokens. The tokens
@@ -41,6 +42,8 @@ class BlockManager:
         self.cached: dict[BlockKey, int] = {}  # key -> block id
         self.queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.hit_tokens = 0  # of those, found
+        # What the keys did since the loop last took them (gateway/kv_events.py), only with prefix caching on.
+        self.events: list[RawEvent] | None = [] if prefix_caching else None
 
     @property
     def num_free(self) -> int:
@@ -123,10 +126,13 @@ class BlockManager:
         for j in range(len(seq.block_hashes), min(seq.num_computed, len(seq.token_ids)) // self.block_size):
             key = self._key(seq, j, seq.block_hashes[j - 1] if j else b"")
             block = seq.block_table[j]
+            digest = chain_digest(key)
             if key not in self.cached and self.keys[block] is None:
                 self.cached[key] = block
                 self.keys[block] = key
-            seq.block_hashes.append(chain_digest(key))
+                if self.events is not None:
+                    self.events.append((KEYED, digest, key, j))
+            seq.block_hashes.append(digest)
 
     def make_private(self, block: int) -> bool:
         """Whether a block may be written over: one holder only. It leaves the prefix cache, as its tokens are
@@ -140,6 +146,15 @@ class BlockManager:
         """Forget every key (new weights make cached KV wrong; sleep frees it). Blocks in use stay in use."""
         self.cached.clear()
         self.keys = [None] * self.num_blocks
+        if self.events is not None:
+            self.events.append((CLEARED,))
+
+    def take_events(self) -> list[RawEvent]:
+        """What the keys did since the last call (the loop hands it over once a step)."""
+        events = self.events or []
+        if events:
+            self.events = []
+        return events
 
     def _lookup(self, seq: Sequence) -> range:
         """The block indices of a sequence the prefix cache may supply: from the end of its KV, if that is at
@@ -149,6 +164,7 @@ class BlockManager:
         if (
             not self.prefix_caching
             or not seq.keyable
+            or seq.prompt_logprobs is not None  # they need every prompt position's logits
             or seq.num_computed != start * self.block_size
             or len(seq.block_hashes) != start
         ):
@@ -164,3 +180,5 @@ class BlockManager:
         if key is not None:
             del self.cached[key]
             self.keys[block] = None
+            if self.events is not None:
+                self.events.append((FORGOTTEN, key))

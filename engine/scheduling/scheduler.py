@@ -28,6 +28,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.unforked = 0  # samples that running sequences will fork: they count against max_batch_size
+        # This step's copies on write, destination -> source: a block shared by a request's samples (forks),
+        # partly filled, copied before the forward writes a sequence's next token into its own copy.
+        self.copies: dict[int, int] = {}
 
     @property
     def has_work(self) -> bool:
@@ -40,16 +44,23 @@ class Scheduler:
         """Take a finished or cancelled sequence out of the queues; the caller decides what its blocks become."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self._unfork(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
 
     def schedule(self) -> list[Sequence]:
         """Sequences to run, decodes first, each with `num_scheduled` set."""
+        self.copies = {}
         for seq in self.running + list(self.waiting):
             seq.num_scheduled = 0
-        # A sequence whose last token is still on the device (overlap) waits for it to be read: it then ends.
-        decodes = [s for s in self.running if s.num_uncomputed == 1 and not s.drew_last_token]
+        # A sequence whose last token is still on the device (overlap) waits for it to be read: it then ends. So
+        # does a constrained one, whose next mask needs that token (structured outputs: it decodes every other step).
+        decodes = [
+            s
+            for s in self.running
+            if s.num_uncomputed == 1 and not s.drew_last_token and not (s.num_pending and s.matcher is not None)
+        ]
         for seq in decodes:
             if seq.status is SequenceStatus.RUNNING and self._reserve(seq, 1):
                 seq.num_scheduled = 1
@@ -57,10 +68,13 @@ class Scheduler:
         prefills = [s for s in self.running if s.num_uncomputed > 1]
         for seq in prefills:
             budget -= self._schedule_prefill(seq, budget)
-        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+        while self.waiting and budget > 0 and len(self.running) + self.unforked < self.max_batch_size:
             seq = self.waiting[0]
             if seq.num_pending:  # preempted with a token on the device: its prompt is whole once it is read
                 break
+            forks = seq.samples.to_fork if seq.samples is not None else 0
+            if len(self.running) + self.unforked + 1 + forks > self.max_batch_size:
+                break  # its samples, once forked, must fit in the batch
             prefix = self._room_to_admit(seq, budget)
             if prefix is None:
                 break
@@ -70,11 +84,33 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             seq.first_scheduled = seq.first_scheduled or time.monotonic()
             self.running.append(seq)
+            self.unforked += forks
             budget -= self._schedule_prefill(seq, budget)
         batch = [s for s in self.running if s.num_scheduled]
         # A decode is one token that brings the KV to the sequence's end (ModelRunner.plan's test); a prefill
         # chunk that got the last token of budget is one token too, and must not sit among the decodes.
         return sorted(batch, key=lambda s: not (s.num_scheduled == 1 and s.num_uncomputed == 1))
+
+    def fork(self, seq: Sequence) -> list[Sequence]:
+        """The request's other samples, as `seq` is launched to draw its first token: each takes the prompt's KV
+        blocks (shared; the last, if partly filled, copied when one writes it) and runs from now on, drawing its
+        first token from `seq`'s row with its own seed (`Sequence.forks`, read by the step's plan)."""
+        samples = seq.samples
+        assert samples is not None, "only a request of n samples forks"
+        self._unfork(seq)
+        computed = seq.num_computed + seq.num_scheduled
+        seq.forks = [seq.fork(index, computed) for index in range(1, 1 + samples.to_fork)]
+        for fork in seq.forks:
+            self.blocks.retain(fork.block_table)
+            self.running.append(fork)
+        samples.live += samples.to_fork
+        samples.to_fork = 0
+        return seq.forks
+
+    def _unfork(self, seq: Sequence) -> None:
+        """A running sequence leaves the batch, or forks: the samples it was to fork no longer count."""
+        if seq.samples is not None:
+            self.unforked -= seq.samples.to_fork
 
     def _room_to_admit(self, seq: Sequence, budget: int) -> list[int] | None:
         """The prefix-cache blocks a waiting sequence starts from, once room for its first chunk after them is
@@ -94,17 +130,38 @@ class Scheduler:
         return seq.num_scheduled
 
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
-        """Blocks for `num_tokens` more tokens of `seq`, preempting newer sequences if need be."""
+        """Blocks for `num_tokens` more tokens of `seq`, preempting newer sequences if need be; a copy of its
+        last block where that is partly filled and shared (one of a request's samples)."""
         needed = self.blocks.blocks_for(seq.num_computed + num_tokens) - len(seq.block_table)
-        if needed <= 0:  # most decodes: the last block has room
+        if needed <= 0 and not self._shared_tail(seq):  # most decodes: the last block has room
             return True
-        while not self._make_room(needed, seq):
+        while not self._make_room(max(needed, 0) + self._shared_tail(seq), seq):
             victim = self.running[-1]
             self._preempt(victim)
             if victim is seq:
                 return False
-        seq.block_table.extend(self.blocks.allocate(needed))
+        if self._shared_tail(seq):
+            self._copy_on_write(seq)
+        if needed > 0:
+            seq.block_table.extend(self.blocks.allocate(needed))
         return True
+
+    def _shared_tail(self, seq: Sequence) -> bool:
+        """Whether the block its next token goes into is partly filled and held by others too: only ever one
+        of a request's samples."""
+        if seq.samples is None:
+            return False
+        j, filled = divmod(seq.num_computed, self.blocks.block_size)
+        return bool(filled) and self.blocks.ref_counts[seq.block_table[j]] > 1
+
+    def _copy_on_write(self, seq: Sequence) -> None:
+        """Give `seq` its own copy of its last block (the step copies it before its forward writes)."""
+        (copy,) = self.blocks.allocate(1)
+        j = seq.num_computed // self.blocks.block_size
+        shared = seq.block_table[j]
+        self.blocks.release([shared])
+        seq.block_table[j] = copy
+        self.copies[copy] = shared  # a later copy into the same block (freed meanwhile, handed out again) wins
 
     def _make_room(self, needed: int, seq: Sequence, taking: Iterable[int] = ()) -> bool:
         """True once `needed` blocks are free besides the free ones among `taking` (cached blocks about to be
@@ -134,6 +191,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Free a running sequence's KV and queue it first in line; its tokens are recomputed, never lost."""
         self.running.remove(seq)
+        self._unfork(seq)
         self.blocks.release(seq.block_table)
         seq.drop_kv()
         seq.num_scheduled = 0

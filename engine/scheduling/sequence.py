@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import enum
 import random
 
+from ..sampling.constraints import CompiledGrammar, GrammarMatcher
 from ..text.detokenizer import IncrementalDetokenizer
 from ..gateway.request import Request, RequestOutput
 
@@ -44,6 +46,22 @@ class Session(HoldsKV):
         self.last_used = 0  # engine step, for choosing whose KV to drop under memory pressure
 
 
+class Samples:
+    """The sequences of one request's n samples (`SamplingParams.n`): the first prefills the prompt and forks
+    the others when it draws its first token; the request ends when the last of them does."""
+
+    def __init__(self, n: int) -> None:
+        self.to_fork = n - 1  # samples not forked yet
+        self.live = 1  # forked and not finished
+        self.failed = False  # the request's error is sent (once, for all of them)
+
+    def end_one(self) -> bool:
+        """A sample finished; whether others still run (its last output is then not the request's). Samples not
+        forked yet never will be: the first ended before it drew a token."""
+        self.live -= 1
+        return self.live > 0
+
+
 class Sequence(HoldsKV):
     """One generation: history + new input as its prompt, then sampled tokens. Takes over its session's
     KV blocks at start and hands them back at the end."""
@@ -81,6 +99,31 @@ class Sequence(HoldsKV):
         self.unsent: RequestOutput | None = None  # tokens drawn but not yet sent (EngineConfig.stream_interval)
         self.conversation: list[dict] | None = None  # a chat turn's messages, this turn's included
         self.first_scheduled: float | None = None  # monotonic time it first ran in a batch
+        self.index = 0  # which of the request's samples
+        self.samples = Samples(self.params.n) if self.params.n > 1 else None
+        self.forks: list[Sequence] = []  # samples forked from it this step, drawing from its last row
+        # The prompt's logprobs while they are computed (a list of TokenLogprob, from token 1), until sent.
+        self.prompt_logprobs: list | None = [] if self.params.prompt_logprobs is not None else None
+        self.prompt_rows_planned = 0  # prompt positions a step has been given to compute them for
+        self.grammar: CompiledGrammar | None = None  # structured outputs: its constraint, compiled
+        self.matcher: GrammarMatcher | None = None  # and where its output stands in it
+
+    def fork(self, index: int, num_computed: int) -> "Sequence":
+        """Sample `index` of this sequence's request, taking its prompt and KV (the caller retains the blocks;
+        the last one, if partly filled, is copied when either writes it) at `num_computed` tokens."""
+        child = copy.copy(self)
+        child.index = index
+        child.session = Session(0)
+        child.token_ids = list(self.token_ids)
+        child.block_table, child.block_hashes = list(self.block_table), list(self.block_hashes)
+        child.num_computed, child.num_scheduled = num_computed, 0
+        child.num_cached_tokens = child.num_prompt_tokens  # its prompt's KV is the first sample's
+        child.detokenizer = self.detokenizer.fresh()
+        seed = self.params.sample_seed(index)
+        child.seed = seed if seed is not None else random.getrandbits(64)
+        child.forks, child.prompt_logprobs, child.unsent = [], None, None
+        child.matcher = self.grammar.matcher() if self.grammar is not None else None  # none drawn yet
+        return child
 
     def drop_kv(self) -> None:
         """Its KV will be recomputed: only what the prefix cache gives back when it is admitted again counts

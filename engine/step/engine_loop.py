@@ -21,12 +21,13 @@ from .cuda_graphs import DecodeGraphs
 from ..kernels import load_cpu_kernels
 from ..kernels.triton import available as triton_available
 from .kv_cache import allocate_kv_cache, kv_cache_dtype
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, PromptRows
 from ..gateway.request import CancelFlag, FinishReason, Request, RequestKind, RequestOutput, TokenLogprob, Usage
 from ..scheduling.scheduler import Scheduler
 from ..scheduling.sequence import Sequence, Session
 from ..text.tokenizer import Tokenizer
 from .weights import LocalWeights
+from ..sampling.constraints import TokenMasks
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class LoopStats:
     prefix_hit_tokens: int = 0
     steps: int = 0
     pop_seconds: float = 0.0  # in `Gateway.pop`: the ranks' agreement, waits for slower ranks and idle time included
+    computed_tokens: int = 0  # KV computed: prompts, recomputations, generated tokens
 
 
 def build_runner(weights: LocalWeights, config: EngineConfig, max_context_length: int) -> ModelRunner:
@@ -125,8 +127,10 @@ class EngineLoop:
         self._inflight: BatchData | None = None  # the launched step whose draws are not read yet (overlap)
         self.num_steps = 0
         self.pop_seconds = 0.0
+        self.computed_tokens = 0
         self.weights_version = runner.weights_version  # of the weights the prefix cache's KV was computed with
         self._signals: list[Signal] = []
+        self._masks: TokenMasks | None = None  # structured outputs' bitmask, kept across steps (from the first)
 
     @classmethod
     def build(
@@ -174,6 +178,7 @@ class EngineLoop:
             self.blocks.hit_tokens,
             self.num_steps,
             self.pop_seconds,
+            self.computed_tokens,
         )
 
     # the loop ----------------------------------------------------------------------------------------------
@@ -256,26 +261,61 @@ class EngineLoop:
 
     def _launch(self, batch: BatchData, previous: BatchData | None) -> None:
         """kSetup .. kForward, and sampling queued on the device: returns without waiting for it."""
-        batch.samplers = [s for s in batch.seqs if s.samples_this_step]
+        batch.samplers, forked = [], []
+        for seq in batch.seqs:
+            if seq.samples_this_step:
+                batch.samplers.append(seq)
+                if seq.samples is not None and seq.samples.to_fork:
+                    batch.samplers += self.scheduler.fork(seq)
+                    forked.append(seq)
         drawn = previous.draws.tokens if previous is not None else None
-        batch.inputs = self.runner.setup(batch.seqs, drawn)  # kSetup + kPrepare
+        copies = [(source, copy) for copy, source in self.scheduler.copies.items()]
+        batch.inputs = self.runner.setup(batch.seqs, drawn, copies)  # kSetup + kPrepare
+        for seq in forked:
+            seq.forks = []
         batch.logits = self.runner.forward(batch.inputs)  # kForward + kUnprep
-        batch.draws = self.runner.sample(batch.logits, batch.inputs)
+        batch.draws = self.runner.sample(batch.logits, batch.inputs, self._token_masks(batch.samplers))
+        computed = 0
         for seq in batch.seqs:
             seq.num_computed += seq.num_scheduled
+            computed += seq.num_scheduled
+        self.computed_tokens += computed
         for row, seq in enumerate(batch.samplers):
             seq.num_pending += 1
             seq.pending_row = row
 
+    def _token_masks(self, samplers: list[Sequence]) -> tuple[torch.Tensor, list[int]] | None:
+        """The constrained rows' masks (structured outputs), filled on the host while the device computes the
+        forward just queued; None where no row is constrained."""
+        rows = [row for row, seq in enumerate(samplers) if seq.matcher is not None]
+        if not rows:
+            return None
+        if self._masks is None:
+            self._masks = TokenMasks(self.tokenizer.grammars.vocab_size, threads=self.num_threads)
+        return self._masks.fill([samplers[row].matcher for row in rows]), rows
+
     def _complete(self, batch: BatchData) -> None:
         """kFetch (waits for the device) .. kDel of a launched step."""
         batch.result = batch.draws.result()
+        if batch.inputs.prompt is not None:
+            self._add_prompt_logprobs(batch.inputs.prompt)
         live = [s for s in batch.seqs if s.finish_reason is None]  # one ended since has handed its blocks back
         self._update(batch.samplers, batch)
         for seq in live:
             self.blocks.cache_full_blocks(seq)
         for seq in batch.finished:
             self._del(seq)
+
+    def _add_prompt_logprobs(self, prompt: PromptRows) -> None:
+        """The step's prompt log-probabilities, to the sequences that asked; sent with their first output."""
+        values = prompt.result.tolist()
+        at = 0
+        for seq, count in prompt.owners:
+            k = seq.params.prompt_logprobs
+            for row, target in zip(values[at : at + count], prompt.targets[at : at + count]):
+                top = [(int(t), v) for t, v in zip(row[1 : 1 + k], row[1 + prompt.top : 1 + prompt.top + k])]
+                seq.prompt_logprobs.append(TokenLogprob(target, row[0], top))
+            at += count
 
     def _drain(self) -> None:
         """Read the launched step's draws, if any: the host's state is then whole."""
@@ -332,6 +372,10 @@ class EngineLoop:
         except EngineError as exc:
             self._emit(request, RequestOutput(request.request_id, request.session_id, error=exc))
             return
+        grammar = None
+        if request.params.constraint is not None:  # compiled where it was submitted: found in the cache
+            grammars = self.tokenizer.grammars
+            grammar = grammars.cached(request.params.constraint) or grammars.compile(request.params.constraint)
         self._truncate_history(session, keep)
         skip = request.params.skip_special_tokens
         detok = IncrementalDetokenizer(
@@ -342,6 +386,8 @@ class EngineLoop:
         )
         seq = Sequence(request, session, detok, max_new, self.tokenizer.eos_token_ids)
         seq.conversation = conversation
+        if grammar is not None:
+            seq.grammar, seq.matcher = grammar, grammar.matcher()
         session.drop_kv()  # the sequence holds the blocks until kDel
         session.active = seq
         self.scheduler.add(seq)
@@ -397,6 +443,8 @@ class EngineLoop:
             self.runner.release_kv_cache()
         elif request.kind is RequestKind.WAKE_KV:
             self.runner.allocate_kv_cache()
+        elif request.kind is RequestKind.FLUSH_CACHE:
+            self.blocks.reset_prefix_cache()  # its KV stays right: what holds blocks goes on with them
         self._emit(request, RequestOutput("", 0, finish_reason=FinishReason.STOP))
 
     def _max_new_tokens(self, request: Request, prompt_len: int) -> int:
@@ -431,6 +479,7 @@ class EngineLoop:
         """A token per sampling row: hundreds a step on the host's critical path, so the common case (no
         logprobs, no stop, not yet sent) reads each field once."""
         interval, limit, emit = self.stream_interval, self.max_context_length, self._emit
+        version = batch.inputs.weight_version if batch.inputs is not None else ""
         for seq, token, lp in zip(samplers, batch.result.token_ids, batch.result.logprobs):
             seq.num_pending -= 1
             if seq.finish_reason is not None:  # ended (or cancelled) after this step was launched
@@ -438,6 +487,12 @@ class EngineLoop:
             token_ids = seq.token_ids
             token_ids.append(token)
             out = seq.unsent or self._unsent(seq)
+            if out.weight_version != version:  # the tokens of other weights go first, in an output of their own
+                if out.token_ids:
+                    seq.unsent = None
+                    emit(seq.request, out)
+                    out = self._unsent(seq)
+                out.weight_version = version
             out.token_ids.append(token)
             if lp is not None:
                 out.logprobs.append(TokenLogprob(token, lp[0], lp[1]))
@@ -452,17 +507,29 @@ class EngineLoop:
                     reason = FinishReason.STOP
                 elif num_output >= seq.max_new_tokens or len(token_ids) >= limit:
                     reason = FinishReason.LENGTH
+            if seq.matcher is not None and reason is None and self._grammar_ended(seq, token):
+                reason = FinishReason.STOP
             if reason is not None:
                 if not stop_hit:
                     out.text += seq.detokenizer.finish()
                     if seq.detokenizer.stopped:  # a stop string that only the final decode revealed
                         reason = FinishReason.STOP
                 seq.finish_reason = out.finish_reason = reason
-                out.usage = self._usage(seq)
+                out.usage, out.stop_string = self._usage(seq), seq.detokenizer.stop_string
+                if seq.samples is not None:
+                    out.others_running = seq.samples.end_one()
                 batch.finished.append(seq)
             if reason is not None or num_output == 1 or len(out.token_ids) >= interval:
                 seq.unsent = None  # the first token at once, for its latency; the last with its reason
                 emit(seq.request, out)
+
+    def _grammar_ended(self, seq: Sequence, token: int) -> bool:
+        """Advance a constrained sequence's matcher; True where its grammar lets nothing but an end follow (the
+        output is whole), or refused the token (a row that could draw nothing the mask allowed)."""
+        if seq.matcher.accept(token):
+            return seq.matcher.is_terminated
+        log.warning("request %s: its grammar refused token %d (%s)", seq.request.request_id, token, seq.matcher.error)
+        return True
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End a sequence outside kUpdate (cancel, kill, shutdown), with the tokens and text held back."""
@@ -471,13 +538,17 @@ class EngineLoop:
         seq.unsent = None
         out.text += seq.detokenizer.finish()
         out.finish_reason, out.usage = reason, self._usage(seq)
+        if seq.samples is not None:
+            out.others_running = seq.samples.end_one()
         self._emit(seq.request, out)
 
     @staticmethod
     def _unsent(seq: Sequence) -> RequestOutput:
         """The output gathering `seq`'s tokens until the stream interval sends it."""
         if seq.unsent is None:
-            seq.unsent = RequestOutput(seq.request.request_id, seq.request.session_id)
+            seq.unsent = RequestOutput(seq.request.request_id, seq.request.session_id, index=seq.index)
+            if seq.prompt_logprobs:  # all of them, with the first output (the prompt is computed by then)
+                seq.unsent.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
         return seq.unsent
 
     @staticmethod
@@ -519,7 +590,10 @@ class EngineLoop:
                 if self._del(seq):  # its turn ended: its session keeps it in its history
                     self.blocks.release(seq.session.block_table)
             else:
-                self._emit(seq.request, RequestOutput(seq.request.request_id, seq.request.session_id, error=error))
+                if seq.samples is None or not seq.samples.failed:  # one error ends the request, all its samples
+                    self._emit(seq.request, RequestOutput(seq.request.request_id, seq.request.session_id, error=error))
+                    if seq.samples is not None:
+                        seq.samples.failed = True
                 self.scheduler.remove(seq)
                 self.blocks.release(seq.block_table)
                 seq.session.active = None
@@ -541,5 +615,8 @@ class EngineLoop:
         self._signals.append((request, output))
 
     def _flush(self) -> None:
+        events = self.blocks.take_events()
+        if events:  # before the outputs: a client that sees its reply finds its prompt's blocks published
+            self.gateway.publish_kv_events(self.rank, events)
         self.gateway.notify(self._signals)
         self._signals = []

@@ -54,6 +54,16 @@ def allocate_kv_cache(
     ]
 
 
+def copy_blocks(
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]], sources: torch.Tensor, destinations: torch.Tensor
+) -> None:
+    """Copy whole blocks, every layer's keys and values (copy on write: a block shared by the samples of a
+    request, about to be written by one of them). Each gathers all its sources before it writes."""
+    for key, value in kv_caches:
+        key[:, destinations] = key[:, sources]
+        value[:, destinations] = value[:, sources]
+
+
 def auto_kv_cache_tokens(config: EngineConfig, model: ModelConfig, dtype: torch.dtype, kv_dtype: torch.dtype) -> int:
     """`kv_cache_tokens` 0, per engine loop. On the CPU a fixed size; on CUDA, as vLLM's gpu-memory-utilization
     does, what `gpu_memory_utilization` of the GPU leaves once the memory in use now (other processes', this

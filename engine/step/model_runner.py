@@ -21,6 +21,7 @@ from ..models.attention import (
     gather_rows,
 )
 from .cuda_graphs import DecodeGraphs
+from .kv_cache import copy_blocks
 from ..machine.memory import empty_device_cache, release_host_memory
 from ..models.llama import LlamaForCausalLM
 from ..sampling.sampler import SampleFuture, SampleRow, launch_sample
@@ -30,6 +31,18 @@ from ..scheduling.sequence import Sequence
 from ..machine.transfers import to_device
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class PromptRows:
+    """The prompt positions whose log-probabilities a step computes (`SamplingParams.prompt_logprobs`): each
+    row's log-probability of the prompt token after it, and the `top` most likely alternatives."""
+
+    rows: list[int] = field(default_factory=list)
+    targets: list[int] = field(default_factory=list)
+    top: int = 0
+    owners: list[tuple[Sequence, int]] = field(default_factory=list)  # in row order: the sequence, its rows
+    result: torch.Tensor | None = None  # per row: the target's logprob, the top ids, their logprobs (float64)
 
 
 @dataclass(slots=True)
@@ -47,6 +60,8 @@ class StepPlan:
     prefills: list[tuple[int, int, int, list[int]]] = field(default_factory=list)  # rows [start, end), context, blocks
     sample_rows: list[SampleRow] = field(default_factory=list)
     pending_inputs: list[tuple[int, int]] = field(default_factory=list)  # (row, row of the last step's draws)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) blocks, before the forward
+    prompt: PromptRows | None = None  # prompt logprobs asked for; only the leader computes them
 
 
 @dataclass(slots=True)
@@ -59,6 +74,9 @@ class StepInputs:
     logit_rows: torch.Tensor  # the batch row of each sampling sequence's last token
     sample_rows: list[SampleRow]
     bucket: int = 0  # a decode step replayed from the CUDA graph of this batch size (cuda_graphs.py); 0: eager
+    copies: tuple[torch.Tensor, torch.Tensor] | None = None  # blocks copied on write: (sources, destinations)
+    prompt: PromptRows | None = None
+    weight_version: str = ""  # of the model the forward ran (`LocalWeights`), set by `forward`
 
 
 # How attention reads the paged cache: torch ops (gather, then matmuls), the C++ CPU attention kernels
@@ -155,13 +173,17 @@ class ModelRunner:
         """This rank's KV cache; a tensor-parallel leader's counts its whole group's."""
         return int(sum(t.numel() * t.element_size() for kv in self.kv_caches for t in kv) * self.group_kv_share)
 
-    def setup(self, batch: list[Sequence], drawn: torch.Tensor | None = None) -> StepInputs:
+    def setup(
+        self, batch: list[Sequence], drawn: torch.Tensor | None = None, copies: list[tuple[int, int]] | None = None
+    ) -> StepInputs:
         """kSetup + kPrepare. `drawn`: the last step's sampled ids on the device, the input of the decodes whose
-        token the host has not read yet (overlap scheduling, never under tensor parallelism). A tensor-parallel
-        leader sends the plan to its followers first."""
+        token the host has not read yet (overlap scheduling, never under tensor parallelism). `copies`: blocks
+        to copy before the forward writes (copy on write; `Scheduler.copies`). A tensor-parallel leader sends
+        the plan to its followers first."""
         plan = self.plan(batch)
+        plan.copies = copies or []
         if self.followers is not None:
-            self.followers.broadcast(("step", dataclasses.replace(plan, sample_rows=[])))
+            self.followers.broadcast(("step", dataclasses.replace(plan, sample_rows=[], prompt=None)))
         return self.prepare(plan, drawn)
 
     def plan(self, batch: list[Sequence]) -> StepPlan:
@@ -190,24 +212,57 @@ class ModelRunner:
                 positions.extend(range(start, end))
                 slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
                 plan.prefills.append((first_row, len(input_ids), end, table[: -(-end // bs)]))
+                if seq.prompt_logprobs is not None:
+                    self._prompt_rows(plan, seq, start, end, first_row)
             if end == num_tokens:  # `Sequence.samples_this_step`
                 plan.logit_rows.append(len(input_ids) - 1)
                 plan.sample_rows.append(
                     SampleRow(seq.params, seq.seed, token_ids, seq.num_prompt_tokens, seq.banned_ids, seq.num_pending)
                 )
+                for fork in seq.forks:  # the request's other samples: their first draws, from the same row
+                    plan.logit_rows.append(len(input_ids) - 1)
+                    plan.sample_rows.append(
+                        SampleRow(fork.params, fork.seed, fork.token_ids, fork.num_prompt_tokens, fork.banned_ids)
+                    )
         return plan
+
+    @staticmethod
+    def _prompt_rows(plan: StepPlan, seq: Sequence, start: int, end: int, first_row: int) -> None:
+        """The rows of a prefill chunk that predict a prompt token whose log-probability `seq` has not yet
+        (a sequence preempted in its prompt computes it again, and keeps what it had)."""
+        first, last = max(start, seq.prompt_rows_planned), min(end, seq.num_prompt_tokens - 1)
+        if first >= last:
+            return
+        seq.prompt_rows_planned = last
+        prompt = plan.prompt = plan.prompt or PromptRows()
+        prompt.rows.extend(range(first_row + first - start, first_row + last - start))
+        prompt.targets.extend(seq.token_ids[first + 1 : last + 1])
+        prompt.top = max(prompt.top, seq.params.prompt_logprobs)
+        prompt.owners.append((seq, last - first))
 
     def prepare(self, plan: StepPlan, drawn: torch.Tensor | None = None) -> StepInputs:
         """kPrepare: the plan as device tensors and the attention metadata this runner's path reads."""
         width = max((len(t) for t in plan.decode_tables), default=0)
-        if self.graphs is not None and self.graphs.fits(len(plan.input_ids), len(plan.prefills), width):
+        # A graph's logits are its rows in order: not where a request's samples draw from one row (forks).
+        rows = len(plan.input_ids)
+        if (
+            self.graphs is not None
+            and len(plan.logit_rows) == rows
+            and self.graphs.fits(rows, len(plan.prefills), width)
+        ):
             input_ids, positions, meta = self.graphs.load(
                 plan.input_ids, plan.positions, plan.slots, plan.decode_tables, plan.decode_lengths
             )
             self._fill_pending(input_ids, plan.pending_inputs, drawn)
             # Every decode samples, in order: the logits are the bucket's first rows (only their count is read).
             return StepInputs(
-                input_ids, positions, meta, torch.arange(len(plan.logit_rows)), plan.sample_rows, bucket=meta.num_decode
+                input_ids,
+                positions,
+                meta,
+                torch.arange(len(plan.logit_rows)),
+                plan.sample_rows,
+                bucket=meta.num_decode,
+                copies=self._copies(plan.copies),
             )
         if self.attention in ("triton", "cpu"):
             prefills = self._prefill_tables(plan.prefills)
@@ -223,8 +278,20 @@ class ModelRunner:
         input_ids = self._tensor(plan.input_ids)
         self._fill_pending(input_ids, plan.pending_inputs, drawn)
         return StepInputs(
-            input_ids, self._tensor(plan.positions), meta, self._tensor(plan.logit_rows), plan.sample_rows
+            input_ids,
+            self._tensor(plan.positions),
+            meta,
+            self._tensor(plan.logit_rows),
+            plan.sample_rows,
+            copies=self._copies(plan.copies),
+            prompt=plan.prompt,
         )
+
+    def _copies(self, copies: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not copies:
+            return None
+        sources, destinations = self._tensor(list(zip(*copies)))
+        return sources, destinations
 
     def _fill_pending(
         self, input_ids: torch.Tensor, pending: list[tuple[int, int]], drawn: torch.Tensor | None
@@ -270,6 +337,9 @@ class ModelRunner:
         """kForward: the model over the batch; logits only for the rows that sample, and none for a
         tensor-parallel follower (`logits=False`), whose replicated LM head would only repeat its leader's."""
         model = self.model
+        inputs.weight_version = model.weight_version
+        if inputs.copies is not None:
+            copy_blocks(self.kv_caches, *inputs.copies)
         if inputs.bucket:  # every decode samples, in order: the first rows of the bucket's logits
             out = self.graphs.run(model, self.weights_version, self.kv_caches, inputs.bucket)[: len(inputs.logit_rows)]
         else:
@@ -277,12 +347,37 @@ class ModelRunner:
             if not logits:
                 return None
             out = model.compute_logits(hidden[inputs.logit_rows])
-        if self.vocab_size is not None and self.vocab_size < out.shape[-1]:
-            # An embedding padded past its tokenizer (Qwen2.5: 151,936 rows for 151,665 tokens): those ids are
-            # no tokens, and a client could not send them back. Here, where logits are inference tensors.
-            out[:, self.vocab_size :] = float("-inf")
+            if inputs.prompt is not None:
+                inputs.prompt.result = self._prompt_logprobs(model, hidden, inputs.prompt)
+        self._mask_padding(out)
         return out
 
-    def sample(self, logits: torch.Tensor, inputs: StepInputs) -> SampleFuture:
-        """Sampling on the model's device, queued; its `result` (kFetch) brings the ids back in one copy."""
-        return launch_sample(logits, inputs.sample_rows)
+    def _mask_padding(self, logits: torch.Tensor) -> None:
+        """An embedding padded past its tokenizer (Qwen2.5: 151,936 rows for 151,665 tokens): those ids are no
+        tokens, and a client could not send them back. Here, where logits are inference tensors."""
+        if self.vocab_size is not None and self.vocab_size < logits.shape[-1]:
+            logits[:, self.vocab_size :] = float("-inf")
+
+    PROMPT_ROWS_AT_ONCE = 256  # prompt positions whose [rows, vocab] logits exist at once
+
+    def _prompt_logprobs(self, model: LlamaForCausalLM, hidden: torch.Tensor, prompt: PromptRows) -> torch.Tensor:
+        """Per row: the target's logprob, then the `top` most likely ids and their logprobs, in float64 (ids are
+        exact there), on the host. In slices, so that a long prompt's logits never exist all at once."""
+        rows, targets = self._tensor(prompt.rows), self._tensor(prompt.targets)
+        parts = []
+        for at in range(0, len(prompt.rows), self.PROMPT_ROWS_AT_ONCE):
+            part = slice(at, at + self.PROMPT_ROWS_AT_ONCE)
+            logits = model.compute_logits(hidden[rows[part]])
+            self._mask_padding(logits)
+            lp = torch.log_softmax(logits, dim=-1)
+            top = lp.topk(prompt.top, dim=-1)
+            chosen = lp.gather(1, targets[part].unsqueeze(1))
+            parts.append(torch.cat([chosen.double(), top.indices.double(), top.values.double()], dim=1))
+        return torch.cat(parts).cpu()
+
+    def sample(
+        self, logits: torch.Tensor, inputs: StepInputs, masks: tuple[torch.Tensor, list[int]] | None = None
+    ) -> SampleFuture:
+        """Sampling on the model's device, queued; its `result` (kFetch) brings the ids back in one copy.
+        `masks`: structured outputs' token masks of the constrained rows (`launch_sample`)."""
+        return launch_sample(logits, inputs.sample_rows, masks)

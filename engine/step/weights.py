@@ -12,6 +12,7 @@ import torch
 from ..config import EngineConfig, ModelConfig
 from ..kernels import compiler_found, load_cpu_kernels
 from ..loading.loader import Checkpoint, load_checkpoint
+from ..loading.pushed import PushedWeights
 from ..machine.memory import empty_device_cache
 from .model_runner import ModelRunner
 from ..models import build_model, count_weight_bytes, expand_blocks
@@ -20,6 +21,8 @@ from ..models.tensor_parallel import Shard, shard_config, shard_weights
 from ..machine.threads import on_fresh_thread
 
 log = logging.getLogger(__name__)
+
+WeightSource = str | PushedWeights  # a checkpoint's path, or weights from a caller's memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +74,9 @@ class LocalWeights:
     are only staged by `load`: every rank loads first, and only if all could does each group's leader put its
     group's in, at one step (`install_staged`). A tensor-parallel step that mixed old and new shards would
     compute nothing, and data-parallel ranks on different weights would answer alike requests differently.
+
+    New weights come from a `WeightSource`: a checkpoint's path, or `PushedWeights` from a caller's memory.
+    Each model carries its `weight_version` (the engine's name for it), which a step's outputs report.
     """
 
     def __init__(
@@ -86,14 +92,15 @@ class LocalWeights:
         self.dtype, self.device, self.batch_hint = dtype, device, batch_hint
         self.quantized = quantized and tp is None  # GGUF blocks kept as blocks (`keep_quantized`)
         self.int8_activations = int8_activations and self.quantized  # every step rounds x to int8
-        self.path = ckpt.path  # where a dropped model is loaded again from; follows `load`
+        self.path: WeightSource = ckpt.path  # where a dropped model is loaded again from; follows `load`
+        self.weight_version = "0"  # the served model's name, the engine's; follows `load`
         self.tp = tp
         # The shapes of every model this process runs (its KV cache's); each is built with its own config
         self.config = self._config_of(ckpt)
         self.runners: list[ModelRunner] = []
-        self.model: LlamaForCausalLM | None = self._build(ckpt)
-        # a rank process's loads: by version until installed, each with the `path` it followed
-        self._staged: dict[int, tuple[LlamaForCausalLM, str]] = {}
+        self.model: LlamaForCausalLM | None = self._build(ckpt.config, ckpt.weights, self.weight_version)
+        # a rank process's loads: by version until installed, each with the `path` and name it followed
+        self._staged: dict[int, tuple[LlamaForCausalLM, WeightSource, str]] = {}
         self._offloaded = False
 
     def offload(self) -> None:
@@ -111,21 +118,22 @@ class LocalWeights:
     def restore(self) -> None:
         """Undo `offload` or `drop`: back on the device, loaded again from `path` if they were dropped."""
         if self.model is None:
-            self._install(self._build(on_fresh_thread(lambda: load_checkpoint(self.path))))  # no step runs now
+            self._install(self._build(*_read(self.path), self.weight_version))  # no step runs now
         elif self.device.type != "cpu":
             self.model.to(self.device)
         self._offloaded = False
 
-    def load(self, path: str, version: int | None = None) -> None:
-        """Replace the weights with a checkpoint's (its shape checked by the caller); with a `version` (a rank
-        process), only stage them as that version for `install_staged`."""
-        ckpt = on_fresh_thread(lambda: load_checkpoint(path))
-        model = self._build(ckpt)
+    def load(self, source: WeightSource, name: str, version: int | None = None) -> None:
+        """Replace the weights with a checkpoint's or pushed ones (their shape checked by the caller), served
+        as weight version `name`; with a `version` (a rank process), only stage them as that version for
+        `install_staged`."""
+        config, weights = _read(source)
+        model = self._build(config, weights, name)
         if version is None:
             self._install(model)
         else:
-            self._staged[version] = model, self.path
-        self.path = ckpt.path
+            self._staged[version] = model, self.path, self.weight_version
+        self.path, self.weight_version = source, name
 
     def install_staged(self, version: int) -> None:
         """Staged `version` in place of the current model, older stages dropped: on the loop or follower
@@ -142,7 +150,7 @@ class LocalWeights:
         alone."""
         staged = self._staged.pop(version, None)
         if staged is not None:
-            self.path = staged[1]
+            self.path, self.weight_version = staged[1], staged[2]
 
     @property
     def nbytes(self) -> int:
@@ -153,18 +161,23 @@ class LocalWeights:
 
     def _config_of(self, ckpt: Checkpoint) -> ModelConfig:
         """The checkpoint's config, as this process's shard of it."""
-        return shard_config(ckpt.config, self.tp.shard) if self.tp else ckpt.config
+        return self._shard_of(ckpt.config)
 
-    def _build(self, ckpt: Checkpoint) -> LlamaForCausalLM:
+    def _shard_of(self, config: ModelConfig) -> ModelConfig:
+        return shard_config(config, self.tp.shard) if self.tp else config
+
+    def _build(self, full: ModelConfig, weights: dict, name: str) -> LlamaForCausalLM:
         """Off the calling thread, as loading is: engine/machine/threads.py says why. A tensor-parallel rank builds its
-        shard, whose decoder layers sum their row-parallel outputs over the group (so they run as modules)."""
-        weights = shard_weights(expand_blocks(ckpt.weights), ckpt.config, self.tp.shard) if self.tp else ckpt.weights
-        config = self._config_of(ckpt)  # its own RoPE, norm eps, tied head
+        shard, whose decoder layers sum their row-parallel outputs over the group (so they run as modules). A
+        GGUF model's quantized matrix replaced by a pushed float tensor is a float one in `weights`: served so."""
+        weights = shard_weights(expand_blocks(weights), full, self.tp.shard) if self.tp else weights
+        config = self._shard_of(full)  # its own RoPE, norm eps, tied head
         model = on_fresh_thread(
             lambda: build_model(
                 config, weights, self.dtype, self.device, self.batch_hint, self.quantized, self.int8_activations
             )
         )
+        model.weight_version = name
         if self.tp:
             model.fused_decode = None  # its layers know no all-reduce
             for layer in model.model.layers:
@@ -176,3 +189,11 @@ class LocalWeights:
         for runner in self.runners:
             runner.model = model
             runner.weights_version += 1
+
+
+def _read(source: WeightSource) -> tuple[ModelConfig, dict]:
+    """The config and weights by Hugging Face name of a path (loaded off this thread) or of pushed weights."""
+    if isinstance(source, PushedWeights):
+        return source.config, dict(source.tensors)
+    ckpt = on_fresh_thread(lambda: load_checkpoint(source))
+    return ckpt.config, ckpt.weights

@@ -65,6 +65,10 @@ class IncrementalDetokenizer:
         self.text = ""  # text emitted so far: a prefix of _decoded without stop strings
         self.stopped = False  # a stop string was hit; everything after it is dropped
 
+    def fresh(self) -> "IncrementalDetokenizer":
+        """One with this one's settings and no tokens yet: another sample of the same prompt."""
+        return IncrementalDetokenizer(self._tokenizer, self._skip, self._stop, self._context)
+
     def step(self, new_token_ids: Sequence[int]) -> tuple[str, bool]:
         """Add tokens; return (text safe to emit now, whether a stop string was hit)."""
         if self.stopped:
@@ -94,6 +98,13 @@ class IncrementalDetokenizer:
         if full.startswith(self._decoded):  # always so, unless a decoder is context-sensitive
             self._decoded = full
         return self._release(final=True)
+
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the text (the first of those given that starts where the text ends)."""
+        if not self.stopped:
+            return None
+        return next(s for s in self._stop if self._decoded.startswith(s, len(self.text)))
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip) if ids else ""

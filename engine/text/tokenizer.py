@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import threading
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any
@@ -18,6 +19,8 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
+
+from ..sampling.constraints import GrammarCompiler
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 
@@ -108,6 +111,8 @@ class Tokenizer:
         self._plain_id = self.encode("a", add_special_tokens=False)[-1]
         self._plain_len = len(self.decode([self._plain_id], skip_special_tokens=False))
         self._token_texts: dict[int, str] = {}
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()  # a leaf: held while the compiler is first built
 
     # ----------------------------------------------------------------- loading
     @classmethod
@@ -302,6 +307,15 @@ class Tokenizer:
             role = m.get("role") if isinstance(m, dict) else None
             if role not in CHAT_ROLES:
                 raise ValueError(f"unknown message role {role!r}; expected one of {sorted(CHAT_ROLES)}")
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Structured outputs' compiler for this tokenizer, with its cache of compiled grammars; built at first use
+        (a few hundred ms) by whichever thread asks first."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.hf_files()["tokenizer.json"], self.eos_token_ids, self.vocab_size)
+            return self._grammars
 
     def hf_files(self) -> dict[str, str]:
         """This tokenizer as the files a Hugging Face loader reads (tokenizer.json, tokenizer_config.json with

@@ -53,7 +53,14 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "include_special_tokens")
+    __slots__ = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "include_special_tokens", "n", "logit_bias", "prompt_logprobs", "json_schema", "regex", "grammar", "choice", "json_object", "structural_tag")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MIN_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +76,15 @@ class SamplingParams(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURAL_TAG_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     min_new_tokens: int
     temperature: float
@@ -84,7 +100,22 @@ class SamplingParams(_message.Message):
     ignore_eos: bool
     logprobs: int
     include_special_tokens: bool
-    def __init__(self, max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., include_special_tokens: _Optional[bool] = ...) -> None: ...
+    n: int
+    logit_bias: _containers.ScalarMap[int, float]
+    prompt_logprobs: int
+    json_schema: str
+    regex: str
+    grammar: str
+    choice: Choices
+    json_object: bool
+    structural_tag: str
+    def __init__(self, max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., include_special_tokens: _Optional[bool] = ..., n: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., prompt_logprobs: _Optional[int] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., json_object: _Optional[bool] = ..., structural_tag: _Optional[str] = ...) -> None: ...
+
+class Choices(_message.Message):
+    __slots__ = ("choices",)
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    choices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("session_id", "request_id", "prompt", "tokens", "messages", "sampling", "session_epoch")
@@ -137,7 +168,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "session_id", "token_ids", "text", "logprobs", "finish_reason", "usage")
+    __slots__ = ("request_id", "session_id", "token_ids", "text", "logprobs", "finish_reason", "usage", "index", "prompt_logprobs", "weight_version")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +176,9 @@ class GenerateResponse(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -152,7 +186,10 @@ class GenerateResponse(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     finish_reason: FinishReason
     usage: Usage
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    index: int
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    weight_version: str
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., index: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., weight_version: _Optional[str] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("session_id", "request_id")
@@ -197,7 +234,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "max_context_length", "vocab_size", "engine_loops", "kv_blocks_total", "kv_blocks_free", "active_sessions", "sleeping", "sleeping_tags", "architecture", "kv_block_size", "running_requests", "waiting_requests", "preemptions", "weights_bytes", "kv_cache_bytes", "dtype", "device", "queued_requests", "dtype_reason", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "prefix_cache_hit_rate", "replica_id", "kv_cache_dtype")
+    __slots__ = ("model", "max_context_length", "vocab_size", "engine_loops", "kv_blocks_total", "kv_blocks_free", "active_sessions", "sleeping", "sleeping_tags", "architecture", "kv_block_size", "running_requests", "waiting_requests", "preemptions", "weights_bytes", "kv_cache_bytes", "dtype", "device", "queued_requests", "dtype_reason", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "prefix_cache_hit_rate", "replica_id", "kv_cache_dtype", "computed_tokens", "weight_version")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -223,6 +260,8 @@ class InfoResponse(_message.Message):
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_context_length: int
     vocab_size: int
@@ -248,7 +287,9 @@ class InfoResponse(_message.Message):
     prefix_cache_hit_rate: float
     replica_id: str
     kv_cache_dtype: str
-    def __init__(self, model: _Optional[str] = ..., max_context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., engine_loops: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., active_sessions: _Optional[int] = ..., sleeping: _Optional[bool] = ..., sleeping_tags: _Optional[_Iterable[str]] = ..., architecture: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., preemptions: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., queued_requests: _Optional[int] = ..., dtype_reason: _Optional[str] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., replica_id: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
+    computed_tokens: int
+    weight_version: str
+    def __init__(self, model: _Optional[str] = ..., max_context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., engine_loops: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., active_sessions: _Optional[int] = ..., sleeping: _Optional[bool] = ..., sleeping_tags: _Optional[_Iterable[str]] = ..., architecture: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., preemptions: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., queued_requests: _Optional[int] = ..., dtype_reason: _Optional[str] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., replica_id: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., computed_tokens: _Optional[int] = ..., weight_version: _Optional[str] = ...) -> None: ...
 
 class SleepRequest(_message.Message):
     __slots__ = ("level",)
@@ -275,11 +316,43 @@ class WakeupResponse(_message.Message):
     def __init__(self, restored: _Optional[_Iterable[str]] = ..., still_asleep: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
-    __slots__ = ("path",)
+    __slots__ = ("path", "weight_version")
     PATH_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     path: str
-    def __init__(self, path: _Optional[str] = ...) -> None: ...
+    weight_version: str
+    def __init__(self, path: _Optional[str] = ..., weight_version: _Optional[str] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("weight_version",)
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    weight_version: str
+    def __init__(self, weight_version: _Optional[str] = ...) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class WeightsHeader(_message.Message):
+    __slots__ = ("weight_version", "tensors")
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    weight_version: str
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    def __init__(self, weight_version: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+
+class UpdateWeightsFromTensorsRequest(_message.Message):
+    __slots__ = ("header", "chunk", "commit")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    header: WeightsHeader
+    chunk: bytes
+    commit: bool
+    def __init__(self, header: _Optional[_Union[WeightsHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ..., commit: _Optional[bool] = ...) -> None: ...

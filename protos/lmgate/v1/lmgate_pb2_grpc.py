@@ -348,6 +348,11 @@ class AdminStub:
                 request_serializer=lmgate_dot_v1_dot_lmgate__pb2.UpdateWeightsRequest.SerializeToString,
                 response_deserializer=lmgate_dot_v1_dot_lmgate__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.UpdateWeightsFromTensors = channel.stream_unary(
+                '/lmgate.v1.Admin/UpdateWeightsFromTensors',
+                request_serializer=lmgate_dot_v1_dot_lmgate__pb2.UpdateWeightsFromTensorsRequest.SerializeToString,
+                response_deserializer=lmgate_dot_v1_dot_lmgate__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -377,6 +382,17 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateWeightsFromTensors(self, request_iterator, context):
+        """Replaces the weights with tensors the caller streams from its memory (a trainer's), by their Hugging
+        Face names: first a header, then the tensors' bytes in chunks, then a commit. Every tensor of the model
+        is required (no partial update yet). An unknown name, or a shape or dtype the model does not take, is
+        refused (INVALID_ARGUMENT, naming it) before any bytes are read; a stream that ends without its commit,
+        or with bytes missing or left over, changes nothing. Atomic at a step boundary, as UpdateWeights.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -393,6 +409,11 @@ def add_AdminServicer_to_server(servicer, server):
             'UpdateWeights': grpc.unary_unary_rpc_method_handler(
                     servicer.UpdateWeights,
                     request_deserializer=lmgate_dot_v1_dot_lmgate__pb2.UpdateWeightsRequest.FromString,
+                    response_serializer=lmgate_dot_v1_dot_lmgate__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'UpdateWeightsFromTensors': grpc.stream_unary_rpc_method_handler(
+                    servicer.UpdateWeightsFromTensors,
+                    request_deserializer=lmgate_dot_v1_dot_lmgate__pb2.UpdateWeightsFromTensorsRequest.FromString,
                     response_serializer=lmgate_dot_v1_dot_lmgate__pb2.UpdateWeightsResponse.SerializeToString,
             ),
     }
@@ -477,6 +498,33 @@ class Admin:
             target,
             '/lmgate.v1.Admin/UpdateWeights',
             lmgate_dot_v1_dot_lmgate__pb2.UpdateWeightsRequest.SerializeToString,
+            lmgate_dot_v1_dot_lmgate__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightsFromTensors(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/lmgate.v1.Admin/UpdateWeightsFromTensors',
+            lmgate_dot_v1_dot_lmgate__pb2.UpdateWeightsFromTensorsRequest.SerializeToString,
             lmgate_dot_v1_dot_lmgate__pb2.UpdateWeightsResponse.FromString,
             options,
             channel_credentials,

@@ -1,0 +1,64 @@
+"""Weights from the caller's memory as an `UpdateWeightsFromTensors` stream: a header, the bytes in chunks, a
+commit. Tensors are read by duck typing (a torch tensor, or a numpy array): the client imports no torch."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Iterator, Mapping
+
+from lmgate.v1 import lmgate_pb2 as pb
+
+# Bytes per chunk message: a few MiB, under a server's default 4 MiB limit on a received message.
+CHUNK_BYTES = 2 << 20
+
+TIED_HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+
+
+def weight_stream(
+    named_tensors: Mapping[str, Any], version: str = "", chunk_bytes: int = CHUNK_BYTES
+) -> Iterator[pb.UpdateWeightsFromTensorsRequest]:
+    """The stream's messages, made as they are sent: one tensor's bytes at a time are copied out. A head that is
+    the embedding's very tensor (a tied model's `state_dict()`) is left out: the server serves it so."""
+    tensors = {name: t for name, t in named_tensors.items() if not _tied_head(name, t, named_tensors)}
+    specs = [pb.TensorSpec(name=name, dtype=_dtype(t), shape=list(t.shape)) for name, t in tensors.items()]
+    yield pb.UpdateWeightsFromTensorsRequest(header=pb.WeightsHeader(weight_version=version, tensors=specs))
+    pending = bytearray()  # the start of the next chunk: a tensor's tail, which the next one's head fills up
+    for tensor in tensors.values():
+        data = _raw_bytes(tensor)
+        at = 0
+        if pending:
+            at = min(chunk_bytes - len(pending), len(data))
+            pending += data[:at]
+            if len(pending) < chunk_bytes:
+                continue
+            yield pb.UpdateWeightsFromTensorsRequest(chunk=bytes(pending))
+            pending = bytearray()
+        while len(data) - at >= chunk_bytes:
+            yield pb.UpdateWeightsFromTensorsRequest(chunk=bytes(data[at : at + chunk_bytes]))
+            at += chunk_bytes
+        pending += data[at:]
+    if pending:
+        yield pb.UpdateWeightsFromTensorsRequest(chunk=bytes(pending))
+    yield pb.UpdateWeightsFromTensorsRequest(commit=True)
+
+
+def _tied_head(name: str, tensor: Any, named: Mapping[str, Any]) -> bool:
+    embedding = named.get(EMBEDDING)
+    if name != TIED_HEAD or embedding is None or not hasattr(tensor, "data_ptr"):
+        return False
+    return tensor.data_ptr() == embedding.data_ptr() and tuple(tensor.shape) == tuple(embedding.shape)
+
+
+def _dtype(tensor: Any) -> str:
+    """ "float32", "bfloat16", ...: a torch dtype's name without its module, a numpy one's as it is."""
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _raw_bytes(tensor: Any) -> memoryview:
+    """The tensor's elements, row-major, in the machine's (little-endian) byte order: a torch tensor's as bytes
+    (uint8, which numpy reads whatever the dtype, bfloat16 too: torch is the caller's, already loaded), a numpy
+    array's as they are."""
+    if hasattr(tensor, "untyped_storage"):
+        torch = sys.modules[type(tensor).__module__.split(".")[0]]
+        tensor = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return memoryview(tensor.tobytes(order="C") if not tensor.flags.c_contiguous else tensor).cast("B")

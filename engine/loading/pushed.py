@@ -1,0 +1,83 @@
+"""Weights pushed from a caller's memory (a trainer's), by Hugging Face name: checked against the served
+model's shapes before a byte of them is read, then built as a checkpoint's weights are (`LocalWeights.load`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import InvalidRequest
+from ..models.llama import hf_weight_shapes
+
+# The dtypes a pushed tensor may have, by wire name; each is served in the engine's dtype.
+PUSH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One pushed tensor as announced before its bytes: Hugging Face name, dtype (of PUSH_DTYPES), shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * PUSH_DTYPES[self.dtype].itemsize
+
+
+@dataclass(slots=True)
+class PushedWeights:
+    """A whole model's weights from memory: the config they are served with and the tensors by Hugging Face
+    name. Held in host memory while served, as a path is: a level-2 sleep's restore builds from them again."""
+
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor]
+
+
+def check_specs(specs: Sequence[TensorSpec], config: ModelConfig) -> None:
+    """Refuses (InvalidRequest, naming it) the first tensor the served model has not, by name, shape or dtype,
+    one named twice, and a set that lacks any weight: partial updates are not supported yet. A tied model's
+    `lm_head.weight` may be left out (its embedding's is served)."""
+    expected = hf_weight_shapes(config)
+    seen: set[str] = set()
+    for spec in specs:
+        if spec.name not in expected:
+            raise InvalidRequest(f"unknown tensor {spec.name!r}: the served {config.architecture} has no such weight")
+        if spec.name in seen:
+            raise InvalidRequest(f"tensor {spec.name!r} is sent twice")
+        if spec.dtype not in PUSH_DTYPES:
+            raise InvalidRequest(
+                f"tensor {spec.name!r} has dtype {spec.dtype!r}; pushed weights are one of {list(PUSH_DTYPES)}"
+            )
+        if tuple(spec.shape) != expected[spec.name]:
+            raise InvalidRequest(
+                f"tensor {spec.name!r} has shape {list(spec.shape)}; the served model's is {list(expected[spec.name])}"
+            )
+        seen.add(spec.name)
+    optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    missing = sorted(expected.keys() - seen - optional)
+    if missing:
+        raise InvalidRequest(
+            f"{len(missing)} weights are missing (such as {missing[0]!r}): an update sends every weight of the "
+            "model (partial updates are not supported yet)"
+        )
+
+
+def spec_of(name: str, tensor: torch.Tensor) -> TensorSpec:
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    return TensorSpec(name, dtype, tuple(tensor.shape))
+
+
+def pushed_weights(tensors: Mapping[str, torch.Tensor], config: ModelConfig) -> PushedWeights:
+    """`tensors` checked (`check_specs`) and held as the served model's next weights: copies on the CPU, so
+    that a trainer's later steps, in place, change nothing served."""
+    check_specs([spec_of(name, t) for name, t in tensors.items()], config)
+    held = {name: t.detach().to("cpu", copy=True) for name, t in tensors.items()}
+    if config.tie_word_embeddings:
+        held.pop("lm_head.weight", None)  # the embedding's is served
+    return PushedWeights(config, held)

@@ -1,0 +1,144 @@
+"""UpdateWeightsFromTensors over a real server on loopback: weights pushed from a transformers model's memory
+serve as the same weights saved and loaded by path do; every update names a version, which Info and each
+GenerateResponse report; a refused or broken-off push changes nothing."""
+
+from __future__ import annotations
+
+import os
+
+import grpc
+import pytest
+import torch
+import transformers
+
+from lmgate.client.client import Client
+from lmgate.client.weights import weight_stream
+from lmgate.engine.config import EngineConfig
+from lmgate.v1 import lmgate_pb2 as pb
+from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
+from tests.serving import ServerThread
+from tests.test_sleep import save_hf_dir
+
+PROMPT = [504, 3575, 282, 4649, 314]
+GREEDY = pb.SamplingParams(max_new_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def trainer(gguf_path):
+    """The embedded model as a trainer holds it (transformers, from the same GGUF), changed as a training step
+    might (four layers' down_proj negated, the embeddings scaled), its values made exact in bfloat16."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        for i in range(4):
+            model.model.layers[i].mlp.down_proj.weight.neg_()
+        model.model.embed_tokens.weight.mul_(1.5)
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    return model
+
+
+@pytest.fixture(scope="module")
+def saved(trainer, checkpoint, gguf_path, tmp_path_factory):
+    """The trainer's weights saved as a Hugging Face directory with the served tokenizer (transformers will not
+    save a model it read from a GGUF file itself: the same tensors, saved as safetensors)."""
+    root = tmp_path_factory.mktemp("trained")
+    transformers.AutoTokenizer.from_pretrained(
+        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path)
+    ).save_pretrained(root / "tokenizer")
+    weights = {k: v for k, v in trainer.state_dict().items() if k != "lm_head.weight"}  # tied
+    return save_hf_dir(root / "model", checkpoint.config, weights, str(root / "tokenizer"))
+
+
+@pytest.fixture
+def server(checkpoint):
+    s = ServerThread(EngineConfig(dtype="float32", kv_cache_tokens=4096), checkpoint)
+    yield s
+    s.stop()
+
+
+def bf16_state(model) -> dict[str, torch.Tensor]:
+    """The trainer's `state_dict()` in bfloat16 (half the bytes; exact, as its values are); the tied head is the
+    embedding's very tensor, as in the state_dict."""
+    state = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    return {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
+
+
+def generate(server) -> list[pb.GenerateResponse]:
+    with server.channel() as channel:
+        request = pb.GenerateRequest(tokens=pb.TokenIds(ids=PROMPT), sampling=GREEDY)
+        return list(pb_grpc.InferenceStub(channel).Generate(request))
+
+
+def greedy(server) -> list[int]:
+    return [t for m in generate(server) for t in m.token_ids]
+
+
+def push_error(server, messages) -> grpc.RpcError:
+    with server.channel() as channel, pytest.raises(grpc.RpcError) as err:
+        pb_grpc.AdminStub(channel).UpdateWeightsFromTensors(iter(messages))
+    return err.value
+
+
+def test_weight_push_serves_as_the_saved_checkpoint_and_names_its_version(server, trainer, saved):
+    before = greedy(server)
+    assert server.info().weight_version == "0"
+    assert all(m.weight_version == "0" for m in generate(server) if m.token_ids)
+    with Client(server.address) as client:
+        assert client.update_weights(bf16_state(trainer), version="step-1") == "step-1"
+    pushed = generate(server)
+    assert [t for m in pushed for t in m.token_ids] != before
+    assert all(m.weight_version == "step-1" for m in pushed if m.token_ids)
+    assert server.info().weight_version == "step-1"
+    with Client(server.address) as client:
+        assert client.update_weights(saved) == "2"  # no version named: the count of updates
+    assert greedy(server) == [t for m in pushed for t in m.token_ids]
+    assert server.info().weight_version == "2"
+    assert all(m.weight_version == "2" for m in generate(server) if m.token_ids)
+
+
+def test_weight_push_refuses_a_tensor_the_model_has_not_and_changes_nothing(server, trainer):
+    before = greedy(server)
+    state = bf16_state(trainer)
+    name = "model.layers.3.self_attn.k_proj.weight"
+    cases = {
+        "model.layers.99.mlp.up_proj.weight": {**state, "model.layers.99.mlp.up_proj.weight": state[name]},
+        name: {**state, name: state[name][:-1]},  # a row short
+        "model.norm.weight": {**state, "model.norm.weight": state["model.norm.weight"].to(torch.int32)},
+        "missing": {k: v for k, v in state.items() if k != name},
+    }
+    for expected, tensors in cases.items():
+        err = push_error(server, weight_stream(tensors, "bad"))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert expected in err.details() if expected != "missing" else name in err.details()
+    assert greedy(server) == before
+    assert server.info().weight_version == "0"
+
+
+def test_weight_push_cut_off_or_not_committed_changes_nothing(server, trainer):
+    before = greedy(server)
+    messages = list(weight_stream(bf16_state(trainer), "partial"))
+    header, chunks = messages[0], messages[1:-1]
+
+    def breaks_off():
+        yield header
+        yield from chunks[: len(chunks) // 2]
+        raise RuntimeError("the trainer died")  # the client cancels the call
+
+    # the client's own status for a request iterator that raised: it cancelled the call
+    assert push_error(server, breaks_off()).code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
+    for ends_early in ([header, *chunks], [header, *chunks[:-1], messages[-1]], chunks):
+        assert push_error(server, ends_early).code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert greedy(server) == before
+    assert server.info().weight_version == "0"
+
+
+def test_weight_push_needs_the_admin_credential(checkpoint, trainer):
+    s = ServerThread(EngineConfig(dtype="float32", kv_cache_tokens=4096), checkpoint, admin_token="secret")
+    try:
+        err = push_error(s, weight_stream(bf16_state(trainer)))
+        assert err.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+        assert s.info().weight_version == "0"
+    finally:
+        s.stop()
