@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import llguidance
-import llguidance.torch as llguidance_torch
+import llguidance.numpy as llguidance_np  # not llguidance.torch: it imports torch.compile (1.5 s per process)
 import torch
 
 from ..errors import InvalidRequest
@@ -259,7 +259,7 @@ class GrammarMatcher:
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
         """The tokens allowed next, into `bitmask[row]` (host int32, [rows, ceil(vocab / 32)])."""
-        llguidance_torch.fill_next_token_bitmask(self._matcher, bitmask, row)
+        llguidance_np.fill_next_token_bitmask(self._matcher, bitmask.numpy(), row)
 
     @property
     def eos_allowed(self) -> bool:
@@ -305,7 +305,7 @@ class TokenMasks:
 
     def __init__(self, vocab_size: int, rows: int = 64, threads: int | None = None) -> None:
         self.vocab_size = vocab_size
-        self._bitmask = torch.full(llguidance_torch.get_bitmask_shape(rows, vocab_size), -1, dtype=torch.int32)
+        self._bitmask = torch.full(llguidance_np.get_bitmask_shape(rows, vocab_size), -1, dtype=torch.int32)
         self._executor = llguidance.LLExecutor(threads)
 
     def fill(self, matchers: Sequence[GrammarMatcher]) -> torch.Tensor:
@@ -313,13 +313,13 @@ class TokenMasks:
         valid until the next `fill` (`apply_token_mask` copies it where it goes to a device)."""
         n = len(matchers)
         if n > self._bitmask.shape[0]:
-            self._bitmask = torch.full(llguidance_torch.get_bitmask_shape(n, self.vocab_size), -1, dtype=torch.int32)
+            self._bitmask = torch.full(llguidance_np.get_bitmask_shape(n, self.vocab_size), -1, dtype=torch.int32)
         bitmask = self._bitmask[:n]
         if n == 1:  # no thread hand-off for one row
             matchers[0].fill_mask(bitmask, 0)
         elif n:
             inner = [(m._matcher, j) for j, m in enumerate(matchers)]
-            llguidance_torch.fill_next_token_bitmask_par(self._executor, inner, bitmask)
+            llguidance_np.fill_next_token_bitmask_par(self._executor, inner, bitmask.numpy())
         return bitmask
 
 
