@@ -142,3 +142,23 @@ def test_weight_push_needs_the_admin_credential(checkpoint, trainer):
         assert s.info().weight_version == "0"
     finally:
         s.stop()
+
+
+def test_weight_push_reaches_every_rank_process(checkpoint, trainer, saved):
+    """Two data-parallel ranks in processes of their own: each gets the pushed tensors, and both serve them as
+    they serve the same weights loaded by path (requests alternate between the ranks)."""
+    s = ServerThread(
+        EngineConfig(dtype="float32", kv_cache_tokens=4096, engine_loops=2, dp_backend="process"), checkpoint
+    )
+    try:
+        before = greedy(s)
+        with Client(s.address) as client:
+            assert client.update_weights(bf16_state(trainer), version="pushed") == "pushed"
+        pushed = [greedy(s) for _ in range(4)]
+        assert pushed[0] != before and all(p == pushed[0] for p in pushed)
+        with Client(s.address) as client:
+            client.update_weights(saved, version="by-path")
+        assert [greedy(s) for _ in range(4)] == pushed
+        assert s.info().weight_version == "by-path"
+    finally:
+        s.stop()
