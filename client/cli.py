@@ -192,6 +192,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(run=_wakeup)
 
+    p = sub.add_parser("pause", parents=[common], help="Admin: stop generation for a weight update, until resume")
+    p.add_argument(
+        "--mode",
+        choices=("abort", "wait", "keep"),
+        default="abort",
+        help="abort: end what runs (partial output); wait: let it finish; keep: freeze it until resume (default abort)",
+    )
+    p.set_defaults(
+        run=lambda args: _with_client(
+            args,
+            lambda c: c.pause(args.mode),
+            f"paused ({args.mode}): new requests are refused until `lmgate resume`",
+        )
+    )
+
+    p = sub.add_parser("resume", parents=[common], help="Admin: end a pause; frozen requests go on")
+    p.set_defaults(run=lambda args: _with_client(args, lambda c: c.resume(), "resumed"))
+
     p = sub.add_parser("update-weights", parents=[common], help="Admin: load new weights of the same architecture")
     p.add_argument("path", help="HF model directory or GGUF file, as the server sees it")
     p.set_defaults(

@@ -25,6 +25,7 @@ from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 
 from .history import History
 from .weights import weight_stream
+from .weight_group import init_request, update_request
 from .routing import Target, channel_target
 from .wire import Delta, bearer_metadata, generate_request, new_session_id, session_metadata, to_delta
 
@@ -54,6 +55,54 @@ REFUSAL_CODES = (
     grpc.StatusCode.PERMISSION_DENIED,
     grpc.StatusCode.UNIMPLEMENTED,
 )
+# `pause(mode)`: what a pause does to the requests running or queued (the proto's PauseMode).
+PAUSE_MODES = {"abort": pb.PAUSE_MODE_ABORT, "wait": pb.PAUSE_MODE_WAIT, "keep": pb.PAUSE_MODE_KEEP}
+
+
+def _pause_request(mode: str, keep_kv: bool) -> pb.PauseRequest:
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"pause mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+    return pb.PauseRequest(mode=PAUSE_MODES[mode], keep_kv=keep_kv)
+
+
+class Paused:
+    """A pause under way (`Client.pause`): leaving its `with` block resumes. `requests`: those the pause
+    aborted or froze."""
+
+    def __init__(self, requests: int, resume: Callable[[], None]) -> None:
+        self.requests = requests
+        self._resume = resume
+
+    def __enter__(self) -> Paused:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._resume()
+
+
+class AsyncPause:
+    """`AsyncClient.pause`: awaited, the number of requests aborted or frozen; as `async with`, a pause that
+    resumes when the block is left."""
+
+    def __init__(self, client: AsyncClient, request: pb.PauseRequest) -> None:
+        self._client, self._request = client, request
+        self.requests = 0
+
+    async def _pause(self) -> int:
+        client = self._client
+        response = await client._admin.Pause(self._request, timeout=client._timeout, metadata=client._admin_metadata)
+        self.requests = response.requests
+        return self.requests
+
+    def __await__(self):  # type: ignore[no-untyped-def]
+        return self._pause().__await__()
+
+    async def __aenter__(self) -> AsyncPause:
+        await self._pause()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._client.resume()
 
 
 class _ClientBase(abc.ABC, Generic[StreamT]):
@@ -90,9 +139,11 @@ class _ClientBase(abc.ABC, Generic[StreamT]):
         chat template) or `token_ids`. `session_id` 0 is a stateless request; `request_id` "" lets the server
         pick one (every delta carries it); `session_epoch`, the session's copy the turn is for (ABORTED
         elsewhere; None: any). `sampling` are SamplingParams' fields (max_new_tokens, temperature,
-        top_p, top_k, min_p, seed, stop, ...). The request is built and checked here; it is sent now, and
-        leaving the iterator early cancels it on the server (a session's turn by a Cancel call first, so that
-        the session's next turn may follow at once).
+        top_p, top_k, min_p, seed, stop, ...); `logprobs=N` returns each token's log-probability and N
+        alternatives, with `logprobs_mode="raw"` (the default: the model's distribution) or "processed" (the
+        distribution the token was drawn from), which each such delta's `logprobs_mode` repeats. The request
+        is built and checked here; it is sent now, and leaving the iterator early cancels it on the server (a
+        session's turn by a Cancel call first, so that the session's next turn may follow at once).
         """
         request = generate_request(
             prompt,
@@ -280,6 +331,53 @@ class Client(_ClientBase[Iterator[Delta]]):
             weight_stream(weights, version), timeout=self._timeout, metadata=self._admin_metadata
         ).weight_version
 
+    def init_weight_group(
+        self,
+        master_address: str,
+        master_port: int,
+        *,
+        world_size: int = 2,
+        rank_offset: int = 1,
+        backend: str = "gloo",
+        timeout_seconds: int = 60,
+    ) -> None:
+        """Admin: the server joins, at `rank_offset`, the torch.distributed group whose store a trainer (rank
+        0) serves at master_address:master_port; returns once the group is made, which the trainer makes its
+        side of meanwhile (`weight_group.WeightGroup` does both). DEADLINE_EXCEEDED after `timeout_seconds`;
+        FAILED_PRECONDITION while the server has a group."""
+        request = init_request(master_address, master_port, world_size, rank_offset, backend, timeout_seconds)
+        self._admin.InitWeightUpdateGroup(request, timeout=self._timeout, metadata=self._admin_metadata)
+
+    def update_weights_from_distributed(
+        self, tensors: Sequence[pb.TensorSpec], version: str = "", bucket_bytes: int = 0
+    ) -> str:
+        """Admin: the server receives the tensors `tensors` announce, broadcast by the trainer over the group
+        meanwhile in buckets of `bucket_bytes` (0: 512 MiB), and serves them as `version` (empty: the server
+        counts), which is returned. `weight_group.WeightGroup.push` does both sides."""
+        request = update_request(tensors, version, bucket_bytes)
+        return self._admin.UpdateWeightsFromDistributed(
+            request, timeout=self._timeout, metadata=self._admin_metadata
+        ).weight_version
+
+    def destroy_weight_group(self) -> None:
+        """Admin: the server leaves its weight group, if it has one."""
+        request = pb.DestroyWeightUpdateGroupRequest()
+        self._admin.DestroyWeightUpdateGroup(request, timeout=self._timeout, metadata=self._admin_metadata)
+
+    def pause(self, mode: str = "abort", keep_kv: bool = False) -> Paused:
+        """Admin: stops generation for a weight update, returning once done: "abort" ends what runs or is queued
+        (finish_reason "aborted", partial output), "wait" lets it finish, "keep" freezes it until the resume
+        (after an update meanwhile its KV is recomputed by the new weights, unless `keep_kv`). New Generate
+        calls are refused (UNAVAILABLE) until `resume`; as a context manager, leaving the block resumes:
+        `with client.pause("keep"): client.update_weights(model.state_dict())`."""
+        request = _pause_request(mode, keep_kv)
+        response = self._admin.Pause(request, timeout=self._timeout, metadata=self._admin_metadata)
+        return Paused(response.requests, self.resume)
+
+    def resume(self) -> None:
+        """Admin: ends a pause; frozen requests go on, new ones are admitted (unless the server sleeps)."""
+        self._admin.Resume(pb.ResumeRequest(), timeout=self._timeout, metadata=self._admin_metadata)
+
     def close(self) -> None:
         self._channel.close()
 
@@ -385,6 +483,39 @@ class AsyncClient(_ClientBase[AsyncIterator[Delta]]):
                 weight_stream(weights, version), timeout=self._timeout, metadata=self._admin_metadata
             )
         return response.weight_version
+
+    async def init_weight_group(
+        self,
+        master_address: str,
+        master_port: int,
+        *,
+        world_size: int = 2,
+        rank_offset: int = 1,
+        backend: str = "gloo",
+        timeout_seconds: int = 60,
+    ) -> None:
+        request = init_request(master_address, master_port, world_size, rank_offset, backend, timeout_seconds)
+        await self._admin.InitWeightUpdateGroup(request, timeout=self._timeout, metadata=self._admin_metadata)
+
+    async def update_weights_from_distributed(
+        self, tensors: Sequence[pb.TensorSpec], version: str = "", bucket_bytes: int = 0
+    ) -> str:
+        request = update_request(tensors, version, bucket_bytes)
+        response = await self._admin.UpdateWeightsFromDistributed(
+            request, timeout=self._timeout, metadata=self._admin_metadata
+        )
+        return response.weight_version
+
+    async def destroy_weight_group(self) -> None:
+        request = pb.DestroyWeightUpdateGroupRequest()
+        await self._admin.DestroyWeightUpdateGroup(request, timeout=self._timeout, metadata=self._admin_metadata)
+
+    def pause(self, mode: str = "abort", keep_kv: bool = False) -> AsyncPause:
+        """As `Client.pause`: `await client.pause("wait")`, or `async with client.pause("keep"): ...`."""
+        return AsyncPause(self, _pause_request(mode, keep_kv))
+
+    async def resume(self) -> None:
+        await self._admin.Resume(pb.ResumeRequest(), timeout=self._timeout, metadata=self._admin_metadata)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -19,9 +19,9 @@ def weight_stream(
 ) -> Iterator[pb.UpdateWeightsFromTensorsRequest]:
     """The stream's messages, made as they are sent: one tensor's bytes at a time are copied out. A head that is
     the embedding's very tensor (a tied model's `state_dict()`) is left out: the server serves it so."""
-    tensors = {name: t for name, t in named_tensors.items() if not _tied_head(name, t, named_tensors)}
-    specs = [pb.TensorSpec(name=name, dtype=_dtype(t), shape=list(t.shape)) for name, t in tensors.items()]
-    yield pb.UpdateWeightsFromTensorsRequest(header=pb.WeightsHeader(weight_version=version, tensors=specs))
+    tensors = sent_tensors(named_tensors)
+    header = pb.WeightsHeader(weight_version=version, tensors=tensor_specs(tensors))
+    yield pb.UpdateWeightsFromTensorsRequest(header=header)
     pending = bytearray()  # the start of the next chunk: a tensor's tail, which the next one's head fills up
     for tensor in tensors.values():
         data = _raw_bytes(tensor)
@@ -40,6 +40,16 @@ def weight_stream(
     if pending:
         yield pb.UpdateWeightsFromTensorsRequest(chunk=bytes(pending))
     yield pb.UpdateWeightsFromTensorsRequest(commit=True)
+
+
+def sent_tensors(named_tensors: Mapping[str, Any]) -> dict[str, Any]:
+    """The tensors an update sends, in order: all but a head that is the embedding's very tensor."""
+    return {name: t for name, t in named_tensors.items() if not _tied_head(name, t, named_tensors)}
+
+
+def tensor_specs(tensors: Mapping[str, Any]) -> list[pb.TensorSpec]:
+    """Each tensor's name, dtype and shape, as an update's header announces them."""
+    return [pb.TensorSpec(name=name, dtype=_dtype(t), shape=list(t.shape)) for name, t in tensors.items()]
 
 
 def _tied_head(name: str, tensor: Any, named: Mapping[str, Any]) -> bool:

@@ -27,7 +27,11 @@ _FINISH_REASONS = {
     pb.FINISH_REASON_STOP: "stop",
     pb.FINISH_REASON_LENGTH: "length",
     pb.FINISH_REASON_CANCELLED: "cancelled",
+    pb.FINISH_REASON_ABORTED: "aborted",
 }
+# `logprobs_mode="raw" | "processed"`: which distribution a token's log-probability is of (the proto's LogprobsMode).
+LOGPROBS_MODES = {"raw": pb.LOGPROBS_MODE_RAW, "processed": pb.LOGPROBS_MODE_PROCESSED}
+_LOGPROBS_MODE_NAMES = {number: name for name, number in LOGPROBS_MODES.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,11 +40,16 @@ class Delta:
 
     `logprobs` has one entry per token of `token_ids` when sampling asked for them:
     `{"token_id": int, "token": str, "logprob": float, "top": [{"token_id", "token", "logprob"}, ...]}`, each
-    token with its text as OpenAI's logprobs show it (U+FFFD where it holds part of a character).
-    `finish_reason` ("stop", "length", "cancelled") and `usage` (prompt_tokens, completion_tokens,
-    cached_tokens) are set on the last message of the stream only; with `n` samples, on each sample's last
-    (`index` says whose). `prompt_logprobs` (when asked for) come with sample 0's first message, in the form
-    of `logprobs`, one per prompt token from the second.
+    token with its text as OpenAI's logprobs show it (U+FFFD where it holds part of a character);
+    `logprobs_mode` says which they are: "raw" (the model's distribution, before logit_bias, penalties,
+    temperature and the filters) or "processed" (the one the token was drawn from; -inf where filtered out),
+    as asked by the `logprobs_mode` sampling keyword; None on a delta without logprobs (or from a server that
+    predates the field).
+    `finish_reason` ("stop", "length", "cancelled", "aborted": a pause ended it) and `usage` (prompt_tokens,
+    completion_tokens, cached_tokens) are set on the last message of the stream only; with `n` samples, on each
+    sample's last (`index` says whose). `prompt_logprobs` (when asked for) come with sample 0's first message,
+    in the form of `logprobs`, one per prompt token from the second. `weight_version` names the weights that
+    computed `token_ids` (the server's UpdateWeights version; "" on a delta without tokens).
     """
 
     request_id: str
@@ -52,6 +61,8 @@ class Delta:
     usage: dict[str, int] | None
     index: int = 0
     prompt_logprobs: list[dict[str, Any]] = field(default_factory=list)
+    logprobs_mode: str | None = None
+    weight_version: str = ""
 
 
 def sampling_range(name: str) -> tuple[int, int] | None:
@@ -63,9 +74,10 @@ def sampling_range(name: str) -> tuple[int, int] | None:
 def sampling_params(**sampling: Any) -> pb.SamplingParams:
     """SamplingParams from keyword arguments named as its fields; None leaves a field unset (its default).
 
-    A single string for a repeated field (`stop="\\n"`) counts as a list of one. Unknown names raise
-    TypeError, as an unknown keyword argument of a Python function would; an integer beyond its field's range
-    (`seed=-1`) raises ValueError naming the field and its range.
+    A single string for a repeated field (`stop="\\n"`) counts as a list of one; `logprobs_mode` is "raw" or
+    "processed" (or a LogprobsMode number). Unknown names raise TypeError, as an unknown keyword argument of a
+    Python function would; an integer beyond its field's range (`seed=-1`) raises ValueError naming the field
+    and its range, as does a logprobs_mode string other than those two.
     """
     unknown = sorted(set(sampling) - SAMPLING_FIELDS)
     if unknown:
@@ -81,6 +93,10 @@ def sampling_params(**sampling: Any) -> pb.SamplingParams:
             value = [value]
         if name == "choice" and not isinstance(value, pb.Choices):  # a list of strings will do
             value = pb.Choices(choices=list(value))
+        if name == "logprobs_mode" and isinstance(value, str):
+            if value not in LOGPROBS_MODES:
+                raise ValueError(f"logprobs_mode must be one of {', '.join(map(repr, LOGPROBS_MODES))}, got {value!r}")
+            value = LOGPROBS_MODES[value]
         _check_range(name, value)
         values[name] = value
     return pb.SamplingParams(**values)
@@ -142,6 +158,8 @@ def to_delta(response: pb.GenerateResponse) -> Delta:
         usage=({f: getattr(response.usage, f) for f in _USAGE_FIELDS} if response.HasField("usage") else None),
         index=response.index,
         prompt_logprobs=_logprobs(response.prompt_logprobs),
+        logprobs_mode=_LOGPROBS_MODE_NAMES.get(response.logprobs_mode),
+        weight_version=response.weight_version,
     )
 
 

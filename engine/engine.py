@@ -32,12 +32,17 @@ from .sampling.sampler import SamplingParams
 from .machine.threads import available_cpus, on_fresh_thread
 from .step.weights import WeightSource, quantized_gguf
 from .loading.pushed import TensorSpec, check_specs, pushed_weights
+from .loading.weight_group import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT, WeightGroup
+from .errors import Aborted, FailedPrecondition
 
 log = logging.getLogger(__name__)
 
 Prompt = str | list[int] | list[chat.Message]  # text, token ids, or chat messages
 
 SLEEP_TAGS = ("weights", "kv_cache")
+PAUSE_GATE = "pause"  # closed from a Pause until its Resume
+# What a pause does to what runs or is queued: the control request each loop handles it by
+PAUSE_MODES = {"abort": RequestKind.ABORT, "wait": RequestKind.AWAIT_IDLE, "keep": RequestKind.FREEZE}
 SHAPE_FIELDS = (
     "architecture",
     "vocab_size",
@@ -74,6 +79,7 @@ class EngineInfo:
     prefix_cache_hit_tokens: int
     computed_tokens: int
     weight_version: str = "0"
+    pause_mode: str | None = None  # of PAUSE_MODES while paused
 
 
 class Stream:
@@ -131,13 +137,19 @@ class Engine:
             set()
         )  # of SLEEP_TAGS, asleep or partly (a Sleep failed on the way); under _admin_lock
         self._slept: set[str] = set()  # of those, the ones whose Sleep completed (a Sleep again leaves them be)
+        self._weights_dropped = False  # by a level-2 sleep, until woken; under _admin_lock
         self._admin_lock = threading.Lock()  # serializes sleep / wakeup / update_weights; loops never take it
         self.weight_version = "0"  # the served weights' name (`update_weights`); written under _admin_lock
         self._weight_updates = 0  # completed weight updates: the default name of the next is one more
         # Sleep calls that have closed admission and not yet ended: a Wakeup ending meanwhile must not reopen it.
         self._sleeps_pending = 0
-        self._pending_lock = threading.Lock()  # guards _sleeps_pending; taken under _admin_lock or alone
+        self.pause_mode: str | None = None  # of PAUSE_MODES while paused; written under _admin_lock
+        self._pauses_pending = 0  # Pause calls that have closed admission and not yet ended: as _sleeps_pending
+        self._pending_lock = threading.Lock()  # guards _sleeps_pending, _pauses_pending; under _admin_lock or alone
         self._shut_down = False  # set once by `shutdown`; admin calls read it under _admin_lock
+        # The trainer's group, joined or being joined (loading/weight_group.py), or None; read and written under
+        # _admin_lock, which its join and receives do not hold while they wait on the network.
+        self._weight_group: WeightGroup | None = None
         if not config.kv_cache_tokens:
             tokens = auto_kv_cache_tokens(config, ckpt.config, self.dtype, self.kv_dtype)
             self.config = config = dataclasses.replace(config, kv_cache_tokens=tokens)
@@ -383,6 +395,7 @@ class Engine:
             prefix_cache_hit_tokens=sum(s.prefix_hit_tokens for s in stats),
             computed_tokens=sum(s.computed_tokens for s in stats),
             weight_version=self.weight_version,
+            pause_mode=self.pause_mode,
         )
 
     # sleep and wake-up -------------------------------------------------------------------------------------
@@ -418,6 +431,7 @@ class Engine:
                         put_to_sleep()
                         self._slept.add(part)
                 if level == 2:
+                    self._weights_dropped = True  # before: a drop that fails on some ranks still counts
                     self.ranks.drop_weights()
                 log.info("asleep at level %d", level)
         finally:
@@ -443,6 +457,7 @@ class Engine:
             if "weights" in wanted:
                 self._slept.discard("weights")
                 self.ranks.restore_weights()
+                self._weights_dropped = False
                 self.sleeping.discard("weights")
             if "kv_cache" in wanted:
                 self._slept.discard("kv_cache")
@@ -454,6 +469,44 @@ class Engine:
             log.info("woke %s; still asleep: %s", sorted(wanted), sorted(self.sleeping))
             return sorted(wanted), sorted(self.sleeping)
 
+    # pause and resume --------------------------------------------------------------------------------------
+
+    def pause(self, mode: str, keep_kv: bool = False) -> int:
+        """Stop generation for a weight update: admission closes at once (until `resume`), then every loop, at a
+        step boundary, "abort"s what runs or is queued (FinishReason.ABORTED, partial output), lets it finish
+        ("wait": returns once it has), or freezes it ("keep"; an update made meanwhile is served to it after
+        the resume, its KV recomputed by the new weights unless `keep_kv`). Returns the requests aborted or
+        frozen. A pause while paused changes the mode: "wait" lets the frozen go on to their end."""
+        if mode not in PAUSE_MODES:
+            raise InvalidRequest(f"pause mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+        kind = RequestKind.FREEZE_KEEP_KV if mode == "keep" and keep_kv else PAUSE_MODES[mode]
+        with self._pending_lock:
+            self._pauses_pending += 1
+            self.gateway.close_admission(PAUSE_GATE, "generation is paused (Admin.Pause): send it after Admin.Resume")
+        try:
+            with self._admin():
+                self.pause_mode = mode
+                answers = self.gateway.control(kind)
+                log.info("paused (%s)", mode)
+                return sum(answer.handled for answer in answers)
+        finally:
+            with self._pending_lock:
+                self._pauses_pending -= 1
+
+    def resume(self) -> None:
+        """End a pause: frozen requests go on (on the weights served now), admission reopens unless the engine
+        sleeps or another Pause is on its way. Without a pause, nothing changes."""
+        with self._admin():
+            if self.pause_mode is not None:
+                self.gateway.control(RequestKind.THAW)
+                self.pause_mode = None
+                log.info("resumed")
+            with self._pending_lock:
+                if not self._pauses_pending:
+                    self.gateway.open_admission(PAUSE_GATE)
+
+    # weights -----------------------------------------------------------------------------------------------
+
     def update_weights(self, path: str, version: str = "") -> str:
         """Replace the weights with a checkpoint of the same shape, run with its own settings (RoPE, norm eps);
         a mismatch, or a context shorter than the one served, is refused and the old ones stay. Loops pick
@@ -462,8 +515,7 @@ class Engine:
         if not path:
             raise InvalidRequest("path is required: a Hugging Face model directory or a .gguf file")
         with self._admin():
-            if "weights" in self.sleeping:
-                raise Unavailable("the weights are asleep: call Admin.Wakeup with tag 'weights' first")
+            self._check_weights_replaceable()
             new = read_config(path)
             _check_same_shape(new, self.model_config)
             if new.max_position_embeddings < self.max_context_length:
@@ -488,10 +540,17 @@ class Engine:
         not is refused (InvalidRequest) and nothing changes. A GGUF model's quantized matrices replaced this
         way are served in float. The tensors are copied: the caller may change its own at once."""
         with self._admin():
-            if "weights" in self.sleeping:
-                raise Unavailable("the weights are asleep: call Admin.Wakeup with tag 'weights' first")
+            self._check_weights_replaceable()
             pushed = pushed_weights(tensors, self.model_config)
             return self._load(pushed, version)
+
+    def _check_weights_replaceable(self) -> None:
+        """Weights asleep at level 2 are replaced by name (Wakeup builds the new ones); offloaded ones are not."""
+        if "weights" in self.sleeping and not self._weights_dropped:
+            raise Unavailable(
+                "the weights are offloaded to host memory (Sleep level 1): call Admin.Wakeup with tag 'weights' "
+                "first, or Sleep at level 2 to replace them while asleep"
+            )
 
     def _load(self, source: WeightSource, version: str) -> str:
         """Under `_admin_lock`: every rank serves `source` as `version` (or the next count), or none does."""
@@ -499,7 +558,70 @@ class Engine:
         self.ranks.load_weights(source, name)
         self._weight_updates += 1
         self.weight_version = name
+        self.gateway.control(RequestKind.FLUSH_CACHE)  # every loop has switched (a frozen one too) once answered
         return name
+
+    # weights from a trainer's torch.distributed group -----------------------------------------------------
+
+    def init_weight_group(
+        self,
+        master_address: str,
+        master_port: int,
+        world_size: int = 2,
+        rank: int = 1,
+        backend: str = "gloo",
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> None:
+        """Join the group whose store the trainer (rank 0) serves at master_address:master_port, at `rank`;
+        returns once the group is made. One at a time: FailedPrecondition while one is made or being made. The
+        join waits for the trainer without the admin lock, `timeout` seconds at most (DeadlineExceeded)."""
+        group = WeightGroup(master_address, master_port, world_size, rank, backend, timeout, self.device)
+        with self._admin():
+            if self._weight_group is not None:
+                raise FailedPrecondition("a weight group is already made: destroy it first")
+            self._weight_group = group
+        try:
+            group.join()
+        except BaseException:
+            self._forget_weight_group(group)
+            raise
+        log.info("joined the weight group at %s:%d as rank %d of %d", master_address, master_port, rank, world_size)
+
+    def update_weights_from_distributed(
+        self, specs: Sequence[TensorSpec], version: str = "", bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ) -> str:
+        """Receive the tensors `specs` announce from the trainer's broadcast over the group, then serve them as
+        `update_weights_from_tensors` does (atomic, every rank), as `version`, which is returned. The specs are
+        checked before the trainer is told to send (InvalidRequest: nothing changes, the group stays). The
+        receive holds no admin lock; the install takes it. A broadcast that breaks off leaves the old weights
+        serving and the group destroyed (Aborted)."""
+        with self._admin():
+            group = self._weight_group
+            if group is None:
+                raise FailedPrecondition("no weight group: call InitWeightUpdateGroup first")
+            self._check_weights_replaceable()
+            check_specs(specs, self.model_config)
+        try:
+            tensors = group.receive(specs, bucket_bytes)
+        except Aborted:
+            self._forget_weight_group(group)
+            raise
+        return self.update_weights_from_tensors(tensors, version)
+
+    def destroy_weight_group(self) -> None:
+        """Leave the trainer's group, if there is one (idempotent). A join or receive under way on it ends
+        Aborted as its pending collective ends; nothing it received is served."""
+        with self._admin_lock:  # after a shutdown too
+            group, self._weight_group = self._weight_group, None
+        if group is not None:
+            group.destroy()
+            log.info("left the weight group")
+
+    def _forget_weight_group(self, group: WeightGroup) -> None:
+        """`group` failed (and is torn down): the next Init may make another."""
+        with self._admin_lock:
+            if self._weight_group is group:
+                self._weight_group = None
 
     def flush_prefix_cache(self) -> None:
         """Every loop forgets its prefix cache's keys at its next step boundary (a gateway's FlushCache); blocks
@@ -523,6 +645,9 @@ class Engine:
         the KV caches and the weights at once, rather than whenever the garbage collector breaks the
         engine's reference cycles."""
         self._shut_down = True
+        group = self._weight_group  # read without the admin lock, which a call waiting on the loops may hold
+        if group is not None:
+            group.destroy()  # a receive under way ends Aborted
         self.gateway.shutdown()
         self.ranks.shutdown()
         self.gateway.kv_events.close()  # after the loops' last events: its readers end

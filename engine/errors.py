@@ -44,3 +44,15 @@ class UnsupportedModel(EngineError):
 
 class InternalError(EngineError):
     """A step of the engine failed; the streams it touched end with this error instead of hanging."""
+
+
+class FailedPrecondition(EngineError):
+    """The call does not fit the engine's state now: a weight group is already made, or none is."""
+
+
+class DeadlineExceeded(EngineError):
+    """A peer outside the engine did not answer in time: a trainer that never joins its weight group."""
+
+
+class Aborted(EngineError):
+    """Work with a peer outside the engine broke off (a trainer gone mid-broadcast); nothing changed."""

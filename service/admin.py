@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 
 import grpc
 import torch
 
 from lmgate.engine.engine import Engine
 from lmgate.engine.errors import EngineError, InternalError, InvalidRequest
-from lmgate.engine.loading.pushed import PUSH_DTYPES, TensorSpec
+from lmgate.engine.loading.pushed import TensorSpec, tensor_views
+from lmgate.engine.loading.weight_group import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 
+from . import convert
 from .auth import admin_denial
 from .metrics import Metrics
 from .status import abort
@@ -56,6 +58,20 @@ class AdminServicer(pb_grpc.AdminServicer):
         )
         return pb.WakeupResponse(restored=restored, still_asleep=still_asleep)
 
+    async def Pause(self, request: pb.PauseRequest, context: grpc.aio.ServicerContext) -> pb.PauseResponse:
+        def pause(request: pb.PauseRequest) -> int:
+            return self.engine.pause(convert.pause_mode(request.mode), request.keep_kv)
+
+        handled = await self._run(context, pause, request, lambda: self._transition("pause"), closes_admission=True)
+        return pb.PauseResponse(requests=handled)
+
+    async def Resume(self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext) -> pb.ResumeResponse:
+        def resume(request: pb.ResumeRequest) -> None:
+            self.engine.resume()
+
+        await self._run(context, resume, request, lambda: self._transition("resume"))
+        return pb.ResumeResponse()
+
     def _transition(self, name: str) -> None:
         """Counted once done: a refused call (a bad level or tag) makes no series."""
         self.metrics.sleep_transitions.labels(self.metrics.model_name, name).inc()
@@ -88,6 +104,46 @@ class AdminServicer(pb_grpc.AdminServicer):
         )
         return pb.UpdateWeightsResponse(weight_version=version)
 
+    # weights from a trainer's torch.distributed group: the engine joins it and receives its broadcasts
+    # (engine/loading/weight_group.py); each wait on the trainer has its limit, none holds the event loop.
+
+    async def InitWeightUpdateGroup(
+        self, request: pb.InitWeightUpdateGroupRequest, context: grpc.aio.ServicerContext
+    ) -> pb.InitWeightUpdateGroupResponse:
+        def init_weight_group(request: pb.InitWeightUpdateGroupRequest) -> None:
+            rank = request.rank_offset or 1
+            self.engine.init_weight_group(
+                request.master_address,
+                request.master_port,
+                world_size=request.world_size or rank + 1,
+                rank=rank,
+                backend=request.backend or "gloo",
+                timeout=request.timeout_seconds or DEFAULT_TIMEOUT,
+            )
+
+        await self._run(context, init_weight_group, request, _uncounted)
+        return pb.InitWeightUpdateGroupResponse()
+
+    async def UpdateWeightsFromDistributed(
+        self, request: pb.UpdateWeightsFromDistributedRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UpdateWeightsResponse:
+        def update_weights_from_distributed(request: pb.UpdateWeightsFromDistributedRequest) -> str:
+            specs = _specs(request.tensors)
+            bucket_bytes = request.bucket_bytes or DEFAULT_BUCKET_BYTES
+            return self.engine.update_weights_from_distributed(specs, request.weight_version, bucket_bytes)
+
+        version = await self._run(context, update_weights_from_distributed, request, self.metrics.weight_updates.inc)
+        return pb.UpdateWeightsResponse(weight_version=version)
+
+    async def DestroyWeightUpdateGroup(
+        self, request: pb.DestroyWeightUpdateGroupRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DestroyWeightUpdateGroupResponse:
+        def destroy_weight_group(request: pb.DestroyWeightUpdateGroupRequest) -> None:
+            self.engine.destroy_weight_group()
+
+        await self._run(context, destroy_weight_group, request, _uncounted)
+        return pb.DestroyWeightUpdateGroupResponse()
+
     async def _receive_tensors(
         self, requests: AsyncIterator[pb.UpdateWeightsFromTensorsRequest]
     ) -> tuple[str, dict[str, torch.Tensor]]:
@@ -103,7 +159,7 @@ class AdminServicer(pb_grpc.AdminServicer):
                 if part != "header":
                     raise InvalidRequest("the stream's first message must be its header")
                 header = request.header
-                specs = [TensorSpec(t.name, t.dtype, tuple(t.shape)) for t in header.tensors]
+                specs = _specs(header.tensors)
                 self.engine.check_weight_specs(specs)
                 buffer = bytearray(sum(spec.nbytes for spec in specs))
             elif part == "chunk":
@@ -114,7 +170,7 @@ class AdminServicer(pb_grpc.AdminServicer):
             elif part == "commit":
                 if received != len(buffer):
                     raise InvalidRequest(f"commit after {received} of {len(buffer)} bytes: nothing changed")
-                return header.weight_version, _tensors(specs, buffer)
+                return header.weight_version, tensor_views(specs, buffer)
             else:
                 raise InvalidRequest(f"unexpected {part or 'empty message'} after the header")
         raise InvalidRequest("the stream ended before its commit: nothing changed")
@@ -167,13 +223,9 @@ class AdminServicer(pb_grpc.AdminServicer):
             log.error("admin call failed", exc_info=error)
 
 
-def _tensors(specs: list[TensorSpec], buffer: bytearray) -> dict[str, torch.Tensor]:
-    """Each spec's tensor, a view of its bytes in `buffer` (the engine copies what it keeps)."""
-    tensors, at = {}, 0
-    for spec in specs:
-        dtype = PUSH_DTYPES[spec.dtype]
-        count = spec.nbytes // dtype.itemsize
-        flat = torch.frombuffer(buffer, dtype=dtype, count=count, offset=at) if count else torch.empty(0, dtype=dtype)
-        tensors[spec.name] = flat.view(spec.shape)
-        at += spec.nbytes
-    return tensors
+def _specs(tensors: Iterable[pb.TensorSpec]) -> list[TensorSpec]:
+    return [TensorSpec(t.name, t.dtype, tuple(t.shape)) for t in tensors]
+
+
+def _uncounted() -> None:
+    """The count of a call no metric counts."""

@@ -17,7 +17,15 @@ _FINISH = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
     FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
+    FinishReason.ABORTED: pb.FINISH_REASON_ABORTED,
 }
+# LogprobsMode to SamplingParams.logprobs_mode (unset: raw), and back on the messages that carry logprobs.
+_LOGPROBS_MODE = {
+    pb.LOGPROBS_MODE_UNSPECIFIED: "raw",
+    pb.LOGPROBS_MODE_RAW: "raw",
+    pb.LOGPROBS_MODE_PROCESSED: "processed",
+}
+_LOGPROBS_MODE_OUT = {"raw": pb.LOGPROBS_MODE_RAW, "processed": pb.LOGPROBS_MODE_PROCESSED}
 
 
 def sampling_params(s: pb.SamplingParams) -> SamplingParams:
@@ -37,12 +45,21 @@ def sampling_params(s: pb.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
         logprobs=s.logprobs,
+        logprobs_mode=logprobs_mode(s.logprobs_mode),
         skip_special_tokens=not s.include_special_tokens,
         n=max(s.n, 1),
         logit_bias=tuple(sorted(s.logit_bias.items())),
         prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
         constraint=constraint(s),
     )
+
+
+def logprobs_mode(mode: int) -> str:
+    """The engine's name of a LogprobsMode; InvalidRequest for a number the enum does not name (proto3 enums
+    are open: a client built from another version of the proto may send one)."""
+    if mode not in _LOGPROBS_MODE:
+        raise InvalidRequest(f"logprobs_mode must be a LogprobsMode (0, 1 or 2), got {mode}")
+    return _LOGPROBS_MODE[mode]
 
 
 def constraint(s: pb.SamplingParams | vllm.SamplingParams) -> Constraint | None:
@@ -76,12 +93,20 @@ def prompt(request: pb.GenerateRequest) -> str | list[int] | list[dict[str, str]
 MAX_MESSAGE_BYTES = 3 << 20
 
 
-def responses(outputs: list[RequestOutput], token_text: Callable[[int], str]) -> list[pb.GenerateResponse]:
+def responses(
+    outputs: list[RequestOutput], token_text: Callable[[int], str], logprobs_mode: str = "raw"
+) -> list[pb.GenerateResponse]:
     """Deltas that queued up while the client was slow, sent as one message per run of one sample's; a long
     prompt's log-probabilities go ahead in messages of their own, each under MAX_MESSAGE_BYTES. Tokens of
-    different weight versions never share a message."""
+    different weight versions never share a message. `logprobs_mode`: the request's
+    (`SamplingParams.logprobs_mode`), named on each message that carries logprobs."""
     runs = [list(run) for _, run in itertools.groupby(outputs, key=lambda o: o.index)]
-    return [part for run in runs for same in _by_weight_version(run) for part in _split(merge(same, token_text))]
+    return [
+        part
+        for run in runs
+        for same in _by_weight_version(run)
+        for part in _split(merge(same, token_text, logprobs_mode))
+    ]
 
 
 def _by_weight_version(run: list[RequestOutput]) -> list[list[RequestOutput]]:
@@ -114,9 +139,11 @@ def _split(msg: pb.GenerateResponse) -> list[pb.GenerateResponse]:
     return [*heads, msg]
 
 
-def merge(outputs: list[RequestOutput], token_text: Callable[[int], str]) -> pb.GenerateResponse:
+def merge(
+    outputs: list[RequestOutput], token_text: Callable[[int], str], logprobs_mode: str = "raw"
+) -> pb.GenerateResponse:
     """Deltas of one sample, sent as one message; `token_text` names each log-probability's token
-    (`Tokenizer.token_text`)."""
+    (`Tokenizer.token_text`), `logprobs_mode` (the request's) what the logprobs are of."""
     last = outputs[-1]
     msg = pb.GenerateResponse(
         request_id=last.request_id,
@@ -130,6 +157,8 @@ def merge(outputs: list[RequestOutput], token_text: Callable[[int], str]) -> pb.
     for o in outputs:
         add_logprobs(msg.logprobs, o.logprobs, token_text)
         add_logprobs(msg.prompt_logprobs, o.prompt_logprobs or [], token_text)
+    if msg.logprobs:
+        msg.logprobs_mode = _LOGPROBS_MODE_OUT[logprobs_mode]
     if last.usage is not None:
         msg.usage.CopyFrom(
             pb.Usage(**{f: getattr(last.usage, f) for f in ("prompt_tokens", "completion_tokens", "cached_tokens")})
@@ -146,3 +175,26 @@ def add_logprobs(into, logprobs: list[TokenLogprob], token_text: Callable[[int],
             token=token_text(lp.token_id),
             top=[pb.TopLogprob(token_id=t, logprob=v, token=token_text(t)) for t, v in lp.top],
         )
+
+
+# Admin.Pause's modes, the engine's names (`Engine.pause`) by proto value; unset is ABORT, as vLLM's default.
+_PAUSE_MODES = {
+    pb.PAUSE_MODE_UNSPECIFIED: "abort",
+    pb.PAUSE_MODE_ABORT: "abort",
+    pb.PAUSE_MODE_WAIT: "wait",
+    pb.PAUSE_MODE_KEEP: "keep",
+}
+
+
+def pause_mode(mode: int) -> str:
+    """The engine's name of a PauseRequest.mode; an unknown value is refused."""
+    if mode not in _PAUSE_MODES:
+        raise InvalidRequest(f"unknown pause mode {mode}")
+    return _PAUSE_MODES[mode]
+
+
+def pause_mode_value(mode: str | None) -> int:
+    """InfoResponse.pause_mode of the engine's (None: not paused)."""
+    if mode is None:
+        return pb.PAUSE_MODE_UNSPECIFIED
+    return {"abort": pb.PAUSE_MODE_ABORT, "wait": pb.PAUSE_MODE_WAIT, "keep": pb.PAUSE_MODE_KEEP}[mode]

@@ -57,7 +57,9 @@ class Metrics:
         self.sessions_expired = counter(
             "lmgate_sessions_expired", "Sessions ended after --session-idle-timeout without a turn"
         ).labels(self.model_name)
-        self.sleep_transitions = counter("lmgate_sleep_transitions", "Completed Sleep and Wakeup calls", "transition")
+        self.sleep_transitions = counter(
+            "lmgate_sleep_transitions", "Completed Sleep, Wakeup, Pause and Resume calls", "transition"
+        )
         self.weight_updates = counter("lmgate_weight_updates", "Completed UpdateWeights calls").labels(self.model_name)
         self.ttft = histogram(
             "lmgate_time_to_first_token_seconds", "From the Generate call to its first token", LATENCY_BUCKETS

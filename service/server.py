@@ -162,15 +162,17 @@ class Server:
             return "the server is shutting down"
         if self.engine.sleeping:
             return f"asleep ({', '.join(sorted(self.engine.sleeping))}): call Admin.Wakeup"
+        if self.engine.pause_mode is not None:
+            return f"paused ({self.engine.pause_mode}): call Admin.Resume"
         return None
 
     async def refresh_health(self, closing: bool = False) -> None:
-        """While any part of the engine sleeps (or is about to), Generate is refused: Inference and the server
-        as a whole ("") report NOT_SERVING, so load balancers send traffic elsewhere; Admin stays SERVING, to be
-        woken. After `stop` began, nothing changes any more."""
+        """While any part of the engine sleeps or generation is paused (or is about to), Generate is refused:
+        Inference and the server as a whole ("") report NOT_SERVING, so load balancers send traffic elsewhere;
+        Admin stays SERVING, to be woken. After `stop` began, nothing changes any more."""
         if self._stopping or self.failed.is_set():
             return
-        asleep = closing or bool(self.engine.sleeping)
+        asleep = closing or bool(self.engine.sleeping) or self.engine.pause_mode is not None
         serving = health_pb2.HealthCheckResponse.NOT_SERVING if asleep else health_pb2.HealthCheckResponse.SERVING
         for name in ("", INFERENCE, VLLM_SERVICE):
             await self.health.set(name, serving)

@@ -127,7 +127,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                     await abort(context, error)
                 finished = batch[-1].finished
                 tracker.tokens(tokens, batch[-1].finish_reason, batch[-1].usage)
-                for response in convert.responses(batch, self.engine.tokenizer.token_text):
+                for response in convert.responses(batch, self.engine.tokenizer.token_text, params.logprobs_mode):
                     yield response
         finally:
             if finished:
@@ -246,6 +246,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             replica_id=self.replica_id,
             device=str(self.engine.device),
             weight_version=i.weight_version,
+            paused=i.pause_mode is not None,
+            pause_mode=convert.pause_mode_value(i.pause_mode),
         )
 
 

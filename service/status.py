@@ -17,6 +17,9 @@ _CODES: dict[type[errors.EngineError], grpc.StatusCode] = {
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.UnsupportedModel: grpc.StatusCode.INVALID_ARGUMENT,
     errors.InternalError: grpc.StatusCode.INTERNAL,
+    errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
+    errors.Aborted: grpc.StatusCode.ABORTED,
 }
 
 

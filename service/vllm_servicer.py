@@ -41,7 +41,12 @@ from .servicer import queued_behind
 from .status import abort
 
 SERVICE = vllm.DESCRIPTOR.services_by_name["VllmEngine"].full_name
-_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.CANCELLED: "abort"}
+_FINISH = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.CANCELLED: "abort",
+    FinishReason.ABORTED: "abort",
+}
 TOKENIZER_CHUNK_BYTES = 1 << 20  # GetTokenizer's pieces: every message well under a client's 4 MiB
 
 
@@ -208,7 +213,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         info = engine.info()
         return vllm.GetServerInfoResponse(
             active_requests=info.running_sequences + info.waiting_sequences,
-            is_paused=bool(info.sleeping_tags),
+            is_paused=bool(info.sleeping_tags) or info.pause_mode is not None,
             uptime_seconds=time.time() - self._started,
             server_type="lmgate",
             data_parallel_size=info.engine_loops,

@@ -80,7 +80,7 @@ def test_every_sampling_field_is_a_keyword():
         prompt_logprobs=0,
     )
     constraints = dict(json_schema="{}", regex="a+", grammar="root ::= 'a'", json_object=True, structural_tag="{}")
-    assert set(values) | set(constraints) | {"choice"} == SAMPLING_FIELDS
+    assert set(values) | set(constraints) | {"choice", "logprobs_mode"} == SAMPLING_FIELDS
     s = generate_request("x", **values).sampling
     for name, value in values.items():
         got = getattr(s, name)
@@ -90,6 +90,8 @@ def test_every_sampling_field_is_a_keyword():
         assert getattr(generate_request("x", **{name: value}).sampling, name) == value
     choice = generate_request("x", choice=["yes", "no"]).sampling  # a list of strings will do
     assert choice.WhichOneof("constraint") == "choice" and list(choice.choice.choices) == ["yes", "no"]
+    processed = generate_request("x", logprobs_mode="processed").sampling  # by name, not number
+    assert processed.logprobs_mode == pb.LOGPROBS_MODE_PROCESSED
 
 
 def test_sampling_none_means_unset_and_a_string_is_one_stop():
@@ -193,7 +195,7 @@ def test_bearer_metadata_carries_the_token():
 
 # --------------------------------------------------------------------------- argument parsing
 
-SUBCOMMANDS = ("generate", "chat", "info", "tokenize", "sleep", "wakeup", "update-weights", "bench")
+SUBCOMMANDS = ("generate", "chat", "info", "tokenize", "sleep", "wakeup", "pause", "resume", "update-weights", "bench")
 
 
 @pytest.mark.parametrize("command", ("--help",) + tuple(f"{c} --help" for c in SUBCOMMANDS))
@@ -696,6 +698,13 @@ def test_cli_admin_commands(guarded, capsys):
     assert "UNAUTHENTICATED" in capsys.readouterr().err
     assert main(["info", "--target", guarded.address]) == 0
     assert json.loads(capsys.readouterr().out)["sleeping"] is False
+    assert main(["pause", "--mode", "keep", *base]) == 0
+    assert capsys.readouterr().out == "paused (keep): new requests are refused until `lmgate resume`\n"
+    assert guarded.info().pause_mode == pb.PAUSE_MODE_KEEP
+    assert main(["generate", PROMPT, *base]) == 1
+    assert "paused" in capsys.readouterr().err
+    assert main(["resume", *base]) == 0
+    assert capsys.readouterr().out == "resumed\n" and not guarded.info().paused
 
 
 def test_cli_generate_reads_the_prompt_from_stdin_or_a_file(server, capsys, monkeypatch, tmp_path):

@@ -45,14 +45,14 @@ def gateway():
 def pop_round(gateway: Gateway, comms: list[ThreadComm], has_work: list[bool]) -> list:
     """One step of every loop at once; each loop's result, by rank."""
     with ThreadPoolExecutor(len(comms)) as pool:
-        futures = [pool.submit(gateway.pop, c.rank, 8, has_work[c.rank], c) for c in comms]
+        futures = [pool.submit(gateway.pop, c.rank, 8, lambda r=c.rank: has_work[r], c) for c in comms]
         return [f.result(timeout=60) for f in futures]
 
 
 def test_idle_loops_wait_together_and_all_step_when_one_gets_work(gateway):
     comms = ThreadComm.create_group(LOOPS)
     with ThreadPoolExecutor(LOOPS) as pool:
-        futures = [pool.submit(gateway.pop, c.rank, 8, False, c) for c in comms]
+        futures = [pool.submit(gateway.pop, c.rank, 8, lambda: False, c) for c in comms]
         assert not wait(futures, timeout=0.2).done  # no work anywhere: every loop waits
         request = generate_request()
         gateway.push(request)
@@ -100,7 +100,7 @@ def test_a_request_cancelled_while_queued_counts_its_wait_as_queue_time(gateway)
 def run_until_stopped(gateway: Gateway, comm: ThreadComm, has_work: bool) -> int:
     """An engine loop's pop cycle with an empty batch (max_infer 0); the number of steps it ran."""
     steps = 0
-    while gateway.pop(comm.rank, 0, has_work, comm) is not None:
+    while gateway.pop(comm.rank, 0, lambda: has_work, comm) is not None:
         steps += 1
     return steps
 
@@ -139,7 +139,7 @@ def test_idle_loops_never_miss_an_arrival(gateway):
     taken: list[list[Request]] = [[] for _ in comms]
 
     def loop(comm: ThreadComm) -> None:
-        while (got := gateway.pop(comm.rank, 8, False, comm)) is not None:
+        while (got := gateway.pop(comm.rank, 8, lambda: False, comm)) is not None:
             taken[comm.rank] += got
 
     requests = [generate_request() for _ in range(600)]
@@ -190,7 +190,7 @@ def test_requests_cancelled_while_queued_give_their_places_back():
         with pytest.raises(ResourceExhausted):
             gw.push(generate_request())
         comm = ThreadComm.create_group(1)[0]
-        assert gw.pop(0, 1, False, comm) == live[:1]
+        assert gw.pop(0, 1, lambda: False, comm) == live[:1]
         assert gw.queues[0].num_generates == 1
     finally:
         gw.shutdown()
@@ -254,7 +254,7 @@ def test_a_session_started_with_an_ended_sessions_id_follows_the_old_ones_kill()
         gw.start_session(7)
         running = generate_request(7)
         gw.push(running)
-        assert gw.pop(0, 8, False, ThreadComm.create_group(1)[0]) == [running]
+        assert gw.pop(0, 8, lambda: False, ThreadComm.create_group(1)[0]) == [running]
         told = []
         running.on_cancel = lambda: told.append(queue.entered.is_set())  # a rank process is told by message
         queue.paused.set()

@@ -23,7 +23,7 @@ PROMPT = [504, 3575, 282, 4649, 314]
 GREEDY = pb.SamplingParams(max_new_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def trainer(gguf_path):
     """The embedded model as a trainer holds it (transformers, from the same GGUF), changed as a training step
     might (four layers' down_proj negated, the embeddings scaled), its values made exact in bfloat16."""
@@ -98,17 +98,25 @@ def test_weight_push_serves_as_the_saved_checkpoint_and_names_its_version(server
     assert all(m.weight_version == "2" for m in generate(server) if m.token_ids)
 
 
-def test_weight_push_refuses_a_tensor_the_model_has_not_and_changes_nothing(server, trainer):
-    before = greedy(server)
+MISSING = "model.layers.3.self_attn.k_proj.weight"  # left out of bad_states' "missing" case
+
+
+def bad_states(trainer) -> dict[str, dict[str, torch.Tensor]]:
+    """Pushes the server must refuse, each by the name its refusal must say ("missing": MISSING's)."""
     state = bf16_state(trainer)
-    name = "model.layers.3.self_attn.k_proj.weight"
-    cases = {
+    name = MISSING
+    return {
         "model.layers.99.mlp.up_proj.weight": {**state, "model.layers.99.mlp.up_proj.weight": state[name]},
         name: {**state, name: state[name][:-1]},  # a row short
         "model.norm.weight": {**state, "model.norm.weight": state["model.norm.weight"].to(torch.int32)},
         "missing": {k: v for k, v in state.items() if k != name},
     }
-    for expected, tensors in cases.items():
+
+
+def test_weight_push_refuses_a_tensor_the_model_has_not_and_changes_nothing(server, trainer):
+    before = greedy(server)
+    name = MISSING
+    for expected, tensors in bad_states(trainer).items():
         err = push_error(server, weight_stream(tensors, "bad"))
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert expected in err.details() if expected != "missing" else name in err.details()

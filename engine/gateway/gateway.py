@@ -111,16 +111,18 @@ class Gateway:
                     self.binding.release(request.session_id, request)
                 raise
 
-    def control(self, kind: RequestKind) -> None:
+    def control(self, kind: RequestKind) -> list[RequestOutput]:
         """Send a control request to every engine loop and wait until each has handled it at a step boundary;
-        raises the first error a loop answered with (a KV cache that could not be allocated again), or
-        UNAVAILABLE where the engine shut down before a loop handled it: the caller must not go on to free
-        what that loop may still be using."""
+        their answers. Raises the first error a loop answered with (a KV cache that could not be allocated
+        again), or UNAVAILABLE where the engine shut down before a loop handled it: the caller must not go on
+        to free what that loop may still be using."""
         pending = threading.Semaphore(0)
         errors: list[EngineError] = []
+        answers: list[RequestOutput] = []
         shut_down = Unavailable("the engine is shutting down")
 
         def answered(output: RequestOutput) -> None:
+            answers.append(output)
             if output.error is not None:
                 errors.append(output.error)
             elif output.finish_reason is FinishReason.CANCELLED:  # closed in the queue, never handled
@@ -135,6 +137,7 @@ class Gateway:
             pending.acquire()
         if errors:
             raise errors[0]
+        return answers
 
     def kill(self, session_id: int, on_done: Callable[[RequestOutput], None]) -> None:
         """End a session: later requests on it are NOT_FOUND at once; `on_done` runs after its engine loop has
@@ -166,10 +169,13 @@ class Gateway:
 
     def cancel(self, request: Request) -> bool:
         """Flip the flag; a queued request ends here and now, an active one at its loop's next step (a loop in
-        another process is told through the request's `on_cancel`)."""
+        another process is told through the request's `on_cancel`). The loops are woken: one idle while it
+        holds frozen requests (a pause) steps to end it."""
         old = self._flag_cancelled(request)
         if old == CancelFlag.QUEUED:
             self.notify([(request, cancelled_output(request))])
+        elif old == CancelFlag.ACTIVE:
+            self.wake_loops()
         return old in (CancelFlag.QUEUED, CancelFlag.ACTIVE)
 
     @staticmethod
@@ -201,7 +207,7 @@ class Gateway:
 
     # engine side -------------------------------------------------------------------------------------------
 
-    def pop(self, rank: int, max_infer: int, has_work: bool, comm: HostComm) -> list[Request] | None:
+    def pop(self, rank: int, max_infer: int, has_work: Callable[[], bool], comm: HostComm) -> list[Request] | None:
         """New work for engine loop `rank`, or None once the loops stop.
 
         Every loop calls this once per step, and the loops agree through an AllReduce of [ready, closed]:
@@ -215,7 +221,7 @@ class Gateway:
             with self._arrivals:
                 seen = self._num_arrivals
             queued, closed = queue.state()
-            num_ready, num_closed = comm.all_reduce([int(has_work or queued), int(closed)], RedOp.SUM)
+            num_ready, num_closed = comm.all_reduce([int(has_work() or queued), int(closed)], RedOp.SUM)
             if num_closed:
                 return None  # close() handed back whatever was queued
             if num_ready:
@@ -225,8 +231,17 @@ class Gateway:
             oldest = comm.all_reduce(seen, RedOp.MIN)
             with self._arrivals:
                 self._arrivals.wait_for(lambda: self._num_arrivals != oldest)
+        return self._activate(queue.pop(max_infer) or [])  # closed since the agreement: seen and agreed next step
+
+    def take_queued(self, rank: int) -> list[Request]:
+        """Loop `rank`'s generates still queued behind a full batch, taken as `pop` takes them (a pause that
+        aborts ends them too)."""
+        return self._activate(self.queues[rank].take_generates())
+
+    def _activate(self, requests: list[Request]) -> list[Request]:
+        """The requests a loop takes: those cancelled while queued skipped, the others with unique ids."""
         live = []
-        for r in queue.pop(max_infer) or []:  # closed since the agreement: seen and agreed next step
+        for r in requests:
             if r.kind is RequestKind.GENERATE and not r.cancel_flag.compare_exchange(
                 CancelFlag.QUEUED, CancelFlag.ACTIVE
             ):

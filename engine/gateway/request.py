@@ -16,6 +16,7 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # end-of-sequence token, stop token id or stop string
     LENGTH = "length"  # max_new_tokens or the context window
     CANCELLED = "cancelled"  # Cancel, End, disconnect, sleep or shutdown
+    ABORTED = "aborted"  # a pause that aborts: partial output, to be sent again after the resume
 
 
 @dataclass(slots=True)
@@ -52,6 +53,7 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob] | None = None  # on sample 0's first output, when asked: from token 1
     stop_string: str | None = None  # on a last output: the stop string that ended it
     weight_version: str = ""  # the weights that computed token_ids (one version per output); "" without tokens
+    handled: int = 0  # a pause's answer: the requests it ended or froze at that loop
 
     @property
     def finished(self) -> bool:
@@ -75,6 +77,7 @@ class RequestOutput:
             self.prompt_logprobs,
             self.stop_string,
             self.weight_version,
+            self.handled,
         )
 
 
@@ -116,6 +119,12 @@ class RequestKind(enum.Enum):
     SLEEP = "sleep"  # control: cancel everything, end all sessions, free the KV cache
     WAKE_KV = "wake_kv"  # control: allocate the KV cache again
     FLUSH_CACHE = "flush_cache"  # control: forget the prefix cache's keys; blocks in use stay in use
+    # A pause (Engine.pause), each answered with the number of requests it ended or froze (`handled`):
+    ABORT = "abort"  # control: end every running and queued generate (FinishReason.ABORTED)
+    AWAIT_IDLE = "await_idle"  # control: answered once nothing runs or is queued (what was frozen goes on)
+    FREEZE = "freeze"  # control: run nothing until THAW; KV of replaced weights is recomputed by the new ones
+    FREEZE_KEEP_KV = "freeze_keep_kv"  # control: as FREEZE, but KV of replaced weights is kept
+    THAW = "thaw"  # control: frozen requests go on
 
 
 @dataclass(eq=False)

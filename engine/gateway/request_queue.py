@@ -64,6 +64,15 @@ class RequestQueue:
             self._items = left
             return taken
 
+    def take_generates(self) -> list[Request]:
+        """Every generate still waiting (those cancelled dropped), in arrival order; kills and controls stay."""
+        with self._lock:
+            self._drop_cancelled()
+            taken = [r for r in self._items if r.kind is RequestKind.GENERATE]
+            self._items = deque(r for r in self._items if r.kind is not RequestKind.GENERATE)
+            self._num_generates = 0
+            return taken
+
     def _drop_cancelled(self) -> None:
         """Under `_lock`. A generate is CANCELLED here only by `Gateway.cancel`, which has ended its stream."""
         kept = deque(

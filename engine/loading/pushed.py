@@ -81,3 +81,16 @@ def pushed_weights(tensors: Mapping[str, torch.Tensor], config: ModelConfig) -> 
     if config.tie_word_embeddings:
         held.pop("lm_head.weight", None)  # the embedding's is served
     return PushedWeights(config, held)
+
+
+def tensor_views(specs: Sequence[TensorSpec], buffer: bytearray) -> dict[str, torch.Tensor]:
+    """Each spec's tensor, a view of its bytes in `buffer`, where they lie packed in the specs' order (the
+    engine copies what it keeps)."""
+    tensors, at = {}, 0
+    for spec in specs:
+        dtype = PUSH_DTYPES[spec.dtype]
+        count = spec.nbytes // dtype.itemsize
+        flat = torch.frombuffer(buffer, dtype=dtype, count=count, offset=at) if count else torch.empty(0, dtype=dtype)
+        tensors[spec.name] = flat.view(spec.shape)
+        at += spec.nbytes
+    return tensors

@@ -71,7 +71,7 @@ class RemoteQueue:
         with self._lock:
             if self._closed:
                 return False
-            request.on_cancel = lambda: self.send(("cancel", wire_id))  # before a cancel can see it active
+            request.on_cancel = lambda: self._cancel(wire_id)  # before a cancel can see it active
             if not request.cancel_flag.compare_exchange(CancelFlag.QUEUED, CancelFlag.ACTIVE):
                 return True  # cancelled before it left: the canceller has ended its stream
             if not self._send(message):
@@ -79,6 +79,12 @@ class RemoteQueue:
             self._inflight[wire_id] = request
         self._ranks.wake_all_but(self.rank)
         return True
+
+    def _cancel(self, wire_id: int) -> None:
+        """Tell the rank, and wake the others: idle loops step only together, and one holding frozen requests
+        (a pause) steps to end the cancelled one."""
+        if self.send(("cancel", wire_id)):
+            self._ranks.wake_all_but(self.rank)
 
     def send(self, message: tuple) -> bool:
         """False when the rank process is not connected (gone, or not yet there): the message is dropped."""

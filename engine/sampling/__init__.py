@@ -1,4 +1,5 @@
-"""Sampling: its parameters and the batched sampler (sampler.py).
+"""Sampling: its parameters and the batched sampler (sampler.py), and the log-probabilities a step returns with its
+draws, raw or processed (logprobs.py).
 
 Sampling runs where the logits are. `ModelRunner.forward` sets the logits of ids past the tokenizer's vocabulary
 (an embedding padded past it, as Qwen2.5's) to -inf, so they are never drawn nor offered as alternatives. A

@@ -12,6 +12,7 @@ from ..errors import InvalidRequest
 from ..kernels import layer_kernels
 from ..machine.transfers import to_device
 from .constraints import Constraint, apply_token_mask
+from .logprobs import LOGPROBS_MODES, step_logprobs
 
 MAX_LOGPROBS = 20
 MAX_SAMPLES = 128  # n: within the engine's max_batch_size too, checked where that is known
@@ -28,7 +29,13 @@ PENALIZED_LIMIT = torch.finfo(torch.float32).max * GREEDY_BELOW / 2
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Zero values mean "off": temperature 0 (or below GREEDY_BELOW) is greedy, top_k 0 / top_p 0 or 1 / min_p 0
-    disable the filter."""
+    disable the filter.
+
+    `logprobs_mode` says what `logprobs` are of (logprobs.py): "raw", the model's distribution (log-softmax of
+    its logits, before logit_bias, penalties, structured outputs' mask, temperature and the filters); or
+    "processed", the distribution the token was drawn from (after all of them, renormalized; a token they
+    removed has -inf). A greedy request's processed distribution is taken at temperature 1, the other
+    processing applied."""
 
     max_new_tokens: int = 0  # 0: the engine's default, bounded by the context window
     min_new_tokens: int = 0
@@ -44,6 +51,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int = 0  # top-n alternatives per token; 0: none
+    logprobs_mode: str = "raw"  # "raw" | "processed": which distribution `logprobs` are of (see above)
     skip_special_tokens: bool = True
     n: int = 1  # samples of the prompt; sample i draws as seed + i would (`sample_seed`)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
@@ -68,6 +76,10 @@ class SamplingParams:
         _check(-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         _check(-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         _check(0 <= self.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        _check(
+            self.logprobs_mode in LOGPROBS_MODES,
+            f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}",
+        )
         _check(self.seed is None or 0 <= self.seed < 2**64, f"seed must be in [0, 2^64), got {self.seed}")
         _check(len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings")
         _check(all(self.stop), "stop strings must not be empty")
@@ -165,19 +177,20 @@ def launch_sample(
     logprobs asked for) come back to the host in one copy, queued here and read by `SampleFuture.result`.
     Each row's result depends only on that row, so a seeded request gives the same tokens whatever else shares
     its batch. `masks`: the constrained rows' token bitmask and their row numbers (`TokenMasks.fill`), applied
-    first; logprobs are of the model's distribution, before the masks as before the penalties."""
+    first; raw logprobs are of the model's distribution, before the masks as before the penalties, processed ones
+    of the distribution each row draws from (`step_logprobs`)."""
     raw = logits
     if masks is not None:
         logits = apply_token_mask(logits.clone(), *masks)
     logits = _apply_penalties(logits, rows)
     sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
     if sampled and len(sampled) == len(rows):  # no greedy rows: no argmax, no scatter
-        return _fetch(raw, _sample_rows(logits, rows), rows)
+        return _fetch(raw, logits, _sample_rows(logits, rows), rows)
     tokens = torch.ops.lmgate.argmax_rows(logits) if layer_kernels(logits) else logits.argmax(dim=-1)
     if sampled:
         idx = to_device(torch.tensor(sampled), logits.device)
         tokens[idx] = _sample_rows(logits[idx], [rows[i] for i in sampled])
-    return _fetch(raw, tokens, rows)
+    return _fetch(raw, logits, tokens, rows)
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -362,14 +375,15 @@ def _search(probs: torch.Tensor, draws: torch.Tensor) -> tuple[torch.Tensor, tor
     return found, cdf, target
 
 
-def _fetch(raw: torch.Tensor, tokens: torch.Tensor, rows: list[SampleRow]) -> "SampleFuture":
-    """The chosen ids, and for rows that ask, the chosen token's logprob and the top n (of the unpenalized
-    distribution), packed into one float64 tensor (ids are exact there) for a single device-to-host copy."""
+def _fetch(raw: torch.Tensor, logits: torch.Tensor, tokens: torch.Tensor, rows: list[SampleRow]) -> "SampleFuture":
+    """The chosen ids, and for rows that ask, the chosen token's logprob and the top n (of the raw or the
+    processed distribution: `step_logprobs`, from the model's logits or the masked and penalized ones), packed
+    into one float64 tensor (ids are exact there) for a single device-to-host copy."""
     wanted = [i for i, r in enumerate(rows) if r.params.logprobs]
     if not wanted:
         return SampleFuture(tokens, tokens, rows, wanted)
     idx = to_device(torch.tensor(wanted), raw.device)
-    lp = torch.log_softmax(raw[idx], dim=-1)
+    lp = step_logprobs(raw, logits, tokens, idx, [rows[i].params for i in wanted])
     chosen = lp.gather(1, tokens[idx].unsqueeze(1))
     top = lp.topk(max(rows[i].params.logprobs for i in wanted), dim=-1)
     packed = torch.cat(

@@ -190,6 +190,11 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         """Free a running sequence's KV and queue it first in line; its tokens are recomputed, never lost."""
+        self.requeue(seq)
+        self.num_preemptions += 1
+
+    def requeue(self, seq: Sequence) -> None:
+        """A running sequence back to the head of the queue, its KV freed (recomputed when it runs again)."""
         self.running.remove(seq)
         self._unfork(seq)
         self.blocks.release(seq.block_table)
@@ -197,4 +202,3 @@ class Scheduler:
         seq.num_scheduled = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1

@@ -131,6 +131,10 @@ class EngineLoop:
         self.weights_version = runner.weights_version  # of the weights the prefix cache's KV was computed with
         self._signals: list[Signal] = []
         self._masks: TokenMasks | None = None  # structured outputs' bitmask, kept across steps (from the first)
+        # A pause (KEEP): nothing is scheduled while frozen; an update meanwhile recomputes the KV unless kept
+        self.frozen = False
+        self.keep_kv_on_update = False
+        self._idle_waiters: list[Request] = []  # a pause (WAIT) answered once nothing runs or is queued
 
     @classmethod
     def build(
@@ -202,15 +206,18 @@ class EngineLoop:
             self._fail_all(error)
             self.gateway.shutdown(error)
         self._cancel_all()
+        for waiter in self._idle_waiters:  # the pause that waits is told the engine stopped
+            self._emit(waiter, RequestOutput("", 0, finish_reason=FinishReason.CANCELLED))
         self._flush()
         return failure
 
     def _run(self) -> None:
         while True:
             free = self.max_batch_size - len(self.scheduler.running) - len(self.scheduler.waiting)
+            if self.frozen:  # everything queued joins the frozen (it runs after the pause), none spins in the queue
+                free = self.gateway.queues[self.rank].num_generates
             start = time.perf_counter()
-            has_work = self.scheduler.has_work or self._inflight is not None
-            requests = self.gateway.pop(self.rank, max(free, 0), has_work, self.comm)
+            requests = self.gateway.pop(self.rank, max(free, 0), self._has_work, self.comm)
             self.pop_seconds += time.perf_counter() - start
             if requests is None:
                 self._drain()
@@ -223,7 +230,20 @@ class EngineLoop:
                 self._step_failed(exc)
                 if self.runner.followers is not None:
                     raise  # its followers may be inside that step's collectives: the group must break
+            self._answer_idle_waiters()
             self._flush()
+
+    def _has_work(self) -> bool:
+        """Whether to step (asked again whenever the loops wake): a launched step to read, or sequences to run;
+        frozen ones only once one of them is cancelled."""
+        if self._inflight is not None:
+            return True
+        if not self.frozen:
+            return self.scheduler.has_work
+        return any(
+            s.request.cancel_flag.value == CancelFlag.CANCELLED
+            for s in self.scheduler.running + list(self.scheduler.waiting)
+        )
 
     def _step_failed(self, exc: Exception) -> None:
         log.exception("engine loop %d: step failed", self.rank)
@@ -239,17 +259,11 @@ class EngineLoop:
         self.num_steps += 1
         for request in requests:
             self._add(request)
-        self.runner.install_pending_weights()
-        if self.weights_version != self.runner.weights_version:  # cached KV was computed by other weights
-            self._drain()  # the launched step's blocks, computed by the old weights, are keyed before the reset
-            self.blocks.reset_prefix_cache()
-            for holder in [*self.sessions.values(), *self.scheduler.running, *self.scheduler.waiting]:
-                holder.keyable = not holder.block_table  # KV of the old weights is kept, never shared
-            self.weights_version = self.runner.weights_version
+        self._switch_weights()
         self._reap_cancelled()
         if self._inflight is not None and any(s.params.penalized for s in self._inflight.samplers):
             self._drain()  # penalties read the ids of every token drawn so far
-        batch = BatchData(self.scheduler.schedule())
+        batch = BatchData(self.scheduler.schedule() if not self.frozen else [])
         previous, self._inflight = self._inflight, None
         if batch.seqs:
             self._launch(batch, previous)
@@ -258,6 +272,29 @@ class EngineLoop:
             self._complete(previous)
         if not self.overlap:
             self._drain()
+
+    def _switch_weights(self) -> None:
+        """At a step boundary: staged weights go in. Once the weights changed, the prefix cache is emptied (its
+        KV was computed by other weights), and what holds KV keeps it unshared, or, frozen by a pause, has it
+        recomputed by the new weights (`keep_kv_on_update` keeps it)."""
+        self.runner.install_pending_weights()
+        if self.weights_version == self.runner.weights_version:
+            return
+        self._drain()  # the launched step's blocks, computed by the old weights, are keyed before the reset
+        self.blocks.reset_prefix_cache()
+        if self.frozen and not self.keep_kv_on_update:
+            self._recompute_all()
+        for holder in [*self.sessions.values(), *self.scheduler.running, *self.scheduler.waiting]:
+            holder.keyable = not holder.block_table  # KV of the old weights is kept, never shared
+        self.weights_version = self.runner.weights_version
+
+    def _recompute_all(self) -> None:
+        """Every sequence and idle session gives its KV back: their tokens are computed again when they next run."""
+        for seq in reversed(self.scheduler.running):
+            self.scheduler.requeue(seq)
+        for holder in [*self.scheduler.waiting, *self.sessions.values()]:
+            self.blocks.release(holder.block_table)
+            holder.drop_kv()
 
     def _launch(self, batch: BatchData, previous: BatchData | None) -> None:
         """kSetup .. kForward, and sampling queued on the device: returns without waiting for it."""
@@ -437,6 +474,7 @@ class EngineLoop:
         if request.kind is RequestKind.KILL:
             self._kill(request)
             return
+        handled = 0
         if request.kind is RequestKind.SLEEP:
             self._cancel_all()
             self.blocks.reset_prefix_cache()
@@ -444,8 +482,42 @@ class EngineLoop:
         elif request.kind is RequestKind.WAKE_KV:
             self.runner.allocate_kv_cache()
         elif request.kind is RequestKind.FLUSH_CACHE:
+            self._switch_weights()  # after an update: the loop serves the new weights once this is answered
             self.blocks.reset_prefix_cache()  # its KV stays right: what holds blocks goes on with them
-        self._emit(request, RequestOutput("", 0, finish_reason=FinishReason.STOP))
+        elif request.kind is RequestKind.ABORT:
+            handled = self._abort_all()
+        elif request.kind in (RequestKind.FREEZE, RequestKind.FREEZE_KEEP_KV):
+            self.frozen, self.keep_kv_on_update = True, request.kind is RequestKind.FREEZE_KEEP_KV
+            handled = len({id(s.request) for s in self.scheduler.running + list(self.scheduler.waiting)})
+        elif request.kind is RequestKind.THAW:
+            self._switch_weights()  # an update made while frozen, before anything runs again
+            self.frozen = False
+        elif request.kind is RequestKind.AWAIT_IDLE:
+            self.frozen = False  # what a pause froze goes on to its end
+            self._idle_waiters.append(request)
+            return
+        self._emit(request, RequestOutput("", 0, finish_reason=FinishReason.STOP, handled=handled))
+
+    def _abort_all(self) -> int:
+        """End every sequence, and every generate still queued, with their partial output: the requests ended."""
+        for queued in self.gateway.take_queued(self.rank):
+            self._add(queued)
+        seqs = self.scheduler.running + list(self.scheduler.waiting)
+        for seq in seqs:
+            if seq.finish_reason is None:
+                self._finish(seq, FinishReason.ABORTED)
+            self._del(seq)
+        return len({id(s.request) for s in seqs})
+
+    def _answer_idle_waiters(self) -> None:
+        """A pause that waits hears once nothing of this loop runs or is queued."""
+        if not self._idle_waiters or self.scheduler.has_work or self._inflight is not None:
+            return
+        if self.gateway.queues[self.rank].num_generates:
+            return
+        for waiter in self._idle_waiters:
+            self._emit(waiter, RequestOutput("", 0, finish_reason=FinishReason.STOP))
+        self._idle_waiters = []
 
     def _max_new_tokens(self, request: Request, prompt_len: int) -> int:
         """The turn's most new tokens: as asked, else the default, raised to min_new_tokens; within the context."""

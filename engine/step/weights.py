@@ -126,7 +126,10 @@ class LocalWeights:
     def load(self, source: WeightSource, name: str, version: int | None = None) -> None:
         """Replace the weights with a checkpoint's or pushed ones (their shape checked by the caller), served
         as weight version `name`; with a `version` (a rank process), only stage them as that version for
-        `install_staged`."""
+        `install_staged`. Dropped weights (sleep level 2) are only named: `restore` builds them."""
+        if self.model is None:
+            self.path, self.weight_version = source, name
+            return
         config, weights = _read(source)
         model = self._build(config, weights, name)
         if version is None:

@@ -7,16 +7,38 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class LogprobsMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LOGPROBS_MODE_UNSPECIFIED: _ClassVar[LogprobsMode]
+    LOGPROBS_MODE_RAW: _ClassVar[LogprobsMode]
+    LOGPROBS_MODE_PROCESSED: _ClassVar[LogprobsMode]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
+    FINISH_REASON_ABORTED: _ClassVar[FinishReason]
+
+class PauseMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PAUSE_MODE_UNSPECIFIED: _ClassVar[PauseMode]
+    PAUSE_MODE_ABORT: _ClassVar[PauseMode]
+    PAUSE_MODE_WAIT: _ClassVar[PauseMode]
+    PAUSE_MODE_KEEP: _ClassVar[PauseMode]
+LOGPROBS_MODE_UNSPECIFIED: LogprobsMode
+LOGPROBS_MODE_RAW: LogprobsMode
+LOGPROBS_MODE_PROCESSED: LogprobsMode
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_CANCELLED: FinishReason
+FINISH_REASON_ABORTED: FinishReason
+PAUSE_MODE_UNSPECIFIED: PauseMode
+PAUSE_MODE_ABORT: PauseMode
+PAUSE_MODE_WAIT: PauseMode
+PAUSE_MODE_KEEP: PauseMode
 
 class StartRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -53,7 +75,7 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "include_special_tokens", "n", "logit_bias", "prompt_logprobs", "json_schema", "regex", "grammar", "choice", "json_object", "structural_tag")
+    __slots__ = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "include_special_tokens", "n", "logit_bias", "prompt_logprobs", "json_schema", "regex", "grammar", "choice", "json_object", "structural_tag", "logprobs_mode")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +107,7 @@ class SamplingParams(_message.Message):
     CHOICE_FIELD_NUMBER: _ClassVar[int]
     JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
     STRUCTURAL_TAG_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_MODE_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     min_new_tokens: int
     temperature: float
@@ -109,7 +132,8 @@ class SamplingParams(_message.Message):
     choice: Choices
     json_object: bool
     structural_tag: str
-    def __init__(self, max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., include_special_tokens: _Optional[bool] = ..., n: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., prompt_logprobs: _Optional[int] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., json_object: _Optional[bool] = ..., structural_tag: _Optional[str] = ...) -> None: ...
+    logprobs_mode: LogprobsMode
+    def __init__(self, max_new_tokens: _Optional[int] = ..., min_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., include_special_tokens: _Optional[bool] = ..., n: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., prompt_logprobs: _Optional[int] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ..., choice: _Optional[_Union[Choices, _Mapping]] = ..., json_object: _Optional[bool] = ..., structural_tag: _Optional[str] = ..., logprobs_mode: _Optional[_Union[LogprobsMode, str]] = ...) -> None: ...
 
 class Choices(_message.Message):
     __slots__ = ("choices",)
@@ -168,7 +192,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "session_id", "token_ids", "text", "logprobs", "finish_reason", "usage", "index", "prompt_logprobs", "weight_version")
+    __slots__ = ("request_id", "session_id", "token_ids", "text", "logprobs", "finish_reason", "usage", "index", "prompt_logprobs", "weight_version", "logprobs_mode")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +203,7 @@ class GenerateResponse(_message.Message):
     INDEX_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_MODE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -189,7 +214,8 @@ class GenerateResponse(_message.Message):
     index: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     weight_version: str
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., index: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., weight_version: _Optional[str] = ...) -> None: ...
+    logprobs_mode: LogprobsMode
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., index: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., weight_version: _Optional[str] = ..., logprobs_mode: _Optional[_Union[LogprobsMode, str]] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("session_id", "request_id")
@@ -234,7 +260,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "max_context_length", "vocab_size", "engine_loops", "kv_blocks_total", "kv_blocks_free", "active_sessions", "sleeping", "sleeping_tags", "architecture", "kv_block_size", "running_requests", "waiting_requests", "preemptions", "weights_bytes", "kv_cache_bytes", "dtype", "device", "queued_requests", "dtype_reason", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "prefix_cache_hit_rate", "replica_id", "kv_cache_dtype", "computed_tokens", "weight_version")
+    __slots__ = ("model", "max_context_length", "vocab_size", "engine_loops", "kv_blocks_total", "kv_blocks_free", "active_sessions", "sleeping", "sleeping_tags", "architecture", "kv_block_size", "running_requests", "waiting_requests", "preemptions", "weights_bytes", "kv_cache_bytes", "dtype", "device", "queued_requests", "dtype_reason", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "prefix_cache_hit_rate", "replica_id", "kv_cache_dtype", "computed_tokens", "weight_version", "paused", "pause_mode")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -262,6 +288,8 @@ class InfoResponse(_message.Message):
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    PAUSE_MODE_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_context_length: int
     vocab_size: int
@@ -289,7 +317,9 @@ class InfoResponse(_message.Message):
     kv_cache_dtype: str
     computed_tokens: int
     weight_version: str
-    def __init__(self, model: _Optional[str] = ..., max_context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., engine_loops: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., active_sessions: _Optional[int] = ..., sleeping: _Optional[bool] = ..., sleeping_tags: _Optional[_Iterable[str]] = ..., architecture: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., preemptions: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., queued_requests: _Optional[int] = ..., dtype_reason: _Optional[str] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., replica_id: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., computed_tokens: _Optional[int] = ..., weight_version: _Optional[str] = ...) -> None: ...
+    paused: bool
+    pause_mode: PauseMode
+    def __init__(self, model: _Optional[str] = ..., max_context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., engine_loops: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., active_sessions: _Optional[int] = ..., sleeping: _Optional[bool] = ..., sleeping_tags: _Optional[_Iterable[str]] = ..., architecture: _Optional[str] = ..., kv_block_size: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., preemptions: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., queued_requests: _Optional[int] = ..., dtype_reason: _Optional[str] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., replica_id: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., computed_tokens: _Optional[int] = ..., weight_version: _Optional[str] = ..., paused: _Optional[bool] = ..., pause_mode: _Optional[_Union[PauseMode, str]] = ...) -> None: ...
 
 class SleepRequest(_message.Message):
     __slots__ = ("level",)
@@ -356,3 +386,63 @@ class UpdateWeightsFromTensorsRequest(_message.Message):
     chunk: bytes
     commit: bool
     def __init__(self, header: _Optional[_Union[WeightsHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ..., commit: _Optional[bool] = ...) -> None: ...
+
+class PauseRequest(_message.Message):
+    __slots__ = ("mode", "keep_kv")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    KEEP_KV_FIELD_NUMBER: _ClassVar[int]
+    mode: PauseMode
+    keep_kv: bool
+    def __init__(self, mode: _Optional[_Union[PauseMode, str]] = ..., keep_kv: _Optional[bool] = ...) -> None: ...
+
+class PauseResponse(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: int
+    def __init__(self, requests: _Optional[int] = ...) -> None: ...
+
+class ResumeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResumeResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InitWeightUpdateGroupRequest(_message.Message):
+    __slots__ = ("master_address", "master_port", "world_size", "rank_offset", "backend", "timeout_seconds")
+    MASTER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    master_address: str
+    master_port: int
+    world_size: int
+    rank_offset: int
+    backend: str
+    timeout_seconds: int
+    def __init__(self, master_address: _Optional[str] = ..., master_port: _Optional[int] = ..., world_size: _Optional[int] = ..., rank_offset: _Optional[int] = ..., backend: _Optional[str] = ..., timeout_seconds: _Optional[int] = ...) -> None: ...
+
+class InitWeightUpdateGroupResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UpdateWeightsFromDistributedRequest(_message.Message):
+    __slots__ = ("weight_version", "tensors", "bucket_bytes")
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    weight_version: str
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    bucket_bytes: int
+    def __init__(self, weight_version: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
+
+class DestroyWeightUpdateGroupRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DestroyWeightUpdateGroupResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -353,6 +353,31 @@ class AdminStub:
                 request_serializer=lmgate_dot_v1_dot_lmgate__pb2.UpdateWeightsFromTensorsRequest.SerializeToString,
                 response_deserializer=lmgate_dot_v1_dot_lmgate__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.Pause = channel.unary_unary(
+                '/lmgate.v1.Admin/Pause',
+                request_serializer=lmgate_dot_v1_dot_lmgate__pb2.PauseRequest.SerializeToString,
+                response_deserializer=lmgate_dot_v1_dot_lmgate__pb2.PauseResponse.FromString,
+                _registered_method=True)
+        self.Resume = channel.unary_unary(
+                '/lmgate.v1.Admin/Resume',
+                request_serializer=lmgate_dot_v1_dot_lmgate__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=lmgate_dot_v1_dot_lmgate__pb2.ResumeResponse.FromString,
+                _registered_method=True)
+        self.InitWeightUpdateGroup = channel.unary_unary(
+                '/lmgate.v1.Admin/InitWeightUpdateGroup',
+                request_serializer=lmgate_dot_v1_dot_lmgate__pb2.InitWeightUpdateGroupRequest.SerializeToString,
+                response_deserializer=lmgate_dot_v1_dot_lmgate__pb2.InitWeightUpdateGroupResponse.FromString,
+                _registered_method=True)
+        self.UpdateWeightsFromDistributed = channel.unary_unary(
+                '/lmgate.v1.Admin/UpdateWeightsFromDistributed',
+                request_serializer=lmgate_dot_v1_dot_lmgate__pb2.UpdateWeightsFromDistributedRequest.SerializeToString,
+                response_deserializer=lmgate_dot_v1_dot_lmgate__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
+        self.DestroyWeightUpdateGroup = channel.unary_unary(
+                '/lmgate.v1.Admin/DestroyWeightUpdateGroup',
+                request_serializer=lmgate_dot_v1_dot_lmgate__pb2.DestroyWeightUpdateGroupRequest.SerializeToString,
+                response_deserializer=lmgate_dot_v1_dot_lmgate__pb2.DestroyWeightUpdateGroupResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -393,6 +418,48 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Pause(self, request, context):
+        """Stops generation for a weight update (see PauseMode); Generate and Start are then refused (UNAVAILABLE)
+        and health reports NOT_SERVING until Resume. Returns once the mode's work is done: streams aborted,
+        finished, or frozen at a step boundary.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Resume(self, request, context):
+        """Ends a pause: frozen streams go on, admission reopens (unless the engine sleeps). Resuming an engine
+        that is not paused does nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def InitWeightUpdateGroup(self, request, context):
+        """Joins a torch.distributed group with a trainer: the trainer holds rank 0, this server rank_offset. Returns
+        once the group is made; a trainer that does not join within the timeout is an error (DEADLINE_EXCEEDED),
+        never a hang. One group at a time (a second is FAILED_PRECONDITION); the engine's own groups are untouched.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeightsFromDistributed(self, request, context):
+        """Receives new weights the trainer broadcasts over the group (see UpdateWeightsFromDistributedRequest) and
+        serves them as UpdateWeightsFromTensors would. A trainer that dies mid-broadcast leaves the old weights
+        serving and the group destroyed (ABORTED); a new group may then be made.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DestroyWeightUpdateGroup(self, request, context):
+        """Leaves and destroys the group. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -415,6 +482,31 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.UpdateWeightsFromTensors,
                     request_deserializer=lmgate_dot_v1_dot_lmgate__pb2.UpdateWeightsFromTensorsRequest.FromString,
                     response_serializer=lmgate_dot_v1_dot_lmgate__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'Pause': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pause,
+                    request_deserializer=lmgate_dot_v1_dot_lmgate__pb2.PauseRequest.FromString,
+                    response_serializer=lmgate_dot_v1_dot_lmgate__pb2.PauseResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=lmgate_dot_v1_dot_lmgate__pb2.ResumeRequest.FromString,
+                    response_serializer=lmgate_dot_v1_dot_lmgate__pb2.ResumeResponse.SerializeToString,
+            ),
+            'InitWeightUpdateGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.InitWeightUpdateGroup,
+                    request_deserializer=lmgate_dot_v1_dot_lmgate__pb2.InitWeightUpdateGroupRequest.FromString,
+                    response_serializer=lmgate_dot_v1_dot_lmgate__pb2.InitWeightUpdateGroupResponse.SerializeToString,
+            ),
+            'UpdateWeightsFromDistributed': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeightsFromDistributed,
+                    request_deserializer=lmgate_dot_v1_dot_lmgate__pb2.UpdateWeightsFromDistributedRequest.FromString,
+                    response_serializer=lmgate_dot_v1_dot_lmgate__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'DestroyWeightUpdateGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.DestroyWeightUpdateGroup,
+                    request_deserializer=lmgate_dot_v1_dot_lmgate__pb2.DestroyWeightUpdateGroupRequest.FromString,
+                    response_serializer=lmgate_dot_v1_dot_lmgate__pb2.DestroyWeightUpdateGroupResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -526,6 +618,141 @@ class Admin:
             '/lmgate.v1.Admin/UpdateWeightsFromTensors',
             lmgate_dot_v1_dot_lmgate__pb2.UpdateWeightsFromTensorsRequest.SerializeToString,
             lmgate_dot_v1_dot_lmgate__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pause(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmgate.v1.Admin/Pause',
+            lmgate_dot_v1_dot_lmgate__pb2.PauseRequest.SerializeToString,
+            lmgate_dot_v1_dot_lmgate__pb2.PauseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmgate.v1.Admin/Resume',
+            lmgate_dot_v1_dot_lmgate__pb2.ResumeRequest.SerializeToString,
+            lmgate_dot_v1_dot_lmgate__pb2.ResumeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InitWeightUpdateGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmgate.v1.Admin/InitWeightUpdateGroup',
+            lmgate_dot_v1_dot_lmgate__pb2.InitWeightUpdateGroupRequest.SerializeToString,
+            lmgate_dot_v1_dot_lmgate__pb2.InitWeightUpdateGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightsFromDistributed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmgate.v1.Admin/UpdateWeightsFromDistributed',
+            lmgate_dot_v1_dot_lmgate__pb2.UpdateWeightsFromDistributedRequest.SerializeToString,
+            lmgate_dot_v1_dot_lmgate__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DestroyWeightUpdateGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lmgate.v1.Admin/DestroyWeightUpdateGroup',
+            lmgate_dot_v1_dot_lmgate__pb2.DestroyWeightUpdateGroupRequest.SerializeToString,
+            lmgate_dot_v1_dot_lmgate__pb2.DestroyWeightUpdateGroupResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,243 @@
+"""Admin.Pause and Resume over a real server on loopback, with sixteen greedy streams running through a weight
+update in each mode: ABORT ends them at once with whole partial outputs that a resubmission completes; WAIT
+lets them finish on the old weights; KEEP freezes them, and their later tokens come from the new weights,
+computed as a fresh request of the same tokens would be. Afterwards every KV block is free."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from lmgate.client.client import Client
+from lmgate.engine.config import EngineConfig
+from lmgate.v1 import lmgate_pb2 as pb
+from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
+from tests.serving import ServerThread
+from tests.test_weight_push import bf16_state, trainer  # noqa: F401 (a fixture)
+
+STREAMS = 16
+MAX_NEW = 40
+PROMPTS = [[504, 3575, 282, 4649 + i, 314] for i in range(STREAMS)]
+
+
+@pytest.fixture
+def server(checkpoint):
+    s = ServerThread(EngineConfig(dtype="float32", kv_cache_tokens=8192, prefix_caching=True), checkpoint)
+    yield s
+    s.stop()
+
+
+class Streams:
+    """Greedy streams, each read on a thread of its own; `started` once every one has its first tokens."""
+
+    def __init__(self, server, prompts: list[list[int]], max_new: int = MAX_NEW) -> None:
+        self.channel = server.channel()
+        stub = pb_grpc.InferenceStub(self.channel)
+        self.messages: list[list[pb.GenerateResponse]] = [[] for _ in prompts]
+        self._first = threading.Semaphore(0)
+        sampling = pb.SamplingParams(max_new_tokens=max_new, ignore_eos=True, logprobs=1)
+        self.calls = [
+            stub.Generate(pb.GenerateRequest(tokens=pb.TokenIds(ids=p), sampling=sampling, request_id=f"r{i}"))
+            for i, p in enumerate(prompts)
+        ]
+        self._readers = [threading.Thread(target=self._read, args=(i,)) for i in range(len(prompts))]
+        for reader in self._readers:
+            reader.start()
+
+    def _read(self, i: int) -> None:
+        told = False
+        try:
+            for message in self.calls[i]:
+                self.messages[i].append(message)
+                if not told and sum(len(m.token_ids) for m in self.messages[i]) >= 2:
+                    told = True
+                    self._first.release()
+        except grpc.RpcError as err:
+            self.messages[i].append(err)
+        finally:
+            if not told:
+                self._first.release()
+
+    def started(self) -> None:
+        for _ in self._readers:
+            self._first.acquire()
+
+    def ended(self, i: int) -> list:
+        """Stream `i`'s messages once it has ended (an error last, if it ended with one)."""
+        self._readers[i].join()
+        return self.messages[i]
+
+    def join(self) -> list[list[pb.GenerateResponse]]:
+        for reader in self._readers:
+            reader.join()
+        self.channel.close()
+        return self.messages
+
+
+def tokens(messages: list[pb.GenerateResponse], version: str | None = None) -> list[int]:
+    return [t for m in messages for t in m.token_ids if version is None or m.weight_version == version]
+
+
+def greedy(server, prompt: list[int], max_new: int) -> list[int]:
+    with server.channel() as channel:
+        sampling = pb.SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+        request = pb.GenerateRequest(tokens=pb.TokenIds(ids=prompt), sampling=sampling)
+        return tokens(list(pb_grpc.InferenceStub(channel).Generate(request)))
+
+
+def inference_health(server) -> int:
+    with server.channel() as channel:
+        service = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service)).status
+
+
+def assert_all_free(server) -> None:
+    info = server.info()
+    assert info.kv_blocks_free == info.kv_blocks_total
+    assert info.running_requests == info.waiting_requests == info.queued_requests == 0
+
+
+def assert_prefix_cache_empty(server) -> None:
+    """No block is keyed: the KV the old weights computed is found by no later prompt."""
+    for loop in server.engine.loops:
+        assert not loop.blocks.cached and not any(loop.blocks.keys)
+
+
+def test_abort_ends_every_stream_with_whole_partial_output_and_a_resubmission_completes(server, trainer):
+    streams = Streams(server, PROMPTS)
+    streams.started()
+    with Client(server.address) as client:
+        paused = client.pause("abort")
+        assert paused.requests == STREAMS
+        outputs = streams.join()
+        info = server.info()
+        assert info.paused and info.pause_mode == pb.PAUSE_MODE_ABORT
+        assert inference_health(server) == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.RpcError) as refused:
+            greedy(server, PROMPTS[0], 4)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "Resume" in refused.value.details()
+        assert client.update_weights(bf16_state(trainer), version="after-abort") == "after-abort"
+        assert_prefix_cache_empty(server)
+        with paused:  # leaving it resumes
+            pass
+    assert not server.info().paused
+    assert inference_health(server) == health_pb2.HealthCheckResponse.SERVING
+    for prompt, messages in zip(PROMPTS, outputs):
+        last = messages[-1]
+        assert last.finish_reason == pb.FINISH_REASON_ABORTED
+        partial = tokens(messages)
+        assert 2 <= len(partial) < MAX_NEW
+        assert last.usage.completion_tokens == len(partial)
+        assert sum(len(m.logprobs) for m in messages) == len(partial)
+        assert all(m.weight_version == "0" for m in messages if m.token_ids)
+    for prompt, messages in list(zip(PROMPTS, outputs))[:4]:  # resubmitted: prompt plus partial output
+        partial = tokens(messages)
+        assert len(greedy(server, prompt + partial, MAX_NEW - len(partial))) == MAX_NEW - len(partial)
+    assert_all_free(server)
+
+
+def test_wait_lets_every_stream_finish_on_the_old_weights(server, trainer):
+    streams = Streams(server, PROMPTS)
+    streams.started()
+    with Client(server.address) as client:
+        with client.pause("wait") as paused:
+            assert paused.requests == 0
+            info = server.info()  # nothing runs once the pause has returned: every stream has had its last word
+            assert info.running_requests == info.waiting_requests == 0
+            assert info.pause_mode == pb.PAUSE_MODE_WAIT
+            outputs = streams.join()
+            client.update_weights(bf16_state(trainer), version="after-wait")
+    for messages in outputs:
+        assert messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert len(tokens(messages, "0")) == MAX_NEW
+    assert server.info().weight_version == "after-wait" and not server.info().paused
+    assert_all_free(server)
+
+
+def test_keep_freezes_streams_which_go_on_under_the_new_weights_with_their_kv_recomputed(server, trainer):
+    streams = Streams(server, PROMPTS)
+    streams.started()
+    with Client(server.address) as client:
+        with client.pause("keep") as paused:
+            assert paused.requests == STREAMS
+            frozen = server.info()
+            assert frozen.running_requests + frozen.waiting_requests == STREAMS
+            client.update_weights(bf16_state(trainer), version="after-keep")
+            assert_prefix_cache_empty(server)
+    outputs = streams.join()
+    for prompt, messages in zip(PROMPTS, outputs):
+        assert messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        old, new = tokens(messages, "0"), tokens(messages, "after-keep")
+        assert len(old) >= 2 and len(new) >= 1 and len(old) + len(new) == MAX_NEW
+        assert tokens(messages) == old + new  # no version's tokens after the other's
+    for prompt, messages in list(zip(PROMPTS, outputs))[:4]:  # recomputed: as a fresh request of those tokens
+        old, new = tokens(messages, "0"), tokens(messages, "after-keep")
+        assert greedy(server, prompt + old, len(new)) == new
+    assert_all_free(server)
+
+
+def test_keep_kv_goes_on_from_the_old_weights_kv_and_a_frozen_stream_can_be_cancelled(server, trainer):
+    streams = Streams(server, PROMPTS[:4])
+    streams.started()
+    with Client(server.address) as client:
+        with client.pause("keep", keep_kv=True):
+            streams.calls[0].cancel()  # while frozen: its stream ends at once, not at the resume
+            assert isinstance(streams.ended(0)[-1], grpc.RpcError)
+            with server.channel() as channel:
+                cancel = pb_grpc.InferenceStub(channel).Cancel(pb.CancelRequest(request_id="r1"))
+            assert cancel.cancelled
+            assert streams.ended(1)[-1].finish_reason == pb.FINISH_REASON_CANCELLED
+            client.update_weights(bf16_state(trainer), version="kept")
+    outputs = streams.join()
+    for messages in outputs[2:]:
+        assert messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert tokens(messages, "kept") and len(tokens(messages)) == MAX_NEW
+    assert_all_free(server)
+
+
+def test_pause_refuses_an_unknown_mode_and_resume_without_a_pause_changes_nothing(server):
+    with server.channel() as channel:
+        admin = pb_grpc.AdminStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            admin.Pause(pb.PauseRequest(mode=9))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        admin.Resume(pb.ResumeRequest())
+    assert not server.info().paused
+    assert len(greedy(server, PROMPTS[0], 3)) == 3
+
+
+def test_keep_over_rank_processes_freezes_cancels_and_resumes_under_new_weights(process_ranks_server, gguf_path):
+    server = process_ranks_server
+    streams = Streams(server, PROMPTS[:4])
+    streams.started()
+    with Client(server.address) as client:
+        try:
+            assert client.pause("keep").requests == 4
+            streams.calls[0].cancel()  # a frozen request in a rank process ends while paused
+            streams.ended(0)
+            version = client.update_weights(gguf_path, version="reloaded")  # the same weights, by path
+        finally:
+            client.resume()
+    outputs = streams.join()
+    assert isinstance(outputs[0][-1], grpc.RpcError)
+    for messages in outputs[1:]:
+        assert messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert tokens(messages, version) and len(tokens(messages)) == MAX_NEW
+    assert_all_free(server)
+
+
+def test_weights_pushed_while_asleep_at_level_two_are_served_after_the_wakeup(server, trainer):
+    before = greedy(server, PROMPTS[0], 8)
+    with Client(server.address) as client:
+        client.sleep(2)
+        assert client.update_weights(bf16_state(trainer), version="while-asleep") == "while-asleep"
+        assert server.info().weight_version == "while-asleep" and server.info().weights_bytes == 0
+        client.wakeup()
+        pushed = greedy(server, PROMPTS[0], 8)
+        assert pushed != before
+        client.update_weights(bf16_state(trainer), version="awake")  # the same weights pushed awake
+    assert greedy(server, PROMPTS[0], 8) == pushed
