@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # had, pip's own choice of torch (set PIP_EXTRA_INDEX_URL for another build).
 TORCH ?= torch==2.13.0
 
-.PHONY: install proto serve lint test test-fast bench-engine bench-serve bench-openai bench-structured bench-prefix bench-fleet bench-comm bench-scale bench-quant gpu-install test-gpu bench-gpu gpu-wheels clean
+.PHONY: install proto serve lint test test-fast bench-engine bench-serve bench-openai bench-structured bench-prefix bench-fleet bench-comm bench-scale bench-quant bench-host bench-weights gpu-install test-gpu bench-gpu gpu-wheels clean
 
 install: $(STAMP)
 
@@ -47,8 +47,8 @@ $(JS_DEPS): tests/js/package.json tests/js/package-lock.json
 # service/ and client/ in it.
 IMPORTS := $(VENV)/.imports
 lint: install
-	$(VENV)/bin/ruff check engine service client tests benchmarks
-	$(VENV)/bin/ruff format --check engine service client tests benchmarks
+	$(VENV)/bin/ruff check engine service client tests benchmarks examples
+	$(VENV)/bin/ruff format --check engine service client tests benchmarks examples
 	rm -rf $(IMPORTS) && mkdir -p $(IMPORTS)
 	cp -r protos/lmgate $(IMPORTS)/lmgate && cp -r engine service client $(IMPORTS)/lmgate/
 	cd $(IMPORTS) && $(CURDIR)/$(VENV)/bin/lint-imports --no-cache $(CURDIR)/pyproject.toml
@@ -88,6 +88,14 @@ bench-scale: install
 
 bench-quant: install
 	$(PY) benchmarks/bench_quant.py $(ARGS)
+
+# New weights into serving from a trainer's memory (tensor stream, gloo broadcast) against a saved checkpoint; KEEP's pause
+bench-weights: install
+	$(PY) benchmarks/bench_weights.py $(ARGS)
+
+# The host's bookkeeping per step at 256 sequences, phase by phase (a 1-layer tiny model), beside a baseline checkout
+bench-host: install
+	$(PY) benchmarks/bench_host.py $(ARGS)
 
 # On the lent GPU machine (no network): its own python3, which holds torch with CUDA; lmgate is installed
 # there without dependencies (the missing wheels carried, as the README's GPU section says). Elsewhere:

@@ -26,7 +26,7 @@ from .gateway.kv_events import KvEventLog
 from .machine.hardware import choose_dtype, cpu_features, matmul_gflops
 from .step.kv_cache import auto_kv_cache_tokens, kv_bytes_per_token, kv_cache_dtype
 from .loading.loader import Checkpoint, embedded_model_path, load_checkpoint, read_config
-from .machine.memory import freeze_startup_heap, keep_freed_memory, thaw_heap
+from .machine.memory import freeze_startup_heap, keep_freed_memory, release_host_memory, thaw_heap
 from .gateway.request import Request, RequestKind, RequestOutput
 from .sampling.sampler import SamplingParams
 from .machine.threads import available_cpus, on_fresh_thread
@@ -533,15 +533,18 @@ class Engine:
         bytes are read."""
         check_specs(specs, self.model_config)
 
-    def update_weights_from_tensors(self, tensors: Mapping[str, torch.Tensor], version: str = "") -> str:
+    def update_weights_from_tensors(
+        self, tensors: Mapping[str, torch.Tensor], version: str = "", owned: bool = False
+    ) -> str:
         """Replace the weights with `tensors` (every weight of the served model, by Hugging Face name, float32,
         float16 or bfloat16; a tied head may be left out), served in the engine's dtype as `version` (empty:
         the number of updates so far), which is returned. Atomic as `update_weights`; a tensor the model has
         not is refused (InvalidRequest) and nothing changes. A GGUF model's quantized matrices replaced this
-        way are served in float. The tensors are copied: the caller may change its own at once."""
+        way are served in float. The tensors are copied, so the caller may change its own at once, unless
+        `owned` (host tensors that nothing else writes: held as they are)."""
         with self._admin():
             self._check_weights_replaceable()
-            pushed = pushed_weights(tensors, self.model_config)
+            pushed = pushed_weights(tensors, self.model_config, owned)
             return self._load(pushed, version)
 
     def _check_weights_replaceable(self) -> None:
@@ -559,6 +562,7 @@ class Engine:
         self._weight_updates += 1
         self.weight_version = name
         self.gateway.control(RequestKind.FLUSH_CACHE)  # every loop has switched (a frozen one too) once answered
+        release_host_memory()  # the replaced model, freed now that no step holds it, leaves the resident set
         return name
 
     # weights from a trainer's torch.distributed group -----------------------------------------------------
@@ -606,7 +610,7 @@ class Engine:
         except Aborted:
             self._forget_weight_group(group)
             raise
-        return self.update_weights_from_tensors(tensors, version)
+        return self.update_weights_from_tensors(tensors, version, owned=True)  # the receive's own buffer
 
     def destroy_weight_group(self) -> None:
         """Leave the trainer's group, if there is one (idempotent). A join or receive under way on it ends

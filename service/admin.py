@@ -97,7 +97,7 @@ class AdminServicer(pb_grpc.AdminServicer):
             await abort(context, exc)
 
         def update_weights_from_tensors(pushed: tuple[str, dict[str, torch.Tensor]]) -> str:
-            return self.engine.update_weights_from_tensors(pushed[1], pushed[0])
+            return self.engine.update_weights_from_tensors(pushed[1], pushed[0], owned=True)  # this call's buffer
 
         version = await self._run(
             context, update_weights_from_tensors, (version, tensors), self.metrics.weight_updates.inc

@@ -73,11 +73,12 @@ def spec_of(name: str, tensor: torch.Tensor) -> TensorSpec:
     return TensorSpec(name, dtype, tuple(tensor.shape))
 
 
-def pushed_weights(tensors: Mapping[str, torch.Tensor], config: ModelConfig) -> PushedWeights:
+def pushed_weights(tensors: Mapping[str, torch.Tensor], config: ModelConfig, owned: bool = False) -> PushedWeights:
     """`tensors` checked (`check_specs`) and held as the served model's next weights: copies on the CPU, so
-    that a trainer's later steps, in place, change nothing served."""
+    that a trainer's later steps, in place, change nothing served; held as they are where they are `owned`
+    (host tensors no one else writes, such as those received over the wire: no second copy of a model)."""
     check_specs([spec_of(name, t) for name, t in tensors.items()], config)
-    held = {name: t.detach().to("cpu", copy=True) for name, t in tensors.items()}
+    held = {name: t if owned else t.detach().to("cpu", copy=True) for name, t in tensors.items()}
     if config.tie_word_embeddings:
         held.pop("lm_head.weight", None)  # the embedding's is served
     return PushedWeights(config, held)

@@ -380,7 +380,7 @@ class RankProcess:
                 "discard": lambda: self.weights.discard_staged(argument),
                 "install": lambda: self._install(argument),
             }[action]()
-            if action == "drop":
+            if action in ("drop", "install"):  # a dropped or (for a lone rank) replaced model's memory goes back
                 release_host_memory()
         except Exception as exc:
             log.exception("rank %d: weights %s failed", self.spec.rank, action)

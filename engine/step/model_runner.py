@@ -9,6 +9,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ..models.attention import (
@@ -84,6 +85,15 @@ class StepInputs:
 ATTENTION_PATHS = ("torch", "cpu", "triton")
 
 
+def padded(tables: list[list[int]]) -> torch.Tensor:
+    """Block tables as one [rows, longest] int64 tensor, padded with block 0: filled row by row through numpy,
+    a third of the time `torch.tensor` takes over the padded lists (hundreds of rows a step)."""
+    out = np.zeros((len(tables), max(map(len, tables))), dtype=np.int64)
+    for row, table in zip(out, tables):
+        row[: len(table)] = table
+    return torch.from_numpy(out)
+
+
 class ModelRunner:
     """Owned by one engine loop's thread, like the KV cache tensors it writes."""
 
@@ -104,6 +114,7 @@ class ModelRunner:
         self.device = device
         self.attention = attention  # of ATTENTION_PATHS; chosen at build, read per step
         self.vocab_size: int | None = None  # ids a sampler may draw (the tokenizer's), where below the model's
+        self._no_prefills: PrefillTables | None = None  # a decode step's prefill tables, built once
         self.graphs = graphs  # decode steps from CUDA graphs (Triton path, no tensor parallelism), else None
         self.followers: HostComm | None = None  # a tensor-parallel leader's group: what it does, they do
         self.group_kv_share = 1.0  # the tensor-parallel group's KV heads over this rank's
@@ -302,23 +313,25 @@ class ModelRunner:
             input_ids.index_copy_(0, rows, drawn.index_select(0, sources))
 
     def _decode_tables(self, block_tables: list[list[int]], lengths: list[int]) -> DecodeTables | GatheredDecode:
-        width = max(len(t) for t in block_tables)
-        tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
+        tables = padded(block_tables)
         lengths = torch.tensor(lengths)
         if self.attention != "torch":
             return DecodeTables(to_device(tables, self.device), to_device(lengths, self.device))
         return GatheredDecode(
             self._rows(tables),
-            to_device(decode_mask(lengths, width * self.block_size, self.kv_caches[0][0]), self.device),
+            to_device(decode_mask(lengths, tables.shape[1] * self.block_size, self.kv_caches[0][0]), self.device),
         )
 
     def _prefill_tables(self, prefills: list[tuple[int, int, int, list[int]]]) -> PrefillTables:
         """Rows counted from the first prefill row: the chunks follow one another after the decodes."""
+        if not prefills:  # a decode step's: built once (the kernels only read it)
+            if self._no_prefills is None:
+                empty = torch.zeros(0, dtype=torch.long, device=self.device)
+                self._no_prefills = PrefillTables(empty.view(0, 1), empty, empty, empty, 0)
+            return self._no_prefills
         lens = [end - start for start, end, _, _ in prefills]
-        width = max((len(table) for *_, table in prefills), default=1)
-        tables = [table + [0] * (width - len(table)) for *_, table in prefills]
         return PrefillTables(
-            self._tensor(tables) if prefills else torch.zeros((0, 1), dtype=torch.long, device=self.device),
+            to_device(padded([table for *_, table in prefills]), self.device),
             self._tensor([0, *itertools.accumulate(lens)][: len(lens)]),
             self._tensor(lens),
             self._tensor([context for _, _, context, _ in prefills]),

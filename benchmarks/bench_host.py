@@ -1,0 +1,409 @@
+"""The host's bookkeeping per engine step at 256 sequences, phase by phase, against a baseline checkout in the
+same run (a benchmark: it prints, never asserts).
+
+    make bench-host                                              # both workloads, baseline HEAD
+    make bench-host ARGS="--workload decode --steps 50 --baseline origin/main"
+
+The engine loop runs a 1-layer model of width 64 with a 1,024-id vocabulary (random weights) and the embedded
+SmolLM2's tokenizer, whose first 1,024 ids are real pieces of text: the model's and the sampler's arithmetic
+are small, detokenization is the real work, and what remains of a step is bookkeeping. Each phase is timed by
+wrapping the method that does it (HOOKS); a nested method's time is taken out of its caller's, and so is the
+wrappers' own cost (measured here, per call). Two workloads at --num-seqs sequences:
+
+- decode: every sequence decoding (the offline prompts, ignore_eos): --steps steps, measured once the last
+  prompt is in and --warmup-steps more have passed;
+- offline: nano-vllm's bench.py workload (bench_gpu.offline_requests: prompt and output lengths uniform in
+  100..1024, temperature 0.6), all at once; every step of the run.
+
+The host's bookkeeping is the step's time but the model's forward on a CPU; on CUDA (--device cuda, overlap
+scheduling on), where the forward only launches the device's work, it is the step's time but read-back, which
+waits for the device.
+
+The baseline: `git worktree add` of --baseline in a temporary directory, and this same script run as a child
+process with `lmgate` imported from that checkout (its own pyproject.toml's package-dir, ahead of the editable
+install's finder); its figures are printed beside this tree's. Where both checkouts' engine/kernels are the
+same files, the child imports this tree's, whose build is cached; otherwise it builds its own, privately.
+A hook the baseline lacks leaves its phase blank there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import importlib.abc
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+
+CODE_ENV, KERNELS_ENV = "BENCH_HOST_CODE", "BENCH_HOST_KERNELS"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class CheckoutFinder(importlib.abc.MetaPathFinder):
+    """Finds lmgate's packages in another checkout, as its pyproject.toml lays them out (the editable install's
+    finder sits after sys.path's, so it must be ahead of all of them)."""
+
+    def __init__(self, root: str, kernels: str | None) -> None:
+        with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+            dirs = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
+        self.packages = {name: os.path.join(root, d) for name, d in dirs.items()}
+        if kernels:  # the same sources as this tree's: their build, cached under this tree's paths, is shared
+            self.packages["lmgate.engine.kernels"] = kernels
+
+    def find_spec(self, name, path=None, target=None):
+        where = self.packages.get(name)
+        if where is None:
+            return None
+        return importlib.util.spec_from_file_location(
+            name, os.path.join(where, "__init__.py"), submodule_search_locations=[where]
+        )
+
+
+if os.environ.get(CODE_ENV):  # the baseline's run (`run_baseline`): before anything imports lmgate
+    sys.meta_path.insert(0, CheckoutFinder(os.environ[CODE_ENV], os.environ.get(KERNELS_ENV)))
+
+import lmgate.engine  # noqa: F401  before torch: the OMP_WAIT_POLICY it sets counts only before libgomp loads
+import torch
+import transformers
+
+from bench_gpu import MODELS, TEMPERATURE, TINY_SHAPE, Workload, best_seconds, offline_requests, run_requests
+from gpu_models import write_model
+from lmgate.engine.config import EngineConfig
+from lmgate.engine.engine import Engine
+from lmgate.engine.loading.loader import embedded_model_path
+from lmgate.engine.machine.hardware import cpu_features
+from lmgate.engine.sampling.sampler import SamplingParams
+from lmgate.engine.text.tokenizer import Tokenizer
+
+SHAPE = {**MODELS["smollm2-135m"], **TINY_SHAPE, "num_hidden_layers": 1, "vocab_size": 1024}
+MAX_BATCHED_TOKENS = 8192  # bench_gpu's, nano-vllm's
+
+# (label, module, class, method): the methods timed, each call into the dict of the step under way.
+HOOKS = (
+    ("step", "step.engine_loop", "EngineLoop", "step"),
+    ("schedule", "scheduling.scheduler", "Scheduler", "schedule"),
+    ("launch", "step.engine_loop", "EngineLoop", "_launch"),
+    ("setup", "step.model_runner", "ModelRunner", "setup"),
+    ("plan", "step.model_runner", "ModelRunner", "plan"),  # for the step's token count
+    ("forward", "step.model_runner", "ModelRunner", "forward"),
+    ("sample", "step.model_runner", "ModelRunner", "sample"),
+    ("complete", "step.engine_loop", "EngineLoop", "_complete"),
+    ("result", "sampling.sampler", "SampleFuture", "result"),
+    ("update", "step.engine_loop", "EngineLoop", "_update"),
+    ("detokenize", "text.detokenizer", "IncrementalDetokenizer", "step_one"),
+    ("flush", "step.engine_loop", "EngineLoop", "_flush"),  # after the step, before the next `pop`
+    ("pop", "gateway.gateway", "Gateway", "pop"),
+    ("deliver", "gateway.gateway", "Gateway", "_deliver_all"),  # on the signal thread, beside the loop
+)
+# row of the table: (its hook, the hooks nested in it, whose time and wrappers' cost are taken out)
+PHASES = {
+    "schedule": ("schedule", ()),
+    "inputs (setup)": ("setup", ()),
+    "launch": ("launch", ("setup", "forward", "sample")),
+    "sampling": ("sample", ()),
+    "read-back": ("result", ()),
+    "update": ("update", ("detokenize",)),
+    "detokenize": ("detokenize", ()),
+    "retire (cache, kDel)": ("complete", ("result", "update")),
+    "emit (flush)": ("flush", ()),
+    "rest of step (kAdd, reap)": ("step", ("schedule", "launch", "complete")),
+    "pop (queue, agreement)": ("pop", ()),
+    "model (forward)": ("forward", ()),
+    "deliver (signal thread)": ("deliver", ()),
+}
+MODEL, DELIVER, HOST = "model (forward)", "deliver (signal thread)", "host bookkeeping"
+
+
+class Recorder:
+    """Seconds and calls of each hook, per engine step, in the dict of the step under way: so a step's `_flush`
+    and the `pop` after it count in it (a run's last pop, idle until the next run, ends after its figures are
+    read), and so do the signal thread's deliveries meanwhile."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict] = []
+        self.current: dict = {}
+
+    def install(self) -> list[tuple[type, str, object]]:
+        """Wraps every hook the code has (a baseline's may lack some); returns what to put back."""
+        undo = []
+        for label, module, owner, method in HOOKS:
+            try:
+                cls = getattr(importlib.import_module(f"lmgate.engine.{module}"), owner)
+                fn = cls.__dict__[method]
+            except (ImportError, AttributeError, KeyError):
+                print(f"no hook {owner}.{method}: its phase is blank", flush=True)
+                continue
+            undo.append((cls, method, fn))
+            setattr(cls, method, self.wrap(fn, label))
+        return undo
+
+    def wrap(self, fn, label: str):
+        """`fn`, its calls timed into the step under way (`step` opens one); `schedule` and `plan` also note the
+        step's sequences and tokens, after their clock stops."""
+        clock, rec = time.perf_counter, self
+
+        def call(*args, **kwargs):
+            if label == "step":
+                rec.current = {}
+                rec.steps.append(rec.current)
+            acc = rec.current.get(label) or rec.current.setdefault(label, [0.0, 0])
+            start = clock()
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                acc[0] += clock() - start
+                acc[1] += 1
+            if label == "schedule":
+                rec.current["seqs"] = len(out)
+            elif label == "plan":
+                rec.current["tokens"] = len(out.input_ids)
+            return out
+
+        return call
+
+    def cost(self) -> float:
+        """Seconds a wrapper adds to its caller per call: around a no-op, less the bare no-op, best of 3."""
+        bare = lambda: None  # noqa: E731
+        wrapped, n, best = self.wrap(bare, "probe"), 100_000, [1.0, 1.0]
+        for _ in range(3):
+            for i, fn in enumerate((bare, wrapped)):
+                start = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                best[i] = min(best[i], (time.perf_counter() - start) / n)
+        return max(0.0, best[1] - best[0])
+
+
+def phases(steps: list[dict], overhead: float, device: str) -> dict:
+    """ms per step and µs per scheduled sequence of each phase over `steps`, and the host's bookkeeping: their sum
+    but the forward on a CPU (the model's arithmetic), but read-back on CUDA (where the forward only launches
+    the device's work and read-back waits for it); the signal thread's deliveries run beside, not in it."""
+    seq_steps = sum(s.get("seqs", 0) for s in steps) or 1
+
+    def total(label: str) -> tuple[float, int]:
+        return sum(s[label][0] for s in steps if label in s), sum(s[label][1] for s in steps if label in s)
+
+    have = {label for s in steps for label in s}
+    seconds = {}
+    for name, (hook, nested) in PHASES.items():
+        if hook in have:
+            seconds[name] = total(hook)[0] - sum(sec + calls * overhead for sec, calls in map(total, nested))
+    excluded = {MODEL if device == "cpu" else "read-back", DELIVER}
+    host = sum(v for k, v in seconds.items() if k not in excluded)
+    beside = {k: seconds.pop(k) for k in (MODEL, DELIVER) if k in seconds}
+    seconds = {**seconds, HOST: host, **beside}  # the table's order: the host's rows, their sum, the rest
+    return {
+        "steps": len(steps),
+        "seqs_per_step": seq_steps / len(steps),
+        "tokens_per_step": sum(s.get("tokens", 0) for s in steps) / len(steps),
+        "excluded": sorted(excluded),
+        "ms_per_step": {k: v / len(steps) * 1e3 for k, v in seconds.items()},
+        "us_per_seq": {k: v / seq_steps * 1e6 for k, v in seconds.items()},
+    }
+
+
+def sampler_floor(rows: int, device: torch.device) -> float:
+    """ms of the tensor arithmetic a sampled draw cannot skip over [rows, vocabulary] logits (softmax at a
+    temperature, a prefix sum, a search), alone: for scale beside the sampling phase, which holds it."""
+    logits, draws = torch.randn(rows, SHAPE["vocab_size"], device=device), torch.rand(rows, 1, device=device)
+
+    def draw() -> torch.Tensor:
+        cdf = torch.softmax(logits / TEMPERATURE, dim=-1).cumsum(dim=-1)
+        return torch.searchsorted(cdf, draws * cdf[:, -1:]).cpu()
+
+    return best_seconds(draw, device, inner=10) * 1e3
+
+
+def build_model(root: str) -> str:
+    """A Hugging Face directory of SHAPE, random weights, and the embedded SmolLM2's tokenizer."""
+    path = os.path.join(root, "model")
+    write_model(path, transformers.AutoConfig.for_model(**SHAPE), torch.float32)
+    import gguf
+
+    for name, text in Tokenizer.from_gguf(gguf.GGUFReader(embedded_model_path())).hf_files().items():
+        with open(os.path.join(path, name), "w") as f:
+            f.write(text)
+    return path
+
+
+def engine_config(args: argparse.Namespace, model: str) -> EngineConfig:
+    """The engine alone, its loop a thread of this process (so the hooks see it), room for every sequence."""
+    context = 2 * args.max_len + 2 * (args.warmup_steps + args.steps) + 64
+    return EngineConfig(
+        model=model,
+        device=args.device,
+        dtype="float32" if args.device == "cpu" else "bfloat16",
+        kv_cache_tokens=args.num_seqs * context,
+        dp_backend="thread",
+        max_batch_size=args.num_seqs,
+        max_batched_tokens=MAX_BATCHED_TOKENS,
+        max_context_length=context,
+        threads=args.threads,
+    )
+
+
+def decode_steps(engine: Engine, rec: Recorder, args: argparse.Namespace, w: Workload) -> list[dict]:
+    """The decode workload's measured steps: the offline prompts, each decoding long enough that every sequence
+    still runs `args.steps` steps after the last prompt is in and `args.warmup_steps` more have passed."""
+    prompts = [prompt for prompt, _ in offline_requests(1, w, SHAPE["vocab_size"])]
+    prefill_steps = -(-sum(map(len, prompts)) // (MAX_BATCHED_TOKENS - w.num_seqs))
+    new = prefill_steps + args.warmup_steps + args.steps + 4
+    params = SamplingParams(max_new_tokens=new, temperature=TEMPERATURE, ignore_eos=True)
+    rec.steps = []
+    run_requests(engine, [(p, params) for p in prompts])
+    full = [s for s in rec.steps if s.get("seqs") == w.num_seqs and s.get("tokens") == w.num_seqs]
+    return full[args.warmup_steps : args.warmup_steps + args.steps]
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """This checkout's figures: one engine, a small warm-up, the decode workload, then the offline one."""
+    w = Workload(num_seqs=args.num_seqs, min_len=args.min_len, max_len=args.max_len)
+    rec = Recorder()
+    overhead = rec.cost()
+    result = {"code": os.path.dirname(lmgate.engine.__file__), "wrapper_us": overhead * 1e6, "workloads": {}}
+    with tempfile.TemporaryDirectory(prefix="bench_host_") as root:
+        with Engine(engine_config(args, build_model(root))) as engine:
+            loop = engine.loops[0]
+            result["torch_threads"], result["overlap"] = loop.num_threads, loop.overlap
+            result["sampler_floor_ms"] = sampler_floor(args.num_seqs, engine.device)
+            result["dtype"] = str(engine.dtype).removeprefix("torch.")
+            undo = rec.install()
+            try:
+                warmup = Workload(num_seqs=min(8, w.num_seqs), min_len=8, max_len=32)
+                run_requests(engine, offline_requests(9, warmup, SHAPE["vocab_size"]))
+                if args.workload in ("decode", "both"):
+                    window = decode_steps(engine, rec, args, w)
+                    if window:
+                        result["workloads"]["decode"] = phases(window, overhead, args.device)
+                    else:
+                        print("decode: no step had every sequence decoding", flush=True)
+                if args.workload in ("offline", "both"):
+                    rec.steps = []
+                    start = time.perf_counter()
+                    trace = run_requests(engine, offline_requests(2, w, SHAPE["vocab_size"]))
+                    offline = result["workloads"]["offline"] = phases(rec.steps, overhead, args.device)
+                    offline["tok_s"] = trace.tokens / (time.perf_counter() - start)
+            finally:
+                for cls, method, fn in undo:
+                    setattr(cls, method, fn)
+    return result
+
+
+def run_baseline(args: argparse.Namespace) -> dict | None:
+    """This script over a worktree of `args.baseline`, as a child process; its JSON, or None if it failed."""
+    with tempfile.TemporaryDirectory(prefix="bench_host_base_") as tmp:
+        tree, out = os.path.join(tmp, "tree"), os.path.join(tmp, "baseline.json")
+        if subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-q", tree, args.baseline]).returncode:
+            print(f"no worktree of {args.baseline!r}: no baseline", flush=True)
+            return None
+        try:
+            env = {**os.environ, CODE_ENV: tree}
+            kernels = os.path.join(ROOT, "engine", "kernels")
+            if same_files(kernels, os.path.join(tree, "engine", "kernels")):
+                env[KERNELS_ENV] = kernels
+            else:
+                print("the baseline's kernels differ: built for it (minutes)", flush=True)
+                env["TORCH_EXTENSIONS_DIR"] = os.path.join(tmp, "torch_extensions")
+            flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("baseline", "json")]
+            done = subprocess.run([sys.executable, __file__, *flags, "--baseline=", f"--json={out}"], env=env)
+            if done.returncode:
+                print(f"the baseline's run failed (exit {done.returncode})", flush=True)
+                return None
+            with open(out) as f:
+                return json.load(f)
+        finally:
+            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", tree], check=False)
+
+
+def same_files(a: str, b: str) -> bool:
+    """Whether two directories hold the same files with the same contents (caches aside)."""
+    cmp = filecmp.dircmp(a, b, ignore=["__pycache__"])
+    if cmp.left_only or cmp.right_only or cmp.funny_files:
+        return False
+    if filecmp.cmpfiles(a, b, cmp.common_files, shallow=False)[1:] != ([], []):
+        return False
+    return all(same_files(os.path.join(a, d), os.path.join(b, d)) for d in cmp.common_dirs)
+
+
+def machine(result: dict) -> str:
+    cpu = cpu_features()
+    flags = ", ".join(f"{f} {'yes' if f in cpu.flags else 'no'}" for f in ("avx512f", "avx512_bf16", "amx_bf16"))
+    cores = len(os.sched_getaffinity(0))
+    return f"{cpu.name}, {cores} cores ({flags}); torch {torch.__version__}, {result['torch_threads']} torch threads"
+
+
+def report(this: dict, base: dict | None, baseline: str) -> None:
+    """Per workload, a markdown table: this tree and the baseline side by side, with their ratio."""
+    print(f"\n## Host time per engine step, {machine(this)}\n")
+    print(f"this tree's lmgate.engine: {this['code']}; baseline {baseline or '—'}'s: {base['code'] if base else '—'}")
+    print(
+        f"model: 1 layer, hidden {SHAPE['hidden_size']}, vocabulary {SHAPE['vocab_size']} (SmolLM2's tokenizer), "
+        f"{this['dtype']}, overlap scheduling {'on' if this['overlap'] else 'off'}; "
+        f"a wrapped call costs {this['wrapper_us']:.2f} µs, taken out of its caller's phase; softmax, prefix sum and "
+        f"search alone over the decode step's logits: {this['sampler_floor_ms']:.3f} ms"
+    )
+    for name, mine in this["workloads"].items():
+        theirs = (base or {}).get("workloads", {}).get(name)
+        rate = f"; {mine['tok_s']:,.0f} output tok/s" if "tok_s" in mine else ""
+        rate += f" (baseline {theirs['tok_s']:,.0f})" if rate and theirs and "tok_s" in theirs else ""
+        print(
+            f"\n### {name}: {mine['steps']} steps, {mine['seqs_per_step']:.0f} sequences and "
+            f"{mine['tokens_per_step']:.0f} tokens a step{rate}"
+        )
+        print("\n| phase | ms/step | µs/seq | baseline ms/step | baseline µs/seq | this / baseline |")
+        print("|---|--:|--:|--:|--:|--:|")
+        for phase, ms in mine["ms_per_step"].items():
+            other = theirs["ms_per_step"].get(phase) if theirs else None
+            cells = [f"{ms:.3f}", f"{mine['us_per_seq'][phase]:.2f}"]
+            if other is None:
+                cells += ["—", "—", "—"]
+            else:
+                cells += [f"{other:.3f}", f"{theirs['us_per_seq'][phase]:.2f}", f"{ms / other:.2f}" if other else "—"]
+            name = f"**{phase}**" if phase == HOST else phase
+            print(f"| {name} | " + " | ".join(cells) + " |")
+    excluded = next(iter(this["workloads"].values()), {}).get("excluded", [])
+    print(
+        f"\n{HOST}: the sum of the rows above it (not of {', '.join(excluded)}): the whole step, with the `_flush` "
+        "and the `pop` that follow it; `sampling` keeps the sampler's arithmetic. The signal thread's deliveries "
+        "(the benchmark's callbacks included) run beside the loop, competing for the GIL and the cores."
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=200, help="decode steps measured")
+    ap.add_argument("--warmup-steps", type=int, default=20, help="decode steps before those measured")
+    ap.add_argument("--workload", choices=("decode", "offline", "both"), default="both")
+    ap.add_argument("--baseline", default="HEAD", help="git ref measured beside this tree ('' for none)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: the engine's default)")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (its work overlapped with the host's)")
+    ap.add_argument("--min-len", type=int, default=100, help="offline prompt and output lengths: the least")
+    ap.add_argument("--max-len", type=int, default=1024, help="offline prompt and output lengths: the most")
+    ap.add_argument("--json", default="", help="where the results go, as JSON (none by default)")
+    return ap.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
+    transformers.utils.logging.disable_progress_bar()
+    this = measure(args)
+    if os.environ.get(CODE_ENV):  # the baseline's run: its figures, for the parent to print
+        with open(args.json, "w") as f:
+            json.dump(this, f)
+        return
+    base = run_baseline(args) if args.baseline else None
+    report(this, base, args.baseline)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**this, "baseline_ref": args.baseline, "baseline": base}, f, indent=2)
+        print(f"\nresults written to {args.json}")
+
+
+if __name__ == "__main__":
+    main()
