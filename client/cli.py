@@ -36,6 +36,7 @@ SAMPLING_FLAGS = (
     "stop",
     "ignore_eos",
     "logprobs",
+    "logprobs_mode",
 )
 FALSE_WORDS = ("", "0", "false", "no", "off")  # an environment yes-or-no that means no
 
@@ -143,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--logprobs",
         type=_sampling_int("logprobs"),
         help="also print each token's log-probability and this many likeliest alternatives, as JSON lines on stderr",
+    )
+    turn.add_argument(
+        "--logprobs-mode",
+        choices=("raw", "processed"),
+        help="raw: the model's distribution (default); processed: the one each token was drawn from",
     )
     shape = turn.add_mutually_exclusive_group()  # structured outputs: what every reply must match
     shape.add_argument("--json-schema", metavar="PATH", help="replies are JSON valid under the schema in this file")

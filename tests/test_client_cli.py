@@ -570,31 +570,28 @@ def test_cli_generate_info_tokenize(server, capsys):
 
 
 def test_cli_generate_logprobs_min_p_and_repetition_penalty(server, capsys):
-    assert (
-        main(
-            [
-                "generate",
-                PROMPT,
-                "--target",
-                server.address,
-                "--max-new-tokens",
-                "4",
-                "--ignore-eos",
-                "--logprobs",
-                "2",
-                "--min-p",
-                "0.05",
-                "--repetition-penalty",
-                "1.2",
-            ]
-        )
-        == 0
-    )
+    flags = [
+        "--max-new-tokens",
+        "4",
+        "--ignore-eos",
+        "--logprobs",
+        "2",
+        "--min-p",
+        "0.05",
+        "--repetition-penalty",
+        "1.2",
+    ]
+    assert main(["generate", PROMPT, "--target", server.address, *flags]) == 0
     printed = capsys.readouterr()
     lines = [json.loads(line) for line in printed.err.splitlines() if line.startswith("{")]
     assert len(lines) == 4 and all(len(lp["top"]) == 2 and lp["logprob"] <= 0 for lp in lines)
     assert "".join(lp["token"] for lp in lines) + "\n" == printed.out  # each token named by its text
     assert all(alt["token"] for lp in lines for alt in lp["top"])
+    # Processed: of the distribution drawn from (penalized, filtered), so other values for the same tokens
+    assert main(["generate", PROMPT, "--target", server.address, *flags, "--logprobs-mode", "processed"]) == 0
+    processed = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
+    assert [lp["token_id"] for lp in processed] == [lp["token_id"] for lp in lines]
+    assert [lp["logprob"] for lp in processed] != [lp["logprob"] for lp in lines]
 
 
 def test_cli_chat_keeps_one_session(server, capsys, monkeypatch):
