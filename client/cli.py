@@ -16,7 +16,7 @@ import math
 import os
 import random
 import sys
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, overload
 
 import grpc
 
@@ -61,7 +61,9 @@ def _number(
 
 def _sampling_int(name: str) -> Callable[[str], int]:
     """An argparse type for an integer sampling flag: the range its SamplingParams field holds."""
-    minimum, maximum = sampling_range(name)
+    limits = sampling_range(name)
+    assert limits is not None  # called for integer fields only
+    minimum, maximum = limits
     return _number(int, minimum, maximum=maximum)
 
 
@@ -297,6 +299,10 @@ class WaitedTooLong(Exception):
     """--wait-ready ran out: exit 1, as a server's refusal."""
 
 
+@overload
+def _client(args: argparse.Namespace) -> Client: ...
+@overload
+def _client(args: argparse.Namespace, kind: type[AsyncClient]) -> AsyncClient: ...
 def _client(args: argparse.Namespace, kind: type[Client] | type[AsyncClient] = Client) -> Client | AsyncClient:
     tls = Tls(args.tls_ca, args.tls_cert, args.tls_key) if args.tls or args.tls_ca or args.tls_cert else None
     return kind(args.target, admin_token=args.admin_token, api_key=args.api_key, tls=tls, timeout=args.timeout)
@@ -400,6 +406,7 @@ def _chat(args: argparse.Namespace) -> int:
 def _converse(session: Session, args: argparse.Namespace, prompt: str) -> bool:
     """The turns of one conversation; True once /reset asks for a new one, False when the chat ends. A refused
     turn is reported and skipped."""
+    assert session.history is not None  # _chat starts its sessions with resume=True
     while True:
         try:
             line = input(prompt)

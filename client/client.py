@@ -15,7 +15,7 @@ import functools
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Generic, Iterable, Iterator, Mapping, Sequence, TypeVar
+from typing import Any, AsyncGenerator, Callable, Generator, Generic, Iterable, Mapping, Sequence, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -33,7 +33,7 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 # `wait_ready` watches the Inference service's health: NOT_SERVING while the server is asleep or draining.
 READY_CHECK = health_pb2.HealthCheckRequest(service=pb.DESCRIPTOR.services_by_name["Inference"].full_name)
 
-StreamT = TypeVar("StreamT", Iterator[Delta], AsyncIterator[Delta])
+StreamT = TypeVar("StreamT", Generator[Delta, None, None], AsyncGenerator[Delta, None])
 CANCEL_SECONDS = 5.0  # the deadline of the Cancel a session turn left early sends
 # A resumable session's turn that gets one of these starts the session again and replays its conversation:
 # NOT_FOUND, the session is gone (its replica restarted, or the route leads to another); ABORTED, the route
@@ -94,7 +94,7 @@ class AsyncPause:
         self.requests = response.requests
         return self.requests
 
-    def __await__(self):  # type: ignore[no-untyped-def]
+    def __await__(self) -> Generator[Any, None, int]:
         return self._pause().__await__()
 
     async def __aenter__(self) -> AsyncPause:
@@ -227,7 +227,7 @@ def _channel_args(target: Target, tls: Tls | None) -> tuple[str, list[tuple[str,
     return address, options + (tls.options(target) if tls else [])
 
 
-class Client(_ClientBase[Iterator[Delta]]):
+class Client(_ClientBase[Generator[Delta, None, None]]):
     """A blocking client over one channel. `target` is "host:port", or a list of replicas' "ip:port" routed
     by ring hash on the session id (see `routing`). `timeout` is each call's deadline in seconds (streams included);
     `admin_token` is sent as 'authorization: Bearer <token>' on Admin calls only, `api_key` the same way on
@@ -248,7 +248,7 @@ class Client(_ClientBase[Iterator[Delta]]):
         )
         super().__init__(channel, admin_token, api_key, timeout)
 
-    def _stream(self, call: Any, request: pb.GenerateRequest) -> Iterator[Delta]:
+    def _stream(self, call: Any, request: pb.GenerateRequest) -> Generator[Delta, None, None]:
         last = None
         try:
             for last in call:
@@ -388,7 +388,7 @@ class Client(_ClientBase[Iterator[Delta]]):
         self.close()
 
 
-class AsyncClient(_ClientBase[AsyncIterator[Delta]]):
+class AsyncClient(_ClientBase[AsyncGenerator[Delta, None]]):
     """`Client` for asyncio: the same methods as coroutines, `generate` as an async iterator.
     Create it inside the event loop that uses it (`async with AsyncClient(...) as client:`)."""
 
@@ -409,7 +409,7 @@ class AsyncClient(_ClientBase[AsyncIterator[Delta]]):
         )
         super().__init__(channel, admin_token, api_key, timeout)
 
-    async def _stream(self, call: Any, request: pb.GenerateRequest) -> AsyncIterator[Delta]:
+    async def _stream(self, call: Any, request: pb.GenerateRequest) -> AsyncGenerator[Delta, None]:
         last = None
         try:
             async for last in call:
@@ -540,7 +540,7 @@ class _SessionBase(Generic[StreamT]):
     def __init__(
         self, client: _ClientBase[StreamT], session_id: int, epoch: int | None = None, resume: bool = False
     ) -> None:
-        self.client = client
+        self.client: _ClientBase[StreamT] = client
         self.id = session_id
         self.epoch = epoch  # the copy of the session this one's turns are for (None: any)
         self.history = History() if resume else None
@@ -592,19 +592,22 @@ class _SessionBase(Generic[StreamT]):
         return f"{type(self).__name__}(id={self.id})"
 
 
-class Session(_SessionBase[Iterator[Delta]]):
+class Session(_SessionBase[Generator[Delta, None, None]]):
     """A session of a `Client`; `with client.start() as session:` ends it on exit."""
 
     client: Client
 
-    def _after(self, start: Callable[[], Iterator[Delta]]) -> Iterator[Delta]:
+    def _after(self, start: Callable[[], Generator[Delta, None, None]]) -> Generator[Delta, None, None]:
         if self._sent is not None:
             with contextlib.suppress(ValueError):  # another thread is reading it: the server refuses this turn
                 self._sent.close()
         self._sent = stream = start()
         yield from stream
 
-    def _resumable(self, turn: dict[str, Any], request_id: str, sampling: dict[str, Any]) -> Iterator[Delta]:
+    def _resumable(
+        self, turn: dict[str, Any], request_id: str, sampling: dict[str, Any]
+    ) -> Generator[Delta, None, None]:
+        assert self.history is not None  # generate sends only a resumable session's turns here
         deltas: list[Delta] = []
         if self._stale:  # a turn failed: end the copy that may hold it (raises while it cannot be reached)
             self.client.end(self.id)
@@ -640,8 +643,9 @@ class Session(_SessionBase[Iterator[Delta]]):
 
     def _reopened(
         self, turn: dict[str, Any], request_id: str, sampling: dict[str, Any], deltas: list[Delta]
-    ) -> Iterator[Delta]:
+    ) -> Generator[Delta, None, None]:
         """The session started again, its turn sent after the whole conversation; its first delta in `deltas`."""
+        assert self.history is not None  # only a resumable session's turns are replayed
         _, self.epoch = self.client._start(self.id)
         stream = self.client.generate(
             **self.history.replay(turn), session_id=self.id, request_id=request_id, session_epoch=self.epoch, **sampling
@@ -668,12 +672,12 @@ class Session(_SessionBase[Iterator[Delta]]):
         self.end()
 
 
-class AsyncSession(_SessionBase[AsyncIterator[Delta]]):
+class AsyncSession(_SessionBase[AsyncGenerator[Delta, None]]):
     """A session of an `AsyncClient`; `async with await client.start() as session:` ends it on exit."""
 
     client: AsyncClient
 
-    async def _after(self, start: Callable[[], AsyncIterator[Delta]]) -> AsyncIterator[Delta]:
+    async def _after(self, start: Callable[[], AsyncGenerator[Delta, None]]) -> AsyncGenerator[Delta, None]:
         if self._sent is not None:
             with contextlib.suppress(RuntimeError):  # another task is reading it: the server refuses this turn
                 await self._sent.aclose()
@@ -684,7 +688,10 @@ class AsyncSession(_SessionBase[AsyncIterator[Delta]]):
         finally:
             await stream.aclose()
 
-    async def _resumable(self, turn: dict[str, Any], request_id: str, sampling: dict[str, Any]) -> AsyncIterator[Delta]:
+    async def _resumable(
+        self, turn: dict[str, Any], request_id: str, sampling: dict[str, Any]
+    ) -> AsyncGenerator[Delta, None]:
+        assert self.history is not None  # generate sends only a resumable session's turns here
         deltas: list[Delta] = []
         if self._stale:
             await self.client.end(self.id)
@@ -720,7 +727,8 @@ class AsyncSession(_SessionBase[AsyncIterator[Delta]]):
 
     async def _reopened(
         self, turn: dict[str, Any], request_id: str, sampling: dict[str, Any], deltas: list[Delta]
-    ) -> AsyncIterator[Delta]:
+    ) -> AsyncGenerator[Delta, None]:
+        assert self.history is not None  # only a resumable session's turns are replayed
         _, self.epoch = await self.client._start(self.id)
         stream = self.client.generate(
             **self.history.replay(turn), session_id=self.id, request_id=request_id, session_epoch=self.epoch, **sampling

@@ -51,6 +51,7 @@ class ModelConfig:
         for key, scaling in (("rope_scaling", cfg.get("rope_scaling")), ("rope_parameters", rope)):
             kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
             if kind == "llama3":
+                assert scaling is not None  # kind was read from it
                 factors = llama3_rope_factors(scaling, theta, head_dim)
             elif kind not in (None, "default"):
                 raise UnsupportedModel(f"{key} {scaling!r} is not supported (of scaled RoPE, only llama3)")

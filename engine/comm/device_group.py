@@ -4,6 +4,7 @@ tensors, NCCL for CUDA ones: the same code), beside the gloo `GlooComm` that car
 from __future__ import annotations
 
 import datetime
+from typing import Any
 
 import torch
 from torch.distributed import PrefixStore, Store
@@ -24,10 +25,11 @@ class DeviceGroup:
     ) -> None:
         self.rank, self.size = rank, size
         prefixed = PrefixStore(prefix, store)
+        self._group: Any  # a ProcessGroupNCCL or ProcessGroupGloo (torch's stubs give them no collectives)
         if device.type == "cuda":
             from torch.distributed import ProcessGroupNCCL  # only in CUDA builds of torch
 
-            self._group = ProcessGroupNCCL(prefixed, rank, size)
+            self._group = ProcessGroupNCCL(prefixed, rank, size)  # type: ignore[call-arg]  # stub omits the default options
         else:
             self._group = gloo_group(prefixed, rank, size, TIMEOUT, hostname)
 

@@ -23,7 +23,7 @@ import pickle
 import secrets
 import socket
 import threading
-from typing import Callable
+from typing import Any, Callable, cast
 
 import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo, ReduceOp, Store, TCPStore, Work
@@ -78,7 +78,8 @@ class GlooComm(HostComm):
         self._timeout = timeout
         self._rank = rank
         self._size = size
-        self._group = gloo_group(PrefixStore(prefix, store), rank, size, timeout, hostname)
+        # A ProcessGroupGloo (torch's stubs give it no collectives).
+        self._group: Any = gloo_group(PrefixStore(prefix, store), rank, size, timeout, hostname)
         self._splits = 0  # split() calls so far: every rank counts the same, so it names the new group's keys
         self._lock = threading.Lock()
         self._done = threading.Condition(self._lock)
@@ -136,7 +137,7 @@ class GlooComm(HostComm):
         if self._rank != root:
             data = torch.empty(int(length), dtype=torch.uint8)
         self._run(lambda: self._group.broadcast([data], _broadcast_options(root)))
-        return value if self._rank == root else self._decode(data.numpy().tobytes())
+        return value if self._rank == root else cast("T", self._decode(data.numpy().tobytes()))
 
     def all_gather(self, value: T) -> list[T]:
         data = self._encode(value)
@@ -144,7 +145,7 @@ class GlooComm(HostComm):
         longest = max(int(n) for n in lengths)
         padded = torch.zeros(longest, dtype=torch.uint8)
         padded[: data.numel()] = data
-        return [self._decode(d[: int(n)].numpy().tobytes()) for d, n in zip(self._gather(padded), lengths)]
+        return [cast("T", self._decode(d[: int(n)].numpy().tobytes())) for d, n in zip(self._gather(padded), lengths)]
 
     def all_reduce(self, value: int | list[int], op: RedOp) -> int | list[int]:
         if self._size == 1:  # a lone rank's own value: no round trip through gloo's thread at every step's pop
@@ -218,9 +219,9 @@ class GlooComm(HostComm):
         self._run(lambda: self._group.allgather([out], [tensor], AllgatherOptions()))
         return out
 
-    def _reduce(self, tensor: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+    def _reduce(self, tensor: torch.Tensor, op: ReduceOp.RedOpType) -> torch.Tensor:
         options = AllreduceOptions()
-        options.reduceOp = op
+        options.reduceOp = op  # type: ignore[assignment]  # torch's stub: it takes ReduceOp.SUM and the like too
         self._run(lambda: self._group.allreduce([tensor], options))
         return tensor
 
@@ -281,7 +282,7 @@ def local_address(peer_host: str, peer_port: int) -> str:
 
 def gloo_group(store: Store, rank: int, size: int, timeout: datetime.timedelta, hostname: str) -> ProcessGroupGloo:
     """A gloo process group whose connections use `hostname`."""
-    options = ProcessGroupGloo._Options()
+    options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stub names it Options
     options._timeout = timeout
     options._devices = [ProcessGroupGloo.create_device(hostname=hostname)]
     return ProcessGroupGloo(store, rank, size, options)

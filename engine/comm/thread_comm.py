@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterable
+from typing import cast
 
 from .host_comm import CommAborted, HostComm, RedOp, T
 
-_REDUCE = {RedOp.SUM: sum, RedOp.MIN: min, RedOp.MAX: max}
+_REDUCE: dict[RedOp, Callable[[Iterable[int]], int]] = {RedOp.SUM: sum, RedOp.MIN: min, RedOp.MAX: max}
 
 
 class _Group:
@@ -89,7 +91,7 @@ class ThreadComm(HostComm):
         values = self._exchange(value)
         if isinstance(value, list):
             return [reduce(column) for column in zip(*values, strict=True)]
-        return reduce(values)
+        return reduce(cast("list[int]", values))  # every rank passes an int when this one does
 
     def sync(self) -> None:
         self._wait()
@@ -104,7 +106,9 @@ class ThreadComm(HostComm):
             created = _Group(len(members))
             self._group.adopt(created)
         groups = self.all_gather(created)
-        return ThreadComm(groups[leader], members.index(self._rank))
+        group = groups[leader]
+        assert group is not None  # the leader published the group it created
+        return ThreadComm(group, members.index(self._rank))
 
     def abort(self) -> None:
         self._group.abort()
@@ -120,7 +124,7 @@ class ThreadComm(HostComm):
         slots = self._group.slots
         slots[self._rank] = value
         self._wait()
-        seen = list(slots)
+        seen = cast("list[T]", list(slots))  # every slot holds a rank's `value` of this collective
         self._wait()
         slots[self._rank] = None  # everyone has read it; do not keep the value alive until the next call
         return seen

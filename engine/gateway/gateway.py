@@ -19,7 +19,7 @@ import random
 import threading
 import time
 from collections import deque
-from typing import Callable, Iterator
+from typing import Callable, Iterator, cast
 
 from ..errors import EngineError, SessionExists, Unavailable
 from ..comm import HostComm, RedOp
@@ -153,6 +153,7 @@ class Gateway:
             was = self._flag_cancelled(active) if active is not None else None  # a rank process hears first
             queued = bound is not None and self.enqueue(bound.rank, request)
         if was == CancelFlag.QUEUED:
+            assert active is not None  # `was` is only read from an active request
             self.notify([(active, cancelled_output(active))])
         if not queued:
             self.notify([(request, unanswered_output(request))])
@@ -179,7 +180,7 @@ class Gateway:
         return old in (CancelFlag.QUEUED, CancelFlag.ACTIVE)
 
     @staticmethod
-    def _flag_cancelled(request: Request) -> CancelFlag:
+    def _flag_cancelled(request: Request) -> int:
         """Flip the flag to CANCELLED, telling a loop in another process of an active request (`on_cancel`:
         its queue's lock is a leaf); the flag it had."""
         old = request.cancel_flag.cancel()
@@ -221,7 +222,8 @@ class Gateway:
             with self._arrivals:
                 seen = self._num_arrivals
             queued, closed = queue.state()
-            num_ready, num_closed = comm.all_reduce([int(has_work() or queued), int(closed)], RedOp.SUM)
+            reduced = comm.all_reduce([int(has_work() or queued), int(closed)], RedOp.SUM)
+            num_ready, num_closed = cast("list[int]", reduced)  # a list reduces to a list
             if num_closed:
                 return None  # close() handed back whatever was queued
             if num_ready:

@@ -109,7 +109,9 @@ def read_gguf_weights(reader: GGUFReader, config: ModelConfig) -> dict[str, torc
         rotated = permute and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias"))
         if int(t.tensor_type) in BLOCK_LAYOUTS and len(shape) == 2:
             rows = np.asarray(t.data).reshape(shape[0], -1)
-            weights[name] = gguf_blocks(_unpermute(rows, heads) if rotated else rows, int(t.tensor_type), tuple(shape))
+            weights[name] = gguf_blocks(
+                _unpermute(rows, heads) if rotated else rows, int(t.tensor_type), (shape[0], shape[1])
+            )
             continue
         if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
             data = np.asarray(t.data, dtype=np.float32)

@@ -79,7 +79,7 @@ def cpu_features() -> CpuFeatures:
 
 
 def _read_cpuinfo() -> tuple[str, frozenset[str]]:
-    name, flags = platform.processor() or platform.machine(), frozenset()
+    name, flags = platform.processor() or platform.machine(), frozenset[str]()
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:

@@ -61,8 +61,8 @@ def cgroup_cpu_quota(root: str) -> float | None:
             quota, period = _read(v2).split()[:2]
             return None if quota == "max" else int(quota) / int(period)
         if os.path.exists(v1):
-            quota, period = int(_read(v1)), int(_read(os.path.join(root, "cpu", "cpu.cfs_period_us")))
-            return None if quota <= 0 else quota / period
+            quota_us, period_us = int(_read(v1)), int(_read(os.path.join(root, "cpu", "cpu.cfs_period_us")))
+            return None if quota_us <= 0 else quota_us / period_us
     except (OSError, ValueError):
         pass
     return None

@@ -98,6 +98,7 @@ def paged_attention(
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     parts = []
     if meta.num_decode:
+        assert meta.decode is not None  # built whenever there are decodes
         parts.append(_decode(q[: meta.num_decode], k_cache, v_cache, meta.decode, scale))
     if isinstance(meta.prefills, PrefillTables):  # the C++ kernel's form: every chunk in one call
         if meta.prefills.max_q_len:
@@ -128,6 +129,7 @@ def _triton_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale:
     parts = []
     if meta.num_decode:
         d = meta.decode
+        assert isinstance(d, DecodeTables)  # what the model runner builds for the Triton path
         parts.append(
             kernels.decode_attention(
                 q[: meta.num_decode], k_cache, v_cache, d.block_tables, d.lengths, scale, MAX_DECODE_SPLITS

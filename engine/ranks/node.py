@@ -15,6 +15,7 @@ import multiprocessing
 import pickle
 import signal
 from multiprocessing.connection import wait
+from typing import cast
 
 from torch.distributed import TCPStore
 
@@ -75,7 +76,7 @@ def run_node(config: EngineConfig) -> int:
         signal.signal(sig, stop)
     running = {p.sentinel: p for p in procs}
     while running:
-        ended = wait(list(running), timeout=HEARTBEAT_SECONDS)
+        ended = cast("list[int]", wait(list(running), timeout=HEARTBEAT_SECONDS))  # of the sentinels it was given
         for sentinel in ended:
             p = running.pop(sentinel)
             p.join()

@@ -36,7 +36,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 import zmq
@@ -239,11 +239,13 @@ class RankProcess:
         poller = zmq.Poller()
         poller.register(self.requests, zmq.POLLIN)
         poller.register(stopped_r, zmq.POLLIN)
-        poller.register(multiprocessing.parent_process().sentinel, zmq.POLLIN)
+        parent = multiprocessing.parent_process()
+        assert parent is not None  # a rank runs in a process of its own, started by the serving or node process
+        poller.register(parent.sentinel, zmq.POLLIN)
         beat, heard = time.monotonic(), None  # until the server's first word, its start-up may still take long
         while True:
-            ready = dict(poller.poll(HEARTBEAT_SECONDS * 1000))
-            if multiprocessing.parent_process().sentinel in ready:
+            ready = dict(poller.poll(int(HEARTBEAT_SECONDS * 1000)))
+            if parent.sentinel in ready:
                 os._exit(1)  # the serving process (or this node's) has gone: nobody is left to serve
             now = time.monotonic()
             if self.requests in ready:
@@ -297,7 +299,8 @@ class RankProcess:
         use_device(runner.device)
         try:
             while True:
-                command, plan = self.tp_comm.broadcast(None, patient=True)  # the leader sends nothing while idle
+                # The leader sends (command, argument); nothing while idle.
+                command, plan = cast("tuple[str, Any]", self.tp_comm.broadcast(None, patient=True))
                 if command == "step":
                     runner.forward(runner.prepare(plan), logits=False)
                 elif command == "release_kv":
@@ -350,6 +353,7 @@ class RankProcess:
             gateway.binding.bind(request.session_id, self.spec.dp_rank)
         try:
             if request.params.constraint is not None:  # compiled here, not on the loop's thread
+                assert self.loop is not None  # requests come to leaders only: a follower gets only "weights"
                 self.loop.tokenizer.grammars.compile(request.params.constraint)
             gateway.push(request)
             self.live[wire_id] = request
@@ -366,7 +370,7 @@ class RankProcess:
         else:
             self.weights.install_staged(version)
 
-    def _weights(self, wire_id: int, action: str, argument: object) -> None:
+    def _weights(self, wire_id: int, action: str, argument: Any) -> None:
         """`argument`: a load's source and weight version name; the version (the load's wire id) to install or
         discard."""
         error = None
@@ -376,7 +380,7 @@ class RankProcess:
                 "offload": self.weights.offload,
                 "drop": self.weights.drop,
                 "restore": self.weights.restore,
-                "load": lambda: self.weights.load(*argument, version=wire_id),  # (source, name)
+                "load": lambda: self.weights.load(argument[0], argument[1], version=wire_id),  # (source, name)
                 "discard": lambda: self.weights.discard_staged(argument),
                 "install": lambda: self._install(argument),
             }[action]()

@@ -204,7 +204,8 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
     def pairs(token_lists: list[tuple[int, list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
         row_idx = [i for i, ids in token_lists for _ in ids]
         tok_idx = [t for _, ids in token_lists for t in ids]
-        return to_device(torch.tensor([row_idx, tok_idx], dtype=torch.long), device).unbind()
+        row_at, tok_at = to_device(torch.tensor([row_idx, tok_idx], dtype=torch.long), device).unbind()
+        return row_at, tok_at
 
     biased = [(i, r.params.logit_bias) for i, r in enumerate(rows) if r.params.logit_bias]
     if biased:
@@ -237,8 +238,8 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
             ),
             device,
         )
-        at = to_device(torch.tensor(counted), device)
-        logits[at] -= freq * counts + presence * (counts > 0).float()
+        counted_at = to_device(torch.tensor(counted), device)
+        logits[counted_at] -= freq * counts + presence * (counts > 0).float()
     banned = [(i, r.banned_ids) for i, r in enumerate(rows) if r.banned_ids]
     if banned:
         logits[pairs(banned)] = float("-inf")

@@ -103,7 +103,10 @@ class BlockManager:
         self.queried_tokens += len(self._lookup(seq)) * self.block_size
         self.retain(blocks)
         seq.block_table.extend(blocks)
-        seq.block_hashes.extend(chain_digest(self.keys[b]) for b in blocks)
+        for block in blocks:
+            key = self.keys[block]
+            assert key is not None  # match_prefix found it among the cached blocks, which all have keys
+            seq.block_hashes.append(chain_digest(key))
         seq.num_computed += len(blocks) * self.block_size
         self.hit_tokens += len(blocks) * self.block_size
         return len(blocks) * self.block_size

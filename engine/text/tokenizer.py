@@ -12,7 +12,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 import gguf
 import jinja2.ext
@@ -211,6 +211,7 @@ class Tokenizer:
         not), so a long prompt encoded off the server's event loop does not stall it."""
         ids = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if add_special_tokens and self._prepend_bos:
+            assert self.bos_token_id is not None  # _prepend_bos is only set with one
             ids.insert(0, self.bos_token_id)
         return ids
 
@@ -241,6 +242,7 @@ class Tokenizer:
             return None
         for token_id in sorted(self._special_ids):
             anchor = self._backend.id_to_token(token_id)
+            assert anchor is not None  # an added token's id is in the vocabulary
             after = self._backend.encode(anchor + "a", add_special_tokens=False).tokens  # no space: none put in
             spaced = self._backend.encode(anchor + " a", add_special_tokens=False).ids  # a space: kept as one
             if len(after) > 1 and not after[1].startswith("▁") and spaced == [token_id, *start.ids]:
@@ -371,7 +373,7 @@ def _byte_level_bpe(vocab: dict[str, int], merges: list[str], pre: str | None) -
     backend = _Backend(
         models.BPE(
             vocab=vocab,
-            merges=[tuple(m.split(" ", 1)) for m in merges],
+            merges=cast("list[tuple[str, str]]", [tuple(m.split(" ", 1)) for m in merges]),  # GGUF's "a b" pairs
             fuse_unk=False,
             ignore_merges=pre in _WHOLE_WORD_PRE,
         )

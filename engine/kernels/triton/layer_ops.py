@@ -52,7 +52,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Ten
         n,
         x3.stride(0),
         x3.stride(1),
-        delta.stride(0) if add else 0,
+        delta.stride(0) if delta is not None else 0,
         ADD=add,
         BLOCK=block,
         num_warps=1 if block <= 256 else 4,
