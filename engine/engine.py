@@ -558,7 +558,8 @@ class Engine:
     def _load(self, source: WeightSource, version: str) -> str:
         """Under `_admin_lock`: every rank serves `source` as `version` (or the next count), or none does."""
         name = version or str(self._weight_updates + 1)
-        self.ranks.load_weights(source, name)
+        quiet = self.pause_mode is not None or bool(self.sleeping)  # nothing steps: written in place
+        self.ranks.load_weights(source, name, in_place=quiet)
         self._weight_updates += 1
         self.weight_version = name
         self.gateway.control(RequestKind.FLUSH_CACHE)  # every loop has switched (a frozen one too) once answered

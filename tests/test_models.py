@@ -41,7 +41,14 @@ from lmgate.engine.errors import UnsupportedModel
 from lmgate.engine.kernels import compiler_found, layer_kernels, load_cpu_kernels
 from lmgate.engine.step.kv_cache import allocate_kv_cache
 from lmgate.engine.loading.loader import load_checkpoint, read_config
-from lmgate.engine.models import build_model, count_weight_bytes, instantiate, load_weights
+from lmgate.engine.models import (
+    build_model,
+    can_load_in_place,
+    count_weight_bytes,
+    instantiate,
+    load_in_place,
+    load_weights,
+)
 from lmgate.engine.models.fused_decode import FusedDecode
 from lmgate.engine.models.packed_linear import PackedLinear
 from lmgate.engine.models.panel_linear import PanelLinear
@@ -678,6 +685,45 @@ def test_load_weights_refuses_misfit_and_keeps_parameters(how, tiny):
     assert {k: id(p) for k, p in model.named_parameters()} == ids_before
     with pytest.raises(UnsupportedModel, match=_MISFITS[how]):
         build_model(ckpt.config, bad, torch.float32, CPU)
+
+
+def _prefill_logits(model, cfg, ids: list[int], dtype: torch.dtype) -> torch.Tensor:
+    n, bs = len(ids), 16
+    kv = allocate_kv_cache(cfg, -(-n // bs), bs, dtype, CPU)
+    meta = _meta(kv, list(range(n)), prefills=[(0, n, n, list(range(-(-n // bs))))])
+    with torch.inference_mode():
+        return model.compute_logits(model(_ids(ids), torch.arange(n), kv, meta))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weights_written_in_place_answer_as_a_model_built_from_them(tiny, prompt_ids, dtype):
+    """Whatever layers this machine builds (column panels, oneDNN's packing, plain), new values written into a
+    served model give the very logits of a model built from them, in the same tensors; weights of another
+    shape are refused before anything is written."""
+    ckpt = load_checkpoint(tiny.path)
+    model = build_model(ckpt.config, ckpt.weights, dtype, CPU)
+    assert can_load_in_place(model)
+    g = torch.Generator().manual_seed(7)
+    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in ckpt.weights.items()}
+    tensors = {k: v.data_ptr() for k, v in model.state_dict(keep_vars=True).items()}
+    load_in_place(model, new)
+    assert {k: v.data_ptr() for k, v in model.state_dict(keep_vars=True).items()} == tensors
+    built = build_model(ckpt.config, new, dtype, CPU)
+    assert torch.equal(
+        _prefill_logits(model, ckpt.config, prompt_ids, dtype), _prefill_logits(built, ckpt.config, prompt_ids, dtype)
+    )
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for how in ("q_proj_rows", "missing_layer", "unexpected_tensor"):
+        with pytest.raises(UnsupportedModel, match="does not fit"):
+            load_in_place(model, _break({k: v + 1 for k, v in new.items()}, how))
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_a_quantized_model_is_not_written_in_place(gguf_path):
+    if not load_cpu_kernels():
+        pytest.skip("no C++ compiler: GGUF blocks are expanded to float")
+    ckpt = load_checkpoint(gguf_path)
+    assert not can_load_in_place(build_model(ckpt.config, ckpt.weights, torch.float32, CPU, quantized=True))
 
 
 def test_load_weights_refuses_other_architecture_weights(tiny_models):

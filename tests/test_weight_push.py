@@ -98,6 +98,30 @@ def test_weight_push_serves_as_the_saved_checkpoint_and_names_its_version(server
     assert all(m.weight_version == "2" for m in generate(server) if m.token_ids)
 
 
+def test_weights_updated_while_paused_are_written_into_the_served_model(server, trainer, saved):
+    """Paused, nothing steps: a float model's new values go into the tensors it serves, by push or by path, and
+    it answers as a model built from the same weights does."""
+    with Client(server.address) as client:
+        client.update_weights(bf16_state(trainer), version="built")  # the GGUF's quantized layers: float now
+        weights = server.engine.ranks.weights
+        served, nbytes, trained = weights.model, server.info().weights_bytes, greedy(server)
+        other = bf16_state(trainer)
+        other["model.layers.5.mlp.down_proj.weight"] = -other["model.layers.5.mlp.down_proj.weight"]
+        with client.pause("abort"):
+            client.update_weights(other, version="in-place")
+        assert weights.model is served and server.info().weights_bytes == nbytes
+        written = greedy(server)
+        assert written != trained
+        client.update_weights(other, version="built-again")  # not paused: a model built aside
+        assert weights.model is not served
+        assert greedy(server) == written
+        served = weights.model
+        with client.pause("keep"):
+            client.update_weights(saved, version="by-path")
+        assert weights.model is served
+        assert greedy(server) == trained and server.info().weight_version == "by-path"
+
+
 MISSING = "model.layers.3.self_attn.k_proj.weight"  # left out of bad_states' "missing" case
 
 

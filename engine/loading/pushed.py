@@ -84,7 +84,14 @@ def pushed_weights(tensors: Mapping[str, torch.Tensor], config: ModelConfig, own
     return PushedWeights(config, held)
 
 
-def tensor_views(specs: Sequence[TensorSpec], buffer: bytearray) -> dict[str, torch.Tensor]:
+def host_buffer(nbytes: int) -> memoryview:
+    """`nbytes` of host memory for received tensors, left unwritten: a `bytearray` zeroes them first, and
+    numpy's pages (which it asks to be huge) took 0.6 s a 0.54 GB model to fill on the 2-core EPYC against
+    0.19 s for torch's."""
+    return torch.empty(nbytes, dtype=torch.uint8).numpy().data
+
+
+def tensor_views(specs: Sequence[TensorSpec], buffer: memoryview | bytearray) -> dict[str, torch.Tensor]:
     """Each spec's tensor, a view of its bytes in `buffer`, where they lie packed in the specs' order (the
     engine copies what it keeps)."""
     tensors, at = {}, 0

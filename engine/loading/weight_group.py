@@ -30,7 +30,7 @@ from torch.distributed.distributed_c10d import BroadcastOptions
 
 from ..comm.gloo_comm import gloo_group, local_address
 from ..errors import Aborted, DeadlineExceeded, FailedPrecondition, InvalidRequest
-from .pushed import TensorSpec, tensor_views
+from .pushed import TensorSpec, host_buffer, tensor_views
 
 BACKENDS = ("gloo", "nccl")
 DEFAULT_TIMEOUT = 60.0  # seconds: the join, and each bucket's broadcast
@@ -123,7 +123,7 @@ class WeightGroup:
         total = sum(spec.nbytes for spec in specs)
         buckets, received = -(-total // bucket_bytes), 0
         try:
-            buffer = bytearray(total)
+            buffer = host_buffer(total)
             whole = torch.frombuffer(buffer, dtype=torch.uint8) if total else torch.empty(0, dtype=torch.uint8)
             assert self._store is not None
             self._store.set(ready_key(self.rank), "1")

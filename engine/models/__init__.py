@@ -10,7 +10,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..errors import UnsupportedModel
 from .fused_decode import FusedDecode
-from .llama import LlamaForCausalLM, RotaryEmbedding, pack_weights
+from .llama import LlamaForCausalLM, RotaryEmbedding, hf_weight_shapes, pack_weights
 from .packed_linear import PackedLinear
 from .panel_linear import PanelLinear, cpu_linears
 from .quantized_linear import GGUFBlocks, GGUFStack, QuantizedEmbedding, QuantizedLinear
@@ -33,12 +33,15 @@ def build_model(
     batch_hint: int = 256,
     quantized: bool = False,
     int8_activations: bool = False,
+    private: bool = False,
 ) -> LlamaForCausalLM:
     """`instantiate`, then on the device in the dtype; on the CPU each linear layer then runs the fastest way
     the machine has (`panel_linear.cpu_linears`), and decode steps run all layers in one call where the layers
     allow (`fused_decode.py`). `quantized`: GGUF blocks stay blocks (`quantized_linear.py`; the caller checked
     the kernels run here); else the blocks are expanded to float first. `int8_activations`: every step rounds
-    x to int8 for the layers whose blocks allow it (`QuantizedLinear`)."""
+    x to int8 for the layers whose blocks allow it (`QuantizedLinear`). `private`: nothing else writes
+    `weights` (received pushes), so the model may keep them as they are; else what it still shares with
+    them is copied (`own_memory`)."""
     if not quantized:
         weights = expand_blocks(weights)
     model = instantiate(cfg, weights)
@@ -47,7 +50,8 @@ def build_model(
     )
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     if device.type == "cpu":
-        own_memory(model, weights)
+        if not private:
+            own_memory(model, weights)
         cpu_linears(model, batch_hint)
     if quantized:
         layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
@@ -131,6 +135,47 @@ def load_weights(model: LlamaForCausalLM, weights: dict[str, torch.Tensor]) -> N
         )
     elif tied:
         model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def can_load_in_place(model: LlamaForCausalLM) -> bool:
+    """Whether every weight is a float tensor of the model's own (no GGUF blocks), so that new float values can
+    be written into it (`load_in_place`)."""
+    return not any(isinstance(m, (QuantizedLinear, QuantizedEmbedding)) for m in model.modules())
+
+
+def load_in_place(model: LlamaForCausalLM, weights: dict[str, torch.Tensor | GGUFBlocks]) -> None:
+    """New values for every weight, by Hugging Face name (checked against the model's shapes by the caller),
+    written into the tensors the model serves, packed layouts packed again: no second model is built, and
+    what holds the tensors (the fused decode step, CUDA graphs) reads the new values. A layer at a time, so
+    the temporaries are one layer's. Only while no step runs; a model `can_load_in_place`, of the same config."""
+    cfg = model.config
+    floats = expand_blocks(weights)
+    _check_fit(floats, cfg)
+    layers: dict[str, dict] = {}
+    for name, tensor in floats.items():
+        prefix = name.split(".", 3)[2] if name.startswith("model.layers.") else ""
+        layers.setdefault(prefix, {})[name] = tensor
+    for group in layers.values():
+        for name, tensor in pack_weights(group, cfg).items():
+            path, _, attr = name.rpartition(".")
+            module = model.get_submodule(path)
+            if isinstance(module, (PanelLinear, PackedLinear)) and attr == "weight":
+                module.load_(tensor)
+            else:
+                getattr(module, attr).copy_(tensor)
+
+
+def _check_fit(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+    """Refuses (UnsupportedModel) weights other than those of `cfg`'s shape by Hugging Face name, before any is
+    written. A tied head may be left out."""
+    expected = hf_weight_shapes(cfg)
+    found = {name: tuple(t.shape) for name, t in weights.items()}
+    if cfg.tie_word_embeddings or "lm_head.weight" not in found:
+        expected.pop("lm_head.weight")
+        found.pop("lm_head.weight", None)
+    if found != expected:
+        misfit = sorted(k for k in expected.keys() | found.keys() if expected.get(k) != found.get(k))
+        raise UnsupportedModel(f"checkpoint does not fit {cfg.architecture}: {misfit[:3]} differ in name or shape")
 
 
 def _quantize_module(model: LlamaForCausalLM, path: str, weight: GGUFBlocks | GGUFStack, packed: dict) -> None:

@@ -25,8 +25,13 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear, batch_hint: int) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.batch_hint = batch_hint
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
         self.bias = linear.bias
+
+    def load_(self, weight: torch.Tensor) -> None:
+        """New values of W (its shape), reordered into the weight served now: only while no step runs."""
+        self.packed.copy_(torch.ops.mkldnn._reorder_linear_weight(weight.to(self.packed.dtype), self.batch_hint))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

@@ -39,6 +39,17 @@ class PanelLinear(nn.Module):
         self.columns = pack(linear.weight.detach())
         self.bias = linear.bias
 
+    def load_(self, weight: torch.Tensor) -> None:
+        """New values of W (its shape), written into the panels served now (their padding stays zero): only
+        while no step runs."""
+        w = weight.to(torch.float32)
+        if self.gated:  # panels in pairs: gate's, then up's, of the same columns
+            pairs = self.columns.view(-1, 2, *self.columns.shape[1:])
+            _into_panels(pairs[:, 0], w[: self.out_features])
+            _into_panels(pairs[:, 1], w[self.out_features :])
+        else:
+            _into_panels(self.columns, w)
+
     @staticmethod
     def takes(linear: nn.Linear) -> bool:
         """float32 weights on the CPU, and the kernels built."""
@@ -61,6 +72,15 @@ class PanelLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
             f"{', gated' if self.gated else ''}"
         )
+
+
+def _into_panels(panels: torch.Tensor, w: torch.Tensor) -> None:
+    """`pack_columns`' layout written in place: panels [P, K, C] take w [N, K]'s rows C at a time, transposed."""
+    n, width = w.shape[0], panels.shape[-1]
+    full = n // width
+    panels[:full].copy_(w[: full * width].view(full, width, -1).transpose(1, 2))
+    if n % width:
+        panels[full, :, : n % width].copy_(w[full * width :].t())
 
 
 def cpu_linears(model: nn.Module, batch_hint: int) -> None:

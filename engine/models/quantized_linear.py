@@ -96,7 +96,24 @@ def cat_rows(parts: list) -> "GGUFBlocks | GGUFStack | torch.Tensor":
         if len({p.qtype for p in parts}) == 1:
             return GGUFBlocks(torch.cat([p.blocks for p in parts]), parts[0].qtype, parts[0].cols)
         return GGUFStack(tuple(parts))
-    return torch.cat([p.dequantize() if isinstance(p, (GGUFBlocks, GGUFStack)) else p for p in parts])
+    floats = [p.dequantize() if isinstance(p, (GGUFBlocks, GGUFStack)) else p for p in parts]
+    view = _adjacent(floats)
+    return torch.cat(floats) if view is None else view
+
+
+def _adjacent(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The parts as one view of the memory they share, where each lies right after the one before (Q, K and V
+    as a trainer's `state_dict()` orders them, pushed into one buffer): no copy. None where they do not."""
+    first = parts[0]
+    rows = sum(p.shape[0] for p in parts)
+    at = first.storage_offset()
+    for p in parts:
+        same_kind = p.dtype == first.dtype and p.shape[1:] == first.shape[1:] and p.is_contiguous()
+        same_memory = p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        if not (same_kind and same_memory and p.storage_offset() == at):
+            return None
+        at += p.numel()
+    return first.as_strided((rows, *first.shape[1:]), first.stride())
 
 
 class QuantizedLinear(nn.Module):

@@ -356,10 +356,11 @@ class ProcessRanks(Ranks):
     def restore_weights(self) -> None:
         self._weights("restore")
 
-    def load_weights(self, source: WeightSource, name: str) -> None:
+    def load_weights(self, source: WeightSource, name: str, in_place: bool = False) -> None:
         """In two phases: every rank stages its weights (or shard), then each group's leader puts its group's
         in at its next step; none switches unless all loaded. Pushed weights travel whole to every rank, pickled
-        into its message (its own copy, from which it builds its shard)."""
+        into its message (its own copy, from which it builds its shard). Always a model built aside (`in_place`
+        is not taken): a rank that wrote its new values in place could not go back when another failed."""
         version = next(self._ids)
         try:
             self._weights("load", (source, name), wire_id=version)

@@ -43,8 +43,9 @@ class Ranks(abc.ABC):
     def restore_weights(self) -> None: ...
 
     @abc.abstractmethod
-    def load_weights(self, source: WeightSource, name: str) -> None:
-        """New weights (a checkpoint's path or pushed ones) served as weight version `name`."""
+    def load_weights(self, source: WeightSource, name: str, in_place: bool = False) -> None:
+        """New weights (a checkpoint's path or pushed ones) served as weight version `name`. `in_place`: no
+        step runs meanwhile (a pause, a sleep), so ranks may write them into the served model's tensors."""
 
     @property
     @abc.abstractmethod

@@ -101,9 +101,9 @@ class ThreadRanks(Ranks):
         with self._open_weights():
             self.weights.restore()
 
-    def load_weights(self, source: WeightSource, name: str) -> None:
+    def load_weights(self, source: WeightSource, name: str, in_place: bool = False) -> None:
         with self._open_weights():
-            self.weights.load(source, name)
+            self.weights.load(source, name, in_place=in_place)
 
     @contextlib.contextmanager
     def _open_weights(self) -> Iterator[None]:

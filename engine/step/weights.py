@@ -15,8 +15,9 @@ from ..loading.loader import Checkpoint, load_checkpoint
 from ..loading.pushed import PushedWeights
 from ..machine.memory import empty_device_cache
 from .model_runner import ModelRunner
-from ..models import build_model, count_weight_bytes, expand_blocks
+from ..models import build_model, can_load_in_place, count_weight_bytes, expand_blocks, load_in_place
 from ..models.llama import LlamaForCausalLM
+from ..models.quantized_linear import GGUFBlocks, GGUFStack
 from ..models.tensor_parallel import Shard, shard_config, shard_weights
 from ..machine.threads import on_fresh_thread
 
@@ -74,6 +75,9 @@ class LocalWeights:
     are only staged by `load`: every rank loads first, and only if all could does each group's leader put its
     group's in, at one step (`install_staged`). A tensor-parallel step that mixed old and new shards would
     compute nothing, and data-parallel ranks on different weights would answer alike requests differently.
+    While no step can run (the engine paused or asleep), a float model's new values are written into the
+    tensors it serves instead (`load(in_place=True)`, engine loops as threads): no second model in memory, no
+    fresh pages to fault in, and the pause a frozen stream sees is that much shorter.
 
     New weights come from a `WeightSource`: a checkpoint's path, or `PushedWeights` from a caller's memory.
     Each model carries its `weight_version` (the engine's name for it), which a step's outputs report.
@@ -118,24 +122,33 @@ class LocalWeights:
     def restore(self) -> None:
         """Undo `offload` or `drop`: back on the device, loaded again from `path` if they were dropped."""
         if self.model is None:
-            self._install(self._build(*_read(self.path), self.weight_version))  # no step runs now
+            private = isinstance(self.path, PushedWeights)
+            self._install(self._build(*_read(self.path), self.weight_version, private))  # no step runs now
         elif self.device.type != "cpu":
             self.model.to(self.device)
         self._offloaded = False
 
-    def load(self, source: WeightSource, name: str, version: int | None = None) -> None:
+    def load(self, source: WeightSource, name: str, version: int | None = None, in_place: bool = False) -> None:
         """Replace the weights with a checkpoint's or pushed ones (their shape checked by the caller), served
         as weight version `name`; with a `version` (a rank process), only stage them as that version for
-        `install_staged`. Dropped weights (sleep level 2) are only named: `restore` builds them."""
+        `install_staged`. Dropped weights (sleep level 2) are only named: `restore` builds them. `in_place`:
+        no step runs until the caller says so (a pause, a sleep), so the new values may be written into the
+        served model's tensors (`load_in_place`) where they fit it, with no second model built."""
         if self.model is None:
             self.path, self.weight_version = source, name
             return
         config, weights = _read(source)
-        model = self._build(config, weights, name)
-        if version is None:
+        if in_place and version is None and self._writable(config, weights):
+            model = self.model
+            on_fresh_thread(lambda: load_in_place(model, weights))
+            model.weight_version = name
             self._install(model)
         else:
-            self._staged[version] = model, self.path, self.weight_version
+            model = self._build(config, weights, name, private=isinstance(source, PushedWeights))
+            if version is None:
+                self._install(model)
+            else:
+                self._staged[version] = model, self.path, self.weight_version
         self.path, self.weight_version = source, name
 
     def install_staged(self, version: int) -> None:
@@ -169,7 +182,20 @@ class LocalWeights:
     def _shard_of(self, config: ModelConfig) -> ModelConfig:
         return shard_config(config, self.tp.shard) if self.tp else config
 
-    def _build(self, full: ModelConfig, weights: dict, name: str) -> LlamaForCausalLM:
+    def _writable(self, config: ModelConfig, weights: dict) -> bool:
+        """Whether `weights` would build a model like the one served, so they can be written into it: the same
+        config, both float (a GGUF file's blocks kept as blocks build quantized layers)."""
+        blocks = any(isinstance(w, (GGUFBlocks, GGUFStack)) for w in weights.values())
+        model = self.model
+        return (
+            model is not None
+            and self.tp is None
+            and model.config == config
+            and can_load_in_place(model)
+            and not (blocks and self.quantized)
+        )
+
+    def _build(self, full: ModelConfig, weights: dict, name: str, private: bool = False) -> LlamaForCausalLM:
         """Off the calling thread, as loading is: engine/machine/threads.py says why. A tensor-parallel rank builds its
         shard, whose decoder layers sum their row-parallel outputs over the group (so they run as modules). A
         GGUF model's quantized matrix replaced by a pushed float tensor is a float one in `weights`: served so."""
@@ -177,7 +203,14 @@ class LocalWeights:
         config = self._shard_of(full)  # its own RoPE, norm eps, tied head
         model = on_fresh_thread(
             lambda: build_model(
-                config, weights, self.dtype, self.device, self.batch_hint, self.quantized, self.int8_activations
+                config,
+                weights,
+                self.dtype,
+                self.device,
+                self.batch_hint,
+                self.quantized,
+                self.int8_activations,
+                private,
             )
         )
         model.weight_version = name
