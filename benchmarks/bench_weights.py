@@ -11,7 +11,8 @@ For each model, `lmgate serve` as a child process and the trainer's copy of the 
   checkpoint  `model.save_pretrained(dir)` (safetensors, into a fresh directory) and `UpdateWeights(dir)`: the
               save counted, as a trainer that hands weights over by checkpoint pays it.
 Each is timed from the call until Info.weight_version names the new version, `--repeats` times (the median, and
-the fastest). The models: the embedded SmolLM2-135M in float32 (as examples/rl_loop.py serves it) and a
+the fastest), while serving (a second model built beside the first) and inside `with client.pause("keep")` (an RL
+loop's way: the server writes the new values into the tensors it serves). The models: the embedded SmolLM2-135M in float32 (as examples/rl_loop.py serves it) and a
 Llama-3.2-1B shape with random weights in bfloat16 (float32 would need about 5 GB for the trainer's copy and two
 to three times that in the server, of 24 GiB shared). The issue's goal: for the 1B shape, both memory paths at
 least 3x faster than the checkpoint path.
@@ -92,10 +93,15 @@ def trainer(name: str, root: str) -> tuple[torch.nn.Module, str, tuple[str, ...]
     return model.eval(), path, ("--model", path, *SERVERS[name])
 
 
-def timed(client: Client, version: str, push: Callable[[], object]) -> float:
-    """Seconds from the call until the server says it serves `version`."""
+def timed(client: Client, version: str, push: Callable[[str], object], paused: bool = False) -> float:
+    """Seconds from the call until the server says it serves `version`; `paused`: the push made inside
+    `with client.pause("keep")`, as an RL loop makes it (the server then writes the weights in place)."""
     start = time.perf_counter()
-    push()
+    if paused:
+        with client.pause("keep"):
+            push(version)
+    else:
+        push(version)
     served = client.info().weight_version
     seconds = time.perf_counter() - start
     if served != version:
@@ -127,24 +133,27 @@ def measure(name: str, args: argparse.Namespace, root: str) -> dict:
     try:
         with Client(address) as client:
             for path in PATHS:
-                found[path] = []
+                found[path], found[f"{path} paused"] = [], []
             start = time.perf_counter()
             with WeightGroup(client, "127.0.0.1", 0) as group:
                 found["gloo setup"] = time.perf_counter() - start
-                saves = []
+                saves: list[float] = []
+                pushes = {
+                    "tensors": lambda v: client.update_weights(state, v),
+                    "gloo": lambda v: group.push(state, v),
+                    "checkpoint": lambda v: saves.append(save_and_load(client, model, tokenizer, root, v)),
+                }
                 for i in range(args.repeats):
-                    v = f"{i}"
-                    found["tensors"].append(timed(client, f"t{v}", lambda: client.update_weights(state, f"t{v}")))
-                    found["gloo"].append(timed(client, f"g{v}", lambda: group.push(state, f"g{v}")))
-                    found["checkpoint"].append(
-                        timed(
-                            client,
-                            f"c{v}",
-                            lambda: saves.append(save_and_load(client, model, tokenizer, root, f"c{v}")),
-                        )
+                    for path, push in pushes.items():
+                        for key in (path, f"{path} paused"):
+                            v = f"{key[0]}{'p' if key != path else ''}{i}"
+                            found[key].append(timed(client, v, push, paused=key != path))
+                            shutil.rmtree(os.path.join(root, v), ignore_errors=True)  # a checkpoint's directory
+                    print(
+                        f"{name} round {i + 1}: "
+                        + ", ".join(f"{p} {found[p][-1]:.2f}s (paused {found[p + ' paused'][-1]:.2f}s)" for p in PATHS),
+                        flush=True,
                     )
-                    shutil.rmtree(os.path.join(root, f"c{v}"))
-                    print(f"{name} round {i + 1}: " + ", ".join(f"{p} {found[p][-1]:.2f}s" for p in PATHS), flush=True)
                 found["save"] = saves
                 if name == "embedded" and args.streams:
                     found["pause"] = {
@@ -227,23 +236,24 @@ def report(args: argparse.Namespace, results: dict[str, dict], load: tuple[float
         f"{'checkpoint s':>13} {'of it save':>10} {'ckpt / tensors':>22} {'ckpt / gloo':>22} {'server peak':>11}"
     )
     for name, r in results.items():
-        t, g, c = (statistics.median(r[p]) for p in PATHS)
-        print(
-            f"{name:<14} {r['params'] / 1e6:7.1f}M {r['dtype']:>8} {gb(r['bytes']):>8} {cell(r['tensors']):>12} "
-            f"{cell(r['gloo']):>12} {cell(r['checkpoint']):>13} {statistics.median(r['save']):10.2f} "
-            f"{f'{c:.2f} / {t:.2f} = {c / t:.2f}x':>22} {f'{c:.2f} / {g:.2f} = {c / g:.2f}x':>22} "
-            f"{gb(r['server peak']):>11}"
-        )
+        for how in ("", " paused"):
+            t, g, c = (statistics.median(r[p + how]) for p in PATHS)
+            print(
+                f"{name + how:<14} {r['params'] / 1e6:7.1f}M {r['dtype']:>8} {gb(r['bytes']):>8} "
+                f"{cell(r['tensors' + how]):>12} {cell(r['gloo' + how]):>12} {cell(r['checkpoint' + how]):>13} "
+                f"{statistics.median(r['save']):10.2f} {f'{c:.2f} / {t:.2f} = {c / t:.2f}x':>22} "
+                f"{f'{c:.2f} / {g:.2f} = {c / g:.2f}x':>22} {gb(r['server peak']):>11}"
+            )
         print(
             f"  {name}: tensors {r['bytes'] / t / 1e9:.2f} GB/s, gloo {r['bytes'] / g / 1e9:.2f} GB/s "
             f"(group setup {r['gloo setup']:.2f} s, once), checkpoint {r['bytes'] / c / 1e9:.2f} GB/s"
         )
     big = results.get("llama-3.2-1b")
-    if big:
-        t, g, c = (statistics.median(big[p]) for p in PATHS)
+    for how in ("", " paused") if big else ():
+        t, g, c = (statistics.median(big[p + how]) for p in PATHS)
         met = c / t >= GOAL and c / g >= GOAL
         print(
-            f"goal, 1B shape: both memory paths >= {GOAL:.0f}x faster than the checkpoint path: tensors "
+            f"goal, 1B shape{how}: both memory paths >= {GOAL:.0f}x faster than the checkpoint path: tensors "
             f"{c:.2f} / {t:.2f} = {c / t:.2f}x, gloo {c:.2f} / {g:.2f} = {c / g:.2f}x: {'met' if met else 'NOT met'}"
         )
     for label, (gap, held, frozen) in results.get("embedded", {}).get("pause", {}).items():
