@@ -51,6 +51,7 @@ def sampling_params(s: pb.SamplingParams) -> SamplingParams:
         logit_bias=tuple(sorted(s.logit_bias.items())),
         prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
         constraint=constraint(s),
+        keep_kv_on_update=s.keep_kv_on_update,
     )
 
 

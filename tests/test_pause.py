@@ -33,12 +33,12 @@ def server(checkpoint):
 class Streams:
     """Greedy streams, each read on a thread of its own; `started` once every one has its first tokens."""
 
-    def __init__(self, server, prompts: list[list[int]], max_new: int = MAX_NEW) -> None:
+    def __init__(self, server, prompts: list[list[int]], max_new: int = MAX_NEW, keep_kv: bool = False) -> None:
         self.channel = server.channel()
         stub = pb_grpc.InferenceStub(self.channel)
         self.messages: list[list[pb.GenerateResponse]] = [[] for _ in prompts]
         self._first = threading.Semaphore(0)
-        sampling = pb.SamplingParams(max_new_tokens=max_new, ignore_eos=True, logprobs=1)
+        sampling = pb.SamplingParams(max_new_tokens=max_new, ignore_eos=True, logprobs=1, keep_kv_on_update=keep_kv)
         self.calls = [
             stub.Generate(pb.GenerateRequest(tokens=pb.TokenIds(ids=p), sampling=sampling, request_id=f"r{i}"))
             for i, p in enumerate(prompts)
@@ -196,6 +196,22 @@ def test_keep_kv_goes_on_from_the_old_weights_kv_and_a_frozen_stream_can_be_canc
     for messages in outputs[2:]:
         assert messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
         assert tokens(messages, "kept") and len(tokens(messages)) == MAX_NEW
+    assert_all_free(server)
+
+
+def test_a_request_that_keeps_its_kv_goes_on_from_it_through_an_update_that_recomputes(server, trainer):
+    """`keep_kv_on_update`: the pause recomputes KV, but not this request's: after the update the engine computes
+    only the tokens it goes on to generate, none of those it had."""
+    streams = Streams(server, PROMPTS[:1], keep_kv=True)
+    streams.started()
+    with Client(server.address) as client:
+        with client.pause("keep"):
+            computed = server.info().computed_tokens
+            client.update_weights(bf16_state(trainer), version="kept-by-request")
+    messages = streams.join()[0]
+    old, new = tokens(messages, "0"), tokens(messages, "kept-by-request")
+    assert len(old) >= 2 and new and len(old) + len(new) == MAX_NEW
+    assert server.info().computed_tokens - computed == len(new)  # recomputed: len(prompt) + len(old) - 1 more
     assert_all_free(server)
 
 

@@ -57,6 +57,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     prompt_logprobs: int | None = None  # top-n alternatives per prompt token; None: no prompt logprobs
     constraint: Constraint | None = None  # structured outputs: what the output must match (constraints.py)
+    keep_kv_on_update: bool = False  # frozen across an update: the old weights' KV kept, not recomputed
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):

@@ -289,12 +289,15 @@ class EngineLoop:
         self.weights_version = self.runner.weights_version
 
     def _recompute_all(self) -> None:
-        """Every sequence and idle session gives its KV back: their tokens are computed again when they next run."""
+        """Every sequence and idle session gives its KV back: their tokens are computed again when they next run.
+        A request that asked to keep its KV across updates (`keep_kv_on_update`) keeps it."""
         for seq in reversed(self.scheduler.running):
-            self.scheduler.requeue(seq)
+            if not seq.params.keep_kv_on_update:
+                self.scheduler.requeue(seq)
         for holder in [*self.scheduler.waiting, *self.sessions.values()]:
-            self.blocks.release(holder.block_table)
-            holder.drop_kv()
+            if not (isinstance(holder, Sequence) and holder.params.keep_kv_on_update):
+                self.blocks.release(holder.block_table)
+                holder.drop_kv()
 
     def _launch(self, batch: BatchData, previous: BatchData | None) -> None:
         """kSetup .. kForward, and sampling queued on the device: returns without waiting for it."""
