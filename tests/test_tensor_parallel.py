@@ -101,7 +101,8 @@ def test_embedded_model_under_tp2_is_greedy_equal_to_transformers(checkpoint, hf
 
 def test_update_weights_under_tp2_switches_every_rank_of_the_group(checkpoint, checkpoints, tokenizer):
     """Each rank stages its shard of the new checkpoint; the leader puts them in at one step. Outputs are
-    then the new model's (as one rank computes them), and going back restores the old ones."""
+    then the new model's (as one rank computes them), and going back restores the old ones, also when it is
+    written into the served shards while paused."""
     prompts = [tokenizer.encode(p) for p in ("The capital of France is", "def fibonacci(n):")]
     with Engine(EngineConfig(dtype="float32", model=checkpoints["changed"], kv_cache_tokens=2048)) as one:
         want = [t for t, _ in _outputs(one, prompts)]
@@ -109,7 +110,9 @@ def test_update_weights_under_tp2_switches_every_rank_of_the_group(checkpoint, c
         before = [t for t, _ in _outputs(tp, prompts)]
         tp.update_weights(checkpoints["changed"])
         changed = [t for t, _ in _outputs(tp, prompts)]
+        tp.pause("abort")  # nothing steps: each rank writes its shard into the model it serves
         tp.update_weights(checkpoints["original"])
+        tp.resume()
         after = [t for t, _ in _outputs(tp, prompts)]
     assert changed == want != before == after
 

@@ -190,7 +190,10 @@ def test_weight_push_reaches_every_rank_process(checkpoint, trainer, saved):
         assert pushed[0] != before and all(p == pushed[0] for p in pushed)
         with Client(s.address) as client:
             client.update_weights(saved, version="by-path")
-        assert [greedy(s) for _ in range(4)] == pushed
-        assert s.info().weight_version == "by-path"
+            assert [greedy(s) for _ in range(4)] == pushed
+            assert s.info().weight_version == "by-path"
+            with client.pause("keep"):  # each rank checks, then writes them into the model it serves
+                client.update_weights(bf16_state(trainer), version="paused")
+        assert [greedy(s) for _ in range(4)] == pushed and s.info().weight_version == "paused"
     finally:
         s.stop()

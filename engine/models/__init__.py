@@ -150,7 +150,7 @@ def load_in_place(model: LlamaForCausalLM, weights: dict[str, torch.Tensor | GGU
     the temporaries are one layer's. Only while no step runs; a model `can_load_in_place`, of the same config."""
     cfg = model.config
     floats = expand_blocks(weights)
-    _check_fit(floats, cfg)
+    check_fit(floats, cfg)
     layers: dict[str, dict] = {}
     for name, tensor in floats.items():
         prefix = name.split(".", 3)[2] if name.startswith("model.layers.") else ""
@@ -165,7 +165,7 @@ def load_in_place(model: LlamaForCausalLM, weights: dict[str, torch.Tensor | GGU
                 getattr(module, attr).copy_(tensor)
 
 
-def _check_fit(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+def check_fit(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
     """Refuses (UnsupportedModel) weights other than those of `cfg`'s shape by Hugging Face name, before any is
     written. A tied head may be left out."""
     expected = hf_weight_shapes(cfg)

@@ -78,7 +78,7 @@ def _into_panels(panels: torch.Tensor, w: torch.Tensor) -> None:
     """`pack_columns`' layout written in place: panels [P, K, C] take w [N, K]'s rows C at a time, transposed."""
     n, width = w.shape[0], panels.shape[-1]
     full = n // width
-    panels[:full].copy_(w[: full * width].view(full, width, -1).transpose(1, 2))
+    panels[:full].copy_(w[: full * width].reshape(full, width, -1).transpose(1, 2))  # a shard's slice: a copy
     if n % width:
         panels[full, :, : n % width].copy_(w[full * width :].t())
 

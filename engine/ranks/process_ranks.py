@@ -359,11 +359,11 @@ class ProcessRanks(Ranks):
     def load_weights(self, source: WeightSource, name: str, in_place: bool = False) -> None:
         """In two phases: every rank stages its weights (or shard), then each group's leader puts its group's
         in at its next step; none switches unless all loaded. Pushed weights travel whole to every rank, pickled
-        into its message (its own copy, from which it builds its shard). Always a model built aside (`in_place`
-        is not taken): a rank that wrote its new values in place could not go back when another failed."""
+        into its message (its own copy, from which it builds its shard). `in_place`: each rank checks that they
+        fit its model when it stages them, and writes them into it at the install."""
         version = next(self._ids)
         try:
-            self._weights("load", (source, name), wire_id=version)
+            self._weights("load", (source, name, in_place), wire_id=version)
         except EngineError:
             self._weights("discard", version)
             raise

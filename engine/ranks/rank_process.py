@@ -371,8 +371,8 @@ class RankProcess:
             self.weights.install_staged(version)
 
     def _weights(self, wire_id: int, action: str, argument: Any) -> None:
-        """`argument`: a load's source and weight version name; the version (the load's wire id) to install or
-        discard."""
+        """`argument`: a load's source, weight version name and whether to write in place; the version (the
+        load's wire id) to install or discard."""
         error = None
         try:
             use_device(self.runner.device)
@@ -380,7 +380,7 @@ class RankProcess:
                 "offload": self.weights.offload,
                 "drop": self.weights.drop,
                 "restore": self.weights.restore,
-                "load": lambda: self.weights.load(argument[0], argument[1], version=wire_id),  # (source, name)
+                "load": lambda: self.weights.load(argument[0], argument[1], version=wire_id, in_place=argument[2]),
                 "discard": lambda: self.weights.discard_staged(argument),
                 "install": lambda: self._install(argument),
             }[action]()

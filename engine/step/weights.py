@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from ..loading.loader import Checkpoint, load_checkpoint
 from ..loading.pushed import PushedWeights
 from ..machine.memory import empty_device_cache
 from .model_runner import ModelRunner
-from ..models import build_model, can_load_in_place, count_weight_bytes, expand_blocks, load_in_place
+from ..models import build_model, can_load_in_place, check_fit, count_weight_bytes, expand_blocks, load_in_place
 from ..models.llama import LlamaForCausalLM
 from ..models.quantized_linear import GGUFBlocks, GGUFStack
 from ..models.tensor_parallel import Shard, shard_config, shard_weights
@@ -76,8 +77,9 @@ class LocalWeights:
     group's in, at one step (`install_staged`). A tensor-parallel step that mixed old and new shards would
     compute nothing, and data-parallel ranks on different weights would answer alike requests differently.
     While no step can run (the engine paused or asleep), a float model's new values are written into the
-    tensors it serves instead (`load(in_place=True)`, engine loops as threads): no second model in memory, no
-    fresh pages to fault in, and the pause a frozen stream sees is that much shorter.
+    tensors it serves instead (`load(in_place=True)`; a rank process checks them as it stages them and writes
+    them at the install): no second model in memory, no fresh pages to fault in, and the pause a frozen stream
+    sees is that much shorter.
 
     New weights come from a `WeightSource`: a checkpoint's path, or `PushedWeights` from a caller's memory.
     Each model carries its `weight_version` (the engine's name for it), which a step's outputs report.
@@ -103,8 +105,8 @@ class LocalWeights:
         self.config = self._config_of(ckpt)
         self.runners: list[ModelRunner] = []
         self.model: LlamaForCausalLM | None = self._build(ckpt.config, ckpt.weights, self.weight_version)
-        # a rank process's loads: by version until installed, each with the `path` and name it followed
-        self._staged: dict[int, tuple[LlamaForCausalLM, WeightSource, str]] = {}
+        # a rank process's loads by version until installed: what puts them in, the `path` and name they followed
+        self._staged: dict[int, tuple[Callable[[], None], WeightSource, str]] = {}
         self._offloaded = False
 
     def offload(self) -> None:
@@ -133,22 +135,25 @@ class LocalWeights:
         as weight version `name`; with a `version` (a rank process), only stage them as that version for
         `install_staged`. Dropped weights (sleep level 2) are only named: `restore` builds them. `in_place`:
         no step runs until the caller says so (a pause, a sleep), so the new values may be written into the
-        served model's tensors (`load_in_place`) where they fit it, with no second model built."""
+        served model's tensors (`load_in_place`) where they fit it, with no second model built; staged, they
+        are checked now and written at the install."""
         if self.model is None:
             self.path, self.weight_version = source, name
             return
         config, weights = _read(source)
-        if in_place and version is None and self._writable(config, weights):
-            model = self.model
-            on_fresh_thread(lambda: load_in_place(model, weights))
-            model.weight_version = name
-            self._install(model)
+        if in_place and self._writable(config, weights):
+            model, weights = self.model, expand_blocks(weights)
+            if self.tp:
+                weights = shard_weights(weights, config, self.tp.shard)
+            check_fit(weights, model.config)  # before any rank writes a byte
+            put_in = functools.partial(self._write, model, weights, name)
         else:
-            model = self._build(config, weights, name, private=isinstance(source, PushedWeights))
-            if version is None:
-                self._install(model)
-            else:
-                self._staged[version] = model, self.path, self.weight_version
+            built = self._build(config, weights, name, private=isinstance(source, PushedWeights))
+            put_in = functools.partial(self._install, built)
+        if version is None:
+            put_in()
+        else:
+            self._staged[version] = put_in, self.path, self.weight_version
         self.path, self.weight_version = source, name
 
     def install_staged(self, version: int) -> None:
@@ -158,7 +163,7 @@ class LocalWeights:
         for older in [v for v in list(self._staged) if v < version]:  # a copy: the weights thread may stage
             del self._staged[older]
         if staged is not None:
-            self._install(staged[0])
+            staged[0]()
 
     def discard_staged(self, version: int) -> None:
         """A staged model the ranks will not switch to (another rank failed to load it): `path` goes back to
@@ -184,16 +189,22 @@ class LocalWeights:
 
     def _writable(self, config: ModelConfig, weights: dict) -> bool:
         """Whether `weights` would build a model like the one served, so they can be written into it: the same
-        config, both float (a GGUF file's blocks kept as blocks build quantized layers)."""
+        config (this rank's shard of it), both float (a GGUF file's blocks kept as blocks build quantized
+        layers)."""
         blocks = any(isinstance(w, (GGUFBlocks, GGUFStack)) for w in weights.values())
         model = self.model
         return (
             model is not None
-            and self.tp is None
-            and model.config == config
+            and model.config == self._shard_of(config)
             and can_load_in_place(model)
             and not (blocks and self.quantized)
         )
+
+    def _write(self, model: LlamaForCausalLM, weights: dict, name: str) -> None:
+        """`weights` (checked to fit) written into `model`, served from now on as version `name`."""
+        on_fresh_thread(lambda: load_in_place(model, weights))
+        model.weight_version = name
+        self._install(model)
 
     def _build(self, full: ModelConfig, weights: dict, name: str, private: bool = False) -> LlamaForCausalLM:
         """Off the calling thread, as loading is: engine/machine/threads.py says why. A tensor-parallel rank builds its
