@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -98,8 +99,10 @@ def bad_settings(taken_port: str) -> list[tuple[list[str], dict[str, str], str]]
 
 
 def test_bad_settings_exit_two_with_one_line_before_loading(taken_port):
-    for flags, env, words in bad_settings(taken_port):
-        result = serve(*flags, env=env)
+    cases = bad_settings(taken_port)
+    with ThreadPoolExecutor(max_workers=3) as pool:  # each a Python start-up of its own: two at a time halve it
+        results = list(pool.map(lambda case: serve(*case[0], env=case[1]), cases))
+    for (flags, env, words), result in zip(cases, results):
         assert result.returncode == 2, (flags, env, result.stderr)
         assert words in result.stderr, (flags, env, result.stderr)
         assert "Traceback" not in result.stderr and "loaded" not in result.stderr, result.stderr
