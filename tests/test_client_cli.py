@@ -78,6 +78,7 @@ def test_every_sampling_field_is_a_keyword():
         n=3,
         logit_bias={5: 1.5},
         prompt_logprobs=0,
+        keep_kv_on_update=True,
     )
     constraints = dict(json_schema="{}", regex="a+", grammar="root ::= 'a'", json_object=True, structural_tag="{}")
     assert set(values) | set(constraints) | {"choice", "logprobs_mode"} == SAMPLING_FIELDS
