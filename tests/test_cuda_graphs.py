@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from lmgate.engine.step.block_tables import TableStore
 from lmgate.engine.step.cuda_graphs import DecodeGraphs, buckets
 
 
@@ -89,3 +90,24 @@ def test_table_store_against_the_lists_over_many_steps():
         _, _, meta = graphs.load([0] * len(step), [0] * len(step), [0] * len(step), lists, [1] * len(step))
         got = meta.decode.block_tables.tolist()[: len(step)]
         assert got == [t + [0] * (8 - len(t)) for t in lists]
+
+
+def test_host_table_store_gathers_what_padding_the_lists_gives():
+    """The eager path's store (no device): every step's gathered tables, as wide as its longest, equal its lists
+    padded with block 0, through growth, resets, truncation and rows recycled."""
+    rng = random.Random(1)
+    store = TableStore(9, 8)
+    tables = [[rng.randrange(100)] for _ in range(30)]
+    for _ in range(2000):
+        step = rng.sample(range(len(tables)), rng.randint(1, 4))
+        for i in step:
+            roll = rng.random()
+            if roll < 0.1:
+                tables[i] = [rng.randrange(100)]
+            elif roll < 0.15 and len(tables[i]) > 1:
+                tables[i] = tables[i][:-1]
+            elif len(tables[i]) < 8:
+                tables[i].append(rng.randrange(100))
+        lists = [tables[i] for i in step]
+        width = max(map(len, lists))
+        assert store.gather(lists).tolist() == [t + [0] * (width - len(t)) for t in lists]

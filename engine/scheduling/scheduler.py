@@ -160,7 +160,7 @@ class Scheduler:
         j = seq.num_computed // self.blocks.block_size
         shared = seq.block_table[j]
         self.blocks.release([shared])
-        seq.block_table[j] = copy
+        seq.block_table = [*seq.block_table[:j], copy, *seq.block_table[j + 1 :]]  # a new list: `TableStore`
         self.copies[copy] = shared  # a later copy into the same block (freed meanwhile, handed out again) wins
 
     def _make_room(self, needed: int, seq: Sequence, taking: Iterable[int] = ()) -> bool:

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections import OrderedDict
-
 import torch
 
 from ..models.attention import AttentionMetadata, DecodeTables
 from ..machine.memory import DEVICE_CACHE_LOCK
 from ..models.llama import LlamaForCausalLM
+from .block_tables import TableStore
 
 log = logging.getLogger(__name__)
 
@@ -40,58 +39,6 @@ def buckets(max_batch_size: int) -> list[int]:
         sizes.append(b)
         b += 8 if b < 64 else 16
     return sizes + [max_batch_size]
-
-
-class TableStore:
-    """Block tables kept from step to step, one row per sequence, on the host and mirrored on the device.
-
-    A row is keyed by the sequence's table list itself: a sequence's list only grows (blocks appended) until
-    the sequence is reset or its session truncated, which gives it a new list (sequence.py, engine_loop.py),
-    so a list seen before needs only its new entries written. The store holds every list it keys (so that no
-    id is reused while keyed) and recycles the least recently used rows; row 0 stays zeros, for padded rows.
-    """
-
-    def __init__(self, rows: int, width: int, device: torch.device, pin: bool) -> None:
-        self.host = torch.zeros(rows, width, dtype=torch.long)
-        if pin:
-            self.host = self.host.pin_memory()
-        self.device = torch.zeros_like(self.host, device=device)
-        self._rows: OrderedDict[int, tuple[list[int], int, int]] = OrderedDict()  # id -> (table, row, entries written)
-        self._free = list(range(rows - 1, 0, -1))
-        self._dirty: set[int] = set()  # rows written on the host since the last `sync`
-
-    def rows_for(self, tables: list[list[int]]) -> list[int]:
-        """The store's row of each table, its new entries written to the host copy (`sync` copies them over)."""
-        rows = []
-        for table in tables:
-            known = self._rows.pop(id(table), None)
-            if known is None or known[2] > len(table):
-                row, written = self._take_row() if known is None else known[1], 0
-                self.host[row].zero_()
-                self._dirty.add(row)
-            else:
-                row, written = known[1], known[2]
-            if len(table) > written:
-                self.host[row, written : len(table)] = torch.tensor(table[written:], dtype=torch.long)
-                self._dirty.add(row)
-            self._rows[id(table)] = (table, row, len(table))  # most recently used last
-            rows.append(row)
-        return rows
-
-    def sync(self) -> None:
-        """The rows written since the last call, copied to the device (a few per step: a sequence's table
-        grows by a block every block_size tokens)."""
-        for row in self._dirty:
-            self.device[row].copy_(self.host[row], non_blocking=True)
-        self._dirty.clear()
-
-    def _take_row(self) -> int:
-        """A free row, else the least recently used one (never one of this step's: the store holds twice the
-        largest step)."""
-        if self._free:
-            return self._free.pop()
-        _, (_, row, _) = self._rows.popitem(last=False)
-        return row
 
 
 class DecodeGraphs:

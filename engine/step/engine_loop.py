@@ -20,6 +20,7 @@ from ..config import EngineConfig
 from .cuda_graphs import DecodeGraphs
 from ..kernels import load_cpu_kernels
 from ..kernels.triton import available as triton_available
+from .block_tables import TableStore
 from .kv_cache import allocate_kv_cache, kv_cache_dtype
 from .model_runner import ModelRunner, PromptRows
 from ..gateway.request import CancelFlag, FinishReason, Request, RequestKind, RequestOutput, TokenLogprob, Usage
@@ -66,6 +67,7 @@ def build_runner(weights: LocalWeights, config: EngineConfig, max_context_length
         config.block_size,
         weights.device,
         attention,
+        TableStore(2 * config.max_batch_size + 1, max_blocks),
         graphs,
     )
     weights.runners.append(runner)

@@ -21,6 +21,7 @@ from ..models.attention import (
     decode_mask,
     gather_rows,
 )
+from .block_tables import TableStore
 from .cuda_graphs import DecodeGraphs
 from .kv_cache import copy_blocks
 from ..machine.memory import empty_device_cache, release_host_memory
@@ -104,6 +105,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         attention: str,
+        tables: TableStore,
         graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model = model  # replaced whole by the engine (weight updates), read once per step
@@ -115,6 +117,7 @@ class ModelRunner:
         self.attention = attention  # of ATTENTION_PATHS; chosen at build, read per step
         self.vocab_size: int | None = None  # ids a sampler may draw (the tokenizer's), where below the model's
         self._no_prefills: PrefillTables | None = None  # a decode step's prefill tables, built once
+        self.tables = tables  # the decodes' block tables, kept across steps
         self.graphs = graphs  # decode steps from CUDA graphs (Triton path, no tensor parallelism), else None
         self.followers: HostComm | None = None  # a tensor-parallel leader's group: what it does, they do
         self.group_kv_share = 1.0  # the tensor-parallel group's KV heads over this rank's
@@ -313,7 +316,7 @@ class ModelRunner:
             input_ids.index_copy_(0, rows, drawn.index_select(0, sources))
 
     def _decode_tables(self, block_tables: list[list[int]], lengths: list[int]) -> DecodeTables | GatheredDecode:
-        tables = padded(block_tables)
+        tables = self.tables.gather(block_tables)
         lengths = torch.tensor(lengths)
         if self.attention != "torch":
             return DecodeTables(to_device(tables, self.device), to_device(lengths, self.device))
