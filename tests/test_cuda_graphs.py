@@ -70,44 +70,39 @@ def test_table_rows_grow_in_place_and_a_new_list_gets_a_fresh_row():
     assert meta.decode.block_tables.tolist() == [[4, 0, 0, 0, 0, 0]]
 
 
-def test_table_store_against_the_lists_over_many_steps():
-    """Random steps of growing, reset and truncated tables, more sequences than the store has rows: every
-    step's gathered tables equal its lists, zero-padded."""
-    rng = random.Random(0)
-    graphs = DecodeGraphs(4, 8, torch.device("cpu"), capture=False)
-    tables = [[rng.randrange(100)] for _ in range(20)]
-    for _ in range(300):
-        step = rng.sample(range(len(tables)), rng.randint(1, 4))
-        for i in step:
-            roll = rng.random()
-            if roll < 0.1:
-                tables[i] = [rng.randrange(100)]  # reset: a new list
-            elif roll < 0.15 and len(tables[i]) > 1:
-                tables[i] = tables[i][:-1]  # a session truncated: a new, shorter list
-            elif len(tables[i]) < 8:
-                tables[i].append(rng.randrange(100))
-        lists = [tables[i] for i in step]
-        _, _, meta = graphs.load([0] * len(step), [0] * len(step), [0] * len(step), lists, [1] * len(step))
-        got = meta.decode.block_tables.tolist()[: len(step)]
-        assert got == [t + [0] * (8 - len(t)) for t in lists]
-
-
-def test_host_table_store_gathers_what_padding_the_lists_gives():
-    """The eager path's store (no device): every step's gathered tables, as wide as its longest, equal its lists
-    padded with block 0, through growth, resets, truncation and rows recycled."""
-    rng = random.Random(1)
-    store = TableStore(9, 8)
-    tables = [[rng.randrange(100)] for _ in range(30)]
-    for _ in range(2000):
-        step = rng.sample(range(len(tables)), rng.randint(1, 4))
+def random_steps(seed: int, num_tables: int, width: int, steps: int):
+    """Steps of 1..4 of `num_tables` block tables, each grown in place, reset (a new list) or truncated (a new,
+    shorter list) before its step, never past `width` blocks: the lists of each step."""
+    rng = random.Random(seed)
+    tables = [[rng.randrange(100)] for _ in range(num_tables)]
+    for _ in range(steps):
+        step = rng.sample(range(num_tables), rng.randint(1, 4))
         for i in step:
             roll = rng.random()
             if roll < 0.1:
                 tables[i] = [rng.randrange(100)]
             elif roll < 0.15 and len(tables[i]) > 1:
                 tables[i] = tables[i][:-1]
-            elif len(tables[i]) < 8:
+            elif len(tables[i]) < width:
                 tables[i].append(rng.randrange(100))
-        lists = [tables[i] for i in step]
+        yield [tables[i] for i in step]
+
+
+def test_table_store_against_the_lists_over_many_steps():
+    """Random steps of growing, reset and truncated tables, more sequences than the store has rows: every
+    step's gathered tables equal its lists, zero-padded."""
+    graphs = DecodeGraphs(4, 8, torch.device("cpu"), capture=False)
+    for lists in random_steps(0, 20, 8, 300):
+        n = len(lists)
+        _, _, meta = graphs.load([0] * n, [0] * n, [0] * n, lists, [1] * n)
+        got = meta.decode.block_tables.tolist()[:n]
+        assert got == [t + [0] * (8 - len(t)) for t in lists]
+
+
+def test_host_table_store_gathers_what_padding_the_lists_gives():
+    """The eager path's store (no device): every step's gathered tables, as wide as its longest, equal its lists
+    padded with block 0, through growth, resets, truncation and rows recycled."""
+    store = TableStore(9, 8)
+    for lists in random_steps(1, 30, 8, 2000):
         width = max(map(len, lists))
         assert store.gather(lists).tolist() == [t + [0] * (width - len(t)) for t in lists]
