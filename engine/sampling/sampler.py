@@ -58,6 +58,12 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-n alternatives per prompt token; None: no prompt logprobs
     constraint: Constraint | None = None  # structured outputs: what the output must match (constraints.py)
     keep_kv_on_update: bool = False  # frozen across an update: the old weights' KV kept, not recomputed
+    # Derived from the fields above once, in `__post_init__`: the sampler reads them for every row at every step.
+    greedy: bool = field(init=False, repr=False, compare=False)
+    penalized: bool = field(init=False, repr=False, compare=False)  # a repetition, presence or frequency penalty
+    adjusts_logits: bool = field(init=False, repr=False, compare=False)  # penalized, or a logit bias
+    # (temperature, min_p, top_k, top_p) as the sampler applies them: top_k 0 and top_p 1 are off.
+    columns: tuple[float, float, int, float] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
@@ -95,10 +101,13 @@ class SamplingParams:
             self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
             f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
         )
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_BELOW
+        derive = object.__setattr__  # frozen: the derived fields are set here only
+        derive(self, "greedy", self.temperature < GREEDY_BELOW)
+        penalized = self.repetition_penalty not in (0, 1) or self.presence_penalty != 0 or self.frequency_penalty != 0
+        derive(self, "penalized", penalized)
+        derive(self, "adjusts_logits", penalized or bool(self.logit_bias))
+        top_p = self.top_p if 0 < self.top_p < 1 else 1.0
+        derive(self, "columns", (self.temperature, self.min_p, self.top_k, top_p))
 
     def filtered(self, vocab: int) -> bool:
         """Whether a top-k or top-p filter applies to a vocabulary of `vocab` tokens."""
@@ -107,10 +116,6 @@ class SamplingParams:
     def sample_seed(self, index: int) -> int | None:
         """The seed sample `index` of n draws with: a request of its own with this seed gives its tokens."""
         return None if self.seed is None else (self.seed + index) % 2**64
-
-    @property
-    def penalized(self) -> bool:
-        return self.repetition_penalty not in (0, 1) or self.presence_penalty != 0 or self.frequency_penalty != 0
 
 
 def _check(ok: bool, message: str) -> None:
@@ -197,7 +202,7 @@ def launch_sample(
 def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """Logit bias; repetition penalty over prompt and output (as Hugging Face and vLLM); presence / frequency
     over output; banned ids to -inf. Each kind is one indexed update over all its rows' (row, token) pairs."""
-    if not any(r.params.penalized or r.banned_ids or r.params.logit_bias for r in rows):
+    if not any(r.params.adjusts_logits or r.banned_ids for r in rows):
         return logits
     logits = logits.clone()
     device = logits.device
@@ -251,51 +256,40 @@ def _sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """Temperature, then the filters in vLLM's order, each over what the one before kept: min-p, top-k, top-p;
     then one uniform draw per row (`uniform`, computed on the host) against the row's cumulative
     distribution. The per-row parameters cross to the device in one copy (float32 holds each exactly: top-k
-    below 2^24, draws of 24 bits)."""
+    below 2^24, draws of 24 bits); which rows filter is found from them in array operations, not row by row."""
     vocab = logits.shape[-1]
-    params = [r.params for r in rows]
+    # Decided in float64, as the parameters were given (a top_p just below 1 is 1 in float32, and still filters).
+    temperature, min_p, top_k, top_p = np.array([r.params.columns for r in rows], dtype=np.float64).reshape(-1, 4).T
+    top_k = np.where((top_k > 0) & (top_k < vocab), top_k, vocab)
     host = np.empty((5, len(rows)), dtype=np.float32)
-    host[:4] = (
-        np.array(
-            [
-                (p.temperature, p.min_p, p.top_k if 0 < p.top_k < vocab else vocab, p.top_p if 0 < p.top_p < 1 else 1.0)
-                for p in params
-            ],
-            dtype=np.float32,
-        )
-        .reshape(-1, 4)
-        .T
-    )
-    host[4] = uniforms([r.seed for r in rows], [r.num_output for r in rows])
+    host[:4] = temperature, min_p, top_k, top_p
+    host[4] = uniforms([r.seed for r in rows], [len(r.token_ids) - r.num_prompt + r.num_pending for r in rows])
     columns = to_device(torch.from_numpy(host), logits.device).unsqueeze(2)
     temps, min_ps, top_ks, top_ps, draws = columns  # each [rows, 1]
     probs = torch.softmax(logits / temps, dim=-1)
-    if any(r.params.min_p for r in rows):  # min-p 0 masks nothing: three passes over the vocabulary saved
+    if min_p.any():  # min-p 0 masks nothing: three passes over the vocabulary saved
         probs = probs.masked_fill(probs < min_ps * probs.amax(dim=-1, keepdim=True), 0.0)
-    filtered = [i for i, r in enumerate(rows) if r.params.filtered(vocab)]
-    if not filtered:
+    filtered = (top_k < vocab) | (top_p < 1)  # `SamplingParams.filtered`
+    if not filtered.any():
         return _draw(probs, draws)
-    if len(filtered) == len(rows):
-        return _top_k_top_p(probs, top_ks, top_ps, draws, [r.params for r in rows])
+    known = top_k <= min(CANDIDATES, vocab)  # its top-k lies among its candidates, whatever the probabilities
+    if filtered.all():
+        return _top_k_top_p(probs, top_ks, top_ps, draws, bool(known.all()))
     # A row without top-k or top-p draws over the unsorted vocabulary whatever its batch holds: the same
     # draw over the filters' sorted order would pick another token.
-    plain = [i for i, r in enumerate(rows) if not r.params.filtered(vocab)]
-    order = to_device(torch.tensor(plain + filtered), logits.device)
+    plain, kept = np.flatnonzero(~filtered), np.flatnonzero(filtered)
+    order = to_device(torch.from_numpy(np.concatenate([plain, kept])), logits.device)
     at_plain, at_filtered = order[: len(plain)], order[len(plain) :]
     tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     tokens[at_plain] = _draw(probs[at_plain], draws[at_plain])
     tokens[at_filtered] = _top_k_top_p(
-        probs[at_filtered],
-        top_ks[at_filtered],
-        top_ps[at_filtered],
-        draws[at_filtered],
-        [rows[i].params for i in filtered],
+        probs[at_filtered], top_ks[at_filtered], top_ps[at_filtered], draws[at_filtered], bool(known[kept].all())
     )
     return tokens
 
 
 def _top_k_top_p(
-    probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, draws: torch.Tensor, params: list[SamplingParams]
+    probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, draws: torch.Tensor, known: bool
 ) -> torch.Tensor:
     """Rows that each have a top-k or a top-p: top-k keeps the k most likely tokens, then top-p the most likely
     of those until their share of what top-k (and min-p before it) kept reaches p."""
@@ -308,10 +302,9 @@ def _top_k_top_p(
     mass = _block_sums(probs).sum(dim=-1, keepdim=True)  # 1, less what min-p dropped
     nucleus = (top_ps < 1) & (top_ks >= vocab) & (top.values.sum(dim=-1, keepdim=True) >= top_ps * mass)
     inside = ((top_ks <= candidates) | nucleus).squeeze(1)
-    tokens = torch.empty(len(params), dtype=torch.long, device=probs.device)
-    # Where every row's top-k lies among its candidates the host knows they all do: the device is not asked
-    # (a question that waits for it, which overlap scheduling must not; top-p rows still ask).
-    known = all(0 < p.top_k <= candidates for p in params)
+    tokens = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    # `known`: every row's top-k lies among its candidates, as the host knows from the parameters alone; then
+    # the device is not asked (a question that waits for it, which overlap scheduling must not; top-p rows ask).
     for where, values, order in _split(inside, top, probs, known):
         width = values.shape[-1]
         ranks = torch.arange(width, device=probs.device).unsqueeze(0)
