@@ -185,7 +185,7 @@ class Engine:
         else:
             self.ranks = ThreadRanks(config, ckpt, self.dtype, self.max_context_length, self.threads_per_loop)
         del ckpt, checkpoint  # the raw weights: the model holds what it needs
-        self.gateway = Gateway(queues=self.ranks.queues)
+        self.gateway = Gateway(queues=self.ranks.queues, tokenizer=self.tokenizer)
         try:
             self.ranks.start(self.gateway)
         except BaseException:

@@ -5,6 +5,7 @@ The session, cancel, end, sleep and stress tests run over processes too, through
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import pickle
@@ -23,9 +24,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from lmgate.engine.config import DP_BACKENDS, EngineConfig
 from lmgate.engine.engine import Engine
 from lmgate.engine.loading.loader import embedded_model_path
-from lmgate.engine.errors import InvalidRequest, Unavailable
+from lmgate.engine.errors import InternalError, InvalidRequest, Unavailable
 from lmgate.engine.gateway.request import FinishReason, RequestKind, RequestOutput, TokenLogprob, Usage
 from lmgate.engine.sampling.sampler import SamplingParams
+from lmgate.engine.text.detokenizer import IncrementalDetokenizer
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 from tests.serving import StreamEnds, free_port, serve_process
@@ -65,6 +67,7 @@ def test_an_output_crosses_the_pipe_whole():
         logprobs=[TokenLogprob(5, -0.5, [(5, -0.5), (9, -1.0)])],
         finish_reason=FinishReason.LENGTH,
         usage=Usage(3, 2, 1, 0.25),
+        text_context=[11, 12],
     )
     failed = RequestOutput("r-2", 0, error=Unavailable("engine rank 0 has gone"))
     for output in (full, failed, RequestOutput("r-3", 0)):
@@ -77,6 +80,7 @@ def test_an_output_crosses_the_pipe_whole():
             copy.logprobs,
             copy.finish_reason,
             copy.usage,
+            copy.text_context,
         ) == (
             output.request_id,
             output.session_id,
@@ -85,8 +89,61 @@ def test_an_output_crosses_the_pipe_whole():
             output.logprobs,
             output.finish_reason,
             output.usage,
+            output.text_context,
         )
         assert type(copy.error) is type(output.error) and str(copy.error) == str(output.error)
+
+
+def test_the_serving_process_writes_the_text_a_ranks_loop_leaves_it(process_ranks_server, monkeypatch):
+    """A rank's loop leaves the text of a sample without stop strings to the serving process, whose signal thread
+    writes it (`gateway.detokenize`); a sample with a stop string is written by its loop, in the rank. Delta by
+    delta the text is the same, characters split over tokens included; a stop id's text is left out."""
+    engine = process_ranks_server.engine
+    tokenizer, threads = engine.tokenizer, []
+    step_one = IncrementalDetokenizer.step_one
+
+    def recorded(self, token_id):
+        threads.append(threading.current_thread().name)
+        return step_one(self, token_id)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "step_one", recorded)
+    prompt = tokenizer.encode(" ".join(["Да добро"] * 6))
+    greedy = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    front = list(engine.submit(prompt, greedy))
+    front_threads, threads[:] = set(threads), []
+    ranks = list(engine.submit(prompt, dataclasses.replace(greedy, stop=("never-in-this-text",))))
+    assert front_threads == {"lmgate-signal"} and threads == []  # the second's text was written in its rank
+    ids = [t for o in front for t in o.token_ids]
+    assert ids == [t for o in ranks for t in o.token_ids]
+    assert [o.text for o in front] == [o.text for o in ranks]
+    assert "".join(o.text for o in front) == tokenizer.decode(ids)
+    k = ids.index(ids[10])  # a stop id's first appearance
+    out = engine.generate(prompt, SamplingParams(max_new_tokens=32, stop_token_ids=(ids[k],)))
+    assert out.finish_reason is FinishReason.STOP and out.token_ids == ids[: k + 1]
+    assert out.text == tokenizer.decode(ids[:k])
+
+
+def test_a_detokenizer_that_fails_ends_its_stream_and_the_rank_ends_the_request(process_ranks_server, monkeypatch):
+    """The serving process's signal thread survives a detokenizer that raises: that stream ends INTERNAL, the
+    rank ends the request and frees its blocks, and the next request's text is written as before."""
+    engine = process_ranks_server.engine
+
+    def broken(self, token_id):
+        raise RuntimeError("a broken decoder")
+
+    monkeypatch.setattr(IncrementalDetokenizer, "step_one", broken)
+    prompt = engine.tokenizer.encode("Once upon a time")
+    with pytest.raises(InternalError, match="detokenizing"):
+        list(engine.submit(prompt, SamplingParams(max_new_tokens=4000, ignore_eos=True)))
+    monkeypatch.undo()
+    deadline = time.monotonic() + GUARD
+    while engine.info().running_sequences:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    info = engine.info()
+    assert info.kv_blocks_free == info.kv_blocks_total
+    out = engine.generate(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert out.text == engine.tokenizer.decode(out.token_ids)
 
 
 def test_auto_takes_processes_on_cuda_only():

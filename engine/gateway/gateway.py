@@ -21,11 +21,13 @@ import time
 from collections import deque
 from typing import Callable, Iterator, cast
 
-from ..errors import EngineError, SessionExists, Unavailable
+from ..errors import EngineError, InternalError, SessionExists, Unavailable
 from ..comm import HostComm, RedOp
 from .kv_events import KvEventLog, RawEvent
 from .request import CancelFlag, FinishReason, Request, RequestKind, RequestOutput, Usage
 from .request_queue import RequestQueue
+from ..text.detokenizer import IncrementalDetokenizer
+from ..text.tokenizer import Tokenizer
 from .sequence_binding import SequenceBinding
 
 log = logging.getLogger(__name__)
@@ -37,8 +39,17 @@ SLEEP_GATE = "sleep"  # closed from a Sleep until the Wakeup that leaves nothing
 class Gateway:
     """Shared by the caller threads (push, cancel, kill), the engine loops (pop, notify) and the signal thread."""
 
-    def __init__(self, num_queues: int = 1, max_queued: int = 1024, queues: list[RequestQueue] | None = None) -> None:
-        """`queues`: the ranks' own (a rank in another process has a stand-in); else `num_queues` new ones."""
+    def __init__(
+        self,
+        num_queues: int = 1,
+        max_queued: int = 1024,
+        queues: list[RequestQueue] | None = None,
+        tokenizer: Tokenizer | None = None,
+    ) -> None:
+        """`queues`: the ranks' own (a rank in another process has a stand-in); else `num_queues` new ones.
+        `tokenizer`: the front end's, which writes the text of outputs their loops left it (`detokenize`); a
+        rank process's Gateway has none, and its outputs carry their ids to the serving process's."""
+        self.tokenizer = tokenizer
         self.queues = queues or [RequestQueue(max_queued) for _ in range(num_queues)]
         self.binding = SequenceBinding()
         self._next_rank = itertools.count()  # next() on a count is atomic in CPython
@@ -304,6 +315,14 @@ class Gateway:
             self._deliver(request, output)
 
     def _deliver(self, request: Request, output: RequestOutput) -> None:
+        if self.tokenizer is not None:
+            try:
+                detokenize(self.tokenizer, request, output)
+            except Exception as exc:  # the stream ends with the error, its loop ends the request; this thread goes on
+                log.exception("detokenizing request %r failed", request.request_id)
+                output.error = InternalError(f"detokenizing the output failed: {exc}")
+                request.detokenizers.clear()
+                self.cancel(request)
         # Release the session before the last output reaches the client, so its next turn is never refused.
         if output.finished and request.kind is RequestKind.GENERATE:
             # A Cancel from now on, before the client has read it, cancels nothing. Only from ACTIVE: a cancelled
@@ -317,6 +336,34 @@ class Gateway:
             request.on_output(output)
         except Exception:
             log.exception("output callback of request %r failed", request.request_id)
+
+
+def detokenize(tokenizer: Tokenizer, request: Request, output: RequestOutput) -> None:
+    """The text of a sample whose loop, in a rank process, left it to the serving process (engine/README.md,
+    invariant 13): its first output brings the ids before the reply (`RequestOutput.text_context`), its last
+    one the end of its text. Any other output's text was written by its loop, and passes untouched."""
+    detokenizers = request.detokenizers
+    if output.text_context is not None:
+        detokenizers[output.index] = IncrementalDetokenizer(
+            tokenizer, request.params.skip_special_tokens, context=output.text_context
+        )
+        output.text_context = None
+    detokenizer = detokenizers.get(output.index)
+    if detokenizer is None:
+        return
+    ids = output.token_ids
+    if (
+        output.finish_reason is FinishReason.STOP
+        and ids
+        and ids[-1] in request.params.stop_ids(tokenizer.eos_token_ids)
+    ):
+        ids = ids[:-1]  # a stop id's text is left out, as the loop leaves it out (and vLLM does)
+    if ids:
+        output.text = "".join([detokenizer.step_one(token)[0] for token in ids])
+    if output.error is not None or output.finish_reason is not None:
+        if output.error is None:
+            output.text += detokenizer.finish()
+        del detokenizers[output.index]
 
 
 def cancelled_output(request: Request) -> RequestOutput:

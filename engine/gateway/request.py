@@ -10,6 +10,7 @@ from typing import Callable
 
 from ..errors import EngineError
 from ..sampling.sampler import SamplingParams
+from ..text.detokenizer import IncrementalDetokenizer
 
 
 class FinishReason(enum.Enum):
@@ -54,6 +55,9 @@ class RequestOutput:
     stop_string: str | None = None  # on a last output: the stop string that ended it
     weight_version: str = ""  # the weights that computed token_ids (one version per output); "" without tokens
     handled: int = 0  # a pause's answer: the requests it ended or froze at that loop
+    # On a sample's first output, where its text is left to the front end (`Gateway`): the ids before the reply
+    # that its detokenizer starts from (`reply_context`). None: the loop wrote `text` (stop strings, chat turns).
+    text_context: list[int] | None = None
 
     @property
     def finished(self) -> bool:
@@ -78,6 +82,7 @@ class RequestOutput:
             self.stop_string,
             self.weight_version,
             self.handled,
+            self.text_context,
         )
 
 
@@ -150,3 +155,5 @@ class Request:
     cancel_flag: CancelFlag = field(default_factory=CancelFlag)
     on_cancel: Callable[[], None] | None = None  # tells a loop in another process that an active request was cancelled
     arrival: float = field(default_factory=time.monotonic)  # when it was submitted
+    # Each sample's detokenizer, where the front end writes its outputs' text: the signal thread's only.
+    detokenizers: dict[int, IncrementalDetokenizer] = field(default_factory=dict)

@@ -209,6 +209,7 @@ class RankProcess:
                     c,
                     spec.max_context_length,
                     spec.num_threads,
+                    text_at_front_end=True,  # the serving process writes it
                 )
             )
             self.runner = self.loop.runner

@@ -113,6 +113,11 @@ class SamplingParams:
         """Whether a top-k or top-p filter applies to a vocabulary of `vocab` tokens."""
         return 0 < self.top_k < vocab or 0 < self.top_p < 1
 
+    def stop_ids(self, eos_ids: frozenset[int]) -> frozenset[int]:
+        """The ids that end the output (without their text): the stop ids asked for, and the model's ends but
+        under ignore_eos."""
+        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else eos_ids)
+
     def sample_seed(self, index: int) -> int | None:
         """The seed sample `index` of n draws with: a request of its own with this seed gives its tokens."""
         return None if self.seed is None else (self.seed + index) % 2**64

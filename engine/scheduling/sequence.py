@@ -70,7 +70,7 @@ class Sequence(HoldsKV):
         self,
         request: Request,
         session: Session,
-        detokenizer: IncrementalDetokenizer,
+        detokenizer: IncrementalDetokenizer | None,
         max_new_tokens: int,
         eos_ids: frozenset[int],
     ) -> None:
@@ -88,8 +88,11 @@ class Sequence(HoldsKV):
         )
         self.keyable = session.keyable
         self.max_new_tokens = max_new_tokens
-        self.stop_ids = frozenset(self.params.stop_token_ids) | (frozenset() if self.params.ignore_eos else eos_ids)
+        self.stop_ids = self.params.stop_ids(eos_ids)
+        # Its text, where the loop writes it (stop strings, chat turns); None where the front end does (`Gateway`),
+        # which its first output tells where the reply starts: `text_context`, None once sent.
         self.detokenizer = detokenizer
+        self.text_context: list[int] | None = None
         self.seed = self.params.seed if self.params.seed is not None else random.getrandbits(64)  # sampling.uniform
         self.status = SequenceStatus.WAITING
         self.num_scheduled = 0  # tokens this step will compute; set by the scheduler
@@ -118,7 +121,7 @@ class Sequence(HoldsKV):
         child.block_table, child.block_hashes = list(self.block_table), list(self.block_hashes)
         child.num_computed, child.num_scheduled = num_computed, 0
         child.num_cached_tokens = child.num_prompt_tokens  # its prompt's KV is the first sample's
-        child.detokenizer = self.detokenizer.fresh()
+        child.detokenizer = self.detokenizer.fresh() if self.detokenizer is not None else None
         seed = self.params.sample_seed(index)
         child.seed = seed if seed is not None else random.getrandbits(64)
         child.forks, child.prompt_logprobs, child.unsent = [], None, None

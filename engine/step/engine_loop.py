@@ -111,6 +111,7 @@ class EngineLoop:
         num_threads: int,
         overlap: bool = False,
         stream_interval: int = 1,
+        text_at_front_end: bool = False,
     ) -> None:
         self.rank = rank
         self.gateway = gateway
@@ -126,6 +127,10 @@ class EngineLoop:
         self.num_threads = num_threads  # torch threads for this loop's steps
         self.overlap = overlap  # a step is launched before the previous step's draws are read
         self.stream_interval = stream_interval  # tokens a stream's output gathers before it is sent
+        # A loop in a rank process leaves what text it need not read to the serving process's Gateway, which
+        # writes it beside this process (`gateway.detokenize`); a thread of that process would only trade its
+        # own work for a wait on the GIL.
+        self.text_at_front_end = text_at_front_end
         self._inflight: BatchData | None = None  # the launched step whose draws are not read yet (overlap)
         self.num_steps = 0
         self.pop_seconds = 0.0
@@ -149,6 +154,7 @@ class EngineLoop:
         config: EngineConfig,
         max_context_length: int,
         num_threads: int,
+        text_at_front_end: bool = False,
     ) -> "EngineLoop":
         """A loop over `weights`' model with a KV cache of its own (allocated here: call on a fresh thread)."""
         num_blocks = config.kv_cache_tokens // config.block_size
@@ -169,6 +175,7 @@ class EngineLoop:
             num_threads,
             overlap_scheduling(config, weights.device),
             config.stream_interval,
+            text_at_front_end,
         )
 
     def stats(self) -> LoopStats:
@@ -420,13 +427,13 @@ class EngineLoop:
             grammar = grammars.cached(request.params.constraint) or grammars.compile(request.params.constraint)
         self._truncate_history(session, keep)
         skip = request.params.skip_special_tokens
-        detok = IncrementalDetokenizer(
-            self.tokenizer,
-            skip,
-            request.params.stop,
-            context=reply_context(self.tokenizer, session.token_ids + request.input_ids, skip),
-        )
+        context = reply_context(self.tokenizer, session.token_ids + request.input_ids, skip)
+        detok = None
+        if request.params.stop or conversation is not None or not self.text_at_front_end:
+            # This loop writes the text: it stops on a string, keeps the chat turn, or serves in this process.
+            detok = IncrementalDetokenizer(self.tokenizer, skip, request.params.stop, context=context)
         seq = Sequence(request, session, detok, max_new, self.tokenizer.eos_token_ids)
+        seq.text_context = context if detok is None else None
         seq.conversation = conversation
         if grammar is not None:
             seq.grammar, seq.matcher = grammar, grammar.matcher()
@@ -573,13 +580,14 @@ class EngineLoop:
             out.token_ids.append(token)
             if lp is not None:
                 out.logprobs.append(TokenLogprob(token, lp[0], lp[1]))
-            reason, stop_hit = None, False
+            reason, stop_hit, detok = None, False, seq.detokenizer
             num_output = len(token_ids) - seq.num_prompt_tokens  # `Sequence.num_output`
             if token in seq.stop_ids:
                 reason = FinishReason.STOP
             else:
-                text, stop_hit = seq.detokenizer.step_one(token)
-                out.text += text
+                if detok is not None:  # else the front end writes the text
+                    text, stop_hit = detok.step_one(token)
+                    out.text += text
                 if stop_hit:
                     reason = FinishReason.STOP
                 elif num_output >= seq.max_new_tokens or len(token_ids) >= limit:
@@ -587,12 +595,14 @@ class EngineLoop:
             if seq.matcher is not None and reason is None and self._grammar_ended(seq, token):
                 reason = FinishReason.STOP
             if reason is not None:
-                if not stop_hit:
-                    out.text += seq.detokenizer.finish()
-                    if seq.detokenizer.stopped:  # a stop string that only the final decode revealed
+                if detok is not None and not stop_hit:
+                    out.text += detok.finish()
+                    if detok.stopped:  # a stop string that only the final decode revealed
                         reason = FinishReason.STOP
                 seq.finish_reason = out.finish_reason = reason
-                out.usage, out.stop_string = self._usage(seq), seq.detokenizer.stop_string
+                out.usage = self._usage(seq)
+                if detok is not None:
+                    out.stop_string = detok.stop_string
                 if seq.samples is not None:
                     out.others_running = seq.samples.end_one()
                 batch.finished.append(seq)
@@ -613,7 +623,8 @@ class EngineLoop:
         seq.finish_reason = reason
         out = self._unsent(seq)
         seq.unsent = None
-        out.text += seq.detokenizer.finish()
+        if seq.detokenizer is not None:
+            out.text += seq.detokenizer.finish()
         out.finish_reason, out.usage = reason, self._usage(seq)
         if seq.samples is not None:
             out.others_running = seq.samples.end_one()
@@ -626,6 +637,8 @@ class EngineLoop:
             seq.unsent = RequestOutput(seq.request.request_id, seq.request.session_id, index=seq.index)
             if seq.prompt_logprobs:  # all of them, with the first output (the prompt is computed by then)
                 seq.unsent.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None
+            if seq.text_context is not None:  # the front end's detokenizer starts from it
+                seq.unsent.text_context, seq.text_context = seq.text_context, None
         return seq.unsent
 
     @staticmethod
@@ -652,7 +665,9 @@ class EngineLoop:
             self._truncate_history(session, len(seq.token_ids) - len(seq.request.input_ids))
             return True
         session.messages = (
-            None if seq.conversation is None else [*seq.conversation, chat.assistant_reply(seq.detokenizer.text)]
+            None
+            if seq.conversation is None or seq.detokenizer is None
+            else [*seq.conversation, chat.assistant_reply(seq.detokenizer.text)]
         )
         return True
 
