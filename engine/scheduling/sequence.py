@@ -7,6 +7,7 @@ import enum
 import random
 
 from ..sampling.constraints import CompiledGrammar, GrammarMatcher
+from ..sampling.sampler import SampleRow
 from ..text.detokenizer import IncrementalDetokenizer
 from ..gateway.request import Request, RequestOutput
 
@@ -110,6 +111,7 @@ class Sequence(HoldsKV):
         self.prompt_rows_planned = 0  # prompt positions a step has been given to compute them for
         self.grammar: CompiledGrammar | None = None  # structured outputs: its constraint, compiled
         self.matcher: GrammarMatcher | None = None  # and where its output stands in it
+        self._sample_row = SampleRow(self.params, self.seed, self.token_ids, self.num_prompt_tokens)
 
     def fork(self, index: int, num_computed: int) -> "Sequence":
         """Sample `index` of this sequence's request, taking its prompt and KV (the caller retains the blocks;
@@ -126,6 +128,7 @@ class Sequence(HoldsKV):
         child.seed = seed if seed is not None else random.getrandbits(64)
         child.forks, child.prompt_logprobs, child.unsent = [], None, None
         child.matcher = self.grammar.matcher() if self.grammar is not None else None  # none drawn yet
+        child._sample_row = SampleRow(child.params, child.seed, child.token_ids, child.num_prompt_tokens)
         return child
 
     def drop_kv(self) -> None:
@@ -161,6 +164,15 @@ class Sequence(HoldsKV):
     def drew_last_token(self) -> bool:
         """Its max_new_tokens are drawn, some perhaps still on the device: it ends when they are read."""
         return self.num_output + self.num_pending >= self.max_new_tokens
+
+    def sample_row(self) -> SampleRow:
+        """What the sampler reads of it this step: one row kept for its life (its token list is its own until
+        it ends), brought up to date here rather than built again at every step."""
+        row = self._sample_row
+        row.num_pending = self.num_pending
+        if self.params.min_new_tokens:
+            row.banned_ids = self.banned_ids
+        return row
 
     @property
     def banned_ids(self) -> list[int]:

@@ -230,15 +230,10 @@ class ModelRunner:
                     self._prompt_rows(plan, seq, start, end, first_row)
             if end == num_tokens:  # `Sequence.samples_this_step`
                 plan.logit_rows.append(len(input_ids) - 1)
-                banned = seq.banned_ids if seq.params.min_new_tokens else []
-                plan.sample_rows.append(
-                    SampleRow(seq.params, seq.seed, token_ids, seq.num_prompt_tokens, banned, seq.num_pending)
-                )
+                plan.sample_rows.append(seq.sample_row())
                 for fork in seq.forks:  # the request's other samples: their first draws, from the same row
                     plan.logit_rows.append(len(input_ids) - 1)
-                    plan.sample_rows.append(
-                        SampleRow(fork.params, fork.seed, fork.token_ids, fork.num_prompt_tokens, fork.banned_ids)
-                    )
+                    plan.sample_rows.append(fork.sample_row())
         return plan
 
     @staticmethod
