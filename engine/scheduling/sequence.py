@@ -9,7 +9,7 @@ import random
 from ..sampling.constraints import CompiledGrammar, GrammarMatcher
 from ..sampling.sampler import SampleRow
 from ..text.detokenizer import IncrementalDetokenizer
-from ..gateway.request import Request, RequestOutput
+from ..gateway.request import FinishReason, Request, RequestOutput
 
 
 class SequenceStatus(enum.Enum):
@@ -99,7 +99,7 @@ class Sequence(HoldsKV):
         self.num_scheduled = 0  # tokens this step will compute; set by the scheduler
         self.num_pending = 0  # tokens sampled on the device whose ids the host has not read yet (overlap)
         self.pending_row = 0  # the newest pending token's row among its step's sampled ids
-        self.finish_reason = None
+        self.finish_reason: FinishReason | None = None
         self.unsent: RequestOutput | None = None  # tokens drawn but not yet sent (EngineConfig.stream_interval)
         self.conversation: list[dict] | None = None  # a chat turn's messages, this turn's included
         self.first_scheduled: float | None = None  # monotonic time it first ran in a batch

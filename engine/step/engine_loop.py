@@ -61,6 +61,7 @@ def build_runner(weights: LocalWeights, config: EngineConfig, max_context_length
     graphs = None
     if config.cuda_graphs and attention == "triton" and config.tensor_parallel == 1:
         graphs = DecodeGraphs(config.max_batch_size, max_blocks, weights.device)
+    assert weights.model is not None, "a runner is built over loaded weights"
     runner = ModelRunner(
         weights.model,
         lambda: allocate_kv_cache(weights.config, num_blocks, config.block_size, kv_dtype, weights.device),
@@ -317,13 +318,14 @@ class EngineLoop:
                 if seq.samples is not None and seq.samples.to_fork:
                     batch.samplers += self.scheduler.fork(seq)
                     forked.append(seq)
-        drawn = previous.draws.tokens if previous is not None else None
+        drawn = previous.draws.tokens if previous is not None and previous.draws is not None else None
         copies = [(source, copy) for copy, source in self.scheduler.copies.items()]
         batch.inputs = self.runner.setup(batch.seqs, drawn, copies)  # kSetup + kPrepare
         for seq in forked:
             seq.forks = []
-        batch.logits = self.runner.forward(batch.inputs)  # kForward + kUnprep
-        batch.draws = self.runner.sample(batch.logits, batch.inputs, self._token_masks(batch.samplers))
+        batch.logits = logits = self.runner.forward(batch.inputs)  # kForward + kUnprep
+        assert logits is not None, "a loop's runner computes the logits"
+        batch.draws = self.runner.sample(logits, batch.inputs, self._token_masks(batch.samplers))
         computed = 0
         for seq in batch.seqs:
             seq.num_computed += seq.num_scheduled
@@ -336,15 +338,20 @@ class EngineLoop:
     def _token_masks(self, samplers: list[Sequence]) -> tuple[torch.Tensor, list[int]] | None:
         """The constrained rows' masks (structured outputs), filled on the host while the device computes the
         forward just queued; None where no row is constrained."""
-        rows = [row for row, seq in enumerate(samplers) if seq.matcher is not None]
+        rows, matchers = [], []
+        for row, seq in enumerate(samplers):
+            if seq.matcher is not None:
+                rows.append(row)
+                matchers.append(seq.matcher)
         if not rows:
             return None
         if self._masks is None:
             self._masks = TokenMasks(self.tokenizer.grammars.vocab_size, threads=self.num_threads)
-        return self._masks.fill([samplers[row].matcher for row in rows]), rows
+        return self._masks.fill(matchers), rows
 
     def _complete(self, batch: BatchData) -> None:
         """kFetch (waits for the device) .. kDel of a launched step."""
+        assert batch.draws is not None and batch.inputs is not None, "a launched step"
         batch.result = batch.draws.result()
         if batch.inputs.prompt is not None:
             self._add_prompt_logprobs(batch.inputs.prompt)
@@ -357,13 +364,15 @@ class EngineLoop:
 
     def _add_prompt_logprobs(self, prompt: PromptRows) -> None:
         """The step's prompt log-probabilities, to the sequences that asked; sent with their first output."""
+        assert prompt.result is not None, "computed by the step's forward"
         values = prompt.result.tolist()
         at = 0
         for seq, count in prompt.owners:
-            k = seq.params.prompt_logprobs
+            k, collected = seq.params.prompt_logprobs or 0, seq.prompt_logprobs
+            assert collected is not None, "only a sequence that asked has prompt rows"
             for row, target in zip(values[at : at + count], prompt.targets[at : at + count]):
                 top = [(int(t), v) for t, v in zip(row[1 : 1 + k], row[1 + prompt.top : 1 + prompt.top + k])]
-                seq.prompt_logprobs.append(TokenLogprob(target, row[0], top))
+                collected.append(TokenLogprob(target, row[0], top))
             at += count
 
     def _drain(self) -> None:
@@ -449,6 +458,7 @@ class EngineLoop:
                 f"session {session.session_id} holds prompt or token turns; messages continue "
                 "only a session whose every turn is messages"
             )
+        assert request.messages is not None, "a turn of messages"
         conversation = session.messages + request.messages
         ids = chat.render_ids(self.tokenizer, conversation)
         keep = min(chat.common_prefix(session.token_ids, ids), len(ids) - 1)
@@ -564,7 +574,9 @@ class EngineLoop:
         logprobs, no stop, not yet sent) reads each field once."""
         interval, limit, emit = self.stream_interval, self.max_context_length, self._emit
         version = batch.inputs.weight_version if batch.inputs is not None else ""
-        for seq, token, lp in zip(samplers, batch.result.token_ids, batch.result.logprobs):
+        result = batch.result
+        assert result is not None, "read by kFetch"
+        for seq, token, lp in zip(samplers, result.token_ids, result.logprobs):
             seq.num_pending -= 1
             if seq.finish_reason is not None:  # ended (or cancelled) after this step was launched
                 continue
@@ -613,9 +625,11 @@ class EngineLoop:
     def _grammar_ended(self, seq: Sequence, token: int) -> bool:
         """Advance a constrained sequence's matcher; True where its grammar lets nothing but an end follow (the
         output is whole), or refused the token (a row that could draw nothing the mask allowed)."""
-        if seq.matcher.accept(token):
-            return seq.matcher.is_terminated
-        log.warning("request %s: its grammar refused token %d (%s)", seq.request.request_id, token, seq.matcher.error)
+        matcher = seq.matcher
+        assert matcher is not None, "a constrained sequence"
+        if matcher.accept(token):
+            return matcher.is_terminated
+        log.warning("request %s: its grammar refused token %d (%s)", seq.request.request_id, token, matcher.error)
         return True
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:

@@ -247,7 +247,7 @@ class ModelRunner:
         prompt = plan.prompt = plan.prompt or PromptRows()
         prompt.rows.extend(range(first_row + first - start, first_row + last - start))
         prompt.targets.extend(seq.token_ids[first + 1 : last + 1])
-        prompt.top = max(prompt.top, seq.params.prompt_logprobs)
+        prompt.top = max(prompt.top, seq.params.prompt_logprobs or 0)
         prompt.owners.append((seq, last - first))
 
     def prepare(self, plan: StepPlan, drawn: torch.Tensor | None = None) -> StepInputs:
@@ -274,6 +274,7 @@ class ModelRunner:
                 bucket=meta.num_decode,
                 copies=self._copies(plan.copies),
             )
+        prefills: PrefillTables | list[PrefillChunk]
         if self.attention in ("triton", "cpu"):
             prefills = self._prefill_tables(plan.prefills)
         else:
@@ -308,17 +309,17 @@ class ModelRunner:
     ) -> None:
         """The decodes' input ids the host has not read, from the last step's draws, on the device."""
         if pending:
+            assert drawn is not None, "a pending input is the last step's draw"
             rows, sources = self._tensor(list(zip(*pending)))
             input_ids.index_copy_(0, rows, drawn.index_select(0, sources))
 
     def _decode_tables(self, block_tables: list[list[int]], lengths: list[int]) -> DecodeTables | GatheredDecode:
-        tables = self.tables.gather(block_tables)
-        lengths = torch.tensor(lengths)
+        tables, lens = self.tables.gather(block_tables), torch.tensor(lengths)
         if self.attention != "torch":
-            return DecodeTables(to_device(tables, self.device), to_device(lengths, self.device))
+            return DecodeTables(to_device(tables, self.device), to_device(lens, self.device))
         return GatheredDecode(
             self._rows(tables),
-            to_device(decode_mask(lengths, tables.shape[1] * self.block_size, self.kv_caches[0][0]), self.device),
+            to_device(decode_mask(lens, tables.shape[1] * self.block_size, self.kv_caches[0][0]), self.device),
         )
 
     def _prefill_tables(self, prefills: list[tuple[int, int, int, list[int]]]) -> PrefillTables:
@@ -352,7 +353,7 @@ class ModelRunner:
         inputs.weight_version = model.weight_version
         if inputs.copies is not None:
             copy_blocks(self.kv_caches, *inputs.copies)
-        if inputs.bucket:  # every decode samples, in order: the first rows of the bucket's logits
+        if inputs.bucket and self.graphs is not None:  # every decode samples, in order: the bucket's first rows
             out = self.graphs.run(model, self.weights_version, self.kv_caches, inputs.bucket)[: len(inputs.logit_rows)]
         else:
             hidden = model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
