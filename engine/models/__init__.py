@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -27,7 +28,7 @@ MODEL_CLASSES = {
 
 def build_model(
     cfg: ModelConfig,
-    weights: dict[str, torch.Tensor | GGUFBlocks],
+    weights: Mapping[str, torch.Tensor | GGUFBlocks],
     dtype: torch.dtype,
     device: torch.device,
     batch_hint: int = 256,

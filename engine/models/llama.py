@@ -7,6 +7,7 @@ matmul each at load time (`pack_weights`).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -183,6 +184,13 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv in zip(self.model.layers, kv_caches):
             delta = layer(x, delta, rope, kv, meta)
         return self.model.norm(x, delta)
+
+    def reduce_layers_with(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """A tensor-parallel shard: each decoder layer sums its row-parallel outputs with `reduce`, and the fused
+        decode, which knows no all-reduce, is off."""
+        self.fused_decode = None
+        for layer in self.model.layers:
+            layer.reduce = reduce
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

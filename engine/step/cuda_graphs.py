@@ -60,7 +60,7 @@ class DecodeGraphs:
         self.store = TableStore(2 * size + 1, max_blocks, device, pin=capture)
         self.tables = torch.zeros(size, max_blocks, dtype=torch.long, device=device)  # the step's rows, gathered
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._pool = None
+        self._pool: torch.cuda._POOL_HANDLE | None = None
         self._captured_for: tuple[int, int] | None = None  # (id of the model, its weights version)
         # Captures warm up on one side stream, made once: cuBLAS keeps a workspace (32 MiB on an H100) for each
         # stream it has run on, which no empty_cache frees, so a stream per capture would pile them up.
@@ -90,7 +90,9 @@ class DecodeGraphs:
         columns[2, n:] = -1  # padded rows store nothing
         self._device.copy_(host, non_blocking=True)
         self.store.sync()
-        torch.index_select(self.store.device, 0, self.table_rows[:b], out=self.tables[:b])
+        mirror = self.store.device
+        assert mirror is not None, "the graphs' store has a device copy"
+        torch.index_select(mirror, 0, self.table_rows[:b], out=self.tables[:b])
         return self.views(b)
 
     def views(self, b: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

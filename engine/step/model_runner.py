@@ -108,7 +108,7 @@ class ModelRunner:
         tables: TableStore,
         graphs: DecodeGraphs | None = None,
     ) -> None:
-        self.model = model  # replaced whole by the engine (weight updates), read once per step
+        self.model: LlamaForCausalLM | None = model  # replaced whole (updates; None asleep), read once per step
         self.weights_version = 0  # bumped by the engine with every new model, after `model` is replaced
         self.make_kv_cache = make_kv_cache
         self.kv_caches = make_kv_cache()
@@ -350,6 +350,7 @@ class ModelRunner:
         """kForward: the model over the batch; logits only for the rows that sample, and none for a
         tensor-parallel follower (`logits=False`), whose replicated LM head would only repeat its leader's."""
         model = self.model
+        assert model is not None, "no step runs while the weights are released"
         inputs.weight_version = model.weight_version
         if inputs.copies is not None:
             copy_blocks(self.kv_caches, *inputs.copies)

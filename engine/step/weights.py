@@ -226,9 +226,7 @@ class LocalWeights:
         )
         model.weight_version = name
         if self.tp:
-            model.fused_decode = None  # its layers know no all-reduce
-            for layer in model.model.layers:
-                layer.reduce = self.tp.all_reduce
+            model.reduce_layers_with(self.tp.all_reduce)
         return model
 
     def _install(self, model: LlamaForCausalLM | None) -> None:
