@@ -41,6 +41,21 @@ _LAYER_NAMES = {
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
+class GGUFFile(GGUFReader):
+    """gguf's reader over a plain ndarray view of its memmap. The reader slices its data once per value, a
+    vocabulary's strings included (about 250,000 slices for a 49,152-token vocabulary and its merges), and a
+    memmap's slice costs several times a plain array's (`memmap.__array_finalize__`): 0.6 s against 2.0 for
+    the embedded model. The views still read the mapped file; nothing is copied."""
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._array
+
+    @data.setter
+    def data(self, mapped: np.ndarray) -> None:  # the reader's `__init__` sets its memmap here
+        self._array = mapped.view(np.ndarray)
+
+
 def _field(reader: GGUFReader, key: str, default=None):
     f = reader.fields.get(key)
     return default if f is None else f.contents()

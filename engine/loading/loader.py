@@ -13,12 +13,11 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from gguf import GGUFReader
 from safetensors import SafetensorError
 
 from ..config import ModelConfig
 from ..errors import EngineError, UnsupportedModel
-from .gguf_loader import read_gguf_config, read_gguf_weights
+from .gguf_loader import GGUFFile, read_gguf_config, read_gguf_weights
 from .hf_loader import read_hf_config, read_hf_weights
 from ..text.tokenizer import Tokenizer
 
@@ -55,7 +54,7 @@ def read_config(path: str) -> ModelConfig:
     """The config alone, cheap enough to check a checkpoint before loading it."""
     p = _existing(path)
     with _unreadable_refused(path):
-        return read_gguf_config(GGUFReader(p)) if p.is_file() else read_hf_config(p)
+        return read_gguf_config(GGUFFile(p)) if p.is_file() else read_hf_config(p)
 
 
 GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -86,7 +85,7 @@ def load_checkpoint(path: str | None = None, weights: bool = True) -> Checkpoint
     _progress(f"loading {p.name}")
     with _unreadable_refused(path):
         if p.is_file():
-            reader = GGUFReader(p)
+            reader = GGUFFile(p)
             config = read_gguf_config(reader)
             tensors = read_gguf_weights(reader, config) if weights else {}
             tokenizer = Tokenizer.from_gguf(reader)

@@ -359,12 +359,14 @@ def _without_prepended_space(backend: _Backend) -> _Backend | None:
     """A copy of `backend` whose normalizer no longer puts "▁" before every piece of text (older SentencePiece
     tokenizer.json files: Prepend("▁"), then spaces replaced by "▁"), for text that continues earlier text, as
     transformers' non-legacy Llama tokenizer encodes it; None if its normalizer has no such step."""
-    spec = json.loads(backend.to_str())
-    normalizer = spec.get("normalizer") or {}
+    if backend.normalizer is None:  # most byte-level BPE models: no need to write the whole tokenizer out
+        return None
+    normalizer = json.loads(backend.normalizer.__getstate__())  # its JSON form, as in tokenizer.json
     steps = normalizer.get("normalizers", []) if normalizer.get("type") == "Sequence" else [normalizer]
     kept = [step for step in steps if not (step.get("type") == "Prepend" and step.get("prepend") == "▁")]
     if len(kept) == len(steps):
         return None
+    spec = json.loads(backend.to_str())
     spec["normalizer"] = {"type": "Sequence", "normalizers": kept} if kept else None
     return _Backend.from_str(json.dumps(spec))
 
