@@ -3,7 +3,6 @@
 import os
 
 import lmgate.engine  # noqa: F401  (before torch: it sets OpenMP's wait policy, engine/__init__.py)
-import gguf
 import pytest
 import torch
 
@@ -12,6 +11,7 @@ if not torch.cuda.is_available():  # the Triton kernels run in Triton's interpre
 
 from lmgate.engine.config import DP_BACKENDS
 from lmgate.engine.machine.hardware import FLAGS_ENV, cpu_features
+from lmgate.engine.loading.gguf_loader import GGUFFile
 from lmgate.engine.loading.loader import embedded_model_path
 from lmgate.engine.text.tokenizer import Tokenizer
 
@@ -55,7 +55,7 @@ def gguf_path() -> str:
 
 @pytest.fixture(scope="session")
 def tokenizer(gguf_path: str) -> Tokenizer:
-    return Tokenizer.from_gguf(gguf.GGUFReader(gguf_path))
+    return Tokenizer.from_gguf(GGUFFile(gguf_path))
 
 
 @pytest.fixture(scope="session")

@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize, quantize
 
 from lmgate.engine.config import EngineConfig
 from lmgate.engine.engine import Engine
 from lmgate.engine.errors import UnsupportedModel
 from lmgate.engine.kernels import compiler_found, load_cpu_kernels
+from lmgate.engine.loading.gguf_loader import GGUFFile
 from lmgate.engine.loading.loader import load_checkpoint
 from lmgate.engine.models.quantized_linear import GGUFBlocks, GGUFStack, QuantizedEmbedding, QuantizedLinear, cat_rows
 from lmgate.engine.sampling.sampler import SamplingParams
@@ -322,6 +323,20 @@ def test_a_gguf_file_without_the_extension_keeps_its_blocks(gguf_path, tmp_path)
         == compiler_found()
     )
     assert not quantized_gguf(EngineConfig(), str(tmp_path), cpu)  # a Hugging Face directory
+
+
+def test_our_gguf_reader_reads_what_ggufs_own_reads(gguf_path):
+    """GGUFFile (plain array views of the mapped file) against gguf's reader: every field, every tensor."""
+    ours, theirs = GGUFFile(gguf_path), GGUFReader(gguf_path)
+    assert list(ours.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        assert ours.fields[name].types == field.types
+        assert ours.fields[name].contents() == field.contents(), name
+    assert [(t.name, t.tensor_type, t.shape.tolist()) for t in ours.tensors] == [
+        (t.name, t.tensor_type, t.shape.tolist()) for t in theirs.tensors
+    ]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, theirs.tensors, strict=True))
+    assert np.shares_memory(ours.tensors[0].data, ours.data)  # views of the file, nothing copied
 
 
 def test_a_truncated_tensor_is_a_clear_load_error(tiny_gguf_model, tokenizer_fields, tmp_path):
