@@ -1,5 +1,6 @@
 """Shared fixtures: the embedded SmolLM2 GGUF and the tokenizer built from it."""
 
+import copy
 import os
 
 import lmgate.engine  # noqa: F401  (before torch: it sets OpenMP's wait policy, engine/__init__.py)
@@ -65,6 +66,67 @@ def checkpoint():
     from lmgate.engine.machine.threads import on_fresh_thread
 
     return on_fresh_thread(load_checkpoint)  # off the main thread, as Engine does (engine/machine/threads.py)
+
+
+# The references and files built from the embedded model, once a session: defined here, not imported into
+# test modules (a fixture imported into a module is that module's own, and would be built again there).
+@pytest.fixture(scope="session")
+def hf_tokenizer_dir(tmp_path_factory, gguf_path) -> str:
+    """transformers' tokenizer of the embedded GGUF, saved once as tokenizer.json & co."""
+    import transformers
+
+    where = {"pretrained_model_name_or_path": os.path.dirname(gguf_path), "gguf_file": os.path.basename(gguf_path)}
+    out = tmp_path_factory.mktemp("tokenizer")
+    transformers.AutoTokenizer.from_pretrained(**where).save_pretrained(str(out))
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def hf_model(gguf_path):
+    """transformers' model of the embedded GGUF in float32, the reference oracle; tests only read it."""
+    import transformers
+
+    where = {"pretrained_model_name_or_path": os.path.dirname(gguf_path), "gguf_file": os.path.basename(gguf_path)}
+    return transformers.AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def trainer(hf_model):
+    """The embedded model as a trainer holds it (transformers, from the same GGUF), changed as a training step
+    might (four layers' down_proj negated, the embeddings scaled), its values made exact in bfloat16."""
+    model = copy.deepcopy(hf_model)
+    with torch.no_grad():
+        for i in range(4):
+            model.model.layers[i].mlp.down_proj.weight.neg_()
+        model.model.embed_tokens.weight.mul_(1.5)
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, hf_tokenizer_dir):
+    """Tiny random models of each architecture (tests/test_models.py), each built once when first asked for."""
+    from tests.test_models import TinyModel, make_model
+
+    root = tmp_path_factory.mktemp("models")
+    cache: dict[str, TinyModel] = {}
+
+    def get(name: str) -> TinyModel:
+        if name not in cache:
+            cache[name] = make_model(name, root, hf_tokenizer_dir)
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory, gguf_path, checkpoint, hf_tokenizer_dir):
+    """The embedded model as a HF directory with some weights changed, and models of another shape or settings
+    (tests/test_sleep.py)."""
+    from tests.test_sleep import changed_checkpoints
+
+    return changed_checkpoints(tmp_path_factory.mktemp("ckpt"), gguf_path, checkpoint, hf_tokenizer_dir)
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,6 @@ from lmgate.engine.config import EngineConfig
 from lmgate.engine.engine import Engine
 from lmgate.engine.errors import InvalidRequest
 from lmgate.engine.sampling.sampler import SamplingParams
-from tests.test_models import hf_tokenizer_dir, tiny_models  # noqa: F401  (fixtures)
 
 QUESTIONS = ["What is the capital of Italy?", "And of Spain?", "Which of the two is bigger?"]
 PARAMS = SamplingParams(max_new_tokens=12)  # stops at <|im_end|>, as a chat turn does

@@ -9,7 +9,6 @@ from tokenizers import decoders, models
 
 from lmgate.engine.text.detokenizer import IncrementalDetokenizer, reply_context
 from lmgate.engine.text.tokenizer import Tokenizer
-from tests.test_models import hf_tokenizer_dir  # noqa: F401  (fixture)
 from tests.test_tokenizer import _tiny_llama_gguf
 
 TEXTS = [

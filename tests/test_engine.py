@@ -15,7 +15,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import shutil
 import threading
 import time
@@ -38,7 +37,6 @@ from lmgate.engine.errors import (
 )
 from lmgate.engine.gateway.request import FinishReason, RequestKind
 from lmgate.engine.sampling.sampler import SamplingParams
-from tests.test_models import hf_tokenizer_dir, tiny_models  # noqa: F401  (fixtures)
 
 REPLACEMENT = "\ufffd"
 NEW = 32  # tokens per reference-equivalence request
@@ -52,14 +50,6 @@ def engine(checkpoint):
     eng = Engine(EngineConfig(dtype="float32"), checkpoint=checkpoint)
     yield eng
     eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def hf_model(gguf_path):
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=torch.float32
-    )
-    return model.eval()
 
 
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:

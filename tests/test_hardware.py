@@ -19,7 +19,6 @@ from lmgate.engine.step.weights import quantized_gguf
 from lmgate.engine.kernels import compiler_found, load_cpu_kernels
 from lmgate.engine.machine.threads import available_cpus, cgroup_cpu_quota
 from tests.conftest import AVX2, AVX512
-from tests.test_models import hf_tokenizer_dir, tiny_models  # noqa: F401  (fixtures)
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 

@@ -23,7 +23,6 @@ from lmgate.engine.models import build_model
 from lmgate.engine.models.quantized_linear import INT8_TYPES, MATVEC_ROWS, GGUFBlocks, QuantizedLinear
 from lmgate.engine.sampling.sampler import SamplingParams
 from tests.perplexity import PASSAGE, perplexity
-from tests.test_engine import hf_model  # noqa: F401  (fixture)
 from tests.test_quantized import blocks_for
 
 kernels = pytest.mark.skipif(

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import grpc
 import pytest
 import torch
-import transformers
 
 from lmgate.client import Client
 from lmgate.client.wire import sampling_params as client_sampling_params
@@ -50,14 +48,6 @@ BATCH = {
     "processed_top_p": (1, SamplingParams(logprobs=2, logprobs_mode="processed", temperature=0.7, top_p=0.8, seed=11)),
     "none_greedy": (0, SamplingParams()),
 }
-
-
-@pytest.fixture(scope="module")
-def hf_model(gguf_path):
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=torch.float32
-    )
-    return model.eval()
 
 
 def hf_logits(model, ids: list[int]) -> torch.Tensor:

@@ -147,13 +147,6 @@ class TinyModel:
 
 
 # ----------------------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="session")
-def hf_tokenizer_dir(tmp_path_factory, gguf_path) -> str:
-    """transformers' tokenizer of the embedded GGUF, saved once as tokenizer.json & co."""
-    tok = transformers.AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
-    out = tmp_path_factory.mktemp("tokenizer")
-    tok.save_pretrained(str(out))
-    return str(out)
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
@@ -171,7 +164,7 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(0.2 * torch.randn(p.shape, generator=g))
 
 
-def _make_model(name: str, root, tokenizer_dir: str) -> TinyModel:
+def make_model(name: str, root, tokenizer_dir: str) -> TinyModel:
     cls, overrides = ARCHS[name]
     cfg = cls(**_COMMON, **overrides)
     torch.manual_seed(0)
@@ -185,19 +178,6 @@ def _make_model(name: str, root, tokenizer_dir: str) -> TinyModel:
     for f in os.listdir(tokenizer_dir):
         shutil.copy(os.path.join(tokenizer_dir, f), path / f)
     return TinyModel(name, str(path), hf)
-
-
-@pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory, hf_tokenizer_dir):
-    root = tmp_path_factory.mktemp("models")
-    cache: dict[str, TinyModel] = {}
-
-    def get(name: str) -> TinyModel:
-        if name not in cache:
-            cache[name] = _make_model(name, root, hf_tokenizer_dir)
-        return cache[name]
-
-    return get
 
 
 @pytest.fixture(params=ARCH_NAMES)

@@ -18,7 +18,7 @@ from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 from tests.serving import LMGATE, StreamEnds, free_port, serve_process
 from tests.test_rank_processes import rank_pids
-from tests.test_engine import hf_greedy, hf_model  # noqa: F401  (fixture)
+from tests.test_engine import hf_greedy
 
 NEW = 24
 GUARD = 300  # seconds: a guard against a hang, far above what any run takes, never a performance bound

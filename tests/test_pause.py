@@ -16,7 +16,7 @@ from lmgate.engine.config import EngineConfig
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 from tests.serving import ServerThread
-from tests.test_weight_push import bf16_state, trainer  # noqa: F401 (a fixture)
+from tests.test_weight_push import bf16_state
 
 STREAMS = 16
 MAX_NEW = 40

@@ -15,7 +15,6 @@ from lmgate.engine.engine import Engine
 from lmgate.engine.gateway.request import FinishReason
 from lmgate.engine.sampling.sampler import SamplingParams
 from lmgate.engine.scheduling.sequence import Session
-from tests.test_sleep import checkpoints  # noqa: F401  (fixture)
 
 GREEDY = SamplingParams(max_new_tokens=12, ignore_eos=True)
 

@@ -22,7 +22,7 @@ from lmgate.engine.models.quantized_linear import GGUFBlocks, GGUFStack, Quantiz
 from lmgate.engine.sampling.sampler import SamplingParams
 from lmgate.engine.step.weights import keep_quantized, quantized_gguf
 from tests.conftest import CountingFusedDecode
-from tests.test_engine import NEW, hf_greedy, hf_model, reference_prompts  # noqa: F401  (fixtures)
+from tests.test_engine import NEW, hf_greedy, reference_prompts  # noqa: F401  (fixtures)
 from tests.test_models import TinyModel, _write_gguf, prompt_ids, tokenizer_fields  # noqa: F401  (fixtures)
 
 kernels = pytest.mark.skipif(

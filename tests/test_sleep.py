@@ -227,16 +227,9 @@ def save_hf_dir(path, config, weights: dict[str, torch.Tensor], tokenizer_dir: s
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory, gguf_path, checkpoint):
-    """The embedded model as a HF directory with some weights changed, and a model of another shape."""
-    from transformers import AutoTokenizer
-
-    root = tmp_path_factory.mktemp("ckpt")
-    tokenizer_dir = root / "tokenizer"
-    AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path)).save_pretrained(
-        tokenizer_dir
-    )
+def changed_checkpoints(root, gguf_path: str, checkpoint, tokenizer_dir: str) -> dict[str, str]:
+    """The embedded model as a HF directory with some weights changed, and a model of another shape, under
+    `root` (the session's `checkpoints` fixture, tests/conftest.py)."""
     weights = expand_blocks(checkpoint.weights)  # the GGUF's blocks as float32, to save as safetensors
     changed = dict(weights)
     for i in range(4):
@@ -252,17 +245,17 @@ def checkpoints(tmp_path_factory, gguf_path, checkpoint):
         if not k.startswith("model.layers.") or k.startswith(("model.layers.0.", "model.layers.1."))
     }
     return {
-        "changed": save_hf_dir(root / "changed", checkpoint.config, changed, str(tokenizer_dir)),
-        "other_shape": save_hf_dir(root / "other_shape", small_config, small, str(tokenizer_dir)),
+        "changed": save_hf_dir(root / "changed", checkpoint.config, changed, tokenizer_dir),
+        "other_shape": save_hf_dir(root / "other_shape", small_config, small, tokenizer_dir),
         # the same weights run with other settings, as Mistral 7B v0.1 and v0.2 share their shapes
         "other_rope": save_hf_dir(
-            root / "other_rope", dataclasses.replace(checkpoint.config, rope_theta=500.0), weights, str(tokenizer_dir)
+            root / "other_rope", dataclasses.replace(checkpoint.config, rope_theta=500.0), weights, tokenizer_dir
         ),
         "short_context": save_hf_dir(
             root / "short_context",
             dataclasses.replace(checkpoint.config, max_position_embeddings=1024),
             weights,
-            str(tokenizer_dir),
+            tokenizer_dir,
         ),
         "original": gguf_path,
     }

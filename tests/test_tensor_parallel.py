@@ -13,9 +13,8 @@ from lmgate.engine.kernels import compiler_found
 from lmgate.engine.models.tensor_parallel import shard_of
 from lmgate.engine.sampling.sampler import SamplingParams
 from tests.serving import status_bytes
-from tests.test_engine import hf_greedy, hf_model  # noqa: F401  (fixture)
-from tests.test_models import ARCH_NAMES, hf_tokenizer_dir, prompt_ids, tiny_models  # noqa: F401  (fixtures)
-from tests.test_sleep import checkpoints  # noqa: F401  (fixture)
+from tests.test_engine import hf_greedy
+from tests.test_models import ARCH_NAMES, prompt_ids  # noqa: F401  (fixtures)
 
 NEW = 24
 LOGPROB_TOLERANCE = 1e-3  # partial sums over the group change the summation order, nothing else

@@ -16,7 +16,6 @@ from lmgate.engine.step.cuda_graphs import DecodeGraphs
 from lmgate.engine.engine import Engine
 from lmgate.engine.kernels import triton as triton_package
 from lmgate.engine.sampling.sampler import SamplingParams
-from tests.test_models import hf_tokenizer_dir, tiny_models  # noqa: F401  (fixtures)
 
 triton_kernels = pytest.importorskip("lmgate.engine.kernels.triton.paged_attention", reason="Triton is not installed")
 layer_ops = pytest.importorskip("lmgate.engine.kernels.triton.layer_ops", reason="Triton is not installed")

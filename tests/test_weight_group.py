@@ -23,7 +23,7 @@ from lmgate.engine.loading import weight_group as server_side
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 from tests.serving import ServerThread, free_port, serve_process
-from tests.test_weight_push import GREEDY, MISSING, PROMPT, bad_states, bf16_state, saved, trainer  # noqa: F401  (fixtures)
+from tests.test_weight_push import GREEDY, MISSING, PROMPT, bad_states, bf16_state, saved  # noqa: F401  (fixtures)
 
 PROCESS_SERVERS = {
     "dp-process": ("--engine-loops", "2", "--dp-backend", "process"),

@@ -4,12 +4,10 @@ GenerateResponse report; a refused or broken-off push changes nothing."""
 
 from __future__ import annotations
 
-import os
 
 import grpc
 import pytest
 import torch
-import transformers
 
 from lmgate.client.client import Client
 from lmgate.client.weights import weight_stream
@@ -23,32 +21,12 @@ PROMPT = [504, 3575, 282, 4649, 314]
 GREEDY = pb.SamplingParams(max_new_tokens=12, ignore_eos=True)
 
 
-@pytest.fixture(scope="session")
-def trainer(gguf_path):
-    """The embedded model as a trainer holds it (transformers, from the same GGUF), changed as a training step
-    might (four layers' down_proj negated, the embeddings scaled), its values made exact in bfloat16."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=torch.float32
-    ).eval()
-    with torch.no_grad():
-        for i in range(4):
-            model.model.layers[i].mlp.down_proj.weight.neg_()
-        model.model.embed_tokens.weight.mul_(1.5)
-        for p in model.parameters():
-            p.copy_(p.to(torch.bfloat16).float())
-    return model
-
-
 @pytest.fixture(scope="module")
-def saved(trainer, checkpoint, gguf_path, tmp_path_factory):
+def saved(trainer, checkpoint, hf_tokenizer_dir, tmp_path_factory):
     """The trainer's weights saved as a Hugging Face directory with the served tokenizer (transformers will not
     save a model it read from a GGUF file itself: the same tensors, saved as safetensors)."""
-    root = tmp_path_factory.mktemp("trained")
-    transformers.AutoTokenizer.from_pretrained(
-        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path)
-    ).save_pretrained(root / "tokenizer")
     weights = {k: v for k, v in trainer.state_dict().items() if k != "lm_head.weight"}  # tied
-    return save_hf_dir(root / "model", checkpoint.config, weights, str(root / "tokenizer"))
+    return save_hf_dir(tmp_path_factory.mktemp("trained") / "model", checkpoint.config, weights, hf_tokenizer_dir)
 
 
 @pytest.fixture
