@@ -19,12 +19,20 @@ TINY = ["--steps", "2", "--prompts-per-step", "2", "--n", "4", "--max-new-tokens
 PROMPT = [504, 3575, 282, 4649, 314]
 
 
+SYNCS = ("tensors", "gloo")
+
+
 @pytest.fixture(scope="module")
-def server(checkpoint):
-    """The server the example's own would be (float weights, float32), in this process: each run pushes into it."""
-    s = ServerThread(EngineConfig(dtype="float32", weights="float", kv_cache_tokens=4096), checkpoint)
-    yield s
-    s.stop()
+def servers(checkpoint):
+    """A server per sync, as the example's own would be (float weights, float32), in this process: each run
+    pushes into its own."""
+    started = {
+        sync: ServerThread(EngineConfig(dtype="float32", weights="float", kv_cache_tokens=4096), checkpoint)
+        for sync in SYNCS
+    }
+    yield started
+    for s in started.values():
+        s.stop()
 
 
 def greedy_logprobs(address: str) -> list[float]:
@@ -34,19 +42,30 @@ def greedy_logprobs(address: str) -> list[float]:
         return [lp["logprob"] for d in deltas for lp in d.logprobs]
 
 
-@pytest.mark.parametrize("sync", ["tensors", "gloo"])
-def test_rl_loop_pushes_each_steps_weights_as_its_version(server, sync):
-    before = greedy_logprobs(server.address)
-    run = subprocess.run(
-        [sys.executable, EXAMPLE, "--target", server.address, "--sync", sync, *TINY],
-        capture_output=True,
-        text=True,
-        timeout=600,  # a guard against a hung run, not a performance bound
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    assert "Traceback" not in run.stderr and " ERROR " not in run.stderr, run.stderr[-4000:]
-    steps = [line for line in run.stdout.splitlines() if line.startswith("step ")]
-    assert [line.split(":")[0] for line in steps] == ["step 1", "step 2"], run.stdout
-    assert "(by step-1)" in steps[1] and "serving step-2" in steps[1], steps
-    assert server.info().weight_version == "step-2"
-    assert greedy_logprobs(server.address) != before
+def test_rl_loop_pushes_each_steps_weights_as_its_version(servers):
+    """Both syncs at once, each run a process of its own (most of a run is the trainer loading the GGUF in
+    transformers, one core's work)."""
+    before = {sync: greedy_logprobs(s.address) for sync, s in servers.items()}
+    runs = {
+        sync: subprocess.Popen(
+            [sys.executable, EXAMPLE, "--target", s.address, "--sync", sync, *TINY],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for sync, s in servers.items()
+    }
+    try:
+        for sync, run in runs.items():
+            stdout, stderr = run.communicate(timeout=600)  # a guard against a hung run, not a performance bound
+            assert run.returncode == 0, (sync, stderr[-4000:])
+            assert "Traceback" not in stderr and " ERROR " not in stderr, (sync, stderr[-4000:])
+            steps = [line for line in stdout.splitlines() if line.startswith("step ")]
+            assert [line.split(":")[0] for line in steps] == ["step 1", "step 2"], (sync, stdout)
+            assert "(by step-1)" in steps[1] and "serving step-2" in steps[1], (sync, steps)
+            assert servers[sync].info().weight_version == "step-2"
+            assert greedy_logprobs(servers[sync].address) != before[sync], sync
+    finally:
+        for run in runs.values():  # the other run, after a failed assertion
+            run.kill()
+            run.wait()
