@@ -47,7 +47,7 @@ class GGUFFile(GGUFReader):
     memmap's slice costs several times a plain array's (`memmap.__array_finalize__`): 0.6 s against 2.0 for
     the embedded model. The views still read the mapped file; nothing is copied."""
 
-    @property
+    @property  # type: ignore[override]  # gguf's reader declares its memmap; this is a plain view of it
     def data(self) -> np.ndarray:
         return self._array
 
