@@ -44,7 +44,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import lmgate.engine  # noqa: F401  before torch: the OMP_WAIT_POLICY it sets counts only before libgomp loads
 import torch
@@ -351,8 +351,9 @@ class Trace:
         return self.tokens / (max(s[-1] for s in self.stamps) - self.start)
 
 
-def run_requests(engine: Engine, requests: Requests) -> Trace:
-    """Submits every request at once and waits for the last; the engine delivers one output per step."""
+def run_requests(engine: Engine, requests: Requests, **submit: Any) -> Trace:
+    """Submits every request at once (`submit`: more of `Engine.submit`'s arguments) and waits for the last; the
+    engine delivers one output per step."""
     stamps: list[list[float]] = [[] for _ in requests]
     tokens = [0] * len(requests)
     errors = []
@@ -372,7 +373,7 @@ def run_requests(engine: Engine, requests: Requests) -> Trace:
 
     start = time.perf_counter()
     for i, (prompt, params) in enumerate(requests):
-        engine.submit(prompt, params, on_output=on_output_of(i))
+        engine.submit(prompt, params, on_output=on_output_of(i), **submit)
     for _ in requests:
         done.acquire()
     if errors:

@@ -15,6 +15,9 @@ wrappers' own cost (measured here, per call). Two workloads at --num-seqs sequen
 - offline: nano-vllm's bench.py workload (bench_gpu.offline_requests: prompt and output lengths uniform in
   100..1024, temperature 0.6), all at once; every step of the run.
 
+With --ids-only the requests are those of the gateway's worker protocol (smg), whose caller reads token ids
+only: no text is written (`Engine.submit(text=False)`).
+
 The host's bookkeeping is the step's time but the model's forward on a CPU; on CUDA (--device cuda, overlap
 scheduling on), where the forward only launches the device's work, it is the step's time but read-back, which
 waits for the device.
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import filecmp
 import importlib.abc
+import inspect
 import importlib.util
 import json
 import os
@@ -255,9 +259,15 @@ def decode_steps(engine: Engine, rec: Recorder, args: argparse.Namespace, w: Wor
     new = prefill_steps + args.warmup_steps + args.steps + 4
     params = SamplingParams(max_new_tokens=new, temperature=TEMPERATURE, ignore_eos=True)
     rec.steps = []
-    run_requests(engine, [(p, params) for p in prompts])
+    run_requests(engine, [(p, params) for p in prompts], **submit_kw(args))
     full = [s for s in rec.steps if s.get("seqs") == w.num_seqs and s.get("tokens") == w.num_seqs]
     return full[args.warmup_steps : args.warmup_steps + args.steps]
+
+
+def submit_kw(args: argparse.Namespace) -> dict:
+    """--ids-only: callers that read token ids only, as the gateway's worker protocol does (no text written);
+    a checkout whose `Engine.submit` cannot be told so writes the text, as it would for that gateway."""
+    return {"text": False} if args.ids_only and "text" in inspect.signature(Engine.submit).parameters else {}
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -285,7 +295,7 @@ def measure(args: argparse.Namespace) -> dict:
                 if args.workload in ("offline", "both"):
                     rec.steps = []
                     start = time.perf_counter()
-                    trace = run_requests(engine, offline_requests(2, w, SHAPE["vocab_size"]))
+                    trace = run_requests(engine, offline_requests(2, w, SHAPE["vocab_size"]), **submit_kw(args))
                     offline = result["workloads"]["offline"] = phases(rec.steps, overhead, args.device)
                     offline["tok_s"] = trace.tokens / (time.perf_counter() - start)
             finally:
@@ -386,6 +396,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--min-len", type=int, default=100, help="offline prompt and output lengths: the least")
     ap.add_argument("--max-len", type=int, default=1024, help="offline prompt and output lengths: the most")
     ap.add_argument("--json", default="", help="where the results go, as JSON (none by default)")
+    ap.add_argument(
+        "--ids-only",
+        type=lambda v: v.lower() in ("1", "true", "yes", "on"),
+        nargs="?",
+        const=True,
+        default=False,
+        help="requests whose caller reads token ids only (the gateway's worker protocol): no text written",
+    )
     return ap.parse_args(argv)
 
 

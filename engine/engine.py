@@ -254,6 +254,7 @@ class Engine:
         request_id: str = "",
         on_output: Callable[[RequestOutput], None] | None = None,
         session_epoch: int | None = None,
+        text: bool = True,
     ) -> Stream | Request:
         """Queue a generation. With `on_output`, it runs on the signal thread and the `Request` is returned;
         without, a `Stream` to iterate is returned. Bad input raises here and leaves nothing behind.
@@ -263,7 +264,8 @@ class Engine:
         that refuses it or a conversation past the context window (alone, a turn of tool results may be refused
         where the conversation is not). A session's text turn continues its context, so only
         its first is encoded as a stateless text prompt is (a BOS; a SentencePiece space). `session_epoch`:
-        the copy of the session the caller's history belongs to (else SessionStale); None: any."""
+        the copy of the session the caller's history belongs to (else SessionStale); None: any. `text=False`: the
+        caller reads token ids only, so no text is written that its stop strings (or chat turn) do not need."""
         params = params or SamplingParams()
         if session_epoch is not None and not session_id:
             raise InvalidRequest("session_epoch names a copy of a session: it needs a session_id")
@@ -290,6 +292,7 @@ class Engine:
             params,
             stateless=not session_id,
             session_epoch=session_epoch,
+            text=text,
         )
         request.first_turn_ids = first_turn_ids
         if session_id and chat.is_chat(prompt):

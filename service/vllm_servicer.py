@@ -305,8 +305,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             check_message_sizes(params, len(prompt), request.stream, self.engine.config.default_max_new_tokens)
             if request_id in self._requests:
                 raise InvalidRequest(f"request_id {request_id!r} is already in use by an active request")
+            # The gateway reads token ids and detokenizes itself: no text is written that a stop string does not need
             running = self.engine.submit(
-                prompt, params, request_id=request_id, on_output=lambda out: relay.put(outputs, out)
+                prompt, params, request_id=request_id, on_output=lambda out: relay.put(outputs, out), text=False
             )
         except EngineError as exc:
             await abort(context, exc)

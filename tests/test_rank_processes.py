@@ -123,6 +123,38 @@ def test_the_serving_process_writes_the_text_a_ranks_loop_leaves_it(process_rank
     assert out.text == tokenizer.decode(ids[:k])
 
 
+@pytest.mark.parametrize("ranks", ["thread_ranks_server", "process_ranks_server"])
+def test_a_caller_that_reads_ids_only_gets_no_text_but_its_stop_strings_still_stop(ranks, request, monkeypatch):
+    """`submit(text=False)` (the gateway's worker protocol reads ids): no text is written for it, neither by a
+    loop nor by the serving process, and its ids are those of a caller that reads text; a stop string still
+    ends it where the text shows it, and then its text is written (its loop reads it)."""
+    engine = request.getfixturevalue(ranks).engine
+    calls = []
+    step_one = IncrementalDetokenizer.step_one
+
+    def recorded(self, token_id):
+        calls.append(token_id)
+        return step_one(self, token_id)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "step_one", recorded)
+    prompt = engine.tokenizer.encode("Once upon a time")
+    greedy = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    with_text = list(engine.submit(prompt, greedy))
+    calls.clear()
+    ids_only = list(engine.submit(prompt, greedy, text=False))
+    assert calls == [] and all(o.text == "" for o in ids_only)  # nothing written, in this process or a rank's
+    assert [t for o in ids_only for t in o.token_ids] == [t for o in with_text for t in o.token_ids]
+    text = "".join(o.text for o in with_text)
+    word = text[10:14]
+    stop = dataclasses.replace(greedy, stop=(word,))
+    stopped = [list(engine.submit(prompt, stop, text=reads)) for reads in (True, False)]
+    assert [[t for o in run for t in o.token_ids] for run in stopped[1:]] == [
+        [t for o in stopped[0] for t in o.token_ids]
+    ]
+    assert stopped[1][-1].stop_string == word and stopped[1][-1].finish_reason is FinishReason.STOP
+    assert "".join(o.text for o in stopped[1]) == "".join(o.text for o in stopped[0]) == text[: text.index(word)]
+
+
 def test_a_detokenizer_that_fails_ends_its_stream_and_the_rank_ends_the_request(process_ranks_server, monkeypatch):
     """The serving process's signal thread survives a detokenizer that raises: that stream ends INTERNAL, the
     rank ends the request and frees its blocks, and the next request's text is written as before."""

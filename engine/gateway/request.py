@@ -157,3 +157,6 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)  # when it was submitted
     # Each sample's detokenizer, where the front end writes its outputs' text: the signal thread's only.
     detokenizers: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
+    # Whether the caller reads the outputs' text. False (the gateway's worker protocol, which reads ids): no text
+    # is written but what a stop string or a chat turn needs, and outputs carry it only then.
+    text: bool = True

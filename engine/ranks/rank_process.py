@@ -60,7 +60,17 @@ from ..machine.placement import check_placement, rank_device, use_device
 
 log = logging.getLogger(__name__)
 
-REQUEST_FIELDS = ("kind", "session_id", "request_id", "input_ids", "params", "stateless", "messages", "first_turn_ids")
+REQUEST_FIELDS = (
+    "kind",
+    "session_id",
+    "request_id",
+    "input_ids",
+    "params",
+    "stateless",
+    "messages",
+    "first_turn_ids",
+    "text",
+)
 HEARTBEAT_SECONDS = 1.0
 HEARTBEAT_TIMEOUT = 10.0  # silence that counts as a death, either way
 

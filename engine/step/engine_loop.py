@@ -436,13 +436,18 @@ class EngineLoop:
             grammar = grammars.cached(request.params.constraint) or grammars.compile(request.params.constraint)
         self._truncate_history(session, keep)
         skip = request.params.skip_special_tokens
-        context = reply_context(self.tokenizer, session.token_ids + request.input_ids, skip)
-        detok = None
-        if request.params.stop or conversation is not None or not self.text_at_front_end:
-            # This loop writes the text: it stops on a string, keeps the chat turn, or serves in this process.
-            detok = IncrementalDetokenizer(self.tokenizer, skip, request.params.stop, context=context)
+        # This loop writes the text if it stops on a string or keeps the chat turn, or else if the caller reads it
+        # and is in this process; a loop in a rank process leaves that to the front end (`text_context`).
+        reads_text = bool(request.params.stop) or conversation is not None
+        writes_text = reads_text or (request.text and not self.text_at_front_end)
+        detok: IncrementalDetokenizer | None = None
+        context: list[int] | None = None
+        if writes_text or request.text:
+            context = reply_context(self.tokenizer, session.token_ids + request.input_ids, skip)
+            if writes_text:
+                detok = IncrementalDetokenizer(self.tokenizer, skip, request.params.stop, context=context)
         seq = Sequence(request, session, detok, max_new, self.tokenizer.eos_token_ids)
-        seq.text_context = context if detok is None else None
+        seq.text_context = None if writes_text else context
         seq.conversation = conversation
         if grammar is not None:
             seq.grammar, seq.matcher = grammar, grammar.matcher()
