@@ -34,8 +34,8 @@ from __future__ import annotations
 import argparse
 import filecmp
 import importlib.abc
-import inspect
 import importlib.util
+import inspect
 import json
 import os
 import subprocess
