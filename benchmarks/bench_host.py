@@ -347,6 +347,16 @@ def machine(result: dict) -> str:
     return f"{cpu.name}, {cores} cores ({flags}); torch {torch.__version__}, {result['torch_threads']} torch threads"
 
 
+def merged(mine: list[str], theirs: list[str]) -> list[str]:
+    """The phases of both runs, in order: one only the baseline has (a hook this tree never calls, such as the
+    detokenizer's under --ids-only) after the phase it follows there."""
+    order = list(mine)
+    for i, phase in enumerate(theirs):
+        if phase not in order:
+            order.insert(order.index(theirs[i - 1]) + 1 if i and theirs[i - 1] in order else 0, phase)
+    return order
+
+
 def report(this: dict, base: dict | None, baseline: str) -> None:
     """Per workload, a markdown table: this tree and the baseline side by side, with their ratio."""
     print(f"\n## Host time per engine step, {machine(this)}\n")
@@ -367,13 +377,15 @@ def report(this: dict, base: dict | None, baseline: str) -> None:
         )
         print("\n| phase | ms/step | µs/seq | baseline ms/step | baseline µs/seq | this / baseline |")
         print("|---|--:|--:|--:|--:|--:|")
-        for phase, ms in mine["ms_per_step"].items():
+        for phase in merged(list(mine["ms_per_step"]), list(theirs["ms_per_step"]) if theirs else []):
+            ms = mine["ms_per_step"].get(phase)
             other = theirs["ms_per_step"].get(phase) if theirs else None
-            cells = [f"{ms:.3f}", f"{mine['us_per_seq'][phase]:.2f}"]
+            cells = ["—", "—"] if ms is None else [f"{ms:.3f}", f"{mine['us_per_seq'][phase]:.2f}"]
             if other is None:
                 cells += ["—", "—", "—"]
             else:
-                cells += [f"{other:.3f}", f"{theirs['us_per_seq'][phase]:.2f}", f"{ms / other:.2f}" if other else "—"]
+                ratio = f"{ms / other:.2f}" if ms is not None and other else "—"
+                cells += [f"{other:.3f}", f"{theirs['us_per_seq'][phase]:.2f}", ratio]
             name = f"**{phase}**" if phase == HOST else phase
             print(f"| {name} | " + " | ".join(cells) + " |")
     excluded = next(iter(this["workloads"].values()), {}).get("excluded", [])

@@ -23,3 +23,18 @@ def test_measure_times_every_phase_of_both_workloads():
             bench_host.DELIVER,
         ]
         assert figures["ms_per_step"][bench_host.HOST] > 0
+
+
+def test_ids_only_requests_write_no_text_and_the_table_shows_the_phase_only_the_baseline_has(capsys):
+    """--ids-only (the gateway's worker protocol): no step detokenizes; beside a run that writes text, the
+    detokenizer's row is still printed, blank on this side."""
+    flags = "--num-seqs 4 --steps 3 --warmup-steps 2 --min-len 8 --max-len 24 --baseline= --workload decode"
+    ids_only = bench_host.measure(bench_host.parse_args([*flags.split(), "--ids-only"]))
+    with_text = bench_host.measure(bench_host.parse_args(flags.split()))
+    assert "detokenize" not in ids_only["workloads"]["decode"]["ms_per_step"]
+    assert with_text["workloads"]["decode"]["ms_per_step"]["detokenize"] > 0
+    bench_host.report(ids_only, with_text, "text")
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    names = [cells[0].strip() for cells in rows]
+    assert names.index("detokenize") == names.index("update") + 1
+    assert [cell.strip() for cell in rows[names.index("detokenize")][1:3]] == ["—", "—"]
