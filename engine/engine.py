@@ -185,7 +185,8 @@ class Engine:
         else:
             self.ranks = ThreadRanks(config, ckpt, self.dtype, self.max_context_length, self.threads_per_loop)
         del ckpt, checkpoint  # the raw weights: the model holds what it needs
-        self.gateway = Gateway(queues=self.ranks.queues, tokenizer=self.tokenizer)
+        # Loops in rank processes leave text to this process (invariant 13); loops that are threads write it all
+        self.gateway = Gateway(queues=self.ranks.queues, tokenizer=self.tokenizer if processes else None)
         try:
             self.ranks.start(self.gateway)
         except BaseException:

@@ -47,8 +47,9 @@ class Gateway:
         tokenizer: Tokenizer | None = None,
     ) -> None:
         """`queues`: the ranks' own (a rank in another process has a stand-in); else `num_queues` new ones.
-        `tokenizer`: the front end's, which writes the text of outputs their loops left it (`detokenize`); a
-        rank process's Gateway has none, and its outputs carry their ids to the serving process's."""
+        `tokenizer`: the front end's, which writes the text of outputs their loops left it (`detokenize`): where
+        the loops are rank processes. Where they are threads of this process they write it all, and a rank
+        process's Gateway has none either (its outputs carry their ids to the serving process's)."""
         self.tokenizer = tokenizer
         self.queues = queues or [RequestQueue(max_queued) for _ in range(num_queues)]
         self.binding = SequenceBinding()
