@@ -8,7 +8,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence, cast
 
 import torch
 
@@ -103,6 +103,7 @@ class Stream:
                 return
 
     def cancel(self) -> bool:
+        assert self.request is not None  # set by Engine.submit before it hands the stream out
         return self._engine.cancel(self.request)
 
 
@@ -129,7 +130,8 @@ class Engine:
             check_placement(
                 config.device, config.tensor_parallel, config.world_size // config.nnodes, torch.cuda.device_count()
             )
-        ckpt = checkpoint or on_fresh_thread(lambda: load_checkpoint(config.model, weights=not processes))
+        # self.config: in a lambda, `config` has its parameter's optional type again (to mypy)
+        ckpt = checkpoint or on_fresh_thread(lambda: load_checkpoint(self.config.model, weights=not processes))
         self.model_path, self.model_config, self.tokenizer = ckpt.path, ckpt.config, ckpt.tokenizer
         # The ids a request may use: both the tokenizer and the model's embedding must know them.
         self.vocab_size = min(ckpt.tokenizer.vocab_size, ckpt.config.vocab_size)
@@ -235,9 +237,9 @@ class Engine:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode_continuation(prompt) if continuation else self.tokenizer.encode(prompt)
         elif chat.is_chat(prompt):
-            ids = chat.render_ids(self.tokenizer, prompt)
+            ids = chat.render_ids(self.tokenizer, cast("list[chat.Message]", prompt))  # is_chat: a list of dicts
         else:
-            ids = list(prompt)
+            ids = list(cast("list[int]", prompt))  # neither text nor messages: token ids, as Prompt says
         if not ids:
             raise InvalidRequest("the prompt is empty")
         vocab = self.vocab_size
@@ -270,24 +272,30 @@ class Engine:
         params = params or SamplingParams()
         if session_epoch is not None and not session_id:
             raise InvalidRequest("session_epoch names a copy of a session: it needs a session_id")
-        if session_id and chat.is_chat(prompt):  # rendered with its conversation, by the session's loop
-            chat.check_turn(self.tokenizer, prompt)
+        # A session's chat turn is rendered with its conversation, by the session's loop (is_chat: a list of dicts)
+        messages = cast("list[chat.Message]", prompt) if session_id and chat.is_chat(prompt) else None
+        if messages is not None:
+            chat.check_turn(self.tokenizer, messages)
             ids = []
         else:
             ids = self.encode_prompt(prompt, continuation=bool(session_id))
         # What a text turn is instead, should it be its session's first: encoded as a stateless prompt is
-        text_turn = bool(session_id) and isinstance(prompt, str)
-        first_turn_ids = self.tokenizer.encode_first_turn(prompt, ids) if text_turn else []
+        first_turn_ids: list[int] = []
+        if session_id and isinstance(prompt, str):
+            first_turn_ids = self.tokenizer.encode_first_turn(prompt, ids)
         self._check_request(max(ids, first_turn_ids, key=len), params)
         if session_id and (params.n > 1 or params.prompt_logprobs is not None):
             raise InvalidRequest("n > 1 and prompt_logprobs are for stateless requests, not session turns")
         if params.constraint is not None:  # compiled here, off the loop's thread; a bad one refused here
             self.tokenizer.grammars.compile(params.constraint)
-        stream = None if on_output else Stream(self)
+        stream: Stream | None = None
+        if not on_output:  # the caller iterates a Stream instead
+            stream = Stream(self)
+            on_output = stream.put
         request = Request(
             RequestKind.GENERATE,
             session_id,
-            on_output or stream.put,
+            on_output,
             request_id,
             ids,
             params,
@@ -296,8 +304,8 @@ class Engine:
             text=text,
         )
         request.first_turn_ids = first_turn_ids
-        if session_id and chat.is_chat(prompt):
-            request.messages = [dict(m) for m in prompt]
+        if messages is not None:
+            request.messages = [dict(m) for m in messages]
         self.gateway.push(request)
         if stream is None:
             return request
@@ -330,7 +338,8 @@ class Engine:
     def generate_samples(self, prompt: Prompt, params: SamplingParams | None = None, **kw) -> list[RequestOutput]:
         """Run one request to the end; each sample's merged output, by index."""
         merged: dict[int, RequestOutput] = {}
-        for out in self.submit(prompt, params, **kw):
+        # kw are submit's keywords less on_output (the outputs are read here), so submit returns a Stream
+        for out in cast(Stream, self.submit(prompt, params, **kw)):
             into = merged.setdefault(out.index, RequestOutput(out.request_id, out.session_id, index=out.index))
             into.token_ids += out.token_ids
             into.text += out.text

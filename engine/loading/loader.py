@@ -10,12 +10,13 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, cast
 
 import torch
 from safetensors import SafetensorError
 
 from ..config import ModelConfig
+from ..models.quantized_linear import GGUFBlocks
 from ..errors import EngineError, UnsupportedModel
 from .gguf_loader import GGUFFile, read_gguf_config, read_gguf_weights
 from .hf_loader import read_hf_config, read_hf_weights
@@ -32,7 +33,7 @@ class Checkpoint:
 
     path: str
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor | GGUFBlocks]  # a GGUF file's quantized matrices as read
     tokenizer: Tokenizer
 
 
@@ -91,7 +92,8 @@ def load_checkpoint(path: str | None = None, weights: bool = True) -> Checkpoint
             tokenizer = Tokenizer.from_gguf(reader)
         else:
             config = read_hf_config(p)
-            tensors = read_hf_weights(p) if weights else {}
+            # the reader's new dict, which nothing else holds: safe to widen to the checkpoint's value type
+            tensors = cast("dict[str, torch.Tensor | GGUFBlocks]", read_hf_weights(p)) if weights else {}
             tokenizer = Tokenizer.from_hf_dir(str(p))
     elapsed = time.perf_counter() - start
     _progress(f"loaded {p.name}: {config.architecture}, {len(tensors)} tensors in {elapsed:.1f}s", done=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +20,7 @@ from ..kernels import layer_kernels
 from ..kernels import triton as triton_kernels
 from .fused_decode import FusedDecode
 from .panel_linear import PanelLinear
-from .quantized_linear import GGUFBlocks, cat_rows
+from .quantized_linear import GGUFBlocks, GGUFStack, cat_rows
 
 
 @functools.cache
@@ -56,6 +57,9 @@ class RotaryEmbedding(nn.Module):
     `sin` carries rotate_half's sign (-sin on the first half), so a rotation is two products of `x` and
     `x` rolled by half a head, with the same roundings as Hugging Face's `q * cos + rotate_half(q) * sin`.
     """
+
+    cos: torch.Tensor  # buffers (register_buffer), which nn.Module's attribute typing does not know
+    sin: torch.Tensor
 
     def __init__(self, head_dim: int, theta: float, max_positions: int, freq_factors: tuple[float, ...] = ()) -> None:
         super().__init__()
@@ -131,7 +135,7 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     # Tensor parallelism sums the partial outputs of the row-parallel o_proj and down_proj over the group
     # here (models/tensor_parallel.py); alone, a layer's outputs are whole.
-    reduce = staticmethod(lambda x: x)
+    reduce: Callable[[torch.Tensor], torch.Tensor] = staticmethod(lambda x: x)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -190,7 +194,7 @@ class LlamaForCausalLM(nn.Module):
         decode, which knows no all-reduce, is off."""
         self.fused_decode = None
         for layer in self.model.layers:
-            layer.reduce = reduce
+            cast(DecoderLayer, layer).reduce = reduce  # LlamaModel's layers are all DecoderLayers
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -198,9 +202,9 @@ class LlamaForCausalLM(nn.Module):
 
 def pack_weights(
     weights: dict[str, torch.Tensor | GGUFBlocks], cfg: ModelConfig
-) -> dict[str, torch.Tensor | GGUFBlocks]:
+) -> dict[str, torch.Tensor | GGUFBlocks | GGUFStack]:
     """Hugging Face names to this module's: q/k/v into qkv_proj, gate/up into gate_up_proj, tied head."""
-    packed = dict(weights)
+    packed: dict[str, torch.Tensor | GGUFBlocks | GGUFStack] = dict(weights)  # cat_rows: a GGUFStack of mixed types
     for i in range(cfg.num_layers):
         attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
         for kind in ("weight", "bias"):

@@ -156,6 +156,8 @@ class QuantizedLinear(nn.Module):
 class QuantizedEmbedding(nn.Module):
     """Token embeddings over GGUF blocks: only the rows looked up are expanded."""
 
+    blocks: torch.Tensor  # a buffer (register_buffer), which nn.Module's attribute typing does not know
+
     def __init__(self, weight: GGUFBlocks) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = weight.shape

@@ -78,8 +78,10 @@ class ThreadRanks(Ranks):
     def _serve(self, loop: EngineLoop) -> None:
         """A loop that stops by itself (it or a peer failed) has stopped the engine: the first says why."""
         reason = loop.run()
+        if reason is None:
+            return
         with self._failure_lock:
-            first = reason is not None and self.failure is None
+            first = self.failure is None
             if first:
                 self.failure = reason
         if first:
