@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from typing import cast
 
 import torch
 from torch import nn
@@ -65,7 +66,7 @@ def build_model(
     return model
 
 
-def instantiate(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> LlamaForCausalLM:
+def instantiate(cfg: ModelConfig, weights: Mapping[str, torch.Tensor | GGUFBlocks]) -> LlamaForCausalLM:
     """The model without random init (on the meta device), the checkpoint's tensors as its parameters."""
     with torch.device("meta"):
         model = MODEL_CLASSES[cfg.architecture](cfg)
@@ -88,12 +89,12 @@ def quantized_blocks(model: LlamaForCausalLM) -> list[torch.Tensor]:
     ]
 
 
-def expand_blocks(weights: dict[str, torch.Tensor | GGUFBlocks]) -> dict[str, torch.Tensor]:
+def expand_blocks(weights: Mapping[str, torch.Tensor | GGUFBlocks]) -> dict[str, torch.Tensor]:
     """Every quantized matrix as float32 (a float model, tensor parallelism)."""
     return {k: v.dequantize() if isinstance(v, (GGUFBlocks, GGUFStack)) else v for k, v in weights.items()}
 
 
-def own_memory(model: nn.Module, weights: dict[str, torch.Tensor | GGUFBlocks]) -> None:
+def own_memory(model: nn.Module, weights: Mapping[str, torch.Tensor | GGUFBlocks]) -> None:
     """Copy the tensors the model still shares with `weights` (a safetensors file's, mapped, whose dtype is the
     served one): a file written over in place would change the model, and one cut short kill the process."""
     mapped = {w.untyped_storage().data_ptr() for w in weights.values() if isinstance(w, torch.Tensor)}
@@ -108,10 +109,10 @@ def own_memory(model: nn.Module, weights: dict[str, torch.Tensor | GGUFBlocks]) 
                     )
 
 
-def load_weights(model: LlamaForCausalLM, weights: dict[str, torch.Tensor]) -> None:
+def load_weights(model: LlamaForCausalLM, weights: Mapping[str, torch.Tensor | GGUFBlocks]) -> None:
     """Replace every parameter; a checkpoint whose names or shapes differ is refused and nothing changes."""
     cfg = model.config
-    packed = pack_weights(weights, cfg)
+    packed = pack_weights(dict(weights), cfg)  # pack_weights takes a dict (and copies it itself)
     tied = cfg.tie_word_embeddings or "lm_head.weight" not in weights
     if tied:
         packed.pop("lm_head.weight", None)
@@ -124,16 +125,18 @@ def load_weights(model: LlamaForCausalLM, weights: dict[str, torch.Tensor]) -> N
             f"checkpoint does not fit {cfg.architecture}: missing {missing[:3]}, unexpected {unexpected[:3]}, "
             f"wrong shape {[(k, tuple(packed[k].shape), tuple(expected[k])) for k in wrong[:3]]}"
         )
-    for name in [k for k, v in packed.items() if isinstance(v, (GGUFBlocks, GGUFStack))]:
-        _quantize_module(model, name.removesuffix(".weight"), packed.pop(name), packed)
+    blocks = {k: v for k, v in packed.items() if isinstance(v, (GGUFBlocks, GGUFStack))}
+    tensors = {k: v for k, v in packed.items() if isinstance(v, torch.Tensor)}  # all the others (pack_weights)
+    for name, weight in blocks.items():
+        _quantize_module(model, name.removesuffix(".weight"), weight, tensors)
     ref = next(model.parameters())
     if ref.device.type != "meta":
-        packed = {k: v.to(device=ref.device, dtype=ref.dtype) for k, v in packed.items()}
-    model.load_state_dict(packed, strict=False, assign=True)
+        tensors = {k: v.to(device=ref.device, dtype=ref.dtype) for k, v in tensors.items()}
+    model.load_state_dict(tensors, strict=False, assign=True)
     if tied and isinstance(model.model.embed_tokens, QuantizedEmbedding):
-        model.lm_head = QuantizedLinear(
-            GGUFBlocks(model.model.embed_tokens.blocks, model.model.embed_tokens.qtype, cfg.hidden_size)
-        )
+        embed = model.model.embed_tokens
+        head = QuantizedLinear(GGUFBlocks(embed.blocks, embed.qtype, cfg.hidden_size))
+        setattr(model, "lm_head", head)  # lm_head is typed as the nn.Linear it is built as, which this replaces
     elif tied:
         model.lm_head.weight = model.model.embed_tokens.weight
 
@@ -152,12 +155,13 @@ def load_in_place(model: LlamaForCausalLM, weights: dict[str, torch.Tensor | GGU
     cfg = model.config
     floats = expand_blocks(weights)
     check_fit(floats, cfg)
-    layers: dict[str, dict] = {}
+    layers: dict[str, dict[str, torch.Tensor | GGUFBlocks]] = {}
     for name, tensor in floats.items():
         prefix = name.split(".", 3)[2] if name.startswith("model.layers.") else ""
         layers.setdefault(prefix, {})[name] = tensor
     for group in layers.values():
-        for name, tensor in pack_weights(group, cfg).items():
+        packed = cast("dict[str, torch.Tensor]", pack_weights(group, cfg))  # floats in, floats out (cat_rows)
+        for name, tensor in packed.items():
             path, _, attr = name.rpartition(".")
             module = model.get_submodule(path)
             if isinstance(module, (PanelLinear, PackedLinear)) and attr == "weight":
@@ -184,6 +188,7 @@ def _quantize_module(model: LlamaForCausalLM, path: str, weight: GGUFBlocks | GG
     parent_path, _, attr = path.rpartition(".")
     parent = model.get_submodule(parent_path)
     if isinstance(getattr(parent, attr), nn.Embedding):
+        assert isinstance(weight, GGUFBlocks)  # a GGUFStack is only ever a packed projection (cat_rows)
         setattr(parent, attr, QuantizedEmbedding(weight))
     else:
         setattr(parent, attr, QuantizedLinear(weight, packed.pop(f"{path}.bias", None)))

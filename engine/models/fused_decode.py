@@ -11,12 +11,17 @@ panels, norms and KV cache the module path uses, and rounds activations to int8 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
 
 from .attention import AttentionMetadata, DecodeTables
 from ..machine.hardware import cpu_features
 from .panel_linear import PanelLinear
 from .quantized_linear import MATVEC_ROWS, QuantizedLinear
+
+if TYPE_CHECKING:  # llama.py imports this module
+    from .llama import DecoderLayer, LlamaForCausalLM
 
 COLUMN_PANELS = -1  # decode_layers.cpp's type for a float32 matrix packed by pack_columns
 GATED_PANELS = -2  # and for a gate_up projection packed by pack_gated_columns
@@ -26,7 +31,7 @@ class FusedDecode:
     """The per-layer tensors of a LlamaForCausalLM whose four linear layers per decoder layer are quantized, or
     float32 in column panels, gathered once at build (the model is read-only from then on)."""
 
-    def __init__(self, model: torch.nn.Module, quantized: bool) -> None:
+    def __init__(self, model: LlamaForCausalLM, quantized: bool) -> None:
         cfg = model.config
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
         self.eps, self.scale = cfg.rms_norm_eps, cfg.head_dim**-0.5
@@ -35,33 +40,36 @@ class FusedDecode:
         self.types: list[int] = []  # each part's GGUF type, or COLUMN_PANELS
         self.parts: list[int] = []  # how many parts each matrix has (a Q4_K_M layer's Q4_K Q, K and Q6_K V: 3)
         self.qkv_bias: list[torch.Tensor] = []
-        qkv = model.model.layers[0].self_attn.qkv_proj
-        self.int8_activations = quantized and qkv.int8_activations  # alike in all (build)
+        layers = _decoder_layers(model)
+        # alike in all (build); quantized: build found every linear layer a QuantizedLinear
+        self.int8_activations = quantized and cast(QuantizedLinear, layers[0].self_attn.qkv_proj).int8_activations
         self.vnni = self.int8_activations and cpu_features().int8_vnni
         self.max_rows = MATVEC_ROWS if quantized else None  # quantized: rows one pass over the blocks serves
-        for layer in model.model.layers:
+        for layer in layers:
             attn = layer.self_attn
             self.norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             if attn.qk_norm:
                 self.norms += [attn.q_norm.weight, attn.k_norm.weight]
             for linear in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-                if quantized:
-                    self.weights += [p.blocks for p in linear.parts]
-                    self.types += [p.qtype for p in linear.parts]
-                    self.parts.append(len(linear.parts))
+                if quantized:  # build checked every one: all QuantizedLinear, else all PanelLinear
+                    parts = cast(QuantizedLinear, linear).parts
+                    self.weights += [p.blocks for p in parts]
+                    self.types += [p.qtype for p in parts]
+                    self.parts.append(len(parts))
                 else:
-                    self.weights.append(linear.columns)
-                    self.types.append(GATED_PANELS if linear.gated else COLUMN_PANELS)
+                    panels = cast(PanelLinear, linear)
+                    self.weights.append(panels.columns)
+                    self.types.append(GATED_PANELS if panels.gated else COLUMN_PANELS)
                     self.parts.append(1)
             if attn.qkv_proj.bias is not None:
                 self.qkv_bias.append(attn.qkv_proj.bias)
 
     @staticmethod
-    def build(model: torch.nn.Module) -> FusedDecode | None:
+    def build(model: LlamaForCausalLM) -> FusedDecode | None:
         """None unless every decoder layer's linear layers are quantized, all rounding activations to int8 or
         none, or all float32 in column panels (`PanelLinear`) with gate_up gated; its other weights float32; and
         no bias but qkv_proj's (Qwen2's, which the kernel adds)."""
-        layers = model.model.layers
+        layers = _decoder_layers(model)
         per_layer = [
             (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
             for layer in layers
@@ -104,6 +112,7 @@ class FusedDecode:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """x: [rows, hidden] float32 embeddings, updated in place into the last layer's output."""
+        assert isinstance(meta.decode, DecodeTables)  # the caller checked `serves` for this step
         x = x.contiguous()
         cos, sin = (t.reshape(x.shape[0], -1).contiguous() for t in rope)
         torch.ops.lmgate.decode_layers(
@@ -128,3 +137,8 @@ class FusedDecode:
             self.vnni,
         )
         return x
+
+
+def _decoder_layers(model: LlamaForCausalLM) -> list[DecoderLayer]:
+    """The model's decoder layers, as their class (an nn.ModuleList yields nn.Module)."""
+    return cast("list[DecoderLayer]", list(model.model.layers))  # LlamaModel's layers are all DecoderLayers
