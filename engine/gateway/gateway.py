@@ -19,13 +19,13 @@ import random
 import threading
 import time
 from collections import deque
-from typing import Callable, Iterator, cast
+from typing import Callable, Iterator, Sequence, cast
 
 from ..errors import EngineError, InternalError, SessionExists, Unavailable
 from ..comm import HostComm, RedOp
 from .kv_events import KvEventLog, RawEvent
 from .request import CancelFlag, FinishReason, Request, RequestKind, RequestOutput, Usage
-from .request_queue import RequestQueue
+from .request_queue import QueueEnd, RequestQueue
 from ..text.detokenizer import IncrementalDetokenizer
 from ..text.tokenizer import Tokenizer
 from .sequence_binding import SequenceBinding
@@ -43,7 +43,7 @@ class Gateway:
         self,
         num_queues: int = 1,
         max_queued: int = 1024,
-        queues: list[RequestQueue] | None = None,
+        queues: Sequence[QueueEnd] | None = None,
         tokenizer: Tokenizer | None = None,
     ) -> None:
         """`queues`: the ranks' own (a rank in another process has a stand-in); else `num_queues` new ones.
@@ -51,7 +51,7 @@ class Gateway:
         the loops are rank processes. Where they are threads of this process they write it all, and a rank
         process's Gateway has none either (its outputs carry their ids to the serving process's)."""
         self.tokenizer = tokenizer
-        self.queues = queues or [RequestQueue(max_queued) for _ in range(num_queues)]
+        self.queues: Sequence[QueueEnd] = queues or [RequestQueue(max_queued) for _ in range(num_queues)]
         self.binding = SequenceBinding()
         self._next_rank = itertools.count()  # next() on a count is atomic in CPython
         self._next_id = itertools.count(1)
@@ -229,7 +229,7 @@ class Gateway:
         no loop is ever left waiting in a collective for a peer that has gone. Requests cancelled while
         queued are skipped; the others get unique ids.
         """
-        queue = self.queues[rank]
+        queue = self.own_queue(rank)
         while True:
             with self._arrivals:
                 seen = self._num_arrivals
@@ -250,7 +250,13 @@ class Gateway:
     def take_queued(self, rank: int) -> list[Request]:
         """Loop `rank`'s generates still queued behind a full batch, taken as `pop` takes them (a pause that
         aborts ends them too)."""
-        return self._activate(self.queues[rank].take_generates())
+        return self._activate(self.own_queue(rank).take_generates())
+
+    def own_queue(self, rank: int) -> RequestQueue:
+        """Loop `rank`'s queue, which it takes from: a loop runs in the process of its Gateway and its queue."""
+        queue = self.queues[rank]
+        assert isinstance(queue, RequestQueue), "a rank in another process takes from its own Gateway's queue"
+        return queue
 
     def _activate(self, requests: list[Request]) -> list[Request]:
         """The requests a loop takes: those cancelled while queued skipped, the others with unique ids."""

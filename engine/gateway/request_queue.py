@@ -4,9 +4,19 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from typing import Protocol
 
 from ..errors import ResourceExhausted
 from .request import CancelFlag, Request, RequestKind
+
+
+class QueueEnd(Protocol):
+    """What the Gateway pushes requests to and closes, one per data-parallel rank: the rank's `RequestQueue`,
+    or, for a rank in another process, a stand-in that sends them there (ranks/process_ranks.py)."""
+
+    def push(self, request: Request) -> bool: ...
+
+    def close(self) -> list[Request]: ...
 
 
 class RequestQueue:

@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Iterable
 from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -38,6 +39,9 @@ from ..gateway.request import CancelFlag, FinishReason, Request, RequestKind, Re
 from ..comm.gloo_comm import GlooComm, new_secret
 from .rank_process import HEARTBEAT_SECONDS, HEARTBEAT_TIMEOUT, RankSpec, request_fields, run_rank
 from .ranks import Ranks
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +159,7 @@ class ProcessRanks(Ranks):
         size = config.world_size
         per_node = size // config.nnodes
         host = socket.gethostbyname(config.master_addr)  # node 0's own address: other nodes reach it there
-        self._store = GlooComm.create_store(host, config.master_port)
+        self._store: TCPStore | None = GlooComm.create_store(host, config.master_port)
         self._context = zmq.Context()
         # One machine's sockets are files in a directory only this user may enter: a TCP port would take
         # pickles (run on unpickling) from any local user, and hand them the prompts.
@@ -187,7 +191,7 @@ class ProcessRanks(Ranks):
                     size,
                     tp,
                     host,
-                    self._store.port,
+                    self._rendezvous.port,
                     secret,
                     requests_address,
                     outputs_address,
@@ -197,7 +201,8 @@ class ProcessRanks(Ranks):
                     node=rank // per_node,
                 )
             )
-        self.queues = self._links[::tp]  # the tensor-parallel leaders take the requests
+        self._leaders = self._links[::tp]  # the tensor-parallel leaders take the requests
+        self.queues = self._leaders
         self.remote = set(range(per_node, size))
         self._procs: dict[int, BaseProcess] = {}
         self._last_heard = dict.fromkeys(range(size), time.monotonic())  # receiver thread only
@@ -210,6 +215,18 @@ class ProcessRanks(Ranks):
         self._shut_down = False
         self._gateway: Gateway | None = None
         self._receiver: threading.Thread | None = None
+
+    @property
+    def _front(self) -> Gateway:
+        """The Gateway `start` was given: a rank's outputs and failures only come once it has started."""
+        assert self._gateway is not None, "outputs and failures come after start"
+        return self._gateway
+
+    @property
+    def _rendezvous(self) -> TCPStore:
+        """The store the nodes meet by, until the sockets close at shutdown."""
+        assert self._store is not None, "used while starting, long before shutdown"
+        return self._store
 
     def _bind(self, sock: zmq.Socket, name: str, host: str) -> str:
         """Where `sock` listens for its rank(s): a socket file `name` on one machine, else a free TCP port on
@@ -227,8 +244,9 @@ class ProcessRanks(Ranks):
         wait until every rank is ready; a rank that fails to start fails this, with its error."""
         self._gateway = gateway
         for node in range(1, self.config.nnodes):
-            self._store.set(node_specs_key(node), pickle.dumps([s for s in self._specs if s.node == node]))
-        self._store.set(NNODES_KEY, str(self.config.nnodes))
+            specs = pickle.dumps([s for s in self._specs if s.node == node])
+            self._rendezvous.set(node_specs_key(node), specs)  # type: ignore[arg-type]  # torch's stub: str; bytes work
+        self._rendezvous.set(NNODES_KEY, str(self.config.nnodes))
         spawn = multiprocessing.get_context("spawn")
         self._procs = {
             spec.rank: spawn.Process(target=run_rank, args=(spec,), name=f"lmgate-rank-{spec.rank}", daemon=True)
@@ -255,7 +273,7 @@ class ProcessRanks(Ranks):
                     self.config.nnodes - 1,
                     self.config.nnodes,
                     self.config.master_addr,
-                    self._store.port,
+                    self._rendezvous.port,
                 )
             checked = time.monotonic()
             while waiting:
@@ -305,14 +323,14 @@ class ProcessRanks(Ranks):
         local = list(self._procs)
         for rank in local:
             poller.register(self._procs[rank].sentinel, zmq.POLLIN)
-        ready = dict(poller.poll(HEARTBEAT_SECONDS * 1000))
+        ready = dict(poller.poll(int(HEARTBEAT_SECONDS * 1000)))
         if self._outputs in ready:
             return self._outputs.recv_pyobj()
         if not ready:
             return ("tick",)
         rank = next(r for r in local if self._procs[r].sentinel in ready)
         deadline = time.monotonic() + EXIT_DRAIN_SECONDS
-        while (left := deadline - time.monotonic()) > 0 and self._outputs.poll(left * 1000):
+        while (left := deadline - time.monotonic()) > 0 and self._outputs.poll(int(left * 1000)):
             message = self._outputs.recv_pyobj()  # the others' heartbeats, or (most likely) its "failed"
             if message[0] == "failed":
                 return message
@@ -325,8 +343,8 @@ class ProcessRanks(Ranks):
         """Raise where another node reported a rank of its own that exited while starting (one killed sends
         nothing)."""
         for node in range(1, self.config.nnodes):
-            if self._store.check([node_failed_key(node)]):
-                reason = self._store.get(node_failed_key(node)).decode()
+            if self._rendezvous.check([node_failed_key(node)]):
+                reason = self._rendezvous.get(node_failed_key(node)).decode()
                 raise InternalError(f"node {node}: {reason} while starting; ranks {sorted(waiting)} had not said ready")
 
     # state -------------------------------------------------------------------------------------------------
@@ -341,7 +359,7 @@ class ProcessRanks(Ranks):
             return sum(self._weights_bytes)
 
     def wake_all_but(self, rank: int) -> None:
-        for queue in self.queues:
+        for queue in self._leaders:
             if queue.rank != rank:
                 queue.send(("wake",))
 
@@ -367,7 +385,7 @@ class ProcessRanks(Ranks):
         except EngineError:
             self._weights("discard", version)
             raise
-        self._weights("install", version, links=self.queues)
+        self._weights("install", version, links=self._leaders)
 
     def _weights(
         self, action: str, argument: object = None, links: list[RemoteQueue] | None = None, wire_id: int | None = None
@@ -405,7 +423,7 @@ class ProcessRanks(Ranks):
         running = set(range(len(self._links)))
         pinged = 0.0
         while running:
-            ready = dict(poller.poll(HEARTBEAT_SECONDS * 1000))
+            ready = dict(poller.poll(int(HEARTBEAT_SECONDS * 1000)))
             # A backlog that never empties must not stop the pings below: unpinged remote ranks would leave.
             drained_by = time.monotonic() + HEARTBEAT_SECONDS
             while self._outputs.poll(0) and time.monotonic() < drained_by:
@@ -435,7 +453,7 @@ class ProcessRanks(Ranks):
         After a failure the ranks are killed: nothing more is waited for."""
         wait = 0.0 if self.failure else EXIT_DRAIN_SECONDS
         deadline = time.monotonic() + wait  # not from each message: the others' heartbeats never stop
-        while rank not in self._exited and self._outputs.poll(max(0.0, deadline - time.monotonic()) * 1000):
+        while rank not in self._exited and self._outputs.poll(int(max(0.0, deadline - time.monotonic()) * 1000)):
             self._handle(self._outputs.recv_pyobj())
         if rank not in self._exited:
             self._fail(
@@ -454,9 +472,9 @@ class ProcessRanks(Ranks):
                 request = queue.take(wire_id, output.finished)
                 if request is not None:
                     signals.append((request, output))
-            self._gateway.notify(signals)
+            self._front.notify(signals)
         elif kind == "kv_events":  # only from leaders
-            self._gateway.publish_kv_events(rank // self.tp_size, message[2])
+            self._front.publish_kv_events(rank // self.tp_size, message[2])
         elif kind == "weights_done":
             _, _, wire_id, error, nbytes = message
             with self._lock:
@@ -484,16 +502,16 @@ class ProcessRanks(Ranks):
                 self._pending_acks[wire_id] = [0, Unavailable(reason)]
             self._acks.notify_all()
         log.error("%s; ending every stream and stopping", reason)
-        self._gateway.close_admission("failed", f"{reason}: the server is stopping")
+        self._front.close_admission("failed", f"{reason}: the server is stopping")
         error = Unavailable(f"{reason}: the server is stopping")
         signals: list[Signal] = []
-        for queue in self.queues:
+        for queue in self._leaders:
             for request in queue.fail():
                 if request.kind is RequestKind.KILL:  # its session has gone with the rank: the End is done
                     signals.append((request, RequestOutput("", request.session_id, finish_reason=FinishReason.STOP)))
                 else:  # a stream, or a Sleep's or Wakeup's part that this rank never did
                     signals.append((request, RequestOutput(request.request_id, request.session_id, error=error)))
-        self._gateway.notify(signals)
+        self._front.notify(signals)
         self._tell_listeners(reason)
 
     # shutdown ----------------------------------------------------------------------------------------------
@@ -508,7 +526,7 @@ class ProcessRanks(Ranks):
             self._receiver.join()
         # What a rank never answered (one that stopped with its peers before it read its own "close"): every
         # stream ends, and an End or a control waiting on its request returns.
-        self._gateway.notify([(r, unanswered_output(r)) for queue in self.queues for r in queue.fail()])
+        self._front.notify([(r, unanswered_output(r)) for queue in self._leaders for r in queue.fail()])
         with self._lock:  # a weight call whose ranks exited before answering; later ones are refused
             self._shut_down = True
             for wire_id in self._pending_acks:

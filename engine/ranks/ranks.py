@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import abc
 import threading
-from typing import Callable
+from typing import Callable, Sequence
 
 from ..step.engine_loop import LoopStats
 from ..step.weights import WeightSource
 from ..gateway.gateway import Gateway
-from ..gateway.request_queue import RequestQueue
+from ..gateway.request_queue import QueueEnd
 
 
 class Ranks(abc.ABC):
@@ -19,7 +19,7 @@ class Ranks(abc.ABC):
     has done them; `drop_weights` only after every loop has acknowledged SLEEP.
     """
 
-    queues: list[RequestQueue]  # one per rank, handed to the Gateway
+    queues: Sequence[QueueEnd]  # one per rank, handed to the Gateway
     threads_per_loop: int
 
     def __init__(self) -> None:

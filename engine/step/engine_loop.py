@@ -186,7 +186,7 @@ class EngineLoop:
             self.runner.kv_cache_bytes,
             len(self.scheduler.running),
             len(self.scheduler.waiting),
-            self.gateway.queues[self.rank].num_generates,
+            self.gateway.own_queue(self.rank).num_generates,
             self.scheduler.num_preemptions,
             self.blocks.queried_tokens,
             self.blocks.hit_tokens,
@@ -225,7 +225,7 @@ class EngineLoop:
         while True:
             free = self.max_batch_size - len(self.scheduler.running) - len(self.scheduler.waiting)
             if self.frozen:  # everything queued joins the frozen (it runs after the pause), none spins in the queue
-                free = self.gateway.queues[self.rank].num_generates
+                free = self.gateway.own_queue(self.rank).num_generates
             start = time.perf_counter()
             requests = self.gateway.pop(self.rank, max(free, 0), self._has_work, self.comm)
             self.pop_seconds += time.perf_counter() - start
@@ -540,7 +540,7 @@ class EngineLoop:
         """A pause that waits hears once nothing of this loop runs or is queued."""
         if not self._idle_waiters or self.scheduler.has_work or self._inflight is not None:
             return
-        if self.gateway.queues[self.rank].num_generates:
+        if self.gateway.own_queue(self.rank).num_generates:
             return
         for waiter in self._idle_waiters:
             self._emit(waiter, RequestOutput("", 0, finish_reason=FinishReason.STOP))
