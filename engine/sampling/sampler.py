@@ -152,6 +152,87 @@ class SampleResult:
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]  # (chosen, top-n) per row
 
 
+class SampleTable:
+    """The sampler's per-row state, kept across steps in arrays: a step reads its rows' parameters, seeds and
+    draw counters by slot, in array operations, instead of from hundreds of rows in Python.
+
+    A slot belongs to one `SampleRow` (a sequence keeps its row for life, so a row seen before is found by
+    identity) and is written when the row first samples: its parameters and seed never change, and its draw
+    counter moves by one per draw, here, as the row's own count does (a token drawn is appended, or pending on
+    the device). The table holds the rows it keys, so that no id is reused while keyed; once every slot is taken,
+    those no draw used this step are freed together, and where that is not enough the table grows."""
+
+    def __init__(self, capacity: int = 64) -> None:
+        # (temperature, min_p, top_k, top_p) as the sampler applies them (`SamplingParams.columns`), in float64
+        self.columns = np.zeros((4, capacity), dtype=np.float64)
+        self.seeds = np.zeros(capacity, dtype=np.uint64)
+        self.drawn = np.zeros(capacity, dtype=np.int64)  # draws so far: the next draw's counter (`uniform`)
+        self.greedy = np.zeros(capacity, dtype=bool)
+        self.logprobs = np.zeros(capacity, dtype=np.int64)  # `SamplingParams.logprobs`
+        # Logits changed before drawing: penalties, a logit bias, or ids banned below min_new_tokens
+        self.adjusts = np.zeros(capacity, dtype=bool)
+        self._slots: dict[int, int] = {}  # id(row) -> slot
+        self._holders: list[SampleRow | None] = [None] * capacity  # each slot's row, keeping its id unique
+        self._used = np.zeros(capacity, dtype=np.int64)  # the draw call that last used each slot
+        self._calls = 0
+        self._free = list(range(capacity - 1, -1, -1))
+
+    @property
+    def capacity(self) -> int:
+        return len(self._holders)
+
+    def draw(self, rows: list[SampleRow]) -> tuple[np.ndarray, np.ndarray]:
+        """The rows' slots, and the counter of the draw each makes now, counted as made."""
+        self._calls += 1
+        get = self._slots.get
+        slots = [get(id(row), -1) for row in rows]
+        if -1 in slots:
+            known = np.array([s for s in slots if s >= 0], dtype=np.int64)
+            self._used[known] = self._calls  # this call's: never freed to make room for its other rows
+            slots = [self._assign(row) if slot < 0 else slot for row, slot in zip(rows, slots)]
+        at = np.array(slots, dtype=np.int64)
+        self._used[at] = self._calls
+        counters = self.drawn[at]
+        self.drawn[at] = counters + 1
+        return at, counters
+
+    def _assign(self, row: SampleRow) -> int:
+        if not self._free:
+            self._free_stale()
+        if not self._free:
+            self._grow()
+        slot = self._free.pop()
+        params = row.params
+        self.columns[:, slot] = params.columns
+        self.seeds[slot] = row.seed
+        self.drawn[slot] = row.num_output
+        self.greedy[slot] = params.greedy
+        self.logprobs[slot] = params.logprobs
+        self.adjusts[slot] = params.adjusts_logits or params.min_new_tokens > 0
+        self._used[slot] = self._calls
+        self._holders[slot] = row
+        self._slots[id(row)] = slot
+        return slot
+
+    def _free_stale(self) -> None:
+        for slot in np.flatnonzero(self._used < self._calls).tolist():
+            holder = self._holders[slot]
+            if holder is not None:
+                del self._slots[id(holder)]
+                self._holders[slot] = None
+                self._free.append(slot)
+
+    def _grow(self) -> None:
+        old = self.capacity
+        for name in ("columns", "seeds", "drawn", "greedy", "logprobs", "adjusts", "_used"):
+            array = getattr(self, name)
+            grown = np.zeros((*array.shape[:-1], 2 * old), dtype=array.dtype)
+            grown[..., :old] = array
+            setattr(self, name, grown)
+        self._holders += [None] * old
+        self._free = list(range(2 * old - 1, old - 1, -1))
+
+
 _MASK64 = (1 << 64) - 1
 _GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # SplitMix64's constants
 
@@ -166,7 +247,7 @@ def uniform(seed: int, counter: int) -> float:
     return ((z ^ (z >> 31)) >> 40) * 2.0**-24
 
 
-def uniforms(seeds: list[int], counters: list[int]) -> np.ndarray:
+def uniforms(seeds: list[int] | np.ndarray, counters: list[int] | np.ndarray) -> np.ndarray:
     """`uniform` of each (seed, counter), as float32, in uint64 arithmetic (which wraps as `& _MASK64` does):
     a step's hundreds of rows in a few array operations instead of a Python loop."""
     u64 = np.uint64
@@ -182,26 +263,37 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
 
 
 def launch_sample(
-    logits: torch.Tensor, rows: list[SampleRow], masks: tuple[torch.Tensor, list[int]] | None = None
+    logits: torch.Tensor,
+    rows: list[SampleRow],
+    masks: tuple[torch.Tensor, list[int]] | None = None,
+    table: SampleTable | None = None,
 ) -> "SampleFuture":
     """logits: [rows, vocab] fp32 on the model's device, which does all the work; the chosen ids (and the
     logprobs asked for) come back to the host in one copy, queued here and read by `SampleFuture.result`.
     Each row's result depends only on that row, so a seeded request gives the same tokens whatever else shares
     its batch. `masks`: the constrained rows' token bitmask and their row numbers (`TokenMasks.fill`), applied
     first; raw logprobs are of the model's distribution, before the masks as before the penalties, processed ones
-    of the distribution each row draws from (`step_logprobs`)."""
+    of the distribution each row draws from (`step_logprobs`). `table`: the rows' state kept across steps (a
+    model runner's); without one, a table of this call's rows."""
+    table = table if table is not None else SampleTable(max(len(rows), 1))
+    at, counters = table.draw(rows)
     raw = logits
     if masks is not None:
         logits = apply_token_mask(logits.clone(), *masks)
-    logits = _apply_penalties(logits, rows)
-    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
-    if sampled and len(sampled) == len(rows):  # no greedy rows: no argmax, no scatter
-        return _fetch(raw, logits, _sample_rows(logits, rows), rows)
+    if table.adjusts[at].any():
+        logits = _apply_penalties(logits, rows)
+    greedy = table.greedy[at]
+    wanted = np.flatnonzero(table.logprobs[at]).tolist()
+    if len(rows) and not greedy.any():  # no greedy rows: no argmax, no scatter
+        tokens = _sample_rows(logits, table.columns[:, at], table.seeds[at], counters)
+        return _fetch(raw, logits, tokens, rows, wanted)
     tokens = torch.ops.lmgate.argmax_rows(logits) if layer_kernels(logits) else logits.argmax(dim=-1)
-    if sampled:
-        idx = to_device(torch.tensor(sampled), logits.device)
-        tokens[idx] = _sample_rows(logits[idx], [rows[i] for i in sampled])
-    return _fetch(raw, logits, tokens, rows)
+    if not greedy.all():
+        sampled = np.flatnonzero(~greedy)
+        idx = to_device(torch.from_numpy(sampled), logits.device)
+        at = at[sampled]
+        tokens[idx] = _sample_rows(logits[idx], table.columns[:, at], table.seeds[at], counters[sampled])
+    return _fetch(raw, logits, tokens, rows, wanted)
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -257,18 +349,19 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
     return logits
 
 
-def _sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+def _sample_rows(logits: torch.Tensor, params: np.ndarray, seeds: np.ndarray, counters: np.ndarray) -> torch.Tensor:
     """Temperature, then the filters in vLLM's order, each over what the one before kept: min-p, top-k, top-p;
-    then one uniform draw per row (`uniform`, computed on the host) against the row's cumulative
-    distribution. The per-row parameters cross to the device in one copy (float32 holds each exactly: top-k
-    below 2^24, draws of 24 bits); which rows filter is found from them in array operations, not row by row."""
+    then one uniform draw per row (`uniform` of its seed and draw counter, computed on the host) against the
+    row's cumulative distribution. `params`: the rows' [4, rows] (temperature, min_p, top_k, top_p), in float64
+    as they were given (a top_p just below 1 is 1 in float32, and still filters), which is where the rows that
+    filter are found, in array operations. They cross to the device in one copy (float32 holds each exactly:
+    top-k below 2^24, draws of 24 bits)."""
     vocab = logits.shape[-1]
-    # Decided in float64, as the parameters were given (a top_p just below 1 is 1 in float32, and still filters).
-    temperature, min_p, top_k, top_p = np.array([r.params.columns for r in rows], dtype=np.float64).reshape(-1, 4).T
+    temperature, min_p, top_k, top_p = params
     top_k = np.where((top_k > 0) & (top_k < vocab), top_k, vocab)
-    host = np.empty((5, len(rows)), dtype=np.float32)
+    host = np.empty((5, len(seeds)), dtype=np.float32)
     host[:4] = temperature, min_p, top_k, top_p
-    host[4] = uniforms([r.seed for r in rows], [len(r.token_ids) - r.num_prompt + r.num_pending for r in rows])
+    host[4] = uniforms(seeds, counters)
     columns = to_device(torch.from_numpy(host), logits.device).unsqueeze(2)
     temps, min_ps, top_ks, top_ps, draws = columns  # each [rows, 1]
     probs = torch.softmax(logits / temps, dim=-1)
@@ -285,7 +378,7 @@ def _sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     plain, kept = np.flatnonzero(~filtered), np.flatnonzero(filtered)
     order = to_device(torch.from_numpy(np.concatenate([plain, kept])), logits.device)
     at_plain, at_filtered = order[: len(plain)], order[len(plain) :]
-    tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+    tokens = torch.empty(len(seeds), dtype=torch.long, device=logits.device)
     tokens[at_plain] = _draw(probs[at_plain], draws[at_plain])
     tokens[at_filtered] = _top_k_top_p(
         probs[at_filtered], top_ks[at_filtered], top_ps[at_filtered], draws[at_filtered], bool(known[kept].all())
@@ -375,11 +468,12 @@ def _search(probs: torch.Tensor, draws: torch.Tensor) -> tuple[torch.Tensor, tor
     return found, cdf, target
 
 
-def _fetch(raw: torch.Tensor, logits: torch.Tensor, tokens: torch.Tensor, rows: list[SampleRow]) -> "SampleFuture":
-    """The chosen ids, and for rows that ask, the chosen token's logprob and the top n (of the raw or the
-    processed distribution: `step_logprobs`, from the model's logits or the masked and penalized ones), packed
-    into one float64 tensor (ids are exact there) for a single device-to-host copy."""
-    wanted = [i for i, r in enumerate(rows) if r.params.logprobs]
+def _fetch(
+    raw: torch.Tensor, logits: torch.Tensor, tokens: torch.Tensor, rows: list[SampleRow], wanted: list[int]
+) -> "SampleFuture":
+    """The chosen ids, and for the rows that ask (`wanted`), the chosen token's logprob and the top n (of the raw
+    or the processed distribution: `step_logprobs`, from the model's logits or the masked and penalized ones),
+    packed into one float64 tensor (ids are exact there) for a single device-to-host copy."""
     if not wanted:
         return SampleFuture(tokens, tokens, rows, wanted)
     idx = to_device(torch.tensor(wanted), raw.device)

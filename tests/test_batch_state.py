@@ -1,0 +1,92 @@
+"""The per-row state a loop keeps across steps instead of building it from its sequences each step: the
+sampler's table (`SampleTable`), checked at every draw against a table built from that draw's rows alone,
+through joins, leaves, cancels, preemptions, forks and slots recycled."""
+
+from __future__ import annotations
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from lmgate.engine.config import EngineConfig
+from lmgate.engine.engine import Engine
+from lmgate.engine.sampling.sampler import SampleRow, SampleTable, SamplingParams
+from tests.test_engine import assert_idle
+
+KINDS = [
+    dict(),
+    dict(temperature=0.8),
+    dict(temperature=0.9, top_p=0.9, top_k=40, min_p=0.02),
+    dict(logprobs=2),
+    dict(temperature=1.0, logprobs=1, logprobs_mode="processed"),
+    dict(repetition_penalty=1.3, frequency_penalty=0.5, temperature=0.7),
+    dict(min_new_tokens=6, temperature=1.0),
+    dict(n=3, temperature=0.9),
+    dict(logit_bias=((5, 3.0),)),
+]
+
+
+def requests(seed: int, count: int) -> list[tuple[list[int], SamplingParams, bool]]:
+    """(prompt, params, cancel it after its first output): prompts of 1..40 ids, every kind of sampling."""
+    rng = random.Random(seed)
+    return [
+        (
+            [rng.randrange(1, 1000) for _ in range(rng.randint(1, 40))],
+            SamplingParams(max_new_tokens=rng.randint(6, 24), ignore_eos=True, seed=rng.randrange(1000), **kind),
+            rng.random() < 0.15,
+        )
+        for kind in (rng.choice(KINDS) for _ in range(count))
+    ]
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_the_sample_table_holds_what_one_built_from_each_draws_rows_holds(tiny_models, monkeypatch, overlap):
+    """Requests of every kind of sampling, some cancelled, through a batch of 6 and a KV cache small enough to
+    preempt: at every draw, each row's parameters, seed and draw counter in the runner's table are those a new
+    table reads from the rows themselves. Many more rows pass than the table has slots."""
+    kept = SampleTable.draw
+    seen: set[int] = set()
+    draws = 0
+
+    def checked(table: SampleTable, rows: list[SampleRow]) -> tuple[np.ndarray, np.ndarray]:
+        nonlocal draws
+        at, counters = kept(table, rows)
+        reference = SampleTable(max(len(rows), 1))
+        fresh_at, fresh_counters = kept(reference, rows)
+        for name in ("columns", "seeds", "greedy", "logprobs", "adjusts"):
+            assert np.array_equal(getattr(table, name)[..., at], getattr(reference, name)[..., fresh_at]), name
+        assert counters.tolist() == fresh_counters.tolist()
+        assert counters.tolist() == [r.num_output for r in rows]
+        draws += 1
+        seen.update(map(id, rows))
+        return at, counters
+
+    monkeypatch.setattr(SampleTable, "draw", checked)
+    config = EngineConfig(
+        dtype="float32",
+        model=tiny_models("llama").path,
+        max_batch_size=6,
+        max_batched_tokens=48,
+        kv_cache_tokens=256,
+        block_size=16,
+        overlap_scheduling=overlap,
+        dp_backend="thread",
+    )
+    with Engine(config) as engine:
+
+        def run(job: tuple[list[int], SamplingParams, bool]) -> None:
+            prompt, params, cancel = job
+            stream = engine.submit(prompt, params)
+            for _ in stream:
+                if cancel:
+                    stream.cancel()
+
+        with ThreadPoolExecutor(12) as pool:
+            list(pool.map(run, requests(seed=1 if overlap == "on" else 0, count=120)))
+        (loop,) = engine.loops
+        assert loop.scheduler.num_preemptions > 0
+        assert len(seen) > 4 * loop.runner.sample_table.capacity
+        assert draws > 300
+        assert_idle(engine)
