@@ -93,6 +93,10 @@ class CancelFlag:
     cancel."""
 
     QUEUED, ACTIVE, CANCELLED, FINISHED = 0, 1, -1, 2
+    # Flags of this process cancelled so far, each counted after it flipped: a loop looks for cancelled
+    # sequences only once this moved since it last looked (`cancels`), not at every step.
+    _cancels = 0
+    _cancels_lock = threading.Lock()  # a leaf: guards _cancels only, taken after a flag's lock is let go
 
     def __init__(self) -> None:
         self._value = self.QUEUED
@@ -102,13 +106,20 @@ class CancelFlag:
     def value(self) -> int:
         return self._value
 
+    @classmethod
+    def cancels(cls) -> int:
+        return cls._cancels
+
     def cancel(self) -> int:
         """CANCELLED unless finished; the state it had."""
         with self._lock:
             old = self._value
             if old != self.FINISHED:
                 self._value = self.CANCELLED
-            return old
+        if old != self.FINISHED:
+            with CancelFlag._cancels_lock:
+                CancelFlag._cancels += 1
+        return old
 
     def compare_exchange(self, expected: int, new: int) -> bool:
         with self._lock:

@@ -52,20 +52,30 @@ class Scheduler:
     def schedule(self) -> list[Sequence]:
         """Sequences to run, decodes first, each with `num_scheduled` set."""
         self.copies = {}
-        for seq in self.running + list(self.waiting):
+        for seq in self.waiting:
             seq.num_scheduled = 0
-        # A sequence whose last token is still on the device (overlap) waits for it to be read: it then ends. So
-        # does a constrained one, whose next mask needs that token (structured outputs: it decodes every other step).
-        decodes = [
-            s
-            for s in self.running
-            if s.num_uncomputed == 1 and not s.drew_last_token and not (s.num_pending and s.matcher is not None)
-        ]
+        # One pass over hundreds of running sequences, their properties read inline (`num_uncomputed`,
+        # `drew_last_token`). A sequence whose last token is still on the device (overlap) waits for it to be
+        # read: it then ends. So does a constrained one, whose next mask needs that token (structured outputs: it
+        # decodes every other step).
+        decodes: list[Sequence] = []
+        prefills: list[Sequence] = []
+        for s in self.running:
+            s.num_scheduled = 0
+            uncomputed = len(s.token_ids) + s.num_pending - s.num_computed
+            if uncomputed > 1:
+                prefills.append(s)
+            elif (
+                uncomputed == 1
+                and len(s.token_ids) - s.num_prompt_tokens + s.num_pending < s.max_new_tokens
+                and not (s.num_pending and s.matcher is not None)
+            ):
+                decodes.append(s)
+        budget = self.max_batched_tokens
         for seq in decodes:
             if seq.status is SequenceStatus.RUNNING and self._reserve(seq, 1):
                 seq.num_scheduled = 1
-        budget = self.max_batched_tokens - sum(s.num_scheduled for s in decodes)
-        prefills = [s for s in self.running if s.num_uncomputed > 1]
+                budget -= 1
         for seq in prefills:
             budget -= self._schedule_prefill(seq, budget)
         while self.waiting and budget > 0 and len(self.running) + self.unforked < self.max_batch_size:
@@ -86,10 +96,15 @@ class Scheduler:
             self.running.append(seq)
             self.unforked += forks
             budget -= self._schedule_prefill(seq, budget)
-        batch = [s for s in self.running if s.num_scheduled]
         # A decode is one token that brings the KV to the sequence's end (ModelRunner.plan's test); a prefill
         # chunk that got the last token of budget is one token too, and must not sit among the decodes.
-        return sorted(batch, key=lambda s: not (s.num_scheduled == 1 and s.num_uncomputed == 1))
+        first: list[Sequence] = []
+        then: list[Sequence] = []
+        for s in self.running:
+            if s.num_scheduled:
+                decode = s.num_scheduled == 1 and len(s.token_ids) + s.num_pending - s.num_computed == 1
+                (first if decode else then).append(s)
+        return first + then
 
     def fork(self, seq: Sequence) -> list[Sequence]:
         """The request's other samples, as `seq` is launched to draw its first token: each takes the prompt's KV
@@ -132,8 +147,8 @@ class Scheduler:
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Blocks for `num_tokens` more tokens of `seq`, preempting newer sequences if need be; a copy of its
         last block where that is partly filled and shared (one of a request's samples)."""
-        needed = self.blocks.blocks_for(seq.num_computed + num_tokens) - len(seq.block_table)
-        if needed <= 0 and not self._shared_tail(seq):  # most decodes: the last block has room
+        needed = -(-(seq.num_computed + num_tokens) // self.blocks.block_size) - len(seq.block_table)  # `blocks_for`
+        if needed <= 0 and (seq.samples is None or not self._shared_tail(seq)):  # most decodes: the last block has room
             return True
         while not self._make_room(max(needed, 0) + self._shared_tail(seq), seq):
             victim = self.running[-1]

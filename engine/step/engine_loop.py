@@ -28,7 +28,7 @@ from ..scheduling.scheduler import Scheduler
 from ..scheduling.sequence import Sequence, Session
 from ..text.tokenizer import Tokenizer
 from .weights import LocalWeights
-from ..sampling.constraints import TokenMasks
+from ..sampling.constraints import GrammarMatcher, TokenMasks
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +143,7 @@ class EngineLoop:
         self.frozen = False
         self.keep_kv_on_update = False
         self._idle_waiters: list[Request] = []  # a pause (WAIT) answered once nothing runs or is queued
+        self._cancels_seen = -1  # `CancelFlag.cancels` when this loop last looked for cancelled sequences
 
     @classmethod
     def build(
@@ -311,13 +312,21 @@ class EngineLoop:
 
     def _launch(self, batch: BatchData, previous: BatchData | None) -> None:
         """kSetup .. kForward, and sampling queued on the device: returns without waiting for it."""
-        batch.samplers, forked = [], []
+        samplers: list[Sequence] = []
+        forked: list[Sequence] = []
+        constrained: list[tuple[int, GrammarMatcher]] = []  # samplers' rows with a grammar (structured outputs)
         for seq in batch.seqs:
-            if seq.samples_this_step:
-                batch.samplers.append(seq)
+            if seq.num_computed + seq.num_scheduled == len(seq.token_ids) + seq.num_pending:  # `samples_this_step`
+                if seq.matcher is not None:
+                    constrained.append((len(samplers), seq.matcher))
+                samplers.append(seq)
                 if seq.samples is not None and seq.samples.to_fork:
-                    batch.samplers += self.scheduler.fork(seq)
+                    for fork in self.scheduler.fork(seq):
+                        if fork.matcher is not None:
+                            constrained.append((len(samplers), fork.matcher))
+                        samplers.append(fork)
                     forked.append(seq)
+        batch.samplers = samplers
         drawn = previous.draws.tokens if previous is not None and previous.draws is not None else None
         copies = [(source, copy) for copy, source in self.scheduler.copies.items()]
         batch.inputs = self.runner.setup(batch.seqs, drawn, copies)  # kSetup + kPrepare
@@ -325,7 +334,7 @@ class EngineLoop:
             seq.forks = []
         batch.logits = logits = self.runner.forward(batch.inputs)  # kForward + kUnprep
         assert logits is not None, "a loop's runner computes the logits"
-        batch.draws = self.runner.sample(logits, batch.inputs, self._token_masks(batch.samplers))
+        batch.draws = self.runner.sample(logits, batch.inputs, self._token_masks(constrained))
         computed = 0
         for seq in batch.seqs:
             seq.num_computed += seq.num_scheduled
@@ -335,19 +344,14 @@ class EngineLoop:
             seq.num_pending += 1
             seq.pending_row = row
 
-    def _token_masks(self, samplers: list[Sequence]) -> tuple[torch.Tensor, list[int]] | None:
+    def _token_masks(self, constrained: list[tuple[int, GrammarMatcher]]) -> tuple[torch.Tensor, list[int]] | None:
         """The constrained rows' masks (structured outputs), filled on the host while the device computes the
-        forward just queued; None where no row is constrained."""
-        rows, matchers = [], []
-        for row, seq in enumerate(samplers):
-            if seq.matcher is not None:
-                rows.append(row)
-                matchers.append(seq.matcher)
-        if not rows:
+        forward just queued; None where no row is constrained. `constrained`: (row, its matcher) each."""
+        if not constrained:
             return None
         if self._masks is None:
             self._masks = TokenMasks(self.tokenizer.grammars.vocab_size, threads=self.num_threads)
-        return self._masks.fill(matchers), rows
+        return self._masks.fill([matcher for _, matcher in constrained]), [row for row, _ in constrained]
 
     def _complete(self, batch: BatchData) -> None:
         """kFetch (waits for the device) .. kDel of a launched step."""
@@ -567,6 +571,12 @@ class EngineLoop:
         self._emit(request, RequestOutput("", request.session_id, finish_reason=FinishReason.STOP))
 
     def _reap_cancelled(self) -> None:
+        """End the sequences whose requests were cancelled: looked for only once a flag has flipped since the
+        last look (`CancelFlag.cancels`, read before looking, so a flip during the look is seen next step)."""
+        cancels = CancelFlag.cancels()
+        if cancels == self._cancels_seen:
+            return
+        self._cancels_seen = cancels
         for seq in self.scheduler.running + list(self.scheduler.waiting):
             if seq.request.cancel_flag.value == CancelFlag.CANCELLED:
                 self._finish(seq, FinishReason.CANCELLED)
