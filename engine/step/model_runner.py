@@ -225,7 +225,9 @@ class ModelRunner:
             else:
                 input_ids.extend(token_ids[start:end])
                 positions.extend(range(start, end))
-                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+                for j in range(start // bs, (end - 1) // bs + 1):  # a block's slots at a time, not a token's
+                    base = table[j] * bs - j * bs
+                    slots.extend(range(base + max(start, j * bs), base + min(end, j * bs + bs)))
                 plan.prefills.append((first_row, len(input_ids), end, table[: -(-end // bs)]))
                 if seq.prompt_logprobs is not None:
                     self._prompt_rows(plan, seq, start, end, first_row)
