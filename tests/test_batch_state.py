@@ -9,10 +9,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+import torch
 
 from lmgate.engine.config import EngineConfig
 from lmgate.engine.engine import Engine
-from lmgate.engine.sampling.sampler import SampleRow, SampleTable, SamplingParams
+from lmgate.engine.sampling.sampler import SampleRow, SampleTable, SamplingParams, launch_sample, sample
 from tests.test_engine import assert_idle
 
 KINDS = [
@@ -41,6 +42,26 @@ def requests(seed: int, count: int) -> list[tuple[list[int], SamplingParams, boo
     ]
 
 
+def test_a_kept_table_draws_what_a_table_per_draw_draws():
+    """Rows of every kind of sampling drawn in random subsets over 2,000 calls (a row twice in one call now and
+    then), each draw appended to its row as a loop does: one table kept throughout, with 4 slots to start,
+    gives every call the tokens of a table built for that call; rows that stopped drawing give their slots
+    back, and the table grows only as far as one call needs."""
+    rng = random.Random(0)
+    pool = [SampleRow(SamplingParams(**rng.choice(KINDS)), rng.randrange(2**64), [1, 2, 3], 3) for _ in range(40)]
+    table = SampleTable(4)
+    for call in range(2000):
+        live = pool[call // 100 : call // 100 + 12]  # rows come and go
+        distinct = rng.sample(live, rng.randint(1, 8))
+        rows = distinct + distinct[:1] if rng.random() < 0.05 else distinct
+        logits = torch.randn(len(rows), 64, generator=torch.Generator().manual_seed(call)) * 3
+        tokens = launch_sample(logits, rows, table=table).result().token_ids
+        assert tokens == sample(logits, rows).token_ids
+        for row, token in zip(distinct, tokens):
+            row.token_ids.append(token)
+    assert table.capacity == 8
+
+
 @pytest.mark.parametrize("overlap", ["off", "on"])
 def test_the_sample_table_holds_what_one_built_from_each_draws_rows_holds(tiny_models, monkeypatch, overlap):
     """Requests of every kind of sampling, some cancelled, through a batch of 6 and a KV cache small enough to
@@ -60,7 +81,7 @@ def test_the_sample_table_holds_what_one_built_from_each_draws_rows_holds(tiny_m
         assert counters.tolist() == fresh_counters.tolist()
         assert counters.tolist() == [r.num_output for r in rows]
         draws += 1
-        seen.update(map(id, rows))
+        seen.update(r.serial for r in rows)
         return at, counters
 
     monkeypatch.setattr(SampleTable, "draw", checked)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -128,6 +129,9 @@ def _check(ok: bool, message: str) -> None:
         raise InvalidRequest(message)
 
 
+_serials = itertools.count()
+
+
 @dataclass(slots=True)
 class SampleRow:
     """What the sampler needs of one sequence this step. `token_ids` is the sequence's own list, not a copy
@@ -139,6 +143,8 @@ class SampleRow:
     num_prompt: int
     banned_ids: list[int] = field(default_factory=list)  # eos / stop ids while below min_new_tokens
     num_pending: int = 0  # draws still on the device, not in `token_ids` yet (overlap: never with penalties)
+    # This process's number for it, never given twice: what a `SampleTable` knows it by (an id could be reused)
+    serial: int = field(default_factory=lambda: next(_serials), init=False, repr=False, compare=False)
 
     @property
     def num_output(self) -> int:
@@ -156,11 +162,11 @@ class SampleTable:
     """The sampler's per-row state, kept across steps in arrays: a step reads its rows' parameters, seeds and
     draw counters by slot, in array operations, instead of from hundreds of rows in Python.
 
-    A slot belongs to one `SampleRow` (a sequence keeps its row for life, so a row seen before is found by
-    identity) and is written when the row first samples: its parameters and seed never change, and its draw
+    A slot belongs to one `SampleRow` (a sequence keeps its row for life, so a row seen before is found by its
+    serial) and is written when the row first draws: its parameters and seed never change, and its draw
     counter moves by one per draw, here, as the row's own count does (a token drawn is appended, or pending on
-    the device). The table holds the rows it keys, so that no id is reused while keyed; once every slot is taken,
-    those no draw used this step are freed together, and where that is not enough the table grows."""
+    the device). Once every slot is taken, those no draw used in this call are freed together (the rows of
+    ended sequences among them), and where that is not enough the table grows."""
 
     def __init__(self, capacity: int = 64) -> None:
         # (temperature, min_p, top_k, top_p) as the sampler applies them (`SamplingParams.columns`), in float64
@@ -171,32 +177,36 @@ class SampleTable:
         self.logprobs = np.zeros(capacity, dtype=np.int64)  # `SamplingParams.logprobs`
         # Logits changed before drawing: penalties, a logit bias, or ids banned below min_new_tokens
         self.adjusts = np.zeros(capacity, dtype=bool)
-        self._slots: dict[int, int] = {}  # id(row) -> slot
-        self._holders: list[SampleRow | None] = [None] * capacity  # each slot's row, keeping its id unique
+        self._slots: dict[int, int] = {}  # a row's serial -> its slot
+        self._serials = np.full(capacity, -1, dtype=np.int64)  # each slot's row, -1 where free
         self._used = np.zeros(capacity, dtype=np.int64)  # the draw call that last used each slot
         self._calls = 0
         self._free = list(range(capacity - 1, -1, -1))
 
     @property
     def capacity(self) -> int:
-        return len(self._holders)
+        return len(self._serials)
 
     def draw(self, rows: list[SampleRow]) -> tuple[np.ndarray, np.ndarray]:
         """The rows' slots, and the counter of the draw each makes now, counted as made."""
         self._calls += 1
         get = self._slots.get
-        slots = [get(id(row), -1) for row in rows]
+        slots = [get(row.serial, -1) for row in rows]
         if -1 in slots:
             known = np.array([s for s in slots if s >= 0], dtype=np.int64)
             self._used[known] = self._calls  # this call's: never freed to make room for its other rows
-            slots = [self._assign(row) if slot < 0 else slot for row, slot in zip(rows, slots)]
+            slots = [self._slot(row) if slot < 0 else slot for row, slot in zip(rows, slots)]
         at = np.array(slots, dtype=np.int64)
         self._used[at] = self._calls
         counters = self.drawn[at]
         self.drawn[at] = counters + 1
         return at, counters
 
-    def _assign(self, row: SampleRow) -> int:
+    def _slot(self, row: SampleRow) -> int:
+        """A row this call did not find: written into a slot of its own (once, should it come twice)."""
+        slot = self._slots.get(row.serial)
+        if slot is not None:
+            return slot
         if not self._free:
             self._free_stale()
         if not self._free:
@@ -210,26 +220,24 @@ class SampleTable:
         self.logprobs[slot] = params.logprobs
         self.adjusts[slot] = params.adjusts_logits or params.min_new_tokens > 0
         self._used[slot] = self._calls
-        self._holders[slot] = row
-        self._slots[id(row)] = slot
+        self._serials[slot] = row.serial
+        self._slots[row.serial] = slot
         return slot
 
     def _free_stale(self) -> None:
-        for slot in np.flatnonzero(self._used < self._calls).tolist():
-            holder = self._holders[slot]
-            if holder is not None:
-                del self._slots[id(holder)]
-                self._holders[slot] = None
-                self._free.append(slot)
+        stale = np.flatnonzero((self._used < self._calls) & (self._serials >= 0))
+        for serial in self._serials[stale].tolist():
+            del self._slots[serial]
+        self._serials[stale] = -1
+        self._free += stale.tolist()
 
     def _grow(self) -> None:
         old = self.capacity
-        for name in ("columns", "seeds", "drawn", "greedy", "logprobs", "adjusts", "_used"):
+        for name in ("columns", "seeds", "drawn", "greedy", "logprobs", "adjusts", "_used", "_serials"):
             array = getattr(self, name)
-            grown = np.zeros((*array.shape[:-1], 2 * old), dtype=array.dtype)
+            grown = np.full((*array.shape[:-1], 2 * old), -1 if name == "_serials" else 0, dtype=array.dtype)
             grown[..., :old] = array
             setattr(self, name, grown)
-        self._holders += [None] * old
         self._free = list(range(2 * old - 1, old - 1, -1))
 
 
