@@ -357,6 +357,12 @@ def merged(mine: list[str], theirs: list[str]) -> list[str]:
     return order
 
 
+def goal_figure(run: dict, workload: dict) -> str:
+    """Issue 50's figure: the decode step's host bookkeeping but the sampler's arithmetic (its floor, alone)."""
+    host, floor = workload["ms_per_step"][HOST], run["sampler_floor_ms"]
+    return f"{HOST} less the sampler's arithmetic ({floor:.3f} ms): {host - floor:.3f} ms a step"
+
+
 def report(this: dict, base: dict | None, baseline: str) -> None:
     """Per workload, a markdown table: this tree and the baseline side by side, with their ratio."""
     print(f"\n## Host time per engine step, {machine(this)}\n")
@@ -386,8 +392,12 @@ def report(this: dict, base: dict | None, baseline: str) -> None:
             else:
                 ratio = f"{ms / other:.2f}" if ms is not None and other else "—"
                 cells += [f"{other:.3f}", f"{theirs['us_per_seq'][phase]:.2f}", ratio]
-            name = f"**{phase}**" if phase == HOST else phase
-            print(f"| {name} | " + " | ".join(cells) + " |")
+            label = f"**{phase}**" if phase == HOST else phase
+            print(f"| {label} | " + " | ".join(cells) + " |")
+        if name == "decode":
+            print(
+                f"\n{goal_figure(this, mine)}" + (f"; baseline {goal_figure(base, theirs)}" if base and theirs else "")
+            )
     excluded = next(iter(this["workloads"].values()), {}).get("excluded", [])
     print(
         f"\n{HOST}: the sum of the rows above it (not of {', '.join(excluded)}): the whole step, with the `_flush` "

@@ -34,7 +34,10 @@ def test_ids_only_requests_write_no_text_and_the_table_shows_the_phase_only_the_
     assert "detokenize" not in ids_only["workloads"]["decode"]["ms_per_step"]
     assert with_text["workloads"]["decode"]["ms_per_step"]["detokenize"] > 0
     bench_host.report(ids_only, with_text, "text")
-    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    out = capsys.readouterr().out
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ")]
     names = [cells[0].strip() for cells in rows]
     assert names.index("detokenize") == names.index("update") + 1
     assert [cell.strip() for cell in rows[names.index("detokenize")][1:3]] == ["—", "—"]
+    goal = [line for line in out.splitlines() if "less the sampler's arithmetic" in line]
+    assert len(goal) == 1 and goal[0].count(" ms a step") == 2  # this tree's figure and the baseline's

@@ -587,7 +587,8 @@ class EngineLoop:
     def _update(self, samplers: list[Sequence], batch: BatchData) -> None:
         """A token per sampling row: hundreds a step on the host's critical path, so the common case (no
         logprobs, no stop, not yet sent) reads each field once."""
-        interval, limit, emit = self.stream_interval, self.max_context_length, self._emit
+        interval, limit = self.stream_interval, self.max_context_length
+        signal = self._signals.append  # `_emit`, without a call of its own per token
         version = batch.inputs.weight_version if batch.inputs is not None else ""
         result = batch.result
         assert result is not None, "read by kFetch"
@@ -601,7 +602,7 @@ class EngineLoop:
             if out.weight_version != version:  # the tokens of other weights go first, in an output of their own
                 if out.token_ids:
                     seq.unsent = None
-                    emit(seq.request, out)
+                    signal((seq.request, out))
                     out = self._unsent(seq)
                 out.weight_version = version
             out.token_ids.append(token)
@@ -635,7 +636,7 @@ class EngineLoop:
                 batch.finished.append(seq)
             if reason is not None or num_output == 1 or len(out.token_ids) >= interval:
                 seq.unsent = None  # the first token at once, for its latency; the last with its reason
-                emit(seq.request, out)
+                signal((seq.request, out))
 
     def _grammar_ended(self, seq: Sequence, token: int) -> bool:
         """Advance a constrained sequence's matcher; True where its grammar lets nothing but an end follow (the
