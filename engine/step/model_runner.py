@@ -317,7 +317,7 @@ class ModelRunner:
             input_ids.index_copy_(0, rows, drawn.index_select(0, sources))
 
     def _decode_tables(self, block_tables: list[list[int]], lengths: list[int]) -> DecodeTables | GatheredDecode:
-        tables, lens = self.tables.gather(block_tables), torch.tensor(lengths)
+        tables, lens = self.tables.gather(block_tables), torch.from_numpy(np.array(lengths, dtype=np.int64))
         if self.attention != "torch":
             return DecodeTables(to_device(tables, self.device), to_device(lens, self.device))
         return GatheredDecode(
