@@ -54,10 +54,10 @@ class Scheduler:
         self.copies = {}
         for seq in self.waiting:
             seq.num_scheduled = 0
-        # One pass over hundreds of running sequences, their properties read inline (`num_uncomputed`,
-        # `drew_last_token`). A sequence whose last token is still on the device (overlap) waits for it to be
-        # read: it then ends. So does a constrained one, whose next mask needs that token (structured outputs: it
-        # decodes every other step).
+        # One pass over hundreds of running sequences, `num_uncomputed` read inline. A sequence that has drawn its
+        # max_new_tokens, the last perhaps still on the device (overlap), waits for them to be read: it then ends.
+        # So does a constrained one whose last token is still on the device: its next mask needs that token
+        # (structured outputs: it decodes every other step).
         decodes: list[Sequence] = []
         prefills: list[Sequence] = []
         for s in self.running:

@@ -160,11 +160,6 @@ class Sequence(HoldsKV):
         """Only the step that brings the KV up to the last token produces a new token."""
         return self.num_computed + self.num_scheduled == self.num_tokens
 
-    @property
-    def drew_last_token(self) -> bool:
-        """Its max_new_tokens are drawn, some perhaps still on the device: it ends when they are read."""
-        return self.num_output + self.num_pending >= self.max_new_tokens
-
     def sample_row(self) -> SampleRow:
         """What the sampler reads of it this step: one row kept for its life (its token list is its own until
         it ends), brought up to date here rather than built again at every step."""
