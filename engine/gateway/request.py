@@ -122,6 +122,8 @@ class CancelFlag:
         return old
 
     def compare_exchange(self, expected: int, new: int) -> bool:
+        # An active request is cancelled by `cancel` alone, which the loops count (`cancels`): they would miss it
+        assert not (expected == self.ACTIVE and new == self.CANCELLED), "cancel an active request with cancel()"
         with self._lock:
             if self._value != expected:
                 return False

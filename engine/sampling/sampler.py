@@ -141,7 +141,7 @@ class SampleRow:
     seed: int  # the request's seed, or one drawn at arrival
     token_ids: list[int]  # prompt, then output
     num_prompt: int
-    banned_ids: list[int] = field(default_factory=list)  # eos / stop ids while below min_new_tokens
+    banned_ids: list[int] = field(default_factory=list)  # eos / stop ids while below min_new_tokens (read only then)
     num_pending: int = 0  # draws still on the device, not in `token_ids` yet (overlap: never with penalties)
     # This process's number for it, never given twice: what a `SampleTable` knows it by (an id could be reused)
     serial: int = field(default_factory=lambda: next(_serials), init=False, repr=False, compare=False)
