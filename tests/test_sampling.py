@@ -68,6 +68,47 @@ def test_penalties_match_transformers_and_the_presence_frequency_formula():
     torch.testing.assert_close(logits, logits_for(4))  # the caller's logits are left alone
 
 
+def test_penalties_over_random_rows_equal_the_dense_formulas_bit_for_bit():
+    """Rows of random histories with every mix of repetition, presence and frequency penalties (extreme ones
+    among them), applied to the (row, token) pairs that occur: each logit equals what the formulas give over
+    the whole [rows, vocabulary], as floats of the same float32 operations."""
+    rng = random.Random(3)
+    for case in range(200):
+        vocab, n = rng.choice([7, 64, 1000]), rng.randint(1, 5)
+        rows = []
+        for _ in range(n):
+            params = {}
+            if rng.random() < 0.6:
+                params["repetition_penalty"] = rng.choice([0.5, 1.3, 1e300, 1e-30, rng.uniform(0.1, 3)])
+            if rng.random() < 0.5:
+                params["presence_penalty"] = rng.uniform(-2, 2)
+            if rng.random() < 0.5:
+                params["frequency_penalty"] = rng.uniform(-2, 2)
+            prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 30))]
+            output = [rng.randrange(vocab) for _ in range(rng.randint(0, 30))]
+            rows.append(row(prompt=prompt, output=output, **params))
+        logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(case)) * rng.choice([1, 1e30])
+        want = logits.clone()
+        for i, r in enumerate(rows):
+            p = r.params
+            if p.repetition_penalty not in (0, 1):
+                penalty = torch.tensor(p.repetition_penalty, dtype=torch.float32).clamp(
+                    max=torch.finfo(torch.float32).max
+                )
+                seen = torch.zeros(vocab, dtype=torch.bool)
+                seen[r.token_ids] = True
+                penalized = torch.where(want[i] > 0, want[i] / penalty, want[i] * penalty)
+                want[i] = torch.where(
+                    seen, penalized.clamp(-sampling.PENALIZED_LIMIT, sampling.PENALIZED_LIMIT), want[i]
+                )
+            output = r.token_ids[r.num_prompt :]
+            if (p.presence_penalty or p.frequency_penalty) and output:
+                counts = torch.bincount(torch.tensor(output), minlength=vocab).float()
+                freq, presence = torch.tensor([p.frequency_penalty, p.presence_penalty], dtype=torch.float32)
+                want[i] = torch.where(counts > 0, want[i] - (freq * counts + presence), want[i])
+        assert torch.equal(sampling._apply_penalties(logits, rows), want), case
+
+
 PROBES = {
     "top-p and top-k": dict(top_p=0.95, top_k=20),
     "top-k": dict(top_k=5),

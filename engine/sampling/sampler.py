@@ -306,11 +306,12 @@ def launch_sample(
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """Logit bias; repetition penalty over prompt and output (as Hugging Face and vLLM); presence / frequency
-    over output; banned ids to -inf. Each kind is one indexed update over all its rows' (row, token) pairs."""
+    over output; banned ids to -inf. Each kind is one indexed update over all its rows' (row, token) pairs, the
+    penalties' found in array operations (a row's history is hundreds of tokens or more)."""
     if not any(r.params.adjusts_logits or r.banned_ids for r in rows):
         return logits
     logits = logits.clone()
-    device = logits.device
+    device, vocab = logits.device, logits.shape[-1]
 
     def pairs(token_lists: list[tuple[int, list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
         row_idx = [i for i, ids in token_lists for _ in ids]
@@ -319,39 +320,47 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
         row_at, tok_at = to_device(at, device).unbind()
         return row_at, tok_at
 
+    def distinct(token_lists: list[tuple[int, list[int]]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Each (row, token) pair once, in row then token order, with how often it came: in array operations,
+        not a Python list a token."""
+        keys = np.concatenate([np.array(ids, dtype=np.int64) + i * vocab for i, ids in token_lists])
+        keys, counts = np.unique(keys, return_counts=True)
+        return keys // vocab, keys % vocab, counts
+
+    def on_device(*arrays: np.ndarray) -> tuple[torch.Tensor, ...]:
+        return tuple(to_device(torch.from_numpy(a), device) for a in arrays)
+
     biased = [(i, r.params.logit_bias) for i, r in enumerate(rows) if r.params.logit_bias]
     if biased:
         at = pairs([(i, [t for t, _ in bias]) for i, bias in biased])
         values = torch.tensor([b for _, bias in biased for _, b in bias], dtype=logits.dtype)
         logits.index_put_(at, to_device(values, device), accumulate=True)
 
-    repeat = [(i, sorted(set(r.token_ids))) for i, r in enumerate(rows) if r.params.repetition_penalty not in (0, 1)]
+    repeat = [(i, r.token_ids) for i, r in enumerate(rows) if r.params.repetition_penalty not in (0, 1)]
     if repeat:
-        row_idx, tok_idx = pairs(repeat)
-        penalty = to_device(torch.tensor([rows[i].params.repetition_penalty for i, ids in repeat for _ in ids]), device)
-        penalty.clamp_(max=torch.finfo(torch.float32).max)  # past it float32 holds inf, and a logit of 0 x inf is NaN
-        vals = logits[row_idx, tok_idx]
-        logits[row_idx, tok_idx] = torch.where(vals > 0, vals / penalty, vals * penalty).clamp_(
+        row_of, tokens, _ = distinct(repeat)
+        # float32, as the logits; past its largest float32 holds inf, and a logit of 0 x inf is NaN
+        penalties = np.array([r.params.repetition_penalty for r in rows], dtype=np.float64)
+        penalty, at_row, at_token = on_device(
+            np.minimum(penalties[row_of], np.finfo(np.float32).max).astype(np.float32), row_of, tokens
+        )
+        vals = logits[at_row, at_token]
+        logits[at_row, at_token] = torch.where(vals > 0, vals / penalty, vals * penalty).clamp_(
             -PENALIZED_LIMIT, PENALIZED_LIMIT
         )
     counted = [
-        i for i, r in enumerate(rows) if (r.params.presence_penalty or r.params.frequency_penalty) and r.num_output
+        (i, r.token_ids[r.num_prompt :])
+        for i, r in enumerate(rows)
+        if (r.params.presence_penalty or r.params.frequency_penalty) and r.num_output
     ]
     if counted:
-        row_idx, tok_idx = pairs([(j, rows[i].token_ids[rows[i].num_prompt :]) for j, i in enumerate(counted)])
-        counts = torch.zeros((len(counted), logits.shape[-1]), device=device)
-        counts.index_put_((row_idx, tok_idx), torch.ones_like(tok_idx, dtype=counts.dtype), accumulate=True)
-        freq, presence = to_device(
-            torch.tensor(
-                [
-                    [[rows[i].params.frequency_penalty] for i in counted],
-                    [[rows[i].params.presence_penalty] for i in counted],
-                ]
-            ),
-            device,
-        )
-        counted_at = to_device(torch.tensor(counted), device)
-        logits[counted_at] -= freq * counts + presence * (counts > 0).float()
+        # Only where a token came out, each once with its count, rather than [rows, vocabulary] counts a step:
+        # the same float32 frequency x count + presence at those tokens, and nothing elsewhere.
+        row_of, tokens, counts = distinct(counted)
+        freq = np.array([r.params.frequency_penalty for r in rows], dtype=np.float32)[row_of]
+        presence = np.array([r.params.presence_penalty for r in rows], dtype=np.float32)[row_of]
+        penalty, at_row, at_token = on_device(freq * counts.astype(np.float32) + presence, row_of, tokens)
+        logits[at_row, at_token] -= penalty
     banned = [(i, r.banned_ids) for i, r in enumerate(rows) if r.banned_ids]
     if banned:
         logits[pairs(banned)] = float("-inf")
