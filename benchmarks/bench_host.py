@@ -16,7 +16,8 @@ wrappers' own cost (measured here, per call). Two workloads at --num-seqs sequen
   100..1024, temperature 0.6), all at once; every step of the run.
 
 With --ids-only the requests are those of the gateway's worker protocol (smg), whose caller reads token ids
-only: no text is written (`Engine.submit(text=False)`).
+only: no text is written (`Engine.submit(text=False)`). With --penalties every measured request has a
+repetition and a frequency penalty (PENALTIES).
 
 The host's bookkeeping is the step's time but the model's forward on a CPU; on CUDA (--device cuda, overlap
 scheduling on), where the forward only launches the device's work, it is the step's time but read-back, which
@@ -32,6 +33,7 @@ A hook the baseline lacks leaves its phase blank there.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import filecmp
 import importlib.abc
 import importlib.util
@@ -257,11 +259,19 @@ def decode_steps(engine: Engine, rec: Recorder, args: argparse.Namespace, w: Wor
     prompts = [prompt for prompt, _ in offline_requests(1, w, SHAPE["vocab_size"])]
     prefill_steps = -(-sum(map(len, prompts)) // (MAX_BATCHED_TOKENS - w.num_seqs))
     new = prefill_steps + args.warmup_steps + args.steps + 4
-    params = SamplingParams(max_new_tokens=new, temperature=TEMPERATURE, ignore_eos=True)
+    params = sampling(args, SamplingParams(max_new_tokens=new, temperature=TEMPERATURE, ignore_eos=True))
     rec.steps = []
     run_requests(engine, [(p, params) for p in prompts], **submit_kw(args))
     full = [s for s in rec.steps if s.get("seqs") == w.num_seqs and s.get("tokens") == w.num_seqs]
     return full[args.warmup_steps : args.warmup_steps + args.steps]
+
+
+PENALTIES = dict(repetition_penalty=1.1, frequency_penalty=0.3)  # --penalties: on every measured request
+
+
+def sampling(args: argparse.Namespace, params: SamplingParams) -> SamplingParams:
+    """A measured request's parameters: with --penalties, PENALTIES added."""
+    return dataclasses.replace(params, **PENALTIES) if args.penalties else params
 
 
 def submit_kw(args: argparse.Namespace) -> dict:
@@ -295,7 +305,8 @@ def measure(args: argparse.Namespace) -> dict:
                 if args.workload in ("offline", "both"):
                     rec.steps = []
                     start = time.perf_counter()
-                    trace = run_requests(engine, offline_requests(2, w, SHAPE["vocab_size"]), **submit_kw(args))
+                    requests = [(p, sampling(args, s)) for p, s in offline_requests(2, w, SHAPE["vocab_size"])]
+                    trace = run_requests(engine, requests, **submit_kw(args))
                     offline = result["workloads"]["offline"] = phases(rec.steps, overhead, args.device)
                     offline["tok_s"] = trace.tokens / (time.perf_counter() - start)
             finally:
@@ -425,6 +436,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         const=True,
         default=False,
         help="requests whose caller reads token ids only (the gateway's worker protocol): no text written",
+    )
+    ap.add_argument(
+        "--penalties",
+        type=lambda v: v.lower() in ("1", "true", "yes", "on"),
+        nargs="?",
+        const=True,
+        default=False,
+        help=f"every measured request penalized: {', '.join(f'{k} {v}' for k, v in PENALTIES.items())}",
     )
     return ap.parse_args(argv)
 

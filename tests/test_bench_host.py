@@ -8,10 +8,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import bench_host  # noqa: E402
 
+from lmgate.engine.sampling.sampler import SamplingParams  # noqa: E402
+
 
 def test_measure_times_every_phase_of_both_workloads():
-    flags = "--num-seqs 4 --steps 3 --warmup-steps 2 --min-len 8 --max-len 24 --baseline="
-    result = bench_host.measure(bench_host.parse_args(flags.split()))
+    """With --penalties, which every measured request then has."""
+    flags = "--num-seqs 4 --steps 3 --warmup-steps 2 --min-len 8 --max-len 24 --baseline= --penalties"
+    args = bench_host.parse_args(flags.split())
+    assert bench_host.sampling(args, SamplingParams(temperature=0.6)).penalized
+    assert not bench_host.sampling(bench_host.parse_args([]), SamplingParams(temperature=0.6)).penalized
+    result = bench_host.measure(args)
     decode, offline = result["workloads"]["decode"], result["workloads"]["offline"]
     assert (decode["steps"], decode["seqs_per_step"], decode["tokens_per_step"]) == (3, 4, 4)
     assert offline["steps"] > 8 and offline["tokens_per_step"] > offline["seqs_per_step"]  # prefills among them
