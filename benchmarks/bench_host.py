@@ -429,22 +429,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--min-len", type=int, default=100, help="offline prompt and output lengths: the least")
     ap.add_argument("--max-len", type=int, default=1024, help="offline prompt and output lengths: the most")
     ap.add_argument("--json", default="", help="where the results go, as JSON (none by default)")
+    # Switches take a value too: the baseline's child process is given every flag as --name=value.
+    switch = dict(type=lambda v: v.lower() in ("1", "true", "yes", "on"), nargs="?", const=True, default=False)
     ap.add_argument(
         "--ids-only",
-        type=lambda v: v.lower() in ("1", "true", "yes", "on"),
-        nargs="?",
-        const=True,
-        default=False,
         help="requests whose caller reads token ids only (the gateway's worker protocol): no text written",
+        **switch,
     )
-    ap.add_argument(
-        "--penalties",
-        type=lambda v: v.lower() in ("1", "true", "yes", "on"),
-        nargs="?",
-        const=True,
-        default=False,
-        help=f"every measured request penalized: {', '.join(f'{k} {v}' for k, v in PENALTIES.items())}",
-    )
+    penalties = ", ".join(f"{k} {v}" for k, v in PENALTIES.items())
+    ap.add_argument("--penalties", help=f"every measured request penalized: {penalties}", **switch)
     return ap.parse_args(argv)
 
 
