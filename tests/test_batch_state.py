@@ -1,6 +1,8 @@
 """The per-row state a loop keeps across steps instead of building it from its sequences each step: the
-sampler's table (`SampleTable`), checked at every draw against a table built from that draw's rows alone,
-through joins, leaves, cancels, preemptions, forks and slots recycled."""
+sampler's table (`SampleTable`), checked at every draw against a table built from that draw's rows alone, the
+block tables (`TableStore`) against the lists, and the scheduler's batch (a steady decode step returns its
+decodes as found) against the order rebuilt from the running sequences: through joins, leaves, cancels,
+preemptions, forks and slots recycled."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import torch
 from lmgate.engine.config import EngineConfig
 from lmgate.engine.engine import Engine
 from lmgate.engine.sampling.sampler import SampleRow, SampleTable, SamplingParams, launch_sample, sample
+from lmgate.engine.scheduling.scheduler import Scheduler
+from lmgate.engine.step.block_tables import TableStore
 from tests.test_engine import assert_idle
 
 KINDS = [
@@ -63,13 +67,33 @@ def test_a_kept_table_draws_what_a_table_per_draw_draws():
 
 
 @pytest.mark.parametrize("overlap", ["off", "on"])
-def test_the_sample_table_holds_what_one_built_from_each_draws_rows_holds(tiny_models, monkeypatch, overlap):
+def test_the_kept_state_holds_what_one_built_from_each_steps_sequences_holds(tiny_models, monkeypatch, overlap):
     """Requests of every kind of sampling, some cancelled, through a batch of 6 and a KV cache small enough to
     preempt: at every draw, each row's parameters, seed and draw counter in the runner's table are those a new
-    table reads from the rows themselves. Many more rows pass than the table has slots."""
+    table reads from the rows themselves. Many more rows pass than the table has slots. At every step, the
+    gathered block tables are the decodes' lists, zero-padded, and the batch is the running sequences that
+    were scheduled, decodes first, each in running order."""
     kept = SampleTable.draw
     seen: set[int] = set()
     draws = 0
+    schedule, gather = Scheduler.schedule, TableStore.gather
+    steady = 0  # steps of decodes only
+
+    def checked_schedule(scheduler: Scheduler) -> list:
+        nonlocal steady
+        batch = schedule(scheduler)
+        scheduled = [s for s in scheduler.running if s.num_scheduled]
+        decode = [s.num_scheduled == 1 and s.num_uncomputed == 1 for s in scheduled]
+        order = [s for s, d in zip(scheduled, decode) if d] + [s for s, d in zip(scheduled, decode) if not d]
+        assert [id(s) for s in batch] == [id(s) for s in order]
+        steady += bool(batch) and all(decode)
+        return batch
+
+    def checked_gather(store: TableStore, tables: list[list[int]]) -> torch.Tensor:
+        gathered = gather(store, tables)
+        width = max(map(len, tables))
+        assert gathered.tolist() == [t + [0] * (width - len(t)) for t in tables]
+        return gathered
 
     def checked(table: SampleTable, rows: list[SampleRow]) -> tuple[np.ndarray, np.ndarray]:
         nonlocal draws
@@ -85,6 +109,8 @@ def test_the_sample_table_holds_what_one_built_from_each_draws_rows_holds(tiny_m
         return at, counters
 
     monkeypatch.setattr(SampleTable, "draw", checked)
+    monkeypatch.setattr(Scheduler, "schedule", checked_schedule)
+    monkeypatch.setattr(TableStore, "gather", checked_gather)
     config = EngineConfig(
         dtype="float32",
         model=tiny_models("llama").path,
@@ -109,5 +135,5 @@ def test_the_sample_table_holds_what_one_built_from_each_draws_rows_holds(tiny_m
         (loop,) = engine.loops
         assert loop.scheduler.num_preemptions > 0
         assert len(seen) > 4 * loop.runner.sample_table.capacity
-        assert draws > 300
+        assert draws > 300 and steady > 50
         assert_idle(engine)

@@ -47,3 +47,18 @@ def test_ids_only_requests_write_no_text_and_the_table_shows_the_phase_only_the_
     assert [cell.strip() for cell in rows[names.index("detokenize")][1:3]] == ["—", "—"]
     goal = [line for line in out.splitlines() if "less the sampler's arithmetic" in line]
     assert len(goal) == 1 and goal[0].count(" ms a step") == 2  # this tree's figure and the baseline's
+    bench_host.report({**ids_only, "clock": "cpu"}, None, "")
+    out = capsys.readouterr().out
+    assert "phases in the CPU time of their thread" in out and "less the sampler's arithmetic" not in out
+
+
+def test_the_cpu_clock_counts_a_threads_work_not_its_waits():
+    """--clock cpu: a phase that waits (here a sleep, as a loop waiting for the GIL) counts next to nothing;
+    on the wall clock it counts whole."""
+    import time
+
+    for clock, waited in (("wall", True), ("cpu", False)):
+        rec = bench_host.Recorder(bench_host.CLOCKS[bench_host.parse_args(["--clock", clock]).clock])
+        rec.current = {}
+        rec.wrap(lambda: time.sleep(0.05), "probe")()
+        assert (rec.current["probe"][0] >= 0.05) is waited

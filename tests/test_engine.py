@@ -525,10 +525,10 @@ def test_a_turn_that_ended_in_a_step_that_then_failed_stays_in_its_session(check
         blocks = eng.loops[0].blocks
         keyed = blocks.cache_full_blocks
 
-        def fails_after_the_end(seq) -> None:
-            if seq.finish_reason is not None:
+        def fails_after_the_end(seqs) -> None:
+            if any(seq.finish_reason is not None for seq in seqs):
                 raise RuntimeError("keying failed")
-            keyed(seq)
+            keyed(seqs)
 
         eng.start_session(4)
         prompt, params = [504, 3575, 282, 4649, 314], SamplingParams(max_new_tokens=4, ignore_eos=True)

@@ -200,7 +200,7 @@ def test_block_manager_evicts_least_recently_released_cached_block():
     for seq in (first, second):
         seq.block_table = bm.allocate(2)
         seq.num_computed = 4
-        bm.cache_full_blocks(seq)
+        bm.cache_full_blocks([seq])
     bm.release(first.block_table)
     bm.release(second.block_table)
     assert bm.num_free == 6 and len(bm.cached) == 4
@@ -228,9 +228,9 @@ def test_a_block_is_shared_only_after_the_same_whole_prefix():
     assert hash(tuple(victim[:2])) == hash(tuple(crafted[:2]))
     first = Seq(victim)
     first.block_table, first.num_computed = bm.allocate(2), 4
-    bm.cache_full_blocks(first)
+    bm.cache_full_blocks([first])
     assert bm.match_prefix(Seq(victim)) == first.block_table
     attacker = Seq(crafted)  # its first block computed itself (it matches nothing), then a look for the rest
     attacker.block_table, attacker.num_computed = bm.allocate(1), 2
-    bm.cache_full_blocks(attacker)
+    bm.cache_full_blocks([attacker])
     assert bm.match_prefix(attacker) == []

@@ -46,7 +46,7 @@ def test_admission_counts_the_free_cached_blocks_it_takes():
         while seq.num_uncomputed:
             scheduler.schedule()
             seq.num_computed += seq.num_scheduled
-            blocks.cache_full_blocks(seq)
+            blocks.cache_full_blocks([seq])
         seq.token_ids.append(1)  # its first sampled token
         return seq
 

@@ -121,12 +121,20 @@ class BlockManager:
         drops = Counter(b for table in tables for b in table)
         return {b for b, n in drops.items() if self.ref_counts[b] == n}
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Give the sequence's newly full, computed blocks their keys, so later prompts can share them. A block
-        whose last token is still on the device (overlap scheduling: computed, not yet read) waits for it."""
-        if not self.prefix_caching or not seq.keyable:
+    def cache_full_blocks(self, seqs: Iterable[Sequence]) -> None:
+        """Give each sequence's newly full, computed blocks their keys, so later prompts can share them. A block
+        whose last token is still on the device (overlap scheduling: computed, not yet read) waits for it. Over
+        a step's hundreds of sequences, of which a few fill a block: the others cost a comparison each."""
+        if not self.prefix_caching:
             return
-        for j in range(len(seq.block_hashes), min(seq.num_computed, len(seq.token_ids)) // self.block_size):
+        bs = self.block_size
+        for seq in seqs:
+            full = min(seq.num_computed, len(seq.token_ids)) // bs
+            if full > len(seq.block_hashes) and seq.keyable:
+                self._key_blocks(seq, full)
+
+    def _key_blocks(self, seq: Sequence, full: int) -> None:
+        for j in range(len(seq.block_hashes), full):
             key = self._key(seq, j, seq.block_hashes[j - 1] if j else b"")
             block = seq.block_table[j]
             digest = chain_digest(key)

@@ -71,13 +71,20 @@ class Scheduler:
                 and not (s.num_pending and s.matcher is not None)
             ):
                 decodes.append(s)
-        budget = self.max_batched_tokens
+        budget, preemptions = self.max_batched_tokens, self.num_preemptions
+        bs = self.blocks.block_size
         for seq in decodes:
-            if seq.status is SequenceStatus.RUNNING and self._reserve(seq, 1):
+            # Most decodes: a room left in the last block, no samples sharing it (`_reserve`'s own first test). A
+            # sequence preempted meanwhile holds no blocks, and takes the long way, which finds it waiting.
+            if seq.num_computed < len(seq.block_table) * bs and seq.samples is None:
+                seq.num_scheduled = 1
+                budget -= 1
+            elif seq.status is SequenceStatus.RUNNING and self._reserve(seq, 1):
                 seq.num_scheduled = 1
                 budget -= 1
         for seq in prefills:
             budget -= self._schedule_prefill(seq, budget)
+        admitted = False
         while self.waiting and budget > 0 and len(self.running) + self.unforked < self.max_batch_size:
             seq = self.waiting[0]
             if seq.num_pending:  # preempted with a token on the device: its prompt is whole once it is read
@@ -96,6 +103,9 @@ class Scheduler:
             self.running.append(seq)
             self.unforked += forks
             budget -= self._schedule_prefill(seq, budget)
+            admitted = True
+        if not prefills and not admitted and preemptions == self.num_preemptions:
+            return decodes  # each got its token (one that could not was preempted), in running order, and no other
         # A decode is one token that brings the KV to the sequence's end (ModelRunner.plan's test); a prefill
         # chunk that got the last token of budget is one token too, and must not sit among the decodes.
         first: list[Sequence] = []

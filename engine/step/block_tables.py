@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from itertools import repeat
 
+import numpy as np
 import torch
 
 
@@ -13,8 +14,11 @@ class TableStore:
     A row is keyed by the sequence's table list itself: a sequence's list only grows (blocks appended) until
     the sequence is reset, forked, copied on write or its session truncated, each of which gives it a new list
     (sequence.py, scheduler.py, engine_loop.py), so a list seen before needs only its new entries written. The
-    store holds every list it keys (so that no id is reused while keyed) and recycles the least recently used
-    rows; row 0 stays zeros, for padded rows, and a row is padded with zeros past its table.
+    store holds every list it keys (so that no id is reused while keyed). A step finds its rows in array
+    operations, and writes only those whose list is new or grew (a few: a table grows a block every block_size
+    tokens). Once every row is taken, those no call used in this one or the one before are freed together
+    (a row the previous step read may still be on its way to the device); the store holds twice the largest
+    step, and one more. Row 0 stays zeros, for padded rows, and a row is padded with zeros past its table.
     """
 
     def __init__(self, rows: int, width: int, device: torch.device | None = None, pin: bool = False) -> None:
@@ -23,7 +27,11 @@ class TableStore:
             self.host = self.host.pin_memory()
         self._array = self.host.numpy()  # the same memory: a row's entries written without a tensor per write
         self.device = torch.zeros_like(self.host, device=device) if device is not None else None
-        self._rows: OrderedDict[int, tuple[list[int], int, int]] = OrderedDict()  # id -> (table, row, entries written)
+        self._row_of: dict[int, int] = {}  # id(table) -> its row; row 0 is no table's
+        self._tables: list[list[int] | None] = [None] * rows  # each row's list, held so that its id stays its own
+        self._written = np.full(rows, -1, dtype=np.int64)  # entries written of each row's table; -1: no table
+        self._used = np.zeros(rows, dtype=np.int64)  # the call that last used each row
+        self._calls = 0
         self._free = list(range(rows - 1, 0, -1))
         self._dirty: set[int] = set()  # rows written on the host since the last `sync`
 
@@ -31,23 +39,15 @@ class TableStore:
     def width(self) -> int:
         return self.host.shape[1]
 
-    def rows_for(self, tables: list[list[int]]) -> list[int]:
+    def rows_for(self, tables: list[list[int]]) -> np.ndarray:
         """The store's row of each table, its new entries written to the host copy (`sync` copies them over)."""
-        rows, keyed, array = [], self._rows, self._array
-        for table in tables:
-            known = keyed.pop(id(table), None)
-            n = len(table)
-            if known is None or known[2] > n:
-                row, written = self._take_row() if known is None else known[1], 0
-                array[row] = 0
-                self._dirty.add(row)
-            else:
-                row, written = known[1], known[2]
-            if n > written:
-                array[row, written:n] = table[written:]
-                self._dirty.add(row)
-            keyed[id(table)] = (table, row, n)  # most recently used last
-            rows.append(row)
+        self._calls += 1
+        n = len(tables)
+        rows = np.fromiter(map(self._row_of.get, map(id, tables), repeat(0)), dtype=np.int64, count=n)
+        self._used[rows] = self._calls
+        stale = self._written[rows] != np.fromiter(map(len, tables), dtype=np.int64, count=n)
+        for i in np.flatnonzero(stale).tolist():
+            rows[i] = self._write(tables[i])
         return rows
 
     def gather(self, tables: list[list[int]]) -> torch.Tensor:
@@ -65,10 +65,35 @@ class TableStore:
             self.device[row].copy_(self.host[row], non_blocking=True)
         self._dirty.clear()
 
-    def _take_row(self) -> int:
-        """A free row, else the least recently used one (never one of this step's: the store holds twice the
-        largest step)."""
-        if self._free:
-            return self._free.pop()
-        _, (_, row, _) = self._rows.popitem(last=False)
+    def _write(self, table: list[int]) -> int:
+        """A table that is new to the store (a fresh row, zeroed), or that grew since written (its new entries);
+        a list that shrank is a new list's id reused, and starts over."""
+        row = self._row_of.get(id(table), 0)
+        written = int(self._written[row]) if row else 0
+        if not row or written > len(table):
+            row = row or self._take_row(table)
+            self._array[row] = 0
+            written = 0
+        self._array[row, written : len(table)] = table[written:]
+        self._written[row] = len(table)
+        self._used[row] = self._calls
+        self._dirty.add(row)
         return row
+
+    def _take_row(self, table: list[int]) -> int:
+        if not self._free:
+            self._free_stale()
+        row = self._free.pop()
+        self._row_of[id(table)], self._tables[row] = row, table
+        return row
+
+    def _free_stale(self) -> None:
+        stale = np.flatnonzero((self._used < self._calls - 1) & (self._written >= 0))
+        assert len(stale), "the store holds twice the largest step, and one more"
+        for row in stale.tolist():
+            table = self._tables[row]
+            assert table is not None, "a row with entries written holds its table"
+            del self._row_of[id(table)]
+            self._tables[row] = None
+        self._written[stale] = -1
+        self._free += stale.tolist()

@@ -361,8 +361,7 @@ class EngineLoop:
             self._add_prompt_logprobs(batch.inputs.prompt)
         live = [s for s in batch.seqs if s.finish_reason is None]  # one ended since has handed its blocks back
         self._update(batch.samplers, batch)
-        for seq in live:
-            self.blocks.cache_full_blocks(seq)
+        self.blocks.cache_full_blocks(live)
         for seq in batch.finished:
             self._del(seq)
 
