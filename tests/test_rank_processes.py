@@ -26,6 +26,7 @@ from lmgate.engine.engine import Engine
 from lmgate.engine.loading.loader import embedded_model_path
 from lmgate.engine.errors import InternalError, InvalidRequest, Unavailable
 from lmgate.engine.gateway.request import FinishReason, RequestKind, RequestOutput, TokenLogprob, Usage
+from lmgate.engine.ranks.rank_process import from_wire, to_wire
 from lmgate.engine.sampling.sampler import SamplingParams
 from lmgate.engine.text.detokenizer import IncrementalDetokenizer
 from lmgate.v1 import lmgate_pb2 as pb
@@ -92,6 +93,34 @@ def test_an_output_crosses_the_pipe_whole():
             output.text_context,
         )
         assert type(copy.error) is type(output.error) and str(copy.error) == str(output.error)
+
+
+def test_an_output_of_token_ids_alone_crosses_as_a_tuple_and_any_other_whole():
+    """`to_wire`: an output of token ids (with its ids, index and weights) crosses as a tuple of those fields, and
+    arrives equal; one with any other field set crosses as itself. Each field is tried on its own, so a field
+    added to RequestOutput that `only_tokens` does not know of fails here."""
+    plain = RequestOutput("r-1", 7, [5, 6], index=2, weight_version="v3")
+    others = {
+        "text": "hi",
+        "logprobs": [TokenLogprob(5, -0.5, [])],
+        "finish_reason": FinishReason.STOP,
+        "usage": Usage(3, 2, 1, 0.25),
+        "error": Unavailable("gone"),
+        "others_running": True,
+        "prompt_logprobs": [],
+        "stop_string": "x",
+        "handled": 1,
+        "text_context": [],
+    }
+    kept = {"request_id", "session_id", "token_ids", "index", "weight_version"}
+    assert {f.name for f in dataclasses.fields(RequestOutput)} == kept | set(others)
+    item = pickle.loads(pickle.dumps(to_wire(4, plain)))
+    assert len(item) == 6 and from_wire(item) == (4, plain)
+    for name, value in others.items():
+        output = dataclasses.replace(plain, **{name: value})
+        assert not output.only_tokens, name
+        wire_id, copy = from_wire(pickle.loads(pickle.dumps(to_wire(4, output))))
+        assert wire_id == 4 and getattr(copy, name) is not None and copy.token_ids == [5, 6], name
 
 
 def test_the_serving_process_writes_the_text_a_ranks_loop_leaves_it(process_ranks_server, monkeypatch):

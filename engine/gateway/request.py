@@ -64,6 +64,23 @@ class RequestOutput:
         """The request's last output."""
         return (self.finish_reason is not None and not self.others_running) or self.error is not None
 
+    @property
+    def only_tokens(self) -> bool:
+        """A delta of token ids and nothing else but whose (request_id, session_id, index) and of which weights:
+        most of a stream's outputs, which a rank process sends as a tuple of those fields (`to_wire`)."""
+        return not (
+            self.text
+            or self.logprobs
+            or self.finish_reason is not None
+            or self.usage is not None
+            or self.error is not None
+            or self.others_running
+            or self.prompt_logprobs is not None
+            or self.stop_string is not None
+            or self.handled
+            or self.text_context is not None
+        )
+
     def __reduce__(self) -> tuple:
         """Pickled as its fields in order: a rank process sends a few hundred a step, and pickle's way with a
         slotted dataclass (a dict of its slots each) takes over twice as long to write and to read."""

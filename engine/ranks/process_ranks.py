@@ -37,7 +37,7 @@ from ..errors import EngineError, InternalError, InvalidRequest, Unavailable
 from ..gateway.gateway import Gateway, Signal, unanswered_output
 from ..gateway.request import CancelFlag, FinishReason, Request, RequestKind, RequestOutput
 from ..comm.gloo_comm import GlooComm, new_secret
-from .rank_process import HEARTBEAT_SECONDS, HEARTBEAT_TIMEOUT, RankSpec, request_fields, run_rank
+from .rank_process import HEARTBEAT_SECONDS, HEARTBEAT_TIMEOUT, RankSpec, from_wire, request_fields, run_rank
 from .ranks import Ranks
 
 if TYPE_CHECKING:
@@ -468,7 +468,8 @@ class ProcessRanks(Ranks):
                 self._stats[rank // self.tp_size] = message[2]
             queue = self._links[rank]
             signals: list[Signal] = []
-            for wire_id, output in message[3]:
+            for item in message[3]:
+                wire_id, output = from_wire(item)
                 request = queue.take(wire_id, output.finished)
                 if request is not None:
                     signals.append((request, output))
