@@ -318,10 +318,20 @@ class Gateway:
             self._deliver_all(batch)
 
     def _deliver_all(self, signals: list[Signal]) -> None:
+        """Each output to its callback. Hundreds a step: one that is not its request's last and has no text for
+        this side to write (most of them) goes straight there."""
+        settle_all = self.tokenizer is not None
         for request, output in signals:
-            self._deliver(request, output)
+            if settle_all or output.finish_reason is not None or output.error is not None:
+                self._settle(request, output)
+            try:
+                request.on_output(output)
+            except Exception:
+                log.exception("output callback of request %r failed", request.request_id)
 
-    def _deliver(self, request: Request, output: RequestOutput) -> None:
+    def _settle(self, request: Request, output: RequestOutput) -> None:
+        """Before an output reaches its caller: the text its loop left to this side, and at a request's end
+        its flag and its session's binding."""
         if self.tokenizer is not None:
             try:
                 detokenize(self.tokenizer, request, output)
@@ -339,10 +349,6 @@ class Gateway:
                 output.finish_reason = FinishReason.CANCELLED  # (its tokens stay in the history, as a cancel's do)
             if not request.stateless:
                 self.binding.release(request.session_id, request)
-        try:
-            request.on_output(output)
-        except Exception:
-            log.exception("output callback of request %r failed", request.request_id)
 
 
 def detokenize(tokenizer: Tokenizer, request: Request, output: RequestOutput) -> None:
