@@ -67,7 +67,7 @@ class TableStore:
 
     def _write(self, table: list[int]) -> int:
         """A table that is new to the store (a fresh row, zeroed), or that grew since written (its new entries);
-        a list that shrank is a new list's id reused, and starts over."""
+        one shorter than written (a list cut in place, which the engine never does) starts over."""
         row = self._row_of.get(id(table), 0)
         written = int(self._written[row]) if row else 0
         if not row or written > len(table):
