@@ -17,7 +17,9 @@ wrappers' own cost (measured here, per call). Two workloads at --num-seqs sequen
 
 With --ids-only the requests are those of the gateway's worker protocol (smg), whose caller reads token ids
 only: no text is written (`Engine.submit(text=False)`). With --penalties every measured request has a
-repetition and a frequency penalty (PENALTIES).
+repetition and a frequency penalty (PENALTIES). With --stop-strings every measured request has STOP_STRINGS,
+which its text never holds: the text is written and searched at every token, and nothing stops early. (A loop
+that is a thread does that itself, as this harness's is; a rank process's leaves it to its front end.)
 
 With --clock cpu a phase is the CPU time of the thread it ran on (`time.thread_time`), not the time that passed:
 a loop waiting for the GIL, which the signal thread holds while it delivers, counts nothing then. The two
@@ -275,9 +277,14 @@ def decode_steps(engine: Engine, rec: Recorder, args: argparse.Namespace, w: Wor
 PENALTIES = dict(repetition_penalty=1.1, frequency_penalty=0.3)  # --penalties: on every measured request
 
 
+STOP_STRINGS = ("\x00never", "\x00nor this")  # --stop-strings: on every measured request, found in no text
+
+
 def sampling(args: argparse.Namespace, params: SamplingParams) -> SamplingParams:
-    """A measured request's parameters: with --penalties, PENALTIES added."""
-    return dataclasses.replace(params, **PENALTIES) if args.penalties else params
+    """A measured request's parameters: with --penalties, PENALTIES added; with --stop-strings, STOP_STRINGS."""
+    if args.penalties:
+        params = dataclasses.replace(params, **PENALTIES)
+    return dataclasses.replace(params, stop=STOP_STRINGS) if args.stop_strings else params
 
 
 def submit_kw(args: argparse.Namespace) -> dict:
@@ -449,6 +456,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     penalties = ", ".join(f"{k} {v}" for k, v in PENALTIES.items())
     ap.add_argument("--penalties", help=f"every measured request penalized: {penalties}", **switch)
+    ap.add_argument("--stop-strings", help=f"every measured request stops on {STOP_STRINGS!r}", **switch)
     return ap.parse_args(argv)
 
 

@@ -12,11 +12,13 @@ from lmgate.engine.sampling.sampler import SamplingParams  # noqa: E402
 
 
 def test_measure_times_every_phase_of_both_workloads():
-    """With --penalties, which every measured request then has."""
-    flags = "--num-seqs 4 --steps 3 --warmup-steps 2 --min-len 8 --max-len 24 --baseline= --penalties"
+    """With --penalties and --stop-strings, which every measured request then has."""
+    flags = "--num-seqs 4 --steps 3 --warmup-steps 2 --min-len 8 --max-len 24 --baseline= --penalties --stop-strings"
     args = bench_host.parse_args(flags.split())
-    assert bench_host.sampling(args, SamplingParams(temperature=0.6)).penalized
-    assert not bench_host.sampling(bench_host.parse_args([]), SamplingParams(temperature=0.6)).penalized
+    measured = bench_host.sampling(args, SamplingParams(temperature=0.6))
+    assert measured.penalized and measured.stop == bench_host.STOP_STRINGS
+    plain = bench_host.sampling(bench_host.parse_args([]), SamplingParams(temperature=0.6))
+    assert not plain.penalized and plain.stop == ()
     result = bench_host.measure(args)
     decode, offline = result["workloads"]["decode"], result["workloads"]["offline"]
     assert (decode["steps"], decode["seqs_per_step"], decode["tokens_per_step"]) == (3, 4, 4)

@@ -28,7 +28,7 @@ from lmgate.engine.errors import InternalError, InvalidRequest, Unavailable
 from lmgate.engine.gateway.request import FinishReason, RequestKind, RequestOutput, TokenLogprob, Usage
 from lmgate.engine.ranks.rank_process import from_wire, to_wire
 from lmgate.engine.sampling.sampler import SamplingParams
-from lmgate.engine.text.detokenizer import IncrementalDetokenizer
+from lmgate.engine.text.detokenizer import IncrementalDetokenizer, reply_context
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 from tests.serving import StreamEnds, free_port, serve_process
@@ -124,9 +124,10 @@ def test_an_output_of_token_ids_alone_crosses_as_a_tuple_and_any_other_whole():
 
 
 def test_the_serving_process_writes_the_text_a_ranks_loop_leaves_it(process_ranks_server, monkeypatch):
-    """A rank's loop leaves the text of a sample without stop strings to the serving process, whose signal thread
-    writes it (`gateway.detokenize`); a sample with a stop string is written by its loop, in the rank. Delta by
-    delta the text is the same, characters split over tokens included; a stop id's text is left out."""
+    """A rank's loop leaves the text of its samples to the serving process, whose signal thread writes it
+    (`gateway.detokenize`), stop strings or not: the rank writes none. Delta by delta the text is the same, with
+    stop strings (which hold back a tail that could start one) and without, characters split over tokens
+    included; a stop id's text is left out."""
     engine = process_ranks_server.engine
     tokenizer, threads = engine.tokenizer, []
     step_one = IncrementalDetokenizer.step_one
@@ -141,11 +142,10 @@ def test_the_serving_process_writes_the_text_a_ranks_loop_leaves_it(process_rank
     front = list(engine.submit(prompt, greedy))
     front_threads, threads[:] = set(threads), []
     ranks = list(engine.submit(prompt, dataclasses.replace(greedy, stop=("never-in-this-text",))))
-    assert front_threads == {"lmgate-signal"} and threads == []  # the second's text was written in its rank
+    assert front_threads == set(threads) == {"lmgate-signal"}
     ids = [t for o in front for t in o.token_ids]
     assert ids == [t for o in ranks for t in o.token_ids]
-    assert [o.text for o in front] == [o.text for o in ranks]
-    assert "".join(o.text for o in front) == tokenizer.decode(ids)
+    assert "".join(o.text for o in front) == "".join(o.text for o in ranks) == tokenizer.decode(ids)
     k = ids.index(ids[10])  # a stop id's first appearance
     out = engine.generate(prompt, SamplingParams(max_new_tokens=32, stop_token_ids=(ids[k],)))
     assert out.finish_reason is FinishReason.STOP and out.token_ids == ids[: k + 1]
@@ -182,6 +182,76 @@ def test_a_caller_that_reads_ids_only_gets_no_text_but_its_stop_strings_still_st
     ]
     assert stopped[1][-1].stop_string == word and stopped[1][-1].finish_reason is FinishReason.STOP
     assert "".join(o.text for o in stopped[1]) == "".join(o.text for o in stopped[0]) == text[: text.index(word)]
+
+
+def cut_at_stop(tokenizer, prompt: list[int], ids: list[int], stop: str) -> tuple[int, str]:
+    """Where a loop that writes the text stops `ids` on `stop`: the tokens kept (through the one that completes
+    it) and the text before it."""
+    detokenizer = IncrementalDetokenizer(tokenizer, True, (stop,), context=reply_context(tokenizer, prompt))
+    text = ""
+    for n, token in enumerate(ids, 1):
+        delta, hit = detokenizer.step_one(token)
+        text += delta
+        if hit:
+            return n, text
+    raise AssertionError(f"{stop!r} is not in the text")
+
+
+def test_the_serving_process_finds_a_stop_string_and_its_rank_ends_the_sample_there(process_ranks_server):
+    """The serving process finds the stop strings in the text it writes: the client gets the tokens through the
+    one that completed a stop string and the text before it, STOP with that string, and usage counting those
+    tokens, as from a loop that writes its text; the rank ends the sample there, long before its length (the
+    tokens drawn before it heard never reach the client). Of n samples, each ends at its own."""
+    engine = process_ranks_server.engine
+    tokenizer = engine.tokenizer
+    prompt = "Once upon a time"
+    prompt_ids = tokenizer.encode(prompt)
+    free = engine.generate(prompt, SamplingParams(max_new_tokens=48, ignore_eos=True))
+    stop = free.text[20:24]
+    kept, text = cut_at_stop(tokenizer, prompt_ids, free.token_ids, stop)
+    long = SamplingParams(max_new_tokens=2000, ignore_eos=True, stop=(stop,))
+    before = engine.info().computed_tokens
+    outputs = list(engine.submit(prompt, long))
+    computed = engine.info().computed_tokens - before
+    last = outputs[-1]
+    assert [t for o in outputs for t in o.token_ids] == free.token_ids[:kept]
+    assert "".join(o.text for o in outputs) == text == free.text[: free.text.index(stop)]
+    assert (last.finish_reason, last.stop_string, last.usage.completion_tokens) == (FinishReason.STOP, stop, kept)
+    assert all(o.finish_reason is None for o in outputs[:-1])
+    assert computed < len(prompt_ids) + 1000  # its rank ended it: 2000 tokens unstopped
+    seeded = SamplingParams(max_new_tokens=40, temperature=1.0, seed=7, n=2, ignore_eos=True)
+    samples = engine.generate_samples(prompt, seeded)
+    stopped = engine.generate_samples(prompt, dataclasses.replace(seeded, stop=("e",)))
+    for free_sample, sample in zip(samples, stopped, strict=True):
+        kept, text = cut_at_stop(tokenizer, prompt_ids, free_sample.token_ids, "e")
+        assert (sample.token_ids, sample.text) == (free_sample.token_ids[:kept], text)
+        assert (sample.finish_reason, sample.usage.completion_tokens) == (FinishReason.STOP, kept)
+
+
+def test_a_session_turn_stopped_by_the_serving_process_leaves_history_through_its_stop(process_ranks_server):
+    """A session's turn that the serving process stopped on a string leaves the session's history through the
+    stop, as a turn of just those tokens would: the next turn's prompt counts them, and it goes on identically.
+    Whether its rank hears of the stop before it ends the turn at its length (a token later) or after, the
+    history is the same."""
+    engine = process_ranks_server.engine
+    prompt, follow = "Once upon a time", " And then"
+    free = engine.generate(prompt, SamplingParams(max_new_tokens=48, ignore_eos=True))
+    stop = free.text[20:24]
+    kept, _ = cut_at_stop(engine.tokenizer, engine.tokenizer.encode(prompt), free.token_ids, stop)
+    greedy = SamplingParams(max_new_tokens=16, ignore_eos=True)
+
+    def next_turn(first: SamplingParams) -> tuple[list[int], int]:
+        session = engine.start_session()
+        try:
+            engine.generate(prompt, first, session_id=session)
+            out = engine.generate(follow, greedy, session_id=session)
+            return out.token_ids, out.usage.prompt_tokens
+        finally:
+            engine.end_session(session)
+
+    expected = next_turn(dataclasses.replace(greedy, max_new_tokens=kept))
+    for length in (kept + 1, 2000):
+        assert next_turn(dataclasses.replace(greedy, max_new_tokens=length, stop=(stop,))) == expected, length
 
 
 def test_a_detokenizer_that_fails_ends_its_stream_and_the_rank_ends_the_request(process_ranks_server, monkeypatch):

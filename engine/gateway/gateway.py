@@ -13,6 +13,7 @@ communicator's collectives (every step), never while holding a lock.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import random
@@ -24,7 +25,7 @@ from typing import Callable, Iterator, Sequence, cast
 from ..errors import EngineError, InternalError, SessionExists, Unavailable
 from ..comm import HostComm, RedOp
 from .kv_events import KvEventLog, RawEvent
-from .request import CancelFlag, FinishReason, Request, RequestKind, RequestOutput, Usage
+from .request import CancelFlag, FinishReason, Request, RequestKind, RequestOutput, StopFound, Usage
 from .request_queue import QueueEnd, RequestQueue
 from ..text.detokenizer import IncrementalDetokenizer
 from ..text.tokenizer import Tokenizer
@@ -65,6 +66,7 @@ class Gateway:
         self._signal_thread = threading.Thread(target=self._signal_loop, name="lmgate-signal", daemon=True)
         self._signal_thread.start()
         self.kv_events = KvEventLog()  # the loops' prefix-cache block events, for a gateway's router
+        self._stops: list[deque[StopFound]] = [deque() for _ in self.queues]  # per loop: its samples to end
 
     # admission ---------------------------------------------------------------------------------------------
 
@@ -282,6 +284,20 @@ class Gateway:
                 return
         self._deliver_all(signals)
 
+    def stop_found(self, rank: int, found: StopFound) -> None:
+        """The front end found a stop string in a sample of loop `rank` (a rank process's receiver tells it
+        here): the loop ends the sample there at its next step, before it adds the requests it took with it
+        (the session's next turn among them, which the client sent once it read the end)."""
+        self._stops[rank].append(found)
+        self.wake_loops()
+
+    def has_stops(self, rank: int) -> bool:
+        return bool(self._stops[rank])
+
+    def take_stops(self, rank: int) -> list[StopFound]:
+        stops = self._stops[rank]
+        return [stops.popleft() for _ in range(len(stops))]
+
     def publish_kv_events(self, rank: int, events: list[RawEvent]) -> None:
         """A loop's prefix-cache events of one step, before its outputs are delivered (a client that sees its
         reply and sends the next turn finds them published). A rank process's gateway sends them instead."""
@@ -323,22 +339,29 @@ class Gateway:
         settle_all = self.tokenizer is not None
         for request, output in signals:
             if settle_all or output.finish_reason is not None or output.error is not None:
-                self._settle(request, output)
+                settled = self._settle(request, output)
+                if settled is None:
+                    continue
+                output = settled
             try:
                 request.on_output(output)
             except Exception:
                 log.exception("output callback of request %r failed", request.request_id)
 
-    def _settle(self, request: Request, output: RequestOutput) -> None:
+    def _settle(self, request: Request, output: RequestOutput) -> RequestOutput | None:
         """Before an output reaches its caller: the text its loop left to this side, and at a request's end
-        its flag and its session's binding."""
+        its flag and its session's binding. The output to hand the caller; None for one held back (`detokenize`)."""
         if self.tokenizer is not None:
             try:
-                detokenize(self.tokenizer, request, output)
+                written = detokenize(self.tokenizer, request, output)
+                if written is None:
+                    return None
+                output = written
             except Exception as exc:  # the stream ends with the error, its loop ends the request; this thread goes on
                 log.exception("detokenizing request %r failed", request.request_id)
                 output.error = InternalError(f"detokenizing the output failed: {exc}")
                 request.detokenizers.clear()
+                request.held.clear()
                 self.cancel(request)
         # Release the session before the last output reaches the client, so its next turn is never refused.
         if output.finished and request.kind is RequestKind.GENERATE:
@@ -349,21 +372,34 @@ class Gateway:
                 output.finish_reason = FinishReason.CANCELLED  # (its tokens stay in the history, as a cancel's do)
             if not request.stateless:
                 self.binding.release(request.session_id, request)
+        return output
 
 
-def detokenize(tokenizer: Tokenizer, request: Request, output: RequestOutput) -> None:
+def detokenize(tokenizer: Tokenizer, request: Request, output: RequestOutput) -> RequestOutput | None:
     """The text of a sample whose loop, in a rank process, left it to the serving process (engine/README.md,
     invariant 13): its first output brings the ids before the reply (`RequestOutput.text_context`), its last
-    one the end of its text. Any other output's text was written by its loop, and passes untouched."""
+    one the end of its text. Any other output's text was written by its loop, and passes untouched.
+
+    A stop string is found here too. Its output is cut after the token that completed it and held back, and
+    the loop is told to end the sample there (`Request.on_stop`); the tokens the loop drew before it heard are
+    dropped, and its last output brings the held one to the caller (`_ended_at_stop`). The output to hand the
+    caller; None while one is held."""
+    index = output.index
+    last = output.finish_reason is not None or output.error is not None  # the sample's last
+    if index in request.held:
+        if not last:
+            return None  # past the stop string
+        held, kept = request.held.pop(index)
+        return _ended_at_stop(held, output, kept)
     detokenizers = request.detokenizers
     if output.text_context is not None:
-        detokenizers[output.index] = IncrementalDetokenizer(
-            tokenizer, request.params.skip_special_tokens, context=output.text_context
+        detokenizers[index] = IncrementalDetokenizer(
+            tokenizer, request.params.skip_special_tokens, request.params.stop, context=output.text_context
         )
         output.text_context = None
-    detokenizer = detokenizers.get(output.index)
+    detokenizer = detokenizers.get(index)
     if detokenizer is None:
-        return
+        return output
     ids = output.token_ids
     if (
         output.finish_reason is FinishReason.STOP
@@ -371,12 +407,56 @@ def detokenize(tokenizer: Tokenizer, request: Request, output: RequestOutput) ->
         and ids[-1] in request.params.stop_ids(tokenizer.eos_token_ids)
     ):
         ids = ids[:-1]  # a stop id's text is left out, as the loop leaves it out (and vLLM does)
-    if ids:
-        output.text = "".join([detokenizer.step_one(token)[0] for token in ids])
-    if output.error is not None or output.finish_reason is not None:
+    if not request.params.stop:
+        if ids:
+            output.text = "".join([detokenizer.step_one(token)[0] for token in ids])
+    else:
+        texts = []
+        for at, token in enumerate(ids):
+            text, hit = detokenizer.step_one(token)
+            texts.append(text)
+            if hit:
+                output.text = "".join(texts)
+                return _stop_found(request, output, at + 1, detokenizer, last)
+        output.text = "".join(texts)
+    if last:
         if output.error is None:
             output.text += detokenizer.finish()
-        del detokenizers[output.index]
+            # A stop string that only the final decode revealed, where the loop would find it: not at a cancel
+            if detokenizer.stopped and output.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+                output.finish_reason, output.stop_string = FinishReason.STOP, detokenizer.stop_string
+        del detokenizers[index]
+    return output
+
+
+def _stop_found(
+    request: Request, output: RequestOutput, keep: int, detokenizer: IncrementalDetokenizer, last: bool
+) -> RequestOutput | None:
+    """`output` ends its sample after its first `keep` tokens: the last output, or one held back while its loop
+    is told. A loop that had ended the sample further on is told too, so that its session's history ends
+    here (before the client can send the next turn, which follows on the same link)."""
+    kept = detokenizer.num_tokens
+    past = len(output.token_ids) > keep
+    del output.token_ids[keep:], output.logprobs[keep:]
+    output.stop_string = detokenizer.stop_string
+    del request.detokenizers[output.index]
+    assert request.on_stop is not None, "a front end that writes the text has a link to the loop"
+    if not last:
+        request.held[output.index] = (output, kept)
+        request.on_stop(output.index, kept)
+        return None
+    if past:
+        request.on_stop(output.index, kept)
+    return _ended_at_stop(output, output, kept)
+
+
+def _ended_at_stop(held: RequestOutput, last: RequestOutput, kept: int) -> RequestOutput:
+    """The held output, with what the sample's last output says of its end: STOP, but for an error, and its
+    usage counting the `kept` tokens the caller gets."""
+    held.error, held.others_running = last.error, last.others_running
+    held.finish_reason = None if last.error is not None else FinishReason.STOP
+    held.usage = None if last.usage is None else dataclasses.replace(last.usage, completion_tokens=kept)
+    return held
 
 
 def cancelled_output(request: Request) -> RequestOutput:

@@ -184,9 +184,26 @@ class Request:
     unique_id: int = -1  # assigned by Gateway.pop, monotonically increasing
     cancel_flag: CancelFlag = field(default_factory=CancelFlag)
     on_cancel: Callable[[], None] | None = None  # tells a loop in another process that an active request was cancelled
+    # Tells a loop in another process that the front end found a stop string in sample `index`, which keeps its
+    # first `num_output` tokens: (index, num_output). Set with `on_cancel`.
+    on_stop: Callable[[int, int], None] | None = None
     arrival: float = field(default_factory=time.monotonic)  # when it was submitted
     # Each sample's detokenizer, where the front end writes its outputs' text: the signal thread's only.
     detokenizers: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
+    # A sample whose stop string the front end found, until its loop's last output: the output that ends it there,
+    # held back, and the sample's tokens through the stop string. The signal thread's only.
+    held: dict[int, tuple[RequestOutput, int]] = field(default_factory=dict)
     # Whether the caller reads the outputs' text. False (the gateway's worker protocol, which reads ids): no text
     # is written but what a stop string or a chat turn needs, and outputs carry it only then.
     text: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class StopFound:
+    """A stop string the front end found in a sample whose text it writes (its loop in a rank process): the sample
+    keeps its first `num_output` tokens, as if its loop had stopped there (`Gateway.stop_found`)."""
+
+    request: Request | None  # None once its rank process has let go of it: its loop ended the sample already
+    session_id: int  # 0 for a stateless request
+    index: int  # which of the request's samples
+    num_output: int

@@ -76,6 +76,8 @@ class RemoteQueue:
             if self._closed:
                 return False
             request.on_cancel = lambda: self._cancel(wire_id)  # before a cancel can see it active
+            session_id = 0 if request.stateless else request.session_id
+            request.on_stop = lambda index, num_output: self._stop(wire_id, session_id, index, num_output)
             if not request.cancel_flag.compare_exchange(CancelFlag.QUEUED, CancelFlag.ACTIVE):
                 return True  # cancelled before it left: the canceller has ended its stream
             if not self._send(message):
@@ -88,6 +90,12 @@ class RemoteQueue:
         """Tell the rank, and wake the others: idle loops step only together, and one holding frozen requests
         (a pause) steps to end the cancelled one."""
         if self.send(("cancel", wire_id)):
+            self._ranks.wake_all_but(self.rank)
+
+    def _stop(self, wire_id: int, session_id: int, index: int, num_output: int) -> None:
+        """The front end found a stop string in sample `index`: the rank ends it after `num_output` tokens. Its
+        session's next turn, which the client sends only once it has read that end, follows on this link."""
+        if self.send(("stop", wire_id, session_id, index, num_output)):
             self._ranks.wake_all_but(self.rank)
 
     def send(self, message: tuple) -> bool:

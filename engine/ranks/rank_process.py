@@ -7,6 +7,8 @@ Gateway, its queue filled from the serving process. The loops of all ranks agree
   serving → rank (PUSH → PULL, one socket per rank):
     ("request", wire_id, fields)   a generate, kill or control request (`request_fields`)
     ("cancel", wire_id)            a request it sent was cancelled
+    ("stop", wire_id, session_id, index, num_output)   its front end found a stop string in that sample:
+                                   the sample ends after num_output tokens (`Gateway.stop_found`)
     ("wake",)                      a request arrived at another rank: idle loops here must step with it
     ("weights", wire_id, action, argument)   offload / drop / restore / load (argument: source, name), done
                                    off the loop thread; a load only stages, as version wire_id, and
@@ -49,7 +51,7 @@ from ..gateway.kv_events import RawEvent
 from ..machine.hardware import choose_dtype
 from ..loading.loader import load_checkpoint
 from ..machine.memory import freeze_startup_heap, keep_freed_memory, release_host_memory
-from ..gateway.request import Request, RequestKind, RequestOutput
+from ..gateway.request import Request, RequestKind, RequestOutput, StopFound
 from ..machine.threads import on_fresh_thread
 from ..models.tensor_parallel import shard_of
 from ..step.weights import LocalWeights, TensorParallel, keep_quantized
@@ -256,7 +258,7 @@ class RankProcess:
         self.outbox = outbox
         self.requests = context.socket(zmq.PULL)
         self.requests.connect(spec.requests_address)
-        self.live: weakref.WeakValueDictionary[int, Request] = weakref.WeakValueDictionary()  # for cancels
+        self.live: weakref.WeakValueDictionary[int, Request] = weakref.WeakValueDictionary()  # for cancels and stops
         self.clean_exit = False  # the loop stopped by a close (or its leader's stop), not by a failure: exit 0
 
     def serve(self) -> int:
@@ -358,6 +360,10 @@ class RankProcess:
             request = self.live.get(message[1])
             if request is not None:
                 self.gateway.cancel(request)
+        elif kind == "stop":
+            _, wire_id, session_id, index, num_output = message
+            found = StopFound(self.live.get(wire_id), session_id, index, num_output)
+            self.gateway.stop_found(self.spec.dp_rank, found)
         elif kind == "wake":
             self.gateway.wake_loops()
         elif kind == "weights":

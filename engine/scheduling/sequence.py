@@ -45,6 +45,7 @@ class Session(HoldsKV):
         self.active: "Sequence | None" = None
         self.messages: list[dict] | None = []  # the conversation while every turn is messages, else None
         self.last_used = 0  # engine step, for choosing whose KV to drop under memory pressure
+        self.turn_prompt: int | None = None  # the history before its last turn's output, once a turn has ended
 
 
 class Samples:

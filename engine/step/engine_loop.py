@@ -251,7 +251,7 @@ class EngineLoop:
             return True
         if not self.frozen:
             return self.scheduler.has_work
-        return any(
+        return self.gateway.has_stops(self.rank) or any(
             s.request.cancel_flag.value == CancelFlag.CANCELLED
             for s in self.scheduler.running + list(self.scheduler.waiting)
         )
@@ -268,6 +268,8 @@ class EngineLoop:
         computes the next. A decode whose token is still on the device takes it from there; a sequence that
         ended at the previous step may have run once more, and that token is dropped unread."""
         self.num_steps += 1
+        if self.gateway.has_stops(self.rank):  # before the turns that may follow them
+            self._end_at_stop_strings()
         for request in requests:
             self._add(request)
         self._switch_weights()
@@ -439,13 +441,14 @@ class EngineLoop:
             grammar = grammars.cached(request.params.constraint) or grammars.compile(request.params.constraint)
         self._truncate_history(session, keep)
         skip = request.params.skip_special_tokens
-        # This loop writes the text if it stops on a string or keeps the chat turn, or else if the caller reads it
-        # and is in this process; a loop in a rank process leaves that to the front end (`text_context`).
-        reads_text = bool(request.params.stop) or conversation is not None
-        writes_text = reads_text or (request.text and not self.text_at_front_end)
+        # This loop writes the text if it keeps the chat turn, or else if the caller reads it or it stops on a
+        # string, and the caller is in this process. A loop in a rank process leaves the text and the stop
+        # strings to the front end (`text_context`, `Gateway.stop_found`).
+        stops = bool(request.params.stop)
+        writes_text = conversation is not None or ((request.text or stops) and not self.text_at_front_end)
         detok: IncrementalDetokenizer | None = None
         context: list[int] | None = None
-        if writes_text or request.text:
+        if writes_text or request.text or stops:
             context = reply_context(self.tokenizer, session.token_ids + request.input_ids, skip)
             if writes_text:
                 detok = IncrementalDetokenizer(self.tokenizer, skip, request.params.stop, context=context)
@@ -581,6 +584,23 @@ class EngineLoop:
                 self._finish(seq, FinishReason.CANCELLED)
                 self._del(seq)
 
+    def _end_at_stop_strings(self) -> None:
+        """End the samples whose stop string the front end found (`Gateway.stop_found`) after the tokens it
+        kept, as this loop would have stopped them there: one still running ends STOP (its tokens past the
+        stop string unsent: the front end drops them), and a session's history ends at the stop string, though
+        this loop had ended the turn further on. The front end told the client the end already: the usage the
+        output carries is its own."""
+        live = self.scheduler.running + list(self.scheduler.waiting)
+        for found in self.gateway.take_stops(self.rank):
+            seq = next((s for s in live if s.request is found.request and s.index == found.index), None)
+            if seq is not None and seq.finish_reason is None:
+                seq.unsent = None
+                self._finish(seq, FinishReason.STOP)
+                self._del(seq)
+            session = self.sessions.get(found.session_id) if found.session_id and found.index == 0 else None
+            if session is not None and session.active is None and session.turn_prompt is not None:
+                self._truncate_history(session, session.turn_prompt + found.num_output)
+
     # kUpdate -----------------------------------------------------------------------------------------------
 
     def _update(self, samplers: list[Sequence], batch: BatchData) -> None:
@@ -686,6 +706,7 @@ class EngineLoop:
             self.blocks.release(seq.block_table)
             return False
         session.token_ids, session.block_table, session.num_computed = seq.token_ids, seq.block_table, seq.num_computed
+        session.turn_prompt = seq.num_prompt_tokens
         session.block_hashes, session.keyable = seq.block_hashes, seq.keyable
         session.last_used = self.num_steps
         if seq.num_output == 0 and seq.finish_reason is FinishReason.CANCELLED:

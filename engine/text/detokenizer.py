@@ -100,6 +100,11 @@ class IncrementalDetokenizer:
         return self._release(final=True)
 
     @property
+    def num_tokens(self) -> int:
+        """The generated ids it has read: where a stop string was hit, those through the one that completed it."""
+        return len(self._ids)
+
+    @property
     def stop_string(self) -> str | None:
         """The stop string that ended the text (the first of those given that starts where the text ends)."""
         if not self.stopped:
