@@ -199,8 +199,8 @@ def cut_at_stop(tokenizer, prompt: list[int], ids: list[int], stop: str) -> tupl
 
 def test_the_serving_process_finds_a_stop_string_and_its_rank_ends_the_sample_there(process_ranks_server):
     """The serving process finds the stop strings in the text it writes: the client gets the tokens through the
-    one that completed a stop string and the text before it, STOP with that string, and usage counting those
-    tokens, as from a loop that writes its text; the rank ends the sample there, long before its length (the
+    one that completed a stop string (and their log-probabilities) and the text before it, STOP with that
+    string, and usage counting those tokens, as from a loop that writes its text; the rank ends the sample there, long before its length (the
     tokens drawn before it heard never reach the client). Of n samples, each ends at its own."""
     engine = process_ranks_server.engine
     tokenizer = engine.tokenizer
@@ -209,12 +209,13 @@ def test_the_serving_process_finds_a_stop_string_and_its_rank_ends_the_sample_th
     free = engine.generate(prompt, SamplingParams(max_new_tokens=48, ignore_eos=True))
     stop = free.text[20:24]
     kept, text = cut_at_stop(tokenizer, prompt_ids, free.token_ids, stop)
-    long = SamplingParams(max_new_tokens=2000, ignore_eos=True, stop=(stop,))
+    long = SamplingParams(max_new_tokens=2000, ignore_eos=True, stop=(stop,), logprobs=1)
     before = engine.info().computed_tokens
     outputs = list(engine.submit(prompt, long))
     computed = engine.info().computed_tokens - before
     last = outputs[-1]
     assert [t for o in outputs for t in o.token_ids] == free.token_ids[:kept]
+    assert [lp.token_id for o in outputs for lp in o.logprobs] == free.token_ids[:kept]
     assert "".join(o.text for o in outputs) == text == free.text[: free.text.index(stop)]
     assert (last.finish_reason, last.stop_string, last.usage.completion_tokens) == (FinishReason.STOP, stop, kept)
     assert all(o.finish_reason is None for o in outputs[:-1])

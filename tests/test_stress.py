@@ -1,7 +1,9 @@
-"""Many concurrent streams over two engine loops with cancels, session ends and client disconnects mixed in."""
+"""Many concurrent streams over two engine loops with cancels, session ends, client disconnects and stop strings
+mixed in."""
 
 from __future__ import annotations
 
+import functools
 import random
 from concurrent.futures import ThreadPoolExecutor
 
@@ -125,6 +127,51 @@ def run_plan(server, actions: list, references: dict[str, list[int]], seed: int)
 @pytest.mark.parametrize("round_", range(3))
 def test_many_streams_with_cancels_ends_and_disconnects(server2, references, round_):
     run_plan(server2, ACTIONS, references, round_)
+
+
+# --------------------------------------------------------- the same with stop strings ending session turns
+FOLLOW = " And then"  # a stopped turn's session goes on with it
+
+
+@pytest.fixture(scope="module")
+def stopped_turns(server2, references) -> dict[str, tuple[str, int, list[int], int]]:
+    """Per prompt: a stop string from its greedy text, the tokens a turn keeps that stops on it, and the next
+    turn's tokens and prompt count after a turn of just those tokens (run alone, with no stop string)."""
+    engine = server2.engine
+    stops = {}
+    for prompt, ref in references.items():
+        text = engine.tokenizer.decode(ref)
+        stop = text[len(text) // 2 : len(text) // 2 + 3]
+        stopping = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, stop=(stop,))
+        kept = len(engine.generate(prompt, stopping).token_ids)
+        session = engine.start_session()
+        engine.generate(prompt, SamplingParams(max_new_tokens=kept, ignore_eos=True), session_id=session)
+        follow = engine.generate(FOLLOW, SamplingParams(max_new_tokens=4, ignore_eos=True), session_id=session)
+        engine.end_session(session)
+        stops[prompt] = (stop, kept, follow.token_ids, follow.usage.prompt_tokens)
+    return stops
+
+
+def _stopped(stops, stub, prompt, ref, rng):
+    """A session turn that stops on a string (found by the serving process where the loop is a rank process),
+    then the session's next turn: it goes on from the stop, as after a turn of just the tokens kept."""
+    stop, kept, follow, follow_prompt = stops[prompt]
+    sid = stub.Start(pb.StartRequest()).session_id
+    sampling = pb.SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, stop=[stop])
+    first = list(stub.Generate(pb.GenerateRequest(session_id=sid, prompt=prompt, sampling=sampling)))
+    assert [t for m in first for t in m.token_ids] == ref[:kept]
+    assert (first[-1].finish_reason, first[-1].usage.completion_tokens) == (pb.FINISH_REASON_STOP, kept)
+    sampling = pb.SamplingParams(max_new_tokens=4, ignore_eos=True)
+    second = list(stub.Generate(pb.GenerateRequest(session_id=sid, prompt=FOLLOW, sampling=sampling)))
+    assert ([t for m in second for t in m.token_ids], second[-1].usage.prompt_tokens) == (follow, follow_prompt)
+    stub.End(pb.EndRequest(session_id=sid))
+
+
+@pytest.mark.parametrize("round_", range(2))
+def test_many_streams_with_stop_strings_cancels_and_ends(server2, references, stopped_turns, round_):
+    """Turns that stop on strings among the other actions: each keeps the tokens through its stop, and its
+    session's next turn goes on from there; every block free afterwards."""
+    run_plan(server2, ACTIONS + [functools.partial(_stopped, stopped_turns)] * 2, references, 200 + round_)
 
 
 # --------------------------------------------------------- the same under a shared prefix, with chat turns
