@@ -151,6 +151,39 @@ def test_detokenizer_stop_never_partially_emitted(tokenizer, seed):
     assert hit and emitted == text[: text.index(stop)]
 
 
+def held_back(decoded: str, stops: list[str]) -> tuple[str, bool]:
+    """What may be emitted of `decoded`, by the definition: up to the earliest stop string, else all but the
+    longest tail that is a proper prefix of a stop string."""
+    hits = [decoded.find(s) for s in stops if s in decoded]
+    if hits:
+        return decoded[: min(hits)], True
+    tail = max((k for s in stops for k in range(1, len(s)) if decoded.endswith(s[:k])), default=0)
+    return decoded[: len(decoded) - tail], False
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_detokenizer_holds_back_exactly_the_tails_that_could_begin_a_stop_string(tokenizer, seed):
+    """Texts and stop strings of a small alphabet, so that stop strings overlap, repeat their first character and
+    begin in the middle of one another's prefixes: after every token the text emitted is the definition's, and
+    `finish` releases what was held."""
+    rng = random.Random(seed)
+    alphabet = "ab \n."
+    for _ in range(100):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40)))
+        stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(1, 3))]
+        ids = tokenizer.encode(text)
+        detok = IncrementalDetokenizer(tokenizer, True, stops)
+        emitted, hit = "", False
+        for n, token in enumerate(ids, 1):
+            delta, hit = detok.step_one(token)
+            emitted += delta
+            assert (emitted, hit) == held_back(tokenizer.decode(ids[:n]), stops), (text, stops)
+            if hit:
+                break
+        if not hit:
+            assert emitted + detok.finish() == tokenizer.decode(ids)
+
+
 def test_detokenizer_finish_releases_held_back_text_without_stop(tokenizer):
     text = "the story ends with ST"
     ids = tokenizer.encode(text)

@@ -58,11 +58,14 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         self._stop = [s for s in stop if s]
+        # Where a held-back tail may begin: a stop string's first character (`_partial_stop_len`)
+        self._stop_starts = "".join(sorted({s[0] for s in self._stop}))
+        self._longest_stop = max(map(len, self._stop), default=0)
         self._context = list(context)
         self._ids: list[int] = []  # generated ids
         self._next_text = tokenizer.decode_stream(skip_special_tokens, self._context)
         self._decoded = ""  # generated text confirmed so far (complete characters only)
-        self.text = ""  # text emitted so far: a prefix of _decoded without stop strings
+        self._emitted = 0  # of _decoded, the characters emitted: `text`
         self.stopped = False  # a stop string was hit; everything after it is dropped
 
     def fresh(self) -> "IncrementalDetokenizer":
@@ -83,10 +86,15 @@ class IncrementalDetokenizer:
         self._ids.append(token_id)
         return self._add(self._next_text(token_id))
 
+    @property
+    def text(self) -> str:
+        """The text emitted so far: a prefix of the decoded text, without stop strings."""
+        return self._decoded[: self._emitted]
+
     def _add(self, new: str) -> tuple[str, bool]:
         self._decoded += new
         if not self._stop:  # nothing is held back: every token's text goes out (a step's hundreds of rows)
-            self.text = self._decoded
+            self._emitted = len(self._decoded)
             return new, False
         return self._release(final=False), self.stopped
 
@@ -109,7 +117,7 @@ class IncrementalDetokenizer:
         """The stop string that ended the text (the first of those given that starts where the text ends)."""
         if not self.stopped:
             return None
-        return next(s for s in self._stop if self._decoded.startswith(s, len(self.text)))
+        return next(s for s in self._stop if self._decoded.startswith(s, self._emitted))
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip) if ids else ""
@@ -117,26 +125,40 @@ class IncrementalDetokenizer:
     def _release(self, final: bool) -> str:
         """Emit confirmed text up to the earliest stop string, or up to any tail that could still
         grow into one (unless final)."""
-        start = len(self.text)  # no stop string can start in emitted text: it would have been found
-        hit = min((i for s in self._stop if (i := self._decoded.find(s, start)) >= 0), default=-1) if self._stop else -1
+        # No stop string can start in emitted text: it would have been found
+        start, decoded = self._emitted, self._decoded
+        hit = -1
+        for stop in self._stop:
+            at = decoded.find(stop, start)
+            if at >= 0 and (hit < 0 or at < hit):
+                hit = at
         if hit >= 0:
             self.stopped = True
             end = hit
         elif final or not self._stop:
-            end = len(self._decoded)
+            end = len(decoded)
         else:
-            end = len(self._decoded) - self._partial_stop_len(start)
-        delta = self._decoded[start:end]
-        self.text += delta
-        return delta
+            end = len(decoded) - self._partial_stop_len(start)
+        self._emitted = end
+        return decoded[start:end]
 
     def _partial_stop_len(self, start: int) -> int:
-        """Length of the longest tail of the pending text that is a proper prefix of a stop string."""
-        pending = self._decoded[start:]
-        longest = 0
-        for s in self._stop:
-            for k in range(min(len(s) - 1, len(pending)), longest, -1):
-                if pending.endswith(s[:k]):
-                    longest = k
-                    break
-        return longest
+        """Length of the longest tail of the pending text that is a proper prefix of a stop string. Such a tail
+        begins with a stop string's first character, which most tokens' text does not hold: found by `str.find`."""
+        decoded, end = self._decoded, len(self._decoded)
+        at = self._next_stop_start(max(start, end - self._longest_stop + 1))  # a proper prefix is shorter
+        while at < end:  # the earliest start gives the longest tail
+            tail = decoded[at:]
+            if any(len(s) > len(tail) and s.startswith(tail) for s in self._stop):
+                return end - at
+            at = self._next_stop_start(at + 1)
+        return 0
+
+    def _next_stop_start(self, at: int) -> int:
+        """The first index from `at` of a character that begins a stop string; the text's length if none."""
+        first = len(self._decoded)
+        for c in self._stop_starts:
+            found = self._decoded.find(c, at, first)
+            if found >= 0:
+                first = found
+        return first
