@@ -80,6 +80,20 @@ def test_chat_session_remembers_a_reply_cut_at_its_stop_string_as_it_was_receive
     assert_turns_equal_stateless(engine, turns)
 
 
+@pytest.mark.parametrize("params", [PARAMS, SamplingParams(max_new_tokens=12, stop=(",", ".", "!"))])
+def test_chat_session_over_rank_processes_remembers_the_reply_as_it_was_received(process_ranks_server, params):
+    """A rank process leaves a chat turn's text and stop strings to the serving process, and decodes the reply
+    once, at the turn's end, for its session: the next turns render it as the client received it (cut at a
+    stop string the serving process found, though the rank may have drawn a token past it)."""
+    engine = process_ranks_server.engine
+    turns = run_chat(engine, params)
+    for got, want, conversation in turns:
+        assert (got.token_ids, got.text) == (want.token_ids, want.text)
+        assert got.usage.prompt_tokens == want.usage.prompt_tokens == len(render_ids(engine.tokenizer, conversation))
+    if params.stop:
+        assert [got.finish_reason.value for got, _, _ in turns].count("stop") >= 2
+
+
 @pytest.mark.parametrize("template", ["default system prompt", "marks the latest message"])
 def test_chat_session_on_tiny_model_equals_stateless(template, tiny_models):
     with Engine(EngineConfig(dtype="float32", model=tiny_models("llama").path, kv_cache_tokens=2048)) as eng:

@@ -91,8 +91,8 @@ class Sequence(HoldsKV):
         self.keyable = session.keyable
         self.max_new_tokens = max_new_tokens
         self.stop_ids = self.params.stop_ids(eos_ids)
-        # Its text, where the loop writes it (stop strings, chat turns); None where the front end does (`Gateway`),
-        # which its first output tells where the reply starts: `text_context`, None once sent.
+        # Its text, where the loop writes it (a loop that is a thread of the serving process); None where the front
+        # end does (`Gateway`), which its first output tells where the reply starts: `text_context`, None once sent.
         self.detokenizer = detokenizer
         self.text_context: list[int] | None = None
         self.seed = self.params.seed if self.params.seed is not None else random.getrandbits(64)  # sampling.uniform
@@ -103,6 +103,7 @@ class Sequence(HoldsKV):
         self.finish_reason: FinishReason | None = None
         self.unsent: RequestOutput | None = None  # tokens drawn but not yet sent (EngineConfig.stream_interval)
         self.conversation: list[dict] | None = None  # a chat turn's messages, this turn's included
+        self.reply_context: list[int] | None = None  # a chat turn's ids before its reply, where the front end writes it
         self.first_scheduled: float | None = None  # monotonic time it first ran in a batch
         self.index = 0  # which of the request's samples
         self.samples = Samples(self.params.n) if self.params.n > 1 else None

@@ -441,20 +441,23 @@ class EngineLoop:
             grammar = grammars.cached(request.params.constraint) or grammars.compile(request.params.constraint)
         self._truncate_history(session, keep)
         skip = request.params.skip_special_tokens
-        # This loop writes the text if it keeps the chat turn, or else if the caller reads it or it stops on a
-        # string, and the caller is in this process. A loop in a rank process leaves the text and the stop
-        # strings to the front end (`text_context`, `Gateway.stop_found`).
-        stops = bool(request.params.stop)
-        writes_text = conversation is not None or ((request.text or stops) and not self.text_at_front_end)
+        # This loop writes the text where the caller reads it, it stops on a string or the session keeps the chat
+        # turn, and the caller is in this process. A loop in a rank process leaves the text and the stop strings
+        # to the front end (`text_context`, `Gateway.stop_found`), and decodes a chat turn's reply once, at its
+        # end (`_reply_text`).
+        reads_text = request.text or bool(request.params.stop) or conversation is not None
+        writes_text = reads_text and not self.text_at_front_end
         detok: IncrementalDetokenizer | None = None
         context: list[int] | None = None
-        if writes_text or request.text or stops:
+        if reads_text:
             context = reply_context(self.tokenizer, session.token_ids + request.input_ids, skip)
             if writes_text:
                 detok = IncrementalDetokenizer(self.tokenizer, skip, request.params.stop, context=context)
         seq = Sequence(request, session, detok, max_new, self.tokenizer.eos_token_ids)
         seq.text_context = None if writes_text else context
         seq.conversation = conversation
+        if conversation is not None and not writes_text:
+            seq.reply_context = context
         if grammar is not None:
             seq.grammar, seq.matcher = grammar, grammar.matcher()
         session.drop_kv()  # the sequence holds the blocks until kDel
@@ -715,11 +718,24 @@ class EngineLoop:
             self._truncate_history(session, len(seq.token_ids) - len(seq.request.input_ids))
             return True
         session.messages = (
-            None
-            if seq.conversation is None or seq.detokenizer is None
-            else [*seq.conversation, chat.assistant_reply(seq.detokenizer.text)]
+            None if seq.conversation is None else [*seq.conversation, chat.assistant_reply(self._reply_text(seq))]
         )
         return True
+
+    def _reply_text(self, seq: Sequence) -> str:
+        """A chat turn's reply as its client received it, which its session keeps: the text this loop wrote, or
+        else what the front end wrote, decoded here once from the same ids after the same context. Either way
+        without a stop id's text, and cut before the earliest stop string, as `IncrementalDetokenizer` cuts it
+        (tokens drawn past one, before this loop heard of it, change nothing before it)."""
+        if seq.detokenizer is not None:
+            return seq.detokenizer.text
+        assert seq.reply_context is not None, "a chat turn whose text the front end writes"
+        ids, skip, context = seq.output_ids, seq.params.skip_special_tokens, seq.reply_context
+        if seq.finish_reason is FinishReason.STOP and ids and ids[-1] in seq.stop_ids:
+            ids = ids[:-1]
+        text = self.tokenizer.decode(context + ids, skip)[len(self.tokenizer.decode(context, skip)) :]
+        hits = [at for stop in seq.params.stop if (at := text.find(stop)) >= 0]
+        return text[: min(hits)] if hits else text
 
     # failure and shutdown ----------------------------------------------------------------------------------
 
