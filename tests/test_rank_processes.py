@@ -25,9 +25,18 @@ from lmgate.engine.config import DP_BACKENDS, EngineConfig
 from lmgate.engine.engine import Engine
 from lmgate.engine.loading.loader import embedded_model_path
 from lmgate.engine.errors import InternalError, InvalidRequest, Unavailable
-from lmgate.engine.gateway.request import FinishReason, RequestKind, RequestOutput, TokenLogprob, Usage
+from lmgate.engine.gateway.request import (
+    FinishReason,
+    Request,
+    RequestKind,
+    RequestOutput,
+    StopFound,
+    TokenLogprob,
+    Usage,
+)
 from lmgate.engine.ranks.rank_process import from_wire, to_wire
 from lmgate.engine.sampling.sampler import SamplingParams
+from lmgate.engine.text.chat import render_ids
 from lmgate.engine.text.detokenizer import IncrementalDetokenizer, reply_context
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
@@ -187,14 +196,18 @@ def test_a_caller_that_reads_ids_only_gets_no_text_but_its_stop_strings_still_st
 def cut_at_stop(tokenizer, prompt: list[int], ids: list[int], stop: str) -> tuple[int, str]:
     """Where a loop that writes the text stops `ids` on `stop`: the tokens kept (through the one that completes
     it) and the text before it."""
-    detokenizer = IncrementalDetokenizer(tokenizer, True, (stop,), context=reply_context(tokenizer, prompt))
+    return cut_at_stop_strings(tokenizer, reply_context(tokenizer, prompt), ids, (stop,))
+
+
+def cut_at_stop_strings(tokenizer, context: list[int], ids: list[int], stops: tuple[str, ...]) -> tuple[int, str]:
+    detokenizer = IncrementalDetokenizer(tokenizer, True, stops, context=context)
     text = ""
     for n, token in enumerate(ids, 1):
         delta, hit = detokenizer.step_one(token)
         text += delta
         if hit:
             return n, text
-    raise AssertionError(f"{stop!r} is not in the text")
+    raise AssertionError(f"{stops!r} are not in the text")
 
 
 def test_the_serving_process_finds_a_stop_string_and_its_rank_ends_the_sample_there(process_ranks_server):
@@ -253,6 +266,58 @@ def test_a_session_turn_stopped_by_the_serving_process_leaves_history_through_it
     expected = next_turn(dataclasses.replace(greedy, max_new_tokens=kept))
     for length in (kept + 1, 2000):
         assert next_turn(dataclasses.replace(greedy, max_new_tokens=length, stop=(stop,))) == expected, length
+
+
+def test_a_loop_cuts_only_the_turn_a_stop_string_was_found_in(thread_ranks_server, monkeypatch):
+    """The loop's half of a stop string found by the front end, told to loops that are threads as a rank's
+    receiver tells its loop (`Gateway.stop_found`): the history is cut after the ids kept of the turn it was
+    found in, and not at all once a later turn has ended (a stop that came late, after a cancelled turn's
+    next). A chat turn's reply, which the loop decodes where the front end writes the text, is decoded again
+    from the ids kept, cut before the first stop string they complete: not before another stop string that
+    begins earlier and that the tokens drawn past the stop complete."""
+    engine = thread_ranks_server.engine
+    for loop in engine.loops:
+        monkeypatch.setattr(loop, "text_at_front_end", True)  # text and stop strings are the front end's
+    greedy = SamplingParams(max_new_tokens=8, ignore_eos=True)
+
+    def turn(session: int, prompt, params: SamplingParams = greedy) -> tuple[Request, RequestOutput]:
+        """The turn's request, and its last output with all its tokens."""
+        stream = engine.submit(prompt, params, session_id=session)
+        outputs = list(stream)
+        return stream.request, dataclasses.replace(outputs[-1], token_ids=[t for o in outputs for t in o.token_ids])
+
+    def stop_found(session: int, request: Request, kept: int) -> None:
+        rank = engine.gateway.binding.find(session)
+        engine.gateway.stop_found(rank, StopFound(request, session, 0, kept))
+
+    session = engine.start_session()
+    more = len(engine.tokenizer.encode(" The end"))
+    first, _ = turn(session, "Once upon a time")
+    _, second = turn(session, " And then")
+    stop_found(session, first, 2)  # late: the second turn has ended since
+    third_request, third = turn(session, " The end")
+    assert third.usage.prompt_tokens == second.usage.prompt_tokens + 8 + more
+    stop_found(session, third_request, 3)
+    _, fourth = turn(session, " The end")
+    assert fourth.usage.prompt_tokens == third.usage.prompt_tokens + 3 + more
+    engine.end_session(session)
+
+    question = [{"role": "user", "content": "Tell me a story about a dragon."}]
+    free = engine.generate(question, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    text = engine.tokenizer.decode(free.token_ids)
+    at = text.index(text[12:14])
+    inner, outer = text[at : at + 2], text[at - 3 : at + 8]  # a stop string inside one that begins earlier
+    context = reply_context(engine.tokenizer, render_ids(engine.tokenizer, question))
+    kept, reply = cut_at_stop_strings(engine.tokenizer, context, free.token_ids, (inner, outer))
+    assert at >= 3 and reply == text[:at] and kept < 24  # the inner one completes first, its token kept
+    session = engine.start_session()
+    stopped, _ = turn(session, question, SamplingParams(max_new_tokens=24, ignore_eos=True, stop=(inner, outer)))
+    stop_found(session, stopped, kept)
+    follow = [{"role": "user", "content": "And then?"}]
+    _, got = turn(session, follow)
+    engine.end_session(session)
+    want = engine.generate([*question, {"role": "assistant", "content": reply}, *follow], greedy)
+    assert (got.usage.prompt_tokens, got.token_ids) == (want.usage.prompt_tokens, want.token_ids)
 
 
 def test_a_detokenizer_that_fails_ends_its_stream_and_the_rank_ends_the_request(process_ranks_server, monkeypatch):

@@ -433,8 +433,8 @@ def _stop_found(
     request: Request, output: RequestOutput, keep: int, detokenizer: IncrementalDetokenizer, last: bool
 ) -> RequestOutput | None:
     """`output` ends its sample after its first `keep` tokens: the last output, or one held back while its loop
-    is told. A loop that had ended the sample further on is told too, so that its session's history ends
-    here (before the client can send the next turn, which follows on the same link)."""
+    is told. A loop that had ended a session's turn further on is told too, so that the history ends here
+    (before the client can send the next turn, which follows on the same link)."""
     kept = detokenizer.num_tokens
     past = len(output.token_ids) > keep
     del output.token_ids[keep:], output.logprobs[keep:]
@@ -445,7 +445,7 @@ def _stop_found(
         request.held[output.index] = (output, kept)
         request.on_stop(output.index, kept)
         return None
-    if past:
+    if past and not request.stateless:
         request.on_stop(output.index, kept)
     return _ended_at_stop(output, output, kept)
 

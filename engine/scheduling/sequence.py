@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import enum
 import random
+from dataclasses import dataclass
 
 from ..sampling.constraints import CompiledGrammar, GrammarMatcher
 from ..sampling.sampler import SampleRow
@@ -35,6 +36,15 @@ class HoldsKV:
         self.keyable = True
 
 
+@dataclass(frozen=True, slots=True)
+class EndedTurn:
+    """A session's last turn, which a stop string the front end found may still cut (`Gateway.stop_found`)."""
+
+    request: Request
+    num_prompt: int  # the history before its output
+    reply_context: list[int] | None  # a chat turn's ids before its reply, where the front end wrote its text
+
+
 class Session(HoldsKV):
     """A conversation's token history, the truth, and the KV blocks that cache it (possibly dropped)."""
 
@@ -45,7 +55,7 @@ class Session(HoldsKV):
         self.active: "Sequence | None" = None
         self.messages: list[dict] | None = []  # the conversation while every turn is messages, else None
         self.last_used = 0  # engine step, for choosing whose KV to drop under memory pressure
-        self.turn_prompt: int | None = None  # the history before its last turn's output, once a turn has ended
+        self.last_turn: EndedTurn | None = None  # once a turn has ended
 
 
 class Samples:

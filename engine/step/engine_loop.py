@@ -25,7 +25,7 @@ from .kv_cache import allocate_kv_cache, kv_cache_dtype
 from .model_runner import ModelRunner, PromptRows
 from ..gateway.request import CancelFlag, FinishReason, Request, RequestKind, RequestOutput, TokenLogprob, Usage
 from ..scheduling.scheduler import Scheduler
-from ..scheduling.sequence import Sequence, Session
+from ..scheduling.sequence import EndedTurn, Sequence, Session
 from ..text.tokenizer import Tokenizer
 from .weights import LocalWeights
 from ..sampling.constraints import GrammarMatcher, TokenMasks
@@ -268,10 +268,7 @@ class EngineLoop:
         computes the next. A decode whose token is still on the device takes it from there; a sequence that
         ended at the previous step may have run once more, and that token is dropped unread."""
         self.num_steps += 1
-        if self.gateway.has_stops(self.rank):  # before the turns that may follow them
-            self._end_at_stop_strings()
-        for request in requests:
-            self._add(request)
+        self._add_all(requests)
         self._switch_weights()
         self._reap_cancelled()
         if self._inflight is not None and any(s.params.penalized for s in self._inflight.samplers):
@@ -388,6 +385,14 @@ class EngineLoop:
 
     # kAdd --------------------------------------------------------------------------------------------------
 
+    def _add_all(self, requests: list[Request]) -> None:
+        """kAdd of the requests taken, once the stop strings the front end found before they came are applied:
+        a session's next turn goes on from where its last one stopped."""
+        if self.gateway.has_stops(self.rank):
+            self._end_at_stop_strings()
+        for request in requests:
+            self._add(request)
+
     def _add(self, request: Request) -> None:
         """Hand a popped request to the scheduler, or answer it, whatever fails: the Gateway counts it as taken,
         so a request dropped here would hang its stream, its End, or the Sleep or Wakeup waiting on it."""
@@ -445,16 +450,16 @@ class EngineLoop:
         # turn, and the caller is in this process. A loop in a rank process leaves the text and the stop strings
         # to the front end (`text_context`, `Gateway.stop_found`), and decodes a chat turn's reply once, at its
         # end (`_reply_text`).
-        reads_text = request.text or bool(request.params.stop) or conversation is not None
-        writes_text = reads_text and not self.text_at_front_end
+        front_reads = request.text or bool(request.params.stop)  # what the front end writes, where it does
+        writes_text = (front_reads or conversation is not None) and not self.text_at_front_end
         detok: IncrementalDetokenizer | None = None
         context: list[int] | None = None
-        if reads_text:
+        if front_reads or conversation is not None:
             context = reply_context(self.tokenizer, session.token_ids + request.input_ids, skip)
             if writes_text:
                 detok = IncrementalDetokenizer(self.tokenizer, skip, request.params.stop, context=context)
         seq = Sequence(request, session, detok, max_new, self.tokenizer.eos_token_ids)
-        seq.text_context = None if writes_text else context
+        seq.text_context = context if front_reads and not writes_text else None
         seq.conversation = conversation
         if conversation is not None and not writes_text:
             seq.reply_context = context
@@ -536,8 +541,7 @@ class EngineLoop:
 
     def _abort_all(self) -> int:
         """End every sequence, and every generate still queued, with their partial output: the requests ended."""
-        for queued in self.gateway.take_queued(self.rank):
-            self._add(queued)
+        self._add_all(self.gateway.take_queued(self.rank))
         seqs = self.scheduler.running + list(self.scheduler.waiting)
         for seq in seqs:
             if seq.finish_reason is None:
@@ -600,9 +604,14 @@ class EngineLoop:
                 seq.unsent = None
                 self._finish(seq, FinishReason.STOP)
                 self._del(seq)
-            session = self.sessions.get(found.session_id) if found.session_id and found.index == 0 else None
-            if session is not None and session.active is None and session.turn_prompt is not None:
-                self._truncate_history(session, session.turn_prompt + found.num_output)
+            session = self.sessions.get(found.session_id) if found.session_id else None
+            turn = session.last_turn if session is not None and session.active is None else None
+            if session is None or turn is None or turn.request is not found.request:
+                continue  # stateless, ended, or a later turn has come (a cancelled one's next)
+            self._truncate_history(session, turn.num_prompt + found.num_output)
+            if session.messages is not None and turn.reply_context is not None:  # the reply of the ids kept
+                ids = session.token_ids[turn.num_prompt :]
+                session.messages[-1] = chat.assistant_reply(self._decoded_reply(turn.reply_context, ids, turn.request))
 
     # kUpdate -----------------------------------------------------------------------------------------------
 
@@ -709,7 +718,7 @@ class EngineLoop:
             self.blocks.release(seq.block_table)
             return False
         session.token_ids, session.block_table, session.num_computed = seq.token_ids, seq.block_table, seq.num_computed
-        session.turn_prompt = seq.num_prompt_tokens
+        session.last_turn = EndedTurn(seq.request, seq.num_prompt_tokens, seq.reply_context)
         session.block_hashes, session.keyable = seq.block_hashes, seq.keyable
         session.last_used = self.num_steps
         if seq.num_output == 0 and seq.finish_reason is FinishReason.CANCELLED:
@@ -724,17 +733,22 @@ class EngineLoop:
 
     def _reply_text(self, seq: Sequence) -> str:
         """A chat turn's reply as its client received it, which its session keeps: the text this loop wrote, or
-        else what the front end wrote, decoded here once from the same ids after the same context. Either way
-        without a stop id's text, and cut before the earliest stop string, as `IncrementalDetokenizer` cuts it
-        (tokens drawn past one, before this loop heard of it, change nothing before it)."""
+        else what the front end wrote, decoded here once from the same ids (without a stop id's) after the same
+        context. A stop string the front end found mid-stream decodes it again from the ids kept."""
         if seq.detokenizer is not None:
             return seq.detokenizer.text
         assert seq.reply_context is not None, "a chat turn whose text the front end writes"
-        ids, skip, context = seq.output_ids, seq.params.skip_special_tokens, seq.reply_context
+        ids = seq.output_ids
         if seq.finish_reason is FinishReason.STOP and ids and ids[-1] in seq.stop_ids:
             ids = ids[:-1]
-        text = self.tokenizer.decode(context + ids, skip)[len(self.tokenizer.decode(context, skip)) :]
-        hits = [at for stop in seq.params.stop if (at := text.find(stop)) >= 0]
+        return self._decoded_reply(seq.reply_context, ids, seq.request)
+
+    def _decoded_reply(self, context: list[int], ids: list[int], request: Request) -> str:
+        """`ids`' text after `context`, cut before the earliest stop string in it, as `IncrementalDetokenizer`
+        writes a reply whose last id completes the stop string, or whose end shows one."""
+        skip, decode = request.params.skip_special_tokens, self.tokenizer.decode
+        text = decode(context + ids, skip)[len(decode(context, skip)) :]
+        hits = [at for stop in request.params.stop if (at := text.find(stop)) >= 0]
         return text[: min(hits)] if hits else text
 
     # failure and shutdown ----------------------------------------------------------------------------------
