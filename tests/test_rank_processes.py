@@ -272,9 +272,9 @@ def test_a_loop_cuts_only_the_turn_a_stop_string_was_found_in(thread_ranks_serve
     """The loop's half of a stop string found by the front end, told to loops that are threads as a rank's
     receiver tells its loop (`Gateway.stop_found`): the history is cut after the ids kept of the turn it was
     found in, and not at all once a later turn has ended (a stop that came late, after a cancelled turn's
-    next). A chat turn's reply, which the loop decodes where the front end writes the text, is decoded again
-    from the ids kept, cut before the first stop string they complete: not before another stop string that
-    begins earlier and that the tokens drawn past the stop complete."""
+    next). A chat turn's reply, which the loop writes once at its end where the front end writes the text, is
+    cut before the first stop string to complete: not before another stop string that begins earlier and that
+    the tokens drawn past the stop complete."""
     engine = thread_ranks_server.engine
     for loop in engine.loops:
         monkeypatch.setattr(loop, "text_at_front_end", True)  # text and stop strings are the front end's

@@ -42,7 +42,6 @@ class EndedTurn:
 
     request: Request
     num_prompt: int  # the history before its output
-    reply_context: list[int] | None  # a chat turn's ids before its reply, where the front end wrote its text
 
 
 class Session(HoldsKV):

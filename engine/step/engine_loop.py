@@ -609,9 +609,6 @@ class EngineLoop:
             if session is None or turn is None or turn.request is not found.request:
                 continue  # stateless, ended, or a later turn has come (a cancelled one's next)
             self._truncate_history(session, turn.num_prompt + found.num_output)
-            if session.messages is not None and turn.reply_context is not None:  # the reply of the ids kept
-                ids = session.token_ids[turn.num_prompt :]
-                session.messages[-1] = chat.assistant_reply(self._decoded_reply(turn.reply_context, ids, turn.request))
 
     # kUpdate -----------------------------------------------------------------------------------------------
 
@@ -718,7 +715,7 @@ class EngineLoop:
             self.blocks.release(seq.block_table)
             return False
         session.token_ids, session.block_table, session.num_computed = seq.token_ids, seq.block_table, seq.num_computed
-        session.last_turn = EndedTurn(seq.request, seq.num_prompt_tokens, seq.reply_context)
+        session.last_turn = EndedTurn(seq.request, seq.num_prompt_tokens)
         session.block_hashes, session.keyable = seq.block_hashes, seq.keyable
         session.last_used = self.num_steps
         if seq.num_output == 0 and seq.finish_reason is FinishReason.CANCELLED:
@@ -733,23 +730,23 @@ class EngineLoop:
 
     def _reply_text(self, seq: Sequence) -> str:
         """A chat turn's reply as its client received it, which its session keeps: the text this loop wrote, or
-        else what the front end wrote, decoded here once from the same ids (without a stop id's) after the same
-        context. A stop string the front end found mid-stream decodes it again from the ids kept."""
-        if seq.detokenizer is not None:
-            return seq.detokenizer.text
-        assert seq.reply_context is not None, "a chat turn whose text the front end writes"
-        ids = seq.output_ids
-        if seq.finish_reason is FinishReason.STOP and ids and ids[-1] in seq.stop_ids:
-            ids = ids[:-1]
-        return self._decoded_reply(seq.reply_context, ids, seq.request)
-
-    def _decoded_reply(self, context: list[int], ids: list[int], request: Request) -> str:
-        """`ids`' text after `context`, cut before the earliest stop string in it, as `IncrementalDetokenizer`
-        writes a reply whose last id completes the stop string, or whose end shows one."""
-        skip, decode = request.params.skip_special_tokens, self.tokenizer.decode
-        text = decode(context + ids, skip)[len(decode(context, skip)) :]
-        hits = [at for stop in request.params.stop if (at := text.find(stop)) >= 0]
-        return text[: min(hits)] if hits else text
+        else the front end's, written again here once, token by token by the same `IncrementalDetokenizer` over
+        the same ids (without a stop id's) after the same context: it stops where the front end stopped, and
+        the tokens drawn past a stop string before this loop heard of it change nothing."""
+        detokenizer = seq.detokenizer
+        if detokenizer is None:
+            assert seq.reply_context is not None, "a chat turn whose text the front end writes"
+            params, ids = seq.params, seq.output_ids
+            if seq.finish_reason is FinishReason.STOP and ids and ids[-1] in seq.stop_ids:
+                ids = ids[:-1]
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, params.skip_special_tokens, params.stop, context=seq.reply_context
+            )
+            for token in ids:
+                if detokenizer.step_one(token)[1]:
+                    break
+            detokenizer.finish()
+        return detokenizer.text
 
     # failure and shutdown ----------------------------------------------------------------------------------
 
