@@ -1,6 +1,6 @@
 """The per-row state a loop keeps across steps instead of building it from its sequences each step: the
 sampler's table (`SampleTable`), checked at every draw against a table built from that draw's rows alone, the
-block tables (`TableStore`) against the lists, and the scheduler's batch (a steady decode step returns its
+decodes' block tables (`StepTables`) against the lists, and the scheduler's batch (a steady decode step returns its
 decodes as found) against the order rebuilt from the running sequences: through joins, leaves, cancels,
 preemptions, forks and slots recycled."""
 
@@ -17,7 +17,7 @@ from lmgate.engine.config import EngineConfig
 from lmgate.engine.engine import Engine
 from lmgate.engine.sampling.sampler import SampleRow, SampleTable, SamplingParams, launch_sample, sample
 from lmgate.engine.scheduling.scheduler import Scheduler
-from lmgate.engine.step.block_tables import TableStore
+from lmgate.engine.step.block_tables import StepTables
 from tests.test_engine import assert_idle
 
 KINDS = [
@@ -76,7 +76,7 @@ def test_the_kept_state_holds_what_one_built_from_each_steps_sequences_holds(tin
     kept = SampleTable.draw
     seen: set[int] = set()
     draws = 0
-    schedule, gather = Scheduler.schedule, TableStore.gather
+    schedule, step_tables = Scheduler.schedule, StepTables.tables
     steady = 0  # steps of decodes only
 
     def checked_schedule(scheduler: Scheduler) -> list:
@@ -89,10 +89,9 @@ def test_the_kept_state_holds_what_one_built_from_each_steps_sequences_holds(tin
         steady += bool(batch) and all(decode)
         return batch
 
-    def checked_gather(store: TableStore, tables: list[list[int]]) -> torch.Tensor:
-        gathered = gather(store, tables)
-        width = max(map(len, tables))
-        assert gathered.tolist() == [t + [0] * (width - len(t)) for t in tables]
+    def checked_tables(kept: StepTables, tables: list[list[int]]) -> torch.Tensor:
+        gathered = step_tables(kept, tables)
+        assert gathered.tolist() == padded(tables, gathered.shape[1])
         return gathered
 
     def checked(table: SampleTable, rows: list[SampleRow]) -> tuple[np.ndarray, np.ndarray]:
@@ -110,7 +109,7 @@ def test_the_kept_state_holds_what_one_built_from_each_steps_sequences_holds(tin
 
     monkeypatch.setattr(SampleTable, "draw", checked)
     monkeypatch.setattr(Scheduler, "schedule", checked_schedule)
-    monkeypatch.setattr(TableStore, "gather", checked_gather)
+    monkeypatch.setattr(StepTables, "tables", checked_tables)
     config = EngineConfig(
         dtype="float32",
         model=tiny_models("llama").path,
@@ -137,3 +136,46 @@ def test_the_kept_state_holds_what_one_built_from_each_steps_sequences_holds(tin
         assert len(seen) > 4 * loop.runner.sample_table.capacity
         assert draws > 300 and steady > 50
         assert_idle(engine)
+
+
+def padded(tables: list[list[int]], width: int) -> list[list[int]]:
+    return [t + [0] * (width - len(t)) for t in tables]
+
+
+def test_step_tables_hold_the_lists_through_steady_steps_joins_leaves_and_moves():
+    """A batch decoding step after step (every table grows by a block now and then, in place), with sequences
+    that join, leave from anywhere, swap places, are reset or cut (a new list, as preemption and truncation
+    give) or skip a step, its longest table growing to 60 blocks and back: every step's tensor is contiguous,
+    its rows the lists zero-padded, no wider than two width steps past the longest."""
+    rng = random.Random(0)
+    kept = StepTables(4)  # fewer rows than the batch will have: it grows
+    batch = [[rng.randrange(1000)] for _ in range(6)]
+    steady = most = 0
+    for step in range(3000):
+        for table in batch:
+            if rng.random() < 1 / 16 and len(table) < (60 if step < 1500 else 8):
+                table.append(rng.randrange(1000))
+        roll = rng.random()
+        if roll < 0.03 and len(batch) > 1:
+            batch.pop(rng.randrange(len(batch)))
+        elif roll < 0.06 and len(batch) < 40:
+            batch.append([rng.randrange(1000) for _ in range(rng.randint(1, 9))])
+        elif roll < 0.07:
+            i, j = rng.randrange(len(batch)), rng.randrange(len(batch))
+            batch[i], batch[j] = batch[j], batch[i]
+        elif roll < 0.08:
+            i = rng.randrange(len(batch))
+            batch[i] = batch[i][: rng.randint(1, len(batch[i]))]
+        elif step >= 1500 and roll < 0.2:
+            i = rng.randrange(len(batch))
+            batch[i] = batch[i][:8]
+        else:
+            steady += 1
+        lists = [t for t in batch if rng.random() > 0.02]  # one that skips a step (a prefill chunk's)
+        if not lists:
+            continue
+        got, most = kept.tables(lists), max(most, len(lists))
+        assert got.is_contiguous()
+        assert got.tolist() == padded(lists, got.shape[1])
+        assert max(map(len, lists)) <= got.shape[1] < max(map(len, lists)) + 2 * StepTables.WIDTH_STEP
+    assert steady > 2000 and kept.rows == most > 4

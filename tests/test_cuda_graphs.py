@@ -9,7 +9,6 @@ import random
 import pytest
 import torch
 
-from lmgate.engine.step.block_tables import TableStore
 from lmgate.engine.step.cuda_graphs import DecodeGraphs, buckets
 
 
@@ -97,12 +96,3 @@ def test_table_store_against_the_lists_over_many_steps():
         _, _, meta = graphs.load([0] * n, [0] * n, [0] * n, lists, [1] * n)
         got = meta.decode.block_tables.tolist()[:n]
         assert got == [t + [0] * (8 - len(t)) for t in lists]
-
-
-def test_host_table_store_gathers_what_padding_the_lists_gives():
-    """The eager path's store (no device): every step's gathered tables, as wide as its longest, equal its lists
-    padded with block 0, through growth, resets, truncation and rows recycled."""
-    store = TableStore(9, 8)
-    for lists in random_steps(1, 30, 8, 2000):
-        width = max(map(len, lists))
-        assert store.gather(lists).tolist() == [t + [0] * (width - len(t)) for t in lists]

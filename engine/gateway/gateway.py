@@ -25,7 +25,7 @@ from typing import Callable, Iterator, Sequence, cast
 from ..errors import EngineError, InternalError, SessionExists, Unavailable
 from ..comm import HostComm, RedOp
 from .kv_events import KvEventLog, RawEvent
-from .request import CancelFlag, FinishReason, Request, RequestKind, RequestOutput, StopFound, Usage
+from .request import CancelFlag, FinishReason, Request, RequestKind, RequestOutput, StopFound, Usage, token_output
 from .request_queue import QueueEnd, RequestQueue
 from ..text.detokenizer import IncrementalDetokenizer
 from ..text.tokenizer import Tokenizer
@@ -33,7 +33,10 @@ from .sequence_binding import SequenceBinding
 
 log = logging.getLogger(__name__)
 
-Signal = tuple[Request, RequestOutput]
+# An output for a request; or a delta of one token id and nothing else, as (request, token id, the sample's
+# index, the weights' version): most of a step's outputs, which a loop hands over as such, and the signal thread
+# makes outputs of (`token_output`), off the loop's thread.
+Signal = tuple[Request, RequestOutput] | tuple[Request, int, int, str]
 SLEEP_GATE = "sleep"  # closed from a Sleep until the Wakeup that leaves nothing asleep
 
 
@@ -337,7 +340,12 @@ class Gateway:
         """Each output to its callback. Hundreds a step: one that is not its request's last and has no text for
         this side to write (most of them) goes straight there."""
         settle_all = self.tokenizer is not None
-        for request, output in signals:
+        for signal in signals:
+            if len(signal) == 4:  # a token delta
+                request, token, index, version = signal
+                output = token_output(request.request_id, request.session_id, [token], index, version)
+            else:
+                request, output = signal
             if settle_all or output.finish_reason is not None or output.error is not None:
                 settled = self._settle(request, output)
                 if settled is None:

@@ -51,7 +51,7 @@ from ..gateway.kv_events import RawEvent
 from ..machine.hardware import choose_dtype
 from ..loading.loader import load_checkpoint
 from ..machine.memory import freeze_startup_heap, keep_freed_memory, release_host_memory
-from ..gateway.request import Request, RequestKind, RequestOutput, StopFound
+from ..gateway.request import Request, RequestKind, RequestOutput, StopFound, token_output
 from ..machine.threads import on_fresh_thread
 from ..models.tensor_parallel import shard_of
 from ..step.weights import LocalWeights, TensorParallel, keep_quantized
@@ -97,10 +97,7 @@ def from_wire(item: tuple) -> tuple[int, RequestOutput]:
     if len(item) == 2:
         return item[0], item[1]
     wire_id, request_id, session_id, token_ids, index, version = item
-    # positionally (faster than by name): the other fields as a new output has them
-    return wire_id, RequestOutput(
-        request_id, session_id, token_ids, "", [], None, None, None, index, False, None, None, version
-    )
+    return wire_id, token_output(request_id, session_id, token_ids, index, version)
 
 
 def rebuild_request(fields: tuple, on_output: Callable[[RequestOutput], None]) -> Request:

@@ -23,6 +23,8 @@ class HoldsKV:
     """KV blocks caching a token history's leading tokens. The caller releases the blocks; `drop_kv` forgets
     them."""
 
+    __slots__ = ("block_table", "num_computed", "block_hashes", "keyable")
+
     def __init__(self) -> None:
         self.block_table: list[int] = []
         self.num_computed = 0  # leading tokens whose KV is in block_table
@@ -46,6 +48,8 @@ class EndedTurn:
 
 class Session(HoldsKV):
     """A conversation's token history, the truth, and the KV blocks that cache it (possibly dropped)."""
+
+    __slots__ = ("session_id", "token_ids", "active", "messages", "last_used", "last_turn")
 
     def __init__(self, session_id: int) -> None:
         super().__init__()
@@ -75,7 +79,39 @@ class Samples:
 
 class Sequence(HoldsKV):
     """One generation: history + new input as its prompt, then sampled tokens. Takes over its session's
-    KV blocks at start and hands them back at the end."""
+    KV blocks at start and hands them back at the end. Slotted, as its fields are read hundreds of times a
+    step."""
+
+    __slots__ = (
+        "request",
+        "session",
+        "params",
+        "token_ids",
+        "num_prompt_tokens",
+        "num_cached_tokens",
+        "max_new_tokens",
+        "stop_ids",
+        "detokenizer",
+        "text_context",
+        "seed",
+        "status",
+        "num_scheduled",
+        "num_pending",
+        "pending_row",
+        "finish_reason",
+        "unsent",
+        "conversation",
+        "reply_context",
+        "first_scheduled",
+        "index",
+        "samples",
+        "forks",
+        "prompt_logprobs",
+        "prompt_rows_planned",
+        "grammar",
+        "matcher",
+        "_sample_row",
+    )
 
     def __init__(
         self,

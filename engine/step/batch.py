@@ -36,6 +36,7 @@ class BatchData:
 
     seqs: list[Sequence]
     samplers: list[Sequence] = field(default_factory=list)  # the sequences that draw a token, in row order
+    filled: list[Sequence] = field(default_factory=list)  # those that may have filled a block (`StepPlan.filled`)
     inputs: StepInputs | None = None
     logits: torch.Tensor | None = None
     draws: SampleFuture | None = None  # queued on the device at launch

@@ -9,7 +9,7 @@ import torch
 
 
 class TableStore:
-    """Block tables, one row per sequence, on the host and (given a device) mirrored there.
+    """Block tables, one row per sequence, on the host and mirrored on a device: what CUDA graphs read by row.
 
     A row is keyed by the sequence's table list itself: a sequence's list only grows (blocks appended) until
     the sequence is reset, forked, copied on write or its session truncated, each of which gives it a new list
@@ -21,12 +21,12 @@ class TableStore:
     step, and one more. Row 0 stays zeros, for padded rows, and a row is padded with zeros past its table.
     """
 
-    def __init__(self, rows: int, width: int, device: torch.device | None = None, pin: bool = False) -> None:
+    def __init__(self, rows: int, width: int, device: torch.device, pin: bool = False) -> None:
         self.host = torch.zeros(rows, width, dtype=torch.long)
         if pin:
             self.host = self.host.pin_memory()
         self._array = self.host.numpy()  # the same memory: a row's entries written without a tensor per write
-        self.device = torch.zeros_like(self.host, device=device) if device is not None else None
+        self.device = torch.zeros_like(self.host, device=device)
         self._row_of: dict[int, int] = {}  # id(table) -> its row; row 0 is no table's
         self._tables: list[list[int] | None] = [None] * rows  # each row's list, held so that its id stays its own
         self._written = np.full(rows, -1, dtype=np.int64)  # entries written of each row's table; -1: no table
@@ -49,13 +49,6 @@ class TableStore:
         for i in np.flatnonzero(stale).tolist():
             rows[i] = self._write(tables[i])
         return rows
-
-    def gather(self, tables: list[list[int]]) -> torch.Tensor:
-        """The tables as one [rows, longest] int64 host tensor, padded with block 0."""
-        rows = self.rows_for(tables)
-        self._dirty.clear()  # no device copy to keep current
-        width = max(map(len, tables))
-        return torch.from_numpy(self._array[rows, :width])
 
     def sync(self) -> None:
         """The rows written since the last call, copied to the device (a few per step: a sequence's table
@@ -97,3 +90,76 @@ class TableStore:
             self._tables[row] = None
         self._written[stale] = -1
         self._free += stale.tolist()
+
+
+class StepTables:
+    """The decodes' block tables in step order, as one contiguous [rows, width] array kept across steps.
+
+    A steady decode step runs the same sequences in the same order as the step before, each table the same
+    list or grown by a block: its array is last step's with a few entries appended, rather than every row
+    copied out of a store again (a copy whose source a CPU forward has evicted from the caches).
+    Rows are keyed by position: a position whose list is the one it held last step (by id; the lists of the
+    last step are held, so no id is reused meanwhile) keeps its row and has its new entries written. Where the
+    batch changed (a sequence joined, left or moved), the rows are taken from their old positions into the
+    other of two arrays in one copy, and only tables new to the array are written whole. Rows are zeros past
+    their table; the width follows the longest table, in steps of WIDTH_STEP blocks, so that it changes
+    rarely and pads little.
+    """
+
+    WIDTH_STEP = 8
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+        self._arrays = [np.zeros((rows, 0), dtype=np.int64)] * 2  # the current one first
+        self._held: list[list[int]] = []  # last step's tables, in order
+        self._ids = np.zeros(0, dtype=np.int64)
+        self._lens = np.zeros(0, dtype=np.int64)
+
+    def tables(self, tables: list[list[int]]) -> torch.Tensor:
+        """[len(tables), width] int64, row i table i zero-padded: a view of the kept array, valid until the next
+        call (a device copies it at once: `to_device` stages it in pinned memory)."""
+        n = len(tables)
+        ids = np.fromiter(map(id, tables), dtype=np.int64, count=n)
+        lens = np.fromiter(map(len, tables), dtype=np.int64, count=n)
+        self._fit(n, int(lens.max()))
+        array = self._arrays[0]
+        if n <= len(self._ids) and np.array_equal(ids, self._ids[:n]):  # the same lists in the same places
+            for i in np.flatnonzero(lens != self._lens[:n]).tolist():
+                self._write(array, i, tables[i], int(self._lens[i]))
+        else:
+            array = self._moved(tables, ids, lens)
+        self._held, self._ids, self._lens = tables, ids, lens
+        return torch.from_numpy(array[:n])
+
+    def _moved(self, tables: list[list[int]], ids: np.ndarray, lens: np.ndarray) -> np.ndarray:
+        """The step's rows in the other array: each from where its list was last step (one copy), or written."""
+        old, new = self._arrays
+        where = dict(zip(self._ids.tolist(), range(len(self._ids))))
+        src = np.fromiter(map(where.get, ids.tolist(), repeat(-1)), dtype=np.int64, count=len(ids))
+        known = src >= 0
+        np.take(old, np.where(known, src, 0), axis=0, out=new[: len(ids)])
+        written = np.zeros_like(lens)  # entries of each row that came with it
+        written[known] = self._lens[src[known]]
+        for i in np.flatnonzero(lens != written).tolist():
+            self._write(new, i, tables[i], int(written[i]))
+        self._arrays = [new, old]
+        return new
+
+    @staticmethod
+    def _write(array: np.ndarray, row: int, table: list[int], written: int) -> None:
+        """A row's new entries; a row written whole (from `written` 0) or cut shorter is zeroed past its table."""
+        if written == 0 or written > len(table):
+            array[row] = 0
+            written = 0
+        array[row, written : len(table)] = table[written:]
+
+    def _fit(self, n: int, needed: int) -> None:
+        """Arrays for a step of `n` rows whose longest table is `needed` blocks: a width grown past it, or shrunk
+        where it pads two width steps more than it must (more rows, should a step ever bring them); then every
+        row is written again."""
+        width = self._arrays[0].shape[1]
+        if n <= self.rows and needed <= width < needed + 2 * self.WIDTH_STEP:
+            return
+        self.rows, width = max(self.rows, n), -(-needed // self.WIDTH_STEP) * self.WIDTH_STEP
+        self._arrays = [np.zeros((self.rows, width), dtype=np.int64) for _ in range(2)]
+        self._held, self._ids, self._lens = [], np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)

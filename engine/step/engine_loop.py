@@ -20,7 +20,7 @@ from ..config import EngineConfig
 from .cuda_graphs import DecodeGraphs
 from ..kernels import load_cpu_kernels
 from ..kernels.triton import available as triton_available
-from .block_tables import TableStore
+from .block_tables import StepTables
 from .kv_cache import allocate_kv_cache, kv_cache_dtype
 from .model_runner import ModelRunner, PromptRows
 from ..gateway.request import CancelFlag, FinishReason, Request, RequestKind, RequestOutput, TokenLogprob, Usage
@@ -68,7 +68,7 @@ def build_runner(weights: LocalWeights, config: EngineConfig, max_context_length
         config.block_size,
         weights.device,
         attention,
-        TableStore(2 * config.max_batch_size + 1, max_blocks),
+        StepTables(config.max_batch_size),
         graphs,
     )
     weights.runners.append(runner)
@@ -310,38 +310,20 @@ class EngineLoop:
                 holder.drop_kv()
 
     def _launch(self, batch: BatchData, previous: BatchData | None) -> None:
-        """kSetup .. kForward, and sampling queued on the device: returns without waiting for it."""
-        samplers: list[Sequence] = []
-        forked: list[Sequence] = []
-        constrained: list[tuple[int, GrammarMatcher]] = []  # samplers' rows with a grammar (structured outputs)
-        for seq in batch.seqs:
-            if seq.num_computed + seq.num_scheduled == len(seq.token_ids) + seq.num_pending:  # `samples_this_step`
-                if seq.matcher is not None:
-                    constrained.append((len(samplers), seq.matcher))
-                samplers.append(seq)
-                if seq.samples is not None and seq.samples.to_fork:
-                    for fork in self.scheduler.fork(seq):
-                        if fork.matcher is not None:
-                            constrained.append((len(samplers), fork.matcher))
-                        samplers.append(fork)
-                    forked.append(seq)
-        batch.samplers = samplers
+        """kSetup .. kForward, and sampling queued on the device: returns without waiting for it. A request's
+        first sample forks the others as it draws its first token; the plan moves every sequence past the step."""
+        if self.scheduler.unforked:
+            for seq in batch.seqs:
+                if seq.samples is not None and seq.samples.to_fork and seq.samples_this_step:
+                    self.scheduler.fork(seq)
         drawn = previous.draws.tokens if previous is not None and previous.draws is not None else None
         copies = [(source, copy) for copy, source in self.scheduler.copies.items()]
-        batch.inputs = self.runner.setup(batch.seqs, drawn, copies)  # kSetup + kPrepare
-        for seq in forked:
-            seq.forks = []
+        plan, batch.inputs = self.runner.setup(batch.seqs, drawn, copies)  # kSetup + kPrepare
+        batch.samplers, batch.filled = plan.samplers, plan.filled
+        self.computed_tokens += len(plan.input_ids)
         batch.logits = logits = self.runner.forward(batch.inputs)  # kForward + kUnprep
         assert logits is not None, "a loop's runner computes the logits"
-        batch.draws = self.runner.sample(logits, batch.inputs, self._token_masks(constrained))
-        computed = 0
-        for seq in batch.seqs:
-            seq.num_computed += seq.num_scheduled
-            computed += seq.num_scheduled
-        self.computed_tokens += computed
-        for row, seq in enumerate(batch.samplers):
-            seq.num_pending += 1
-            seq.pending_row = row
+        batch.draws = self.runner.sample(logits, batch.inputs, self._token_masks(plan.constrained))
 
     def _token_masks(self, constrained: list[tuple[int, GrammarMatcher]]) -> tuple[torch.Tensor, list[int]] | None:
         """The constrained rows' masks (structured outputs), filled on the host while the device computes the
@@ -358,9 +340,9 @@ class EngineLoop:
         batch.result = batch.draws.result()
         if batch.inputs.prompt is not None:
             self._add_prompt_logprobs(batch.inputs.prompt)
-        live = [s for s in batch.seqs if s.finish_reason is None]  # one ended since has handed its blocks back
+        filled = [s for s in batch.filled if s.finish_reason is None]  # one ended since has handed its blocks back
         self._update(batch.samplers, batch)
-        self.blocks.cache_full_blocks(live)
+        self.blocks.cache_full_blocks(filled)
         for seq in batch.finished:
             self._del(seq)
 
@@ -613,8 +595,9 @@ class EngineLoop:
     # kUpdate -----------------------------------------------------------------------------------------------
 
     def _update(self, samplers: list[Sequence], batch: BatchData) -> None:
-        """A token per sampling row: hundreds a step on the host's critical path, so the common case (no
-        logprobs, no stop, not yet sent) reads each field once."""
+        """A token per sampling row: hundreds a step on the host's critical path. The common case (a token
+        sent at once, its ids alone: no logprobs, no text written here, no grammar, neither the first nor the
+        last) leaves as a token delta (`Signal`), of which the signal thread makes the output."""
         interval, limit = self.stream_interval, self.max_context_length
         signal = self._signals.append  # `_emit`, without a call of its own per token
         version = batch.inputs.weight_version if batch.inputs is not None else ""
@@ -626,6 +609,19 @@ class EngineLoop:
                 continue
             token_ids = seq.token_ids
             token_ids.append(token)
+            num_output = len(token_ids) - seq.num_prompt_tokens  # `Sequence.num_output`
+            if (
+                interval == 1
+                and lp is None
+                and seq.unsent is None
+                and seq.detokenizer is None
+                and seq.matcher is None
+                and 1 < num_output < seq.max_new_tokens
+                and len(token_ids) < limit
+                and token not in seq.stop_ids
+            ):
+                signal((seq.request, token, seq.index, version))
+                continue
             out = seq.unsent or self._unsent(seq)
             if out.weight_version != version:  # the tokens of other weights go first, in an output of their own
                 if out.token_ids:
@@ -637,7 +633,6 @@ class EngineLoop:
             if lp is not None:
                 out.logprobs.append(TokenLogprob(token, lp[0], lp[1]))
             reason, stop_hit, detok = None, False, seq.detokenizer
-            num_output = len(token_ids) - seq.num_prompt_tokens  # `Sequence.num_output`
             if token in seq.stop_ids:
                 reason = FinishReason.STOP
             else:

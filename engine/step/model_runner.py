@@ -21,11 +21,12 @@ from ..models.attention import (
     decode_mask,
     gather_rows,
 )
-from .block_tables import TableStore
+from .block_tables import StepTables
 from .cuda_graphs import DecodeGraphs
 from .kv_cache import copy_blocks
 from ..machine.memory import empty_device_cache, release_host_memory
 from ..models.llama import LlamaForCausalLM
+from ..sampling.constraints import GrammarMatcher
 from ..sampling.sampler import SampleFuture, SampleRow, SampleTable, launch_sample
 from ..comm.host_comm import HostComm, RedOp
 from ..errors import InternalError
@@ -50,8 +51,8 @@ class PromptRows:
 @dataclass(slots=True)
 class StepPlan:
     """kSetup's output: one step as plain lists, decodes first. The same for every tensor-parallel rank, so a
-    leader broadcasts it (without `sample_rows`, which only the leader reads) and each rank prepares its own
-    tensors for its share of the KV heads."""
+    leader broadcasts it (without what only the leader reads: `sample_rows` and below, `_shared`) and each rank
+    prepares its own tensors for its share of the KV heads."""
 
     input_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
@@ -60,10 +61,16 @@ class StepPlan:
     decode_tables: list[list[int]] = field(default_factory=list)  # block tables of the decodes
     decode_lengths: list[int] = field(default_factory=list)  # their tokens of KV, this step's included
     prefills: list[tuple[int, int, int, list[int]]] = field(default_factory=list)  # rows [start, end), context, blocks
-    sample_rows: list[SampleRow] = field(default_factory=list)
     pending_inputs: list[tuple[int, int]] = field(default_factory=list)  # (row, row of the last step's draws)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) blocks, before the forward
-    prompt: PromptRows | None = None  # prompt logprobs asked for; only the leader computes them
+    # Only the leader reads these (never broadcast): each drawing row's `SampleRow`; the sequences that draw, in
+    # that order; the rows among them with a grammar (structured outputs), with its matcher; the sequences that
+    # may have filled a block (`BlockManager.cache_full_blocks`); prompt logprobs asked for.
+    sample_rows: list[SampleRow] = field(default_factory=list)
+    samplers: list[Sequence] = field(default_factory=list)
+    constrained: list[tuple[int, GrammarMatcher]] = field(default_factory=list)
+    filled: list[Sequence] = field(default_factory=list)
+    prompt: PromptRows | None = None
 
 
 @dataclass(slots=True)
@@ -105,7 +112,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         attention: str,
-        tables: TableStore,
+        tables: StepTables,
         graphs: DecodeGraphs | None = None,
     ) -> None:
         self.model: LlamaForCausalLM | None = model  # replaced whole (updates; None asleep), read once per step
@@ -118,7 +125,7 @@ class ModelRunner:
         self.vocab_size: int | None = None  # ids a sampler may draw (the tokenizer's), where below the model's
         self._no_prefills: PrefillTables | None = None  # a decode step's prefill tables, built once
         self.tables = tables  # the decodes' block tables, kept across steps
-        self.sample_table = SampleTable(tables.host.shape[0])  # the sampling rows' state, kept across steps
+        self.sample_table = SampleTable(2 * tables.rows + 1)  # the sampling rows' state, kept across steps
         self.graphs = graphs  # decode steps from CUDA graphs (Triton path, no tensor parallelism), else None
         self.followers: HostComm | None = None  # a tensor-parallel leader's group: what it does, they do
         self.group_kv_share = 1.0  # the tensor-parallel group's KV heads over this rank's
@@ -190,7 +197,7 @@ class ModelRunner:
 
     def setup(
         self, batch: list[Sequence], drawn: torch.Tensor | None = None, copies: list[tuple[int, int]] | None = None
-    ) -> StepInputs:
+    ) -> tuple[StepPlan, StepInputs]:
         """kSetup + kPrepare. `drawn`: the last step's sampled ids on the device, the input of the decodes whose
         token the host has not read yet (overlap scheduling, never under tensor parallelism). `copies`: blocks
         to copy before the forward writes (copy on write; `Scheduler.copies`). A tensor-parallel leader sends
@@ -198,15 +205,25 @@ class ModelRunner:
         plan = self.plan(batch)
         plan.copies = copies or []
         if self.followers is not None:
-            self.followers.broadcast(("step", dataclasses.replace(plan, sample_rows=[], prompt=None)))
-        return self.prepare(plan, drawn)
+            self.followers.broadcast(("step", self._shared(plan)))
+        return plan, self.prepare(plan, drawn)
+
+    @staticmethod
+    def _shared(plan: StepPlan) -> StepPlan:
+        """What a tensor-parallel follower reads of the plan."""
+        return dataclasses.replace(plan, sample_rows=[], samplers=[], constrained=[], filled=[], prompt=None)
 
     def plan(self, batch: list[Sequence]) -> StepPlan:
-        """kSetup: the step as plain lists, decodes first, from the sequences' host-side state."""
+        """kSetup: the step as plain lists, decodes first, from the sequences' host-side state. The step's one
+        pass over its sequences, so it also moves each past the step as it goes: its scheduled tokens count as
+        computed, and a draw of its own (and of each sample it forks) as pending, at its row of the step's draws
+        (a step that fails after this ends every sequence). The sampling sequences, and the rows of those with
+        a grammar, are the plan's too."""
         plan = StepPlan()
         bs = self.block_size
         # Per sequence, hundreds a step on the host's critical path: its fields read once, no properties.
         input_ids, positions, slots = plan.input_ids, plan.positions, plan.slots
+        samplers, sample_rows, filled = plan.samplers, plan.sample_rows, plan.filled
         for seq in batch:
             start, table, token_ids = seq.num_computed, seq.block_table, seq.token_ids
             end = start + seq.num_scheduled
@@ -222,6 +239,8 @@ class ModelRunner:
                 slots.append(table[start // bs] * bs + start % bs)
                 plan.decode_tables.append(table)
                 plan.decode_lengths.append(end)
+                if end % bs == 0:
+                    filled.append(seq)
             else:
                 input_ids.extend(token_ids[start:end])
                 positions.extend(range(start, end))
@@ -231,12 +250,26 @@ class ModelRunner:
                 plan.prefills.append((first_row, len(input_ids), end, table[: -(-end // bs)]))
                 if seq.prompt_logprobs is not None:
                     self._prompt_rows(plan, seq, start, end, first_row)
+                filled.append(seq)
+            seq.num_computed = end
             if end == num_tokens:  # `Sequence.samples_this_step`
                 plan.logit_rows.append(len(input_ids) - 1)
-                plan.sample_rows.append(seq.sample_row())
-                for fork in seq.forks:  # the request's other samples: their first draws, from the same row
-                    plan.logit_rows.append(len(input_ids) - 1)
-                    plan.sample_rows.append(fork.sample_row())
+                if seq.matcher is not None:
+                    plan.constrained.append((len(samplers), seq.matcher))
+                sample_rows.append(seq.sample_row())
+                seq.num_pending += 1
+                seq.pending_row = len(samplers)
+                samplers.append(seq)
+                if seq.forks:  # the request's other samples: their first draws, from the same row
+                    for fork in seq.forks:
+                        plan.logit_rows.append(len(input_ids) - 1)
+                        if fork.matcher is not None:
+                            plan.constrained.append((len(samplers), fork.matcher))
+                        sample_rows.append(fork.sample_row())
+                        fork.num_pending += 1
+                        fork.pending_row = len(samplers)
+                        samplers.append(fork)
+                    seq.forks = []
         return plan
 
     @staticmethod
@@ -317,7 +350,7 @@ class ModelRunner:
             input_ids.index_copy_(0, rows, drawn.index_select(0, sources))
 
     def _decode_tables(self, block_tables: list[list[int]], lengths: list[int]) -> DecodeTables | GatheredDecode:
-        tables, lens = self.tables.gather(block_tables), torch.from_numpy(np.array(lengths, dtype=np.int64))
+        tables, lens = self.tables.tables(block_tables), torch.from_numpy(np.array(lengths, dtype=np.int64))
         if self.attention != "torch":
             return DecodeTables(to_device(tables, self.device), to_device(lens, self.device))
         return GatheredDecode(
