@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -158,6 +159,18 @@ class SampleResult:
     logprobs: list[tuple[float, list[tuple[int, float]]] | None]  # (chosen, top-n) per row
 
 
+@dataclass(frozen=True, slots=True)
+class StepParams:
+    """The sampling parameters of a draw's rows, in row order (`SampleTable.gathered`)."""
+
+    columns: np.ndarray  # [4, rows]: (temperature, min_p, top_k, top_p), `SamplingParams.columns`
+    seeds: np.ndarray
+    greedy: np.ndarray
+    any_greedy: bool
+    wanted: list[int]  # the rows that ask for logprobs
+    adjusts: bool  # a row's logits change before it draws: penalties, a logit bias, banned ids
+
+
 class SampleTable:
     """The sampler's per-row state, kept across steps in arrays: a step reads its rows' parameters, seeds and
     draw counters by slot, in array operations, instead of from hundreds of rows in Python.
@@ -166,7 +179,9 @@ class SampleTable:
     serial) and is written when the row first draws: its parameters and seed never change, and its draw
     counter moves by one per draw, here, as the row's own count does (a token drawn is appended, or pending on
     the device). Once every slot is taken, those no draw used in this call are freed together (the rows of
-    ended sequences among them), and where that is not enough the table grows."""
+    ended sequences among them), and where that is not enough the table grows. A steady decode step draws for
+    the same rows in the same order as the step before: it finds their slots, and the parameters gathered from
+    them (`gathered`), as that step left them."""
 
     def __init__(self, capacity: int = 64) -> None:
         # (temperature, min_p, top_k, top_p) as the sampler applies them (`SamplingParams.columns`), in float64
@@ -182,25 +197,50 @@ class SampleTable:
         self._used = np.zeros(capacity, dtype=np.int64)  # the draw call that last used each slot
         self._calls = 0
         self._free = list(range(capacity - 1, -1, -1))
+        self._last: tuple[list[SampleRow], np.ndarray] = ([], np.zeros(0, dtype=np.int64))  # the last call's
+        self._gathered: tuple[np.ndarray, StepParams] | None = None
 
     @property
     def capacity(self) -> int:
         return len(self._serials)
 
     def draw(self, rows: list[SampleRow]) -> tuple[np.ndarray, np.ndarray]:
-        """The rows' slots, and the counter of the draw each makes now, counted as made."""
+        """The rows' slots, and the counter of the draw each makes now, counted as made. The slots array is the
+        table's (the same object while the rows are): read it, never write it."""
         self._calls += 1
+        last_rows, at = self._last
+        if len(rows) != len(last_rows) or not all(map(operator.is_, rows, last_rows)):
+            at = self._slots_of(rows)
+            self._last = (rows, at)  # held: no row of it is freed, so none's serial is reused meanwhile
+        self._used[at] = self._calls
+        counters = self.drawn[at]
+        self.drawn[at] = counters + 1
+        return at, counters
+
+    def _slots_of(self, rows: list[SampleRow]) -> np.ndarray:
         get = self._slots.get
         slots = [get(row.serial, -1) for row in rows]
         if -1 in slots:
             known = np.array([s for s in slots if s >= 0], dtype=np.int64)
             self._used[known] = self._calls  # this call's: never freed to make room for its other rows
             slots = [self._slot(row) if slot < 0 else slot for row, slot in zip(rows, slots)]
-        at = np.array(slots, dtype=np.int64)
-        self._used[at] = self._calls
-        counters = self.drawn[at]
-        self.drawn[at] = counters + 1
-        return at, counters
+        return np.array(slots, dtype=np.int64)
+
+    def gathered(self, at: np.ndarray) -> StepParams:
+        """The parameters of the rows at slots `at` (a `draw`'s), gathered once for as long as the same array
+        comes back: a slot's parameters never change while it is taken."""
+        if self._gathered is None or self._gathered[0] is not at:
+            greedy = self.greedy[at]
+            params = StepParams(
+                self.columns[:, at],
+                self.seeds[at],
+                greedy,
+                bool(greedy.any()),
+                np.flatnonzero(self.logprobs[at]).tolist(),
+                bool(self.adjusts[at].any()),
+            )
+            self._gathered = (at, params)
+        return self._gathered[1]
 
     def _slot(self, row: SampleRow) -> int:
         """A row this call did not find: written into a slot of its own (once, should it come twice)."""
@@ -285,22 +325,21 @@ def launch_sample(
     model runner's); without one, a table of this call's rows."""
     table = table if table is not None else SampleTable(max(len(rows), 1))
     at, counters = table.draw(rows)
+    step = table.gathered(at)
     raw = logits
     if masks is not None:
         logits = apply_token_mask(logits.clone(), *masks)
-    if table.adjusts[at].any():
+    if step.adjusts:
         logits = _apply_penalties(logits, rows)
-    greedy = table.greedy[at]
-    wanted = np.flatnonzero(table.logprobs[at]).tolist()
-    if len(rows) and not greedy.any():  # no greedy rows: no argmax, no scatter
-        tokens = _sample_rows(logits, table.columns[:, at], table.seeds[at], counters)
+    greedy, wanted = step.greedy, step.wanted
+    if len(rows) and not step.any_greedy:  # no greedy rows: no argmax, no scatter
+        tokens = _sample_rows(logits, step.columns, step.seeds, counters)
         return _fetch(raw, logits, tokens, rows, wanted)
     tokens = torch.ops.lmgate.argmax_rows(logits) if layer_kernels(logits) else logits.argmax(dim=-1)
     if not greedy.all():
         sampled = np.flatnonzero(~greedy)
         idx = to_device(torch.from_numpy(sampled), logits.device)
-        at = at[sampled]
-        tokens[idx] = _sample_rows(logits[idx], table.columns[:, at], table.seeds[at], counters[sampled])
+        tokens[idx] = _sample_rows(logits[idx], step.columns[:, sampled], step.seeds[sampled], counters[sampled])
     return _fetch(raw, logits, tokens, rows, wanted)
 
 

@@ -124,8 +124,13 @@ class StepTables:
         self._fit(n, int(lens.max()))
         array = self._arrays[0]
         if n <= len(self._ids) and np.array_equal(ids, self._ids[:n]):  # the same lists in the same places
-            for i in np.flatnonzero(lens != self._lens[:n]).tolist():
-                self._write(array, i, tables[i], int(self._lens[i]))
+            grown = np.flatnonzero(lens != self._lens[:n])
+            written = self._lens[grown]
+            if np.array_equal(lens[grown], written + 1):  # a block each (most steps: a few rows, or none)
+                array[grown, written] = [tables[i][-1] for i in grown.tolist()]
+            else:
+                for i in grown.tolist():
+                    self._write(array, i, tables[i], int(self._lens[i]))
         else:
             array = self._moved(tables, ids, lens)
         self._held, self._ids, self._lens = tables, ids, lens
