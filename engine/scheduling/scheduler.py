@@ -57,31 +57,39 @@ class Scheduler:
         # One pass over hundreds of running sequences, `num_uncomputed` read inline. A sequence that has drawn its
         # max_new_tokens, the last perhaps still on the device (overlap), waits for them to be read: it then ends.
         # So does a constrained one whose last token is still on the device: its next mask needs that token
-        # (structured outputs: it decodes every other step).
+        # (structured outputs: it decodes every other step). Most decodes have room left in their last block and
+        # no samples sharing it (`_reserve`'s own first test): they are scheduled in the same pass.
         decodes: list[Sequence] = []
         prefills: list[Sequence] = []
+        bs = self.blocks.block_size
+        to_reserve = False
         for s in self.running:
-            s.num_scheduled = 0
-            uncomputed = len(s.token_ids) + s.num_pending - s.num_computed
-            if uncomputed > 1:
-                prefills.append(s)
-            elif (
+            computed = s.num_computed
+            uncomputed = len(s.token_ids) + s.num_pending - computed
+            if (
                 uncomputed == 1
                 and len(s.token_ids) - s.num_prompt_tokens + s.num_pending < s.max_new_tokens
                 and not (s.num_pending and s.matcher is not None)
             ):
+                if computed < len(s.block_table) * bs and s.samples is None:
+                    s.num_scheduled = 1
+                else:
+                    s.num_scheduled = 0
+                    to_reserve = True
                 decodes.append(s)
-        budget, preemptions = self.max_batched_tokens, self.num_preemptions
-        bs = self.blocks.block_size
-        for seq in decodes:
-            # Most decodes: a room left in the last block, no samples sharing it (`_reserve`'s own first test). A
-            # sequence preempted meanwhile holds no blocks, and takes the long way, which finds it waiting.
-            if seq.num_computed < len(seq.block_table) * bs and seq.samples is None:
-                seq.num_scheduled = 1
-                budget -= 1
-            elif seq.status is SequenceStatus.RUNNING and self._reserve(seq, 1):
-                seq.num_scheduled = 1
-                budget -= 1
+            else:
+                s.num_scheduled = 0
+                if uncomputed > 1:
+                    prefills.append(s)
+        preemptions = self.num_preemptions
+        if to_reserve:
+            # The others in running order: one may preempt the newest sequences, which leave the batch (a
+            # preempted sequence is waiting, its `num_scheduled` 0).
+            for seq in decodes:
+                if not seq.num_scheduled and seq.status is SequenceStatus.RUNNING and self._reserve(seq, 1):
+                    seq.num_scheduled = 1
+            decodes = [s for s in decodes if s.num_scheduled]
+        budget = self.max_batched_tokens - len(decodes)
         for seq in prefills:
             budget -= self._schedule_prefill(seq, budget)
         admitted = False

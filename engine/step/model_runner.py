@@ -288,13 +288,12 @@ class ModelRunner:
 
     def prepare(self, plan: StepPlan, drawn: torch.Tensor | None = None) -> StepInputs:
         """kPrepare: the plan as device tensors and the attention metadata this runner's path reads."""
-        width = max((len(t) for t in plan.decode_tables), default=0)
         # A graph's logits are its rows in order: not where a request's samples draw from one row (forks).
         rows = len(plan.input_ids)
         if (
             self.graphs is not None
             and len(plan.logit_rows) == rows
-            and self.graphs.fits(rows, len(plan.prefills), width)
+            and self.graphs.fits(rows, len(plan.prefills), max(map(len, plan.decode_tables), default=0))
         ):
             input_ids, positions, meta = self.graphs.load(
                 plan.input_ids, plan.positions, plan.slots, plan.decode_tables, plan.decode_lengths
