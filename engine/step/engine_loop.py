@@ -611,10 +611,10 @@ class EngineLoop:
             token_ids.append(token)
             num_output = len(token_ids) - seq.num_prompt_tokens  # `Sequence.num_output`
             if (
-                interval == 1
+                seq.detokenizer is None  # first: a loop that writes text fails here, at once
+                and interval == 1
                 and lp is None
                 and seq.unsent is None
-                and seq.detokenizer is None
                 and seq.matcher is None
                 and 1 < num_output < seq.max_new_tokens
                 and len(token_ids) < limit
