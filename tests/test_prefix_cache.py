@@ -134,6 +134,28 @@ def test_idle_session_kv_outlives_unused_cached_blocks(checkpoint):
         assert_all_free(small)
 
 
+def test_the_block_a_stopped_sequence_fills_one_step_late_is_shared(checkpoint, uncached):
+    """Overlap scheduling runs a sequence once more after the step that drew its stop token, and that last step
+    may fill a block (the stop token's KV ends it): the block is keyed before the request's blocks go back,
+    so a prompt that repeats the request's whole text takes every full block of it from the cache."""
+    bs = 16
+    for length in range(30, 46):  # a prompt after which the stop token's KV ends a block, the token new there
+        prompt = words(7, length)
+        out = uncached.generate(prompt, SamplingParams(max_new_tokens=bs, ignore_eos=True)).token_ids
+        j = bs - length % bs  # the output tokens through the one whose KV ends the block
+        if j >= 2 and out[j - 1] not in out[: j - 1]:
+            break
+    else:
+        pytest.fail("no prompt length gave a stop token new to its output")
+    with Engine(config(overlap_scheduling="on", block_size=bs), checkpoint=checkpoint) as eng:
+        stop = SamplingParams(max_new_tokens=bs, stop_token_ids=(out[j - 1],), ignore_eos=True)
+        first = eng.generate(prompt, stop)
+        assert first.finish_reason is FinishReason.STOP and first.token_ids == out[:j]
+        again = eng.generate(prompt + out[:j] + [5], GREEDY)
+        assert again.usage.cached_tokens == length + j
+        assert_all_free(eng)
+
+
 def test_cancel_and_sleep_with_shared_blocks(checkpoint, uncached):
     prefix = words(30, 128)
     long = SamplingParams(max_new_tokens=400, ignore_eos=True)

@@ -65,6 +65,8 @@ class Samples:
     """The sequences of one request's n samples (`SamplingParams.n`): the first prefills the prompt and forks
     the others when it draws its first token; the request ends when the last of them does."""
 
+    __slots__ = ("to_fork", "live", "failed")
+
     def __init__(self, n: int) -> None:
         self.to_fork = n - 1  # samples not forked yet
         self.live = 1  # forked and not finished

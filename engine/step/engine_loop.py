@@ -342,7 +342,8 @@ class EngineLoop:
             self._add_prompt_logprobs(batch.inputs.prompt)
         filled = [s for s in batch.filled if s.finish_reason is None]  # one ended since has handed its blocks back
         self._update(batch.samplers, batch)
-        self.blocks.cache_full_blocks(filled)
+        # With those that end now: the step launched after this one (overlap) may have filled a block of theirs.
+        self.blocks.cache_full_blocks(filled + batch.finished)
         for seq in batch.finished:
             self._del(seq)
 
