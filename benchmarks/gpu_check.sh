@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_check.sh                      # there: run with carry [".whl"]
 #   TEST_SECONDS=120 BENCH_MODELS=qwen2.5-0.5b bash benchmarks/gpu_check.sh
 #   PROFILE_MODELS=qwen2.5-0.5b bash benchmarks/gpu_check.sh   # and where each phase's device time goes
+#   HOST_SECONDS=60 WEIGHTS_SECONDS=120 bash benchmarks/gpu_check.sh   # and bench_host.py, bench_weights.py on CUDA
 #
 # Without a GPU it runs too (the suite skips, the bench fails at once): a check of the script itself.
 set -uo pipefail
@@ -16,11 +17,14 @@ OUT=${OUT:-/tmp/gpu_check}
 PY=${GPU_PY:-python3}
 START=$(date +%s)
 TOTAL_SECONDS=${TOTAL_SECONDS:-560}  # the whole call: the device tool stops a command at 600 s
-TEST_SECONDS=${TEST_SECONDS:-240}  # the suite; the benchmark gets the rest of the total
-BENCH_MODELS=${BENCH_MODELS:-qwen2.5-0.5b llama-3.2-1b smollm2-135m}  # the goals' shapes first
+TEST_SECONDS=${TEST_SECONDS:-240}  # the suite (0: not run); the benchmark gets the rest of the total
+BENCH_MODELS=${BENCH_MODELS-qwen2.5-0.5b llama-3.2-1b smollm2-135m}  # the goals' shapes first; '' for none
+BENCH_ARGS=${BENCH_ARGS:-}  # more flags for every model's bench_gpu.py, e.g. --skip-hf
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}  # an NCCL failure says why
 GPU_TESTS=${GPU_TESTS:-tests/test_triton_kernels.py tests/test_cuda_graphs.py tests/test_sampling.py tests/test_gpu.py}  # quick first
 PROFILE_MODELS=${PROFILE_MODELS:-}  # e.g. qwen2.5-0.5b: profile_gpu.py's kernel tables before the benchmark
+HOST_SECONDS=${HOST_SECONDS:-0}  # bench_host.py on CUDA (the host's phases a step, decode at 256); 0: not run
+WEIGHTS_SECONDS=${WEIGHTS_SECONDS:-0}  # bench_weights.py, the engine on CUDA, the 1B shape; 0: not run
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1
 export PYTHONUNBUFFERED=1
@@ -52,18 +56,33 @@ print(f"torch {torch.__version__}, cuda {torch.version.cuda}, triton {triton_ver
 print("GPU:", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")
 EOF
 
-stamp "GPU suite (limit ${TEST_SECONDS} s)"
-# A line per test as it ends, and at the limit an interrupt (SIGINT), after which pytest still prints its
-# failures and summary; a test past 90 s dumps its threads' stacks. The engine test of test_triton_kernels
-# reads the embedded model's tokenizer, which is not on that machine.
-timeout -s INT -k 20 "$TEST_SECONDS" $PY -m pytest -v --tb=short -p no:cacheprovider --durations=15 \
-    -o faulthandler_timeout=90 $GPU_TESTS -k "not engine_greedy_tokens_equal_on_the_triton_path"
-echo "GPU suite exit status: $?"
+if (( TEST_SECONDS > 0 )); then
+    stamp "GPU suite (limit ${TEST_SECONDS} s)"
+    # A line per test as it ends, and at the limit an interrupt (SIGINT), after which pytest still prints its
+    # failures and summary; a test past 90 s dumps its threads' stacks. The engine test of test_triton_kernels
+    # reads the embedded model's tokenizer, which is not on that machine.
+    timeout -s INT -k 20 "$TEST_SECONDS" $PY -m pytest -v --tb=short -p no:cacheprovider --durations=15 \
+        -o faulthandler_timeout=90 $GPU_TESTS -k "not engine_greedy_tokens_equal_on_the_triton_path"
+    echo "GPU suite exit status: $?"
+fi
 
 if [[ -n $PROFILE_MODELS ]]; then
     stamp "profile $PROFILE_MODELS"
     timeout -s INT -k 10 120 $PY benchmarks/profile_gpu.py --models "${PROFILE_MODELS// /,}"
     echo "profile exit status: $?"
+fi
+
+if (( HOST_SECONDS > 0 )); then
+    stamp "bench host on CUDA (limit ${HOST_SECONDS} s)"
+    timeout -s INT -k 10 "$HOST_SECONDS" $PY benchmarks/bench_host.py --device cuda --workload decode --baseline '' \
+        --ids-only --tokenizer .whl/tokenizer --json "$OUT/bench_host.json"  # the tokenizer: make gpu-wheels
+    echo "bench host exit status: $?"
+fi
+if (( WEIGHTS_SECONDS > 0 )); then
+    stamp "bench weights on CUDA (limit ${WEIGHTS_SECONDS} s)"
+    timeout -s INT -k 10 "$WEIGHTS_SECONDS" $PY benchmarks/bench_weights.py --device cuda --models llama-3.2-1b \
+        --repeats 2 --streams 0
+    echo "bench weights exit status: $?"
 fi
 
 # Each model a process of its own, its limit a share of the time left by weight (the goals' shapes 5, the
@@ -89,7 +108,7 @@ for model in $BENCH_MODELS; do
         continue
     fi
     stamp "bench $model (limit ${limit} s)"
-    timeout -s INT -k 10 "$limit" $PY benchmarks/bench_gpu.py --models "$model" $(bench_args "$model") \
+    timeout -s INT -k 10 "$limit" $PY benchmarks/bench_gpu.py --models "$model" $(bench_args "$model") $BENCH_ARGS \
         --json "$OUT/bench_gpu_$model.json"
     echo "bench $model exit status: $?"
 done

@@ -1,6 +1,6 @@
 """The engine on CUDA (`make test-gpu`; skipped without a GPU): tiny random models of each architecture
 against transformers on the same GPU, decode steps from CUDA graphs against eager ones, batch invariance,
-KV accounting, Sleep giving device memory back, and the gRPC server end to end.
+KV accounting, Sleep giving device memory back, the gRPC server end to end, and weights pushed from a trainer.
 
 The models are written on the spot (tests/gpu_models.py): the lent GPU machine has no embedded model."""
 
@@ -15,6 +15,8 @@ import torch
 import transformers
 from torch.distributed import TCPStore
 
+from lmgate.client.client import Client
+from lmgate.client.weight_group import WeightGroup
 from lmgate.engine.config import EngineConfig
 from lmgate.engine.ranks import thread_ranks
 from lmgate.engine.comm.device_group import DeviceGroup
@@ -290,6 +292,50 @@ def test_grpc_server_on_cuda(models):
         admin.Sleep(pb.SleepRequest(level=1))
         admin.Wakeup(pb.WakeupRequest())
         assert tokens(pb.GenerateRequest(tokens=pb.TokenIds(ids=first[0]), sampling=params)) == out
+        assert server.engine.info().kv_blocks_free == server.engine.info().kv_blocks_total
+    finally:
+        server.stop()
+
+
+def test_weights_pushed_by_stream_and_by_gloo_group_serve_as_a_server_started_from_them(models, tmp_path):
+    """A trainer's weights in host memory into an engine on CUDA, its loop a rank process (auto on CUDA): by
+    UpdateWeightsFromTensors and by a gloo weight group, serving and inside a KEEP pause. After each push, greedy
+    tokens equal those of a server started from the pushed weights, and Info names the version. (NCCL needs a GPU
+    per rank: one GPU cannot hold the trainer's and the engine's.)"""
+    trained_path = str(tmp_path / "trained")
+    write_model(trained_path, ARCHS["llama"], torch.float32, seed=9, scale=0.1)
+    trained, original = (
+        transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+        for path in (trained_path, models["llama"])
+    )
+    config = dict(device="cuda", dtype="float32", kv_cache_tokens=4096)
+    prompt = prompts(1, seed=5)[0]
+
+    def greedy(server: ServerThread) -> list[int]:
+        request = pb.GenerateRequest(
+            tokens=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+        )
+        return [t for msg in server.stub().Generate(request) for t in msg.token_ids]
+
+    reference = ServerThread(EngineConfig(model=trained_path, **config))
+    try:
+        expected = greedy(reference)
+    finally:
+        reference.stop()
+    server = ServerThread(EngineConfig(model=models["llama"], **config))
+    try:
+        assert server.engine.config.rank_processes
+        before = greedy(server)
+        assert before != expected
+        with Client(server.address) as client:
+            assert client.update_weights(trained, version="streamed") == "streamed"
+            assert greedy(server) == expected and server.info().weight_version == "streamed"
+            with WeightGroup(client, "127.0.0.1", 0) as group:
+                group.push(original, "broadcast")
+                assert greedy(server) == before and server.info().weight_version == "broadcast"
+                with client.pause("keep"):
+                    group.push(trained, "paused")
+            assert greedy(server) == expected and server.info().weight_version == "paused"
         assert server.engine.info().kv_blocks_free == server.engine.info().kv_blocks_total
     finally:
         server.stop()
