@@ -23,10 +23,14 @@ class TableStore:
 
     def __init__(self, rows: int, width: int, device: torch.device, pin: bool = False) -> None:
         self.host = torch.zeros(rows, width, dtype=torch.long)
-        if pin:
-            self.host = self.host.pin_memory()
         self._array = self.host.numpy()  # the same memory: a row's entries written without a tensor per write
         self.device = torch.zeros_like(self.host, device=device)
+        # What `sync` sends, flat: the written rows' numbers, then their entries. Two on the host, taken in turn
+        # (the copy of one may still be queued while the next step syncs), pinned for a copy that does not wait.
+        self._stages = [torch.zeros(rows * (width + 1), dtype=torch.long) for _ in range(2)]
+        if pin:
+            self._stages = [stage.pin_memory() for stage in self._stages]
+        self._stage_device = torch.zeros_like(self._stages[0], device=device)
         self._row_of: dict[int, int] = {}  # id(table) -> its row; row 0 is no table's
         self._tables: list[list[int] | None] = [None] * rows  # each row's list, held so that its id stays its own
         self._written = np.full(rows, -1, dtype=np.int64)  # entries written of each row's table; -1: no table
@@ -51,12 +55,21 @@ class TableStore:
         return rows
 
     def sync(self) -> None:
-        """The rows written since the last call, copied to the device (a few per step: a sequence's table
-        grows by a block every block_size tokens). Only of a store with a device."""
-        assert self.device is not None, "a host-only store has nothing to sync"
-        for row in self._dirty:
-            self.device[row].copy_(self.host[row], non_blocking=True)
+        """The rows written since the last call (a few per step: a sequence's table grows by a block every
+        block_size tokens) onto the device: one copy and one scatter however many, since each CUDA call costs
+        the host more than a row's bytes cost the bus."""
+        if not self._dirty:
+            return
+        rows = np.fromiter(self._dirty, dtype=np.int64, count=len(self._dirty))
         self._dirty.clear()
+        k, width = len(rows), self.width
+        self._stages.reverse()
+        stage = self._stages[0].numpy()
+        stage[:k] = rows
+        np.take(self._array, rows, axis=0, out=stage[k : k + k * width].reshape(k, width))
+        sent = self._stage_device[: k + k * width]
+        sent.copy_(self._stages[0][: k + k * width], non_blocking=True)
+        self.device.index_copy_(0, sent[:k], sent[k:].view(k, width))
 
     def _write(self, table: list[int]) -> int:
         """A table that is new to the store (a fresh row, zeroed), or that grew since written (its new entries);

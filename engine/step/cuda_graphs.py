@@ -10,7 +10,8 @@ graphs when it frees the KV cache (Sleep), and `run` captures again when the mod
 leaves decode steps eager until the graphs are next dropped.
 
 Block tables are not rebuilt per step: `TableStore` keeps a row per sequence, written as the sequence's
-table grows, and a step gathers its rows on the device.
+table grows, and a step gathers its rows on the device. A step's loading makes a handful of CUDA calls, not
+one per row: on a GPU each call costs the host more than the bytes it moves.
 
 Without CUDA (`capture=False`, the tests on a CPU), the same buffers and padding run eagerly at every step.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Sequence
 import numpy as np
 import torch
 
@@ -29,7 +31,9 @@ from .block_tables import TableStore
 
 log = logging.getLogger(__name__)
 
-_INPUTS = 5  # token ids, positions, slots, KV lengths, rows of the table store: one row each
+# token ids, positions, slots, KV lengths, rows of the table store, and the rows whose token is the last step's
+# draw with the draw's row (overlap): one row each
+_INPUTS = 7
 
 
 def buckets(max_batch_size: int) -> list[int]:
@@ -57,7 +61,8 @@ class DecodeGraphs:
         if capture:
             self._hosts = [host.pin_memory() for host in self._hosts]
         self._device = torch.zeros_like(self._hosts[0], device=device)
-        self.input_ids, self.positions, self.slots, self.lengths, self.table_rows = self._device.view(_INPUTS, size)
+        views = self._device.view(_INPUTS, size)
+        self.input_ids, self.positions, self.slots, self.lengths, self.table_rows, *self._pending = views
         self.store = TableStore(2 * size + 1, max_blocks, device, pin=capture)
         self.tables = torch.zeros(size, max_blocks, dtype=torch.long, device=device)  # the step's rows, gathered
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -75,11 +80,20 @@ class DecodeGraphs:
         return self.sizes[bisect.bisect_left(self.sizes, n)]
 
     def load(
-        self, input_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]], lengths: list[int]
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        tables: list[list[int]],
+        lengths: list[int],
+        pending: Sequence[tuple[int, int]] = (),
+        drawn: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """A decode step's inputs into the static buffers, padded to its bucket; returns the bucket's views.
-        One copy of the per-row inputs (a few KB), one per table row written since the last step, and a gather
-        of the step's table rows on the device. A pinned host buffer is written again two loads later: by
+        `pending`: (row, row of `drawn`) of each decode whose input is the last step's draw, still on the device
+        (overlap). One copy of the per-row inputs (a few KB), one copy and one scatter of the table rows written
+        since the last step, a gather of the step's table rows and one of the pending ids, on the device: a
+        handful of CUDA calls, whatever the batch. A pinned host buffer is written again two loads later: by
         then the engine has read this step's draws, so its copies have run. (A table row may be written while
         a copy of it is queued: only with entries past those the queued step reads.)"""
         size, n, b = self.sizes[-1], len(input_ids), self.bucket(len(input_ids))
@@ -88,13 +102,17 @@ class DecodeGraphs:
         columns = host.view(_INPUTS, size)
         columns.zero_()  # padded rows: token 0 at position 0, no KV, table row 0 (zeros)
         rows = [input_ids, positions, slots, lengths, self.store.rows_for(tables)]
-        columns[:, :n] = torch.from_numpy(np.array(rows, dtype=np.int64))  # numpy reads lists of ints faster
+        columns[:5, :n] = torch.from_numpy(np.array(rows, dtype=np.int64))  # numpy reads lists of ints faster
         columns[2, n:] = -1  # padded rows store nothing
+        if pending:
+            columns[5:, : len(pending)] = torch.from_numpy(np.array(pending, dtype=np.int64).T)
         self._device.copy_(host, non_blocking=True)
         self.store.sync()
-        mirror = self.store.device
-        assert mirror is not None, "the graphs' store has a device copy"
-        torch.index_select(mirror, 0, self.table_rows[:b], out=self.tables[:b])
+        torch.index_select(self.store.device, 0, self.table_rows[:b], out=self.tables[:b])
+        if pending:
+            assert drawn is not None, "a pending input is the last step's draw"
+            into, source = (column[: len(pending)] for column in self._pending)
+            self.input_ids.index_copy_(0, into, drawn.index_select(0, source))
         return self.views(b)
 
     def views(self, b: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

@@ -296,9 +296,14 @@ class ModelRunner:
             and self.graphs.fits(rows, len(plan.prefills), max(map(len, plan.decode_tables), default=0))
         ):
             input_ids, positions, meta = self.graphs.load(
-                plan.input_ids, plan.positions, plan.slots, plan.decode_tables, plan.decode_lengths
+                plan.input_ids,
+                plan.positions,
+                plan.slots,
+                plan.decode_tables,
+                plan.decode_lengths,
+                plan.pending_inputs,
+                drawn,
             )
-            self._fill_pending(input_ids, plan.pending_inputs, drawn)
             # Every decode samples, in order: the logits are the bucket's first rows (only their count is read).
             return StepInputs(
                 input_ids,
