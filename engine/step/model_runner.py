@@ -253,22 +253,16 @@ class ModelRunner:
                 filled.append(seq)
             seq.num_computed = end
             if end == num_tokens:  # `Sequence.samples_this_step`
-                plan.logit_rows.append(len(input_ids) - 1)
-                if seq.matcher is not None:
-                    plan.constrained.append((len(samplers), seq.matcher))
-                sample_rows.append(seq.sample_row())
-                seq.num_pending += 1
-                seq.pending_row = len(samplers)
-                samplers.append(seq)
-                if seq.forks:  # the request's other samples: their first draws, from the same row
-                    for fork in seq.forks:
-                        plan.logit_rows.append(len(input_ids) - 1)
-                        if fork.matcher is not None:
-                            plan.constrained.append((len(samplers), fork.matcher))
-                        sample_rows.append(fork.sample_row())
-                        fork.num_pending += 1
-                        fork.pending_row = len(samplers)
-                        samplers.append(fork)
+                forks = seq.forks  # the request's other samples, not yet drawn: their first draws, from this row
+                for drawer in (seq, *forks) if forks else (seq,):
+                    plan.logit_rows.append(len(input_ids) - 1)
+                    if drawer.matcher is not None:
+                        plan.constrained.append((len(samplers), drawer.matcher))
+                    sample_rows.append(drawer.sample_row())
+                    drawer.num_pending += 1
+                    drawer.pending_row = len(samplers)
+                    samplers.append(drawer)
+                if forks:
                     seq.forks = []
         return plan
 
