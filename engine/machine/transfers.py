@@ -12,7 +12,10 @@ import torch
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`tensor` (on the CPU) on `device`, queued on its current stream without waiting."""
+    """`tensor` (on the CPU) on `device`, queued on its current stream without waiting; already there (a CPU
+    engine's), as it is, without a torch call (each lets go of the GIL, and the thread waits to take it back)."""
+    if tensor.device == device:
+        return tensor
     if device.type != "cuda":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
