@@ -124,7 +124,7 @@ gpu-wheels: install
 	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $(WHEEL_PLATFORMS) -d .whl \
 		$$($(PIP) freeze | grep -i -E '^($(GPU_WHEELS))==')
 	$(PY) -c 'import sys, os; sys.path[:0] = ["benchmarks", "tests"]; import bench_host; \
-		os.makedirs(".whl/tokenizer"); [open(".whl/tokenizer/" + n, "w").write(t) for n, t in bench_host.embedded_tokenizer_files().items()]'
+		os.makedirs(".whl/tokenizer"); [open(".whl/tokenizer/" + n, "w", encoding="utf-8").write(t) for n, t in bench_host.embedded_tokenizer_files().items()]'
 	ls .whl
 
 clean:

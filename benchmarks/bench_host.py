@@ -278,7 +278,7 @@ def build_model(root: str, tokenizer: str) -> str:
             shutil.copy(os.path.join(tokenizer, name), path)
         return path
     for name, text in embedded_tokenizer_files().items():
-        with open(os.path.join(path, name), "w") as f:
+        with open(os.path.join(path, name), "w", encoding="utf-8") as f:
             f.write(text)
     return path
 
@@ -382,9 +382,7 @@ def run_baseline(args: argparse.Namespace) -> dict | None:
             else:
                 print("the baseline's kernels differ: built for it (minutes)", flush=True)
                 env["TORCH_EXTENSIONS_DIR"] = os.path.join(tmp, "torch_extensions")
-            # an empty string is a flag's default, which the baseline's script may not know
-            passed = {k: v for k, v in vars(args).items() if k not in ("baseline", "json", "detail") and v != ""}
-            flags = [f"--{k.replace('_', '-')}={v}" for k, v in passed.items()]
+            flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("baseline", "json")]
             done = subprocess.run([sys.executable, __file__, *flags, "--baseline=", f"--json={out}"], env=env)
             if done.returncode:
                 print(f"the baseline's run failed (exit {done.returncode})", flush=True)

@@ -258,7 +258,19 @@ class EngineLoop:
 
     def _step_failed(self, exc: Exception) -> None:
         log.exception("engine loop %d: step failed", self.rank)
+        self._settle_device()
         self._fail_all(InternalError(f"engine step failed: {exc}"))
+
+    def _settle_device(self) -> None:
+        """Wait for what a failed step queued on the device: its copies read pinned host buffers (the graphs'
+        inputs and table rows) that the next steps write again, an order that reading each step's draws gives
+        otherwise, and a failed step's draws are never read."""
+        if self.runner.device.type != "cuda":
+            return
+        try:
+            torch.cuda.synchronize(self.runner.device)
+        except Exception:  # a device in error runs nothing more: its queued copies read nothing
+            log.exception("engine loop %d: the device failed too", self.rank)
 
     def step(self, requests: list[Request]) -> None:
         """One engine step: kAdd, cancellations, then the batch ops kSetup .. kDel.
