@@ -133,7 +133,8 @@ def measure(name: str, args: argparse.Namespace, root: str) -> dict:
     share of the checkpoint path, and the server's peak resident memory."""
     model, tokenizer, flags = trainer(name, root)
     state = model.state_dict()
-    proc, address = serve_process(*flags, "--device", args.device)
+    backend = ("--dp-backend", args.dp_backend) if args.dp_backend else ()
+    proc, address = serve_process(*flags, "--device", args.device, *backend)
     found: dict = {"params": sum(p.numel() for p in model.parameters()), "dtype": str(model.dtype).split(".")[-1]}
     found["bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
     try:
@@ -276,6 +277,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--streams", type=int, default=8, help="streams running across the KEEP pause; 0: none")
     ap.add_argument("--device", default="cpu", help="the server's engine: cpu, cuda or cuda:N")
+    ap.add_argument(
+        "--dp-backend", default="", help="the server's engine loop: thread or process (default: the device's)"
+    )
     args = ap.parse_args()
     load = os.getloadavg()[0]
     results = {}

@@ -4,7 +4,6 @@ GenerateResponse report; a refused or broken-off push changes nothing."""
 
 from __future__ import annotations
 
-
 import grpc
 import pytest
 import torch
@@ -12,9 +11,11 @@ import torch
 from lmgate.client.client import Client
 from lmgate.client.weights import weight_stream
 from lmgate.engine.config import EngineConfig
+from lmgate.engine.ranks import shared_weights
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 from tests.serving import ServerThread
+from tests.test_shared_weights import shared_files
 from tests.test_sleep import save_hf_dir
 
 PROMPT = [504, 3575, 282, 4649, 314]
@@ -155,11 +156,13 @@ def test_weight_push_needs_the_admin_credential(checkpoint, trainer):
 
 
 def test_weight_push_reaches_every_rank_process(checkpoint, trainer, saved):
-    """Two data-parallel ranks in processes of their own: each gets the pushed tensors, and both serve them as
-    they serve the same weights loaded by path (requests alternate between the ranks)."""
+    """Two data-parallel ranks in processes of their own: each gets the pushed tensors (through one file in
+    /dev/shm, gone once they have them), and both serve them as they serve the same weights loaded by path
+    (requests alternate between the ranks)."""
     s = ServerThread(
         EngineConfig(dtype="float32", kv_cache_tokens=4096, engine_loops=2, dp_backend="process"), checkpoint
     )
+    files = shared_files()
     try:
         before = greedy(s)
         with Client(s.address) as client:
@@ -173,5 +176,23 @@ def test_weight_push_reaches_every_rank_process(checkpoint, trainer, saved):
             with client.pause("keep"):  # each rank checks, then writes them into the model it serves
                 client.update_weights(bf16_state(trainer), version="paused")
         assert [greedy(s) for _ in range(4)] == pushed and s.info().weight_version == "paused"
+        assert shared_files() == files
+    finally:
+        s.stop()
+
+
+def test_weight_push_reaches_a_rank_process_in_its_message_without_shared_memory(
+    checkpoint, trainer, saved, monkeypatch, tmp_path
+):
+    """Where /dev/shm is missing or too small, the tensors travel in the rank's message, as to another
+    node's ranks: served as the same weights loaded by path."""
+    monkeypatch.setattr(shared_weights, "SHM_DIR", str(tmp_path / "no-shm"))
+    s = ServerThread(EngineConfig(dtype="float32", kv_cache_tokens=4096, dp_backend="process"), checkpoint)
+    try:
+        with Client(s.address) as client:
+            client.update_weights(saved, version="by-path")
+            by_path = greedy(s)
+            assert client.update_weights(bf16_state(trainer), version="pushed") == "pushed"
+        assert greedy(s) == by_path and s.info().weight_version == "pushed"
     finally:
         s.stop()

@@ -32,6 +32,7 @@ import zmq
 
 from ..config import EngineConfig
 from ..step.engine_loop import LoopStats
+from ..loading.pushed import PushedWeights
 from ..step.weights import WeightSource
 from ..errors import EngineError, InternalError, InvalidRequest, Unavailable
 from ..gateway.gateway import Gateway, Signal, unanswered_output
@@ -39,6 +40,7 @@ from ..gateway.request import CancelFlag, FinishReason, Request, RequestKind, Re
 from ..comm.gloo_comm import GlooComm, new_secret
 from .rank_process import HEARTBEAT_SECONDS, HEARTBEAT_TIMEOUT, RankSpec, from_wire, request_fields, run_rank
 from .ranks import Ranks
+from .shared_weights import share
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
@@ -384,22 +386,33 @@ class ProcessRanks(Ranks):
 
     def load_weights(self, source: WeightSource, name: str, in_place: bool = False) -> None:
         """In two phases: every rank stages its weights (or shard), then each group's leader puts its group's
-        in at its next step; none switches unless all loaded. Pushed weights travel whole to every rank, pickled
-        into its message (its own copy, from which it builds its shard). `in_place`: each rank checks that they
-        fit its model when it stages them, and writes them into it at the install."""
+        in at its next step; none switches unless all loaded. Pushed weights reach this machine's ranks through
+        one shared-memory file (`share`), removed once they have staged them, and travel whole to another
+        machine's, pickled into their messages. `in_place`: each rank checks that they fit its model when it
+        stages them, and writes them into it at the install."""
         version = next(self._ids)
+        shared = share(source) if isinstance(source, PushedWeights) else None  # this node has ranks
         try:
-            self._weights("load", (source, name, in_place), wire_id=version)
+            local = (shared, name, in_place) if shared is not None else None
+            self._weights("load", (source, name, in_place), wire_id=version, local=local)
         except EngineError:
             self._weights("discard", version)
             raise
+        finally:
+            if shared is not None:
+                os.unlink(shared.path)
         self._weights("install", version, links=self._leaders)
 
     def _weights(
-        self, action: str, argument: object = None, links: list[RemoteQueue] | None = None, wire_id: int | None = None
+        self,
+        action: str,
+        argument: object = None,
+        links: list[RemoteQueue] | None = None,
+        wire_id: int | None = None,
+        local: object = None,
     ) -> None:
         """Every rank (of `links`, else all) does `action` on its own model; returns once all have, raising
-        the first error."""
+        the first error. `local`: the argument this machine's ranks get instead, if any."""
         links = self._links if links is None else links
         wire_id = next(self._ids) if wire_id is None else wire_id
         with self._lock:
@@ -409,9 +422,11 @@ class ProcessRanks(Ranks):
                 raise Unavailable("the engine has shut down")
             self._pending_acks[wire_id] = [len(links), None]
         for link in links:
-            if not link.send(("weights", wire_id, action, argument)):  # its process has gone: no answer will come
+            rank = self._links.index(link)
+            here = local is not None and rank not in self.remote
+            if not link.send(("weights", wire_id, action, local if here else argument)):  # its process has gone
                 with self._lock:
-                    self._ack(wire_id, Unavailable(f"engine rank {self._links.index(link)} has gone"))
+                    self._ack(wire_id, Unavailable(f"engine rank {rank} has gone"))
         with self._lock:
             self._acks.wait_for(lambda: self._pending_acks[wire_id][0] == 0)
             error = self._pending_acks.pop(wire_id)[1]

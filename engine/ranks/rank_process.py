@@ -10,7 +10,8 @@ Gateway, its queue filled from the serving process. The loops of all ranks agree
     ("stop", wire_id, session_id, index, num_output)   its front end found a stop string in that sample:
                                    the sample ends after num_output tokens (`Gateway.stop_found`)
     ("wake",)                      a request arrived at another rank: idle loops here must step with it
-    ("weights", wire_id, action, argument)   offload / drop / restore / load (argument: source, name), done
+    ("weights", wire_id, action, argument)   offload / drop / restore / load (argument: source, name; pushed
+                                   weights a `SharedWeights` on this machine), done
                                    off the loop thread; a load only stages, as version wire_id, and
                                    "install" (to leaders) or "discard" of it follows once every rank answered
     ("close",)                     shut down: cancel everything, stop the loop, exit 0
@@ -58,6 +59,7 @@ from ..step.weights import LocalWeights, TensorParallel, keep_quantized
 from ..comm.device_group import DeviceGroup
 from ..comm.gloo_comm import GlooComm
 from ..comm.host_comm import CommAborted
+from .shared_weights import SharedWeights
 from ..machine.placement import check_placement, rank_device, use_device
 
 log = logging.getLogger(__name__)
@@ -415,7 +417,9 @@ class RankProcess:
                 "offload": self.weights.offload,
                 "drop": self.weights.drop,
                 "restore": self.weights.restore,
-                "load": lambda: self.weights.load(argument[0], argument[1], version=wire_id, in_place=argument[2]),
+                "load": lambda: self.weights.load(
+                    _opened(argument[0]), argument[1], version=wire_id, in_place=argument[2]
+                ),
                 "discard": lambda: self.weights.discard_staged(argument),
                 "install": lambda: self._install(argument),
             }[action]()
@@ -425,6 +429,11 @@ class RankProcess:
             log.exception("rank %d: weights %s failed", self.spec.rank, action)
             error = exc if isinstance(exc, EngineError) else InternalError(f"weights {action} failed: {exc}")
         self.outbox.send(("weights_done", self.spec.rank, wire_id, error, self.weights.nbytes))
+
+
+def _opened(source: Any) -> Any:
+    """A load's source as the rank's weights take it: pushed weights in a shared file, mapped."""
+    return source.open() if isinstance(source, SharedWeights) else source
 
 
 def run_rank(spec: RankSpec) -> None:
