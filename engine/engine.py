@@ -546,6 +546,11 @@ class Engine:
         bytes are read."""
         check_specs(specs, self.model_config)
 
+    def host_buffer(self, nbytes: int) -> memoryview:
+        """Host memory to receive a push's bytes into: where the ranks read them without a copy (a rank
+        process maps it), for `update_weights_from_tensors(views of it, owned=True)`."""
+        return self.ranks.host_buffer(nbytes)
+
     def update_weights_from_tensors(
         self, tensors: Mapping[str, torch.Tensor], version: str = "", owned: bool = False
     ) -> str:
@@ -593,7 +598,9 @@ class Engine:
         """Join the group whose store the trainer (rank 0) serves at master_address:master_port, at `rank`;
         returns once the group is made. One at a time: FailedPrecondition while one is made or being made. The
         join waits for the trainer without the admin lock, `timeout` seconds at most (DeadlineExceeded)."""
-        group = WeightGroup(master_address, master_port, world_size, rank, backend, timeout, self.device)
+        group = WeightGroup(
+            master_address, master_port, world_size, rank, backend, timeout, self.device, self.ranks.host_buffer
+        )
         with self._admin():
             if self._weight_group is not None:
                 raise FailedPrecondition("a weight group is already made: destroy it first")

@@ -13,7 +13,7 @@ import torch
 
 from lmgate.engine.engine import Engine
 from lmgate.engine.errors import EngineError, InternalError, InvalidRequest
-from lmgate.engine.loading.pushed import TensorSpec, host_buffer, tensor_views
+from lmgate.engine.loading.pushed import TensorSpec, tensor_views
 from lmgate.engine.loading.weight_group import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
@@ -151,7 +151,7 @@ class AdminServicer(pb_grpc.AdminServicer):
         commit: the version and the tensors, views of that buffer. A stream that ends otherwise is refused."""
         header: pb.WeightsHeader | None = None
         specs: list[TensorSpec] = []
-        buffer = host_buffer(0)
+        buffer = memoryview(b"")
         received = 0
         async for request in requests:
             part = request.WhichOneof("part")
@@ -161,7 +161,7 @@ class AdminServicer(pb_grpc.AdminServicer):
                 header = request.header
                 specs = _specs(header.tensors)
                 self.engine.check_weight_specs(specs)
-                buffer = host_buffer(sum(spec.nbytes for spec in specs))
+                buffer = self.engine.host_buffer(sum(spec.nbytes for spec in specs))
             elif part == "chunk":
                 if received + len(request.chunk) > len(buffer):
                     raise InvalidRequest(f"more bytes than the header's tensors hold ({len(buffer)}): nothing changed")

@@ -11,11 +11,11 @@ import torch
 from lmgate.client.client import Client
 from lmgate.client.weights import weight_stream
 from lmgate.engine.config import EngineConfig
-from lmgate.engine.ranks import shared_weights
+from lmgate.engine.ranks import weight_transfer
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 from tests.serving import ServerThread
-from tests.test_shared_weights import shared_files
+from tests.test_weight_transfer import shared_files
 from tests.test_sleep import save_hf_dir
 
 PROMPT = [504, 3575, 282, 4649, 314]
@@ -186,7 +186,7 @@ def test_weight_push_reaches_a_rank_process_in_its_message_without_shared_memory
 ):
     """Where /dev/shm is missing or too small, the tensors travel in the rank's message, as to another
     node's ranks: served as the same weights loaded by path."""
-    monkeypatch.setattr(shared_weights, "SHM_DIR", str(tmp_path / "no-shm"))
+    monkeypatch.setattr(weight_transfer, "SHM_DIR", str(tmp_path / "no-shm"))
     s = ServerThread(EngineConfig(dtype="float32", kv_cache_tokens=4096, dp_backend="process"), checkpoint)
     try:
         with Client(s.address) as client:

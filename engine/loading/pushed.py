@@ -91,11 +91,14 @@ def host_buffer(nbytes: int) -> memoryview:
     return torch.empty(nbytes, dtype=torch.uint8).numpy().data
 
 
-def tensor_views(specs: Sequence[TensorSpec], buffer: memoryview | bytearray) -> dict[str, torch.Tensor]:
-    """Each spec's tensor, a view of its bytes in `buffer`, where they lie packed in the specs' order (the
+def tensor_views(
+    specs: Sequence[TensorSpec], buffer: memoryview | bytearray, offsets: Sequence[int] | None = None
+) -> dict[str, torch.Tensor]:
+    """Each spec's tensor, a view of its bytes in `buffer`: at `offsets`, else packed in the specs' order (the
     engine copies what it keeps)."""
     tensors, at = {}, 0
-    for spec in specs:
+    for i, spec in enumerate(specs):
+        at = offsets[i] if offsets is not None else at
         dtype = PUSH_DTYPES[spec.dtype]
         count = spec.nbytes // dtype.itemsize
         flat = torch.frombuffer(buffer, dtype=dtype, count=count, offset=at) if count else torch.empty(0, dtype=dtype)

@@ -22,7 +22,7 @@ import datetime
 import re
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.distributed import PrefixStore, Store, TCPStore
@@ -68,6 +68,7 @@ class WeightGroup:
         backend: str,
         timeout: float,
         device: torch.device,
+        buffer: Callable[[int], memoryview] = host_buffer,
     ) -> None:
         if backend not in BACKENDS:
             raise InvalidRequest(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
@@ -82,6 +83,7 @@ class WeightGroup:
         self.master_address, self.master_port = master_address, master_port
         self.world_size, self.rank, self.backend = world_size, rank, backend
         self.timeout = datetime.timedelta(seconds=timeout)
+        self._buffer = buffer  # the host memory a receive fills (the engine's: its ranks read it without a copy)
         # NCCL connects on one device, named by its index.
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" and device.index is None else device
@@ -123,7 +125,7 @@ class WeightGroup:
         total = sum(spec.nbytes for spec in specs)
         buckets, received = -(-total // bucket_bytes), 0
         try:
-            buffer = host_buffer(total)
+            buffer = self._buffer(total)
             whole = torch.frombuffer(buffer, dtype=torch.uint8) if total else torch.empty(0, dtype=torch.uint8)
             assert self._store is not None
             self._store.set(ready_key(self.rank), "1")

@@ -13,6 +13,7 @@ sockets are files in a private directory, and the store listens on `master_addr`
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -32,7 +33,7 @@ import zmq
 
 from ..config import EngineConfig
 from ..step.engine_loop import LoopStats
-from ..loading.pushed import PushedWeights
+from ..loading.pushed import PushedWeights, host_buffer
 from ..step.weights import WeightSource
 from ..errors import EngineError, InternalError, InvalidRequest, Unavailable
 from ..gateway.gateway import Gateway, Signal, unanswered_output
@@ -40,7 +41,7 @@ from ..gateway.request import CancelFlag, FinishReason, Request, RequestKind, Re
 from ..comm.gloo_comm import GlooComm, new_secret
 from .rank_process import HEARTBEAT_SECONDS, HEARTBEAT_TIMEOUT, RankSpec, from_wire, request_fields, run_rank
 from .ranks import Ranks
-from .shared_weights import share
+from .weight_transfer import SharedWeights, pack, remove_stale, share, shared_buffer
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
@@ -225,6 +226,7 @@ class ProcessRanks(Ranks):
         self._shut_down = False
         self._gateway: Gateway | None = None
         self._receiver: threading.Thread | None = None
+        remove_stale()  # pushed weights' files left by a server killed on this machine
 
     @property
     def _front(self) -> Gateway:
@@ -384,23 +386,33 @@ class ProcessRanks(Ranks):
     def restore_weights(self) -> None:
         self._weights("restore")
 
+    def host_buffer(self, nbytes: int) -> memoryview:
+        """A file this machine's ranks map, where /dev/shm has room (`shared_buffer`)."""
+        return shared_buffer(nbytes) or host_buffer(nbytes)
+
     def load_weights(self, source: WeightSource, name: str, in_place: bool = False) -> None:
         """In two phases: every rank stages its weights (or shard), then each group's leader puts its group's
         in at its next step; none switches unless all loaded. Pushed weights reach this machine's ranks through
-        one shared-memory file (`share`), removed once they have staged them, and travel whole to another
-        machine's, pickled into their messages. `in_place`: each rank checks that they fit its model when it
-        stages them, and writes them into it at the install."""
+        one shared-memory file (`share`: the one `host_buffer` received them into, else a copy), removed once
+        they have staged them, and another machine's as bytes in their messages (`pack`; this machine's too,
+        where /dev/shm has no room). `in_place`: each rank checks that they fit its model when it stages them,
+        and writes them into it at the install."""
         version = next(self._ids)
-        shared = share(source) if isinstance(source, PushedWeights) else None  # this node has ranks
+        shared: SharedWeights | None = None
+        carried: object = source  # what the ranks get: the source, or the pushed weights' bytes
         try:
+            if isinstance(source, PushedWeights):
+                shared = share(source)  # this node has ranks
+                carried = pack(source) if shared is None or self.remote else shared
             local = (shared, name, in_place) if shared is not None else None
-            self._weights("load", (source, name, in_place), wire_id=version, local=local)
+            self._weights("load", (carried, name, in_place), wire_id=version, local=local)
         except EngineError:
             self._weights("discard", version)
             raise
         finally:
             if shared is not None:
-                os.unlink(shared.path)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(shared.path)
         self._weights("install", version, links=self._leaders)
 
     def _weights(

@@ -11,7 +11,7 @@ Gateway, its queue filled from the serving process. The loops of all ranks agree
                                    the sample ends after num_output tokens (`Gateway.stop_found`)
     ("wake",)                      a request arrived at another rank: idle loops here must step with it
     ("weights", wire_id, action, argument)   offload / drop / restore / load (argument: source, name; pushed
-                                   weights a `SharedWeights` on this machine), done
+                                   weights as bytes: weight_transfer.py), done
                                    off the loop thread; a load only stages, as version wire_id, and
                                    "install" (to leaders) or "discard" of it follows once every rank answered
     ("close",)                     shut down: cancel everything, stop the loop, exit 0
@@ -59,7 +59,7 @@ from ..step.weights import LocalWeights, TensorParallel, keep_quantized
 from ..comm.device_group import DeviceGroup
 from ..comm.gloo_comm import GlooComm
 from ..comm.host_comm import CommAborted
-from .shared_weights import SharedWeights
+from .weight_transfer import PackedWeights, SharedWeights
 from ..machine.placement import check_placement, rank_device, use_device
 
 log = logging.getLogger(__name__)
@@ -432,8 +432,9 @@ class RankProcess:
 
 
 def _opened(source: Any) -> Any:
-    """A load's source as the rank's weights take it: pushed weights in a shared file, mapped."""
-    return source.open() if isinstance(source, SharedWeights) else source
+    """A load's source as the rank's weights take it: pushed weights' bytes as tensors (on the weights thread:
+    the main thread keeps the heartbeat)."""
+    return source.open() if isinstance(source, (SharedWeights, PackedWeights)) else source
 
 
 def run_rank(spec: RankSpec) -> None:

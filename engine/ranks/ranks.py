@@ -7,6 +7,7 @@ import threading
 from typing import Callable, Sequence
 
 from ..step.engine_loop import LoopStats
+from ..loading.pushed import host_buffer
 from ..step.weights import WeightSource
 from ..gateway.gateway import Gateway
 from ..gateway.request_queue import QueueEnd
@@ -46,6 +47,10 @@ class Ranks(abc.ABC):
     def load_weights(self, source: WeightSource, name: str, in_place: bool = False) -> None:
         """New weights (a checkpoint's path or pushed ones) served as weight version `name`. `in_place`: no
         step runs meanwhile (a pause, a sleep), so ranks may write them into the served model's tensors."""
+
+    def host_buffer(self, nbytes: int) -> memoryview:
+        """Host memory to receive pushed weights into, where `load_weights` takes them from without a copy."""
+        return host_buffer(nbytes)
 
     @property
     @abc.abstractmethod

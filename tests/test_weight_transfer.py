@@ -1,0 +1,106 @@
+"""Pushed weights on their way to the rank processes (engine/ranks/weight_transfer.py): one file in /dev/shm,
+mapped copy-on-write by each rank on this machine, or their bytes in the messages. The served path end to end
+is tests/test_weight_push.py's (two rank processes, and one without /dev/shm)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+
+import pytest
+import torch
+
+from lmgate.engine.loading.pushed import PushedWeights, spec_of, tensor_views
+from lmgate.engine.ranks import weight_transfer
+from lmgate.engine.ranks.weight_transfer import pack, remove_stale, share, shared_buffer
+
+
+def shared_files() -> set[str]:
+    """The weights' files in /dev/shm now (none where there is no /dev/shm)."""
+    if not os.path.isdir(weight_transfer.SHM_DIR):
+        return set()
+    return {n for n in os.listdir(weight_transfer.SHM_DIR) if n.startswith("lmgate-weights-")}
+
+
+needs_shm = pytest.mark.skipif(not os.path.isdir(weight_transfer.SHM_DIR), reason="no /dev/shm on this machine")
+
+
+TENSORS = {
+    "a": torch.arange(12, dtype=torch.float32).view(3, 4),
+    "b": torch.tensor([1.5, -2.0, 3.25], dtype=torch.bfloat16),  # 6 bytes: "c" starts unaligned
+    "c": torch.arange(6, dtype=torch.float16).view(2, 3).t(),  # not contiguous
+}
+
+
+@needs_shm
+def test_each_rank_reads_the_pushed_tensors_and_writes_only_its_own_copy(checkpoint):
+    tensors = TENSORS
+    shared = share(PushedWeights(checkpoint.config, tensors))
+    assert shared is not None
+    try:
+        first, second = shared.open(), shared.open()
+    finally:
+        os.unlink(shared.path)
+    for name, tensor in tensors.items():
+        assert torch.equal(first.tensors[name], tensor) and first.tensors[name].dtype == tensor.dtype
+    first.tensors["a"].neg_()  # a rank writing its weights in place, after the file is gone
+    first.tensors["c"].zero_()
+    assert torch.equal(second.tensors["a"], tensors["a"]) and torch.equal(second.tensors["c"], tensors["c"])
+    assert torch.equal(first.tensors["a"], -tensors["a"])
+
+
+@needs_shm
+def test_weights_the_shared_memory_has_no_room_for_are_left_to_the_messages(checkpoint):
+    """A size no tmpfs holds (a container's /dev/shm is often 64 MiB): refused before a byte is written, which
+    past a full tmpfs would kill the writer, and no file left behind."""
+    before = shared_files()
+    huge = torch.empty(2**50, dtype=torch.float32, device="meta")  # 4 PiB, never allocated
+    assert share(PushedWeights(checkpoint.config, {"x": huge})) is None
+    assert shared_files() == before
+
+
+def test_packed_weights_are_the_pushed_tensors_after_a_trip_through_pickle(checkpoint):
+    """As a rank on another machine gets them: its own bytes, which it may write."""
+    packed = pickle.loads(pickle.dumps(pack(PushedWeights(checkpoint.config, TENSORS))))
+    opened = packed.open()
+    for name, tensor in TENSORS.items():
+        assert torch.equal(opened.tensors[name], tensor) and opened.tensors[name].dtype == tensor.dtype
+    opened.tensors["a"].neg_()
+    assert torch.equal(packed.open().tensors["a"], -TENSORS["a"])
+
+
+@needs_shm
+def test_tensors_received_into_a_shared_buffer_reach_the_ranks_without_a_copy(checkpoint):
+    """A push received into `shared_buffer` (as the server receives one for its rank processes) is handed over
+    as that very file; the file goes when the received tensors are dropped, if the ranks' caller has not
+    removed it first."""
+    before = shared_files()
+    specs = [spec_of(name, t) for name, t in TENSORS.items()]
+    buffer = shared_buffer(sum(spec.nbytes for spec in specs))
+    assert buffer is not None
+    received = tensor_views(specs, buffer)
+    for view, tensor in zip(received.values(), TENSORS.values()):
+        view.copy_(tensor)
+    shared = share(PushedWeights(checkpoint.config, received))
+    assert shared is not None and shared_files() == before | {os.path.basename(shared.path)}  # no second file
+    opened = shared.open()
+    for name, tensor in TENSORS.items():
+        assert torch.equal(opened.tensors[name], tensor)
+    del buffer, received, view
+    assert shared_files() == before
+    assert torch.equal(opened.tensors["a"], TENSORS["a"])  # a rank's mapping outlives the file
+
+
+@needs_shm
+def test_a_file_left_by_a_process_that_has_gone_is_removed():
+    """As a server killed while it held pushed weights leaves one; the files of live processes stay."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    left = os.path.join(weight_transfer.SHM_DIR, f"{weight_transfer.PREFIX}{gone.pid}-test")
+    open(left, "wb").close()
+    held = shared_buffer(16)  # this process's
+    assert held is not None
+    remove_stale()
+    assert not os.path.exists(left)
+    assert any(name.startswith(f"{weight_transfer.PREFIX}{os.getpid()}-") for name in shared_files())
