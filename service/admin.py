@@ -161,7 +161,8 @@ class AdminServicer(pb_grpc.AdminServicer):
                 header = request.header
                 specs = _specs(header.tensors)
                 self.engine.check_weight_specs(specs)
-                buffer = self.engine.host_buffer(sum(spec.nbytes for spec in specs))
+                # Off the event loop: a buffer the rank processes map takes its room first (0.9 s for 2.47 GB)
+                buffer = await asyncio.to_thread(self.engine.host_buffer, sum(spec.nbytes for spec in specs))
             elif part == "chunk":
                 if received + len(request.chunk) > len(buffer):
                     raise InvalidRequest(f"more bytes than the header's tensors hold ({len(buffer)}): nothing changed")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import pickle
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,10 +18,12 @@ from lmgate.engine.ranks.weight_transfer import pack, remove_stale, share, share
 
 
 def shared_files() -> set[str]:
-    """The weights' files in /dev/shm now (none where there is no /dev/shm)."""
+    """This process's weights' files in /dev/shm now (none where there is no /dev/shm); other runs' may come
+    and go meanwhile."""
     if not os.path.isdir(weight_transfer.SHM_DIR):
         return set()
-    return {n for n in os.listdir(weight_transfer.SHM_DIR) if n.startswith("lmgate-weights-")}
+    mine = f"{weight_transfer.PREFIX}{os.getpid()}-"
+    return {n for n in os.listdir(weight_transfer.SHM_DIR) if n.startswith(mine)}
 
 
 needs_shm = pytest.mark.skipif(not os.path.isdir(weight_transfer.SHM_DIR), reason="no /dev/shm on this machine")
@@ -92,15 +95,36 @@ def test_tensors_received_into_a_shared_buffer_reach_the_ranks_without_a_copy(ch
     assert torch.equal(opened.tensors["a"], TENSORS["a"])  # a rank's mapping outlives the file
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="no /proc on this machine")
+def test_a_directory_no_file_can_be_made_in_leaves_the_weights_to_the_messages(checkpoint, monkeypatch):
+    monkeypatch.setattr(weight_transfer, "SHM_DIR", "/proc")
+    assert shared_buffer(16) is None and share(PushedWeights(checkpoint.config, TENSORS)) is None
+
+
+HOLD_LOCK = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
 @needs_shm
-def test_a_file_left_by_a_process_that_has_gone_is_removed():
-    """As a server killed while it held pushed weights leaves one; the files of live processes stay."""
-    gone = subprocess.Popen(["true"])
-    gone.wait()
-    left = os.path.join(weight_transfer.SHM_DIR, f"{weight_transfer.PREFIX}{gone.pid}-test")
+def test_only_a_file_no_process_holds_is_removed_as_stale():
+    """As a server killed while it held pushed weights leaves one. Another live server's file stays, whatever
+    its pid means here (a container of its own may share /dev/shm), and so do this process's."""
+    left = os.path.join(weight_transfer.SHM_DIR, f"{weight_transfer.PREFIX}left-by-a-killed-server")
     open(left, "wb").close()
-    held = shared_buffer(16)  # this process's
-    assert held is not None
-    remove_stale()
-    assert not os.path.exists(left)
-    assert any(name.startswith(f"{weight_transfer.PREFIX}{os.getpid()}-") for name in shared_files())
+    held = os.path.join(weight_transfer.SHM_DIR, f"{weight_transfer.PREFIX}held-by-another-server")
+    other = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, held], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert other.stdout.readline() == b"held\n"
+        mine = shared_buffer(16)
+        assert mine is not None
+        ours = shared_files()
+        remove_stale()
+        assert not os.path.exists(left) and os.path.exists(held) and ours and ours <= shared_files()
+    finally:
+        other.communicate(b"")
+        os.unlink(held)

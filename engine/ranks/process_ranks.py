@@ -13,7 +13,6 @@ sockets are files in a private directory, and the store listens on `master_addr`
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -41,7 +40,7 @@ from ..gateway.request import CancelFlag, FinishReason, Request, RequestKind, Re
 from ..comm.gloo_comm import GlooComm, new_secret
 from .rank_process import HEARTBEAT_SECONDS, HEARTBEAT_TIMEOUT, RankSpec, from_wire, request_fields, run_rank
 from .ranks import Ranks
-from .weight_transfer import SharedWeights, pack, remove_stale, share, shared_buffer
+from .weight_transfer import SharedWeights, pack, remove, remove_stale, share, shared_buffer
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
@@ -103,8 +102,9 @@ class RemoteQueue:
 
     def send(self, message: tuple) -> bool:
         """False when the rank process is not connected (gone, or not yet there): the message is dropped."""
+        data = pickle.dumps(message, protocol=5)  # 5: a bytearray (pushed weights) in one copy; outside the lock
         with self._lock:
-            return self._send(pickle.dumps(message))
+            return self._send(data)
 
     def _send(self, message: bytes) -> bool:
         """Under `_lock`. Never blocks: a PUSH socket with no peer would wait for ever, lock held."""
@@ -411,8 +411,7 @@ class ProcessRanks(Ranks):
             raise
         finally:
             if shared is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(shared.path)
+                remove(shared.path)
         self._weights("install", version, links=self._leaders)
 
     def _weights(
