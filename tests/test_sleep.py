@@ -28,6 +28,7 @@ from lmgate.engine.config import DP_BACKENDS, EngineConfig
 from lmgate.engine.engine import Engine
 from lmgate.engine.models import expand_blocks
 from lmgate.engine.sampling.sampler import SamplingParams
+from lmgate.engine.step.weights import LocalWeights
 from lmgate.service.auth import is_loopback_peer
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
@@ -343,6 +344,16 @@ def test_update_weights_one_rank_cannot_load_leaves_every_rank_on_the_old_weight
     assert err.value.code() == grpc.StatusCode.INTERNAL, err.value
     assert [greedy(stub) for _ in range(4)] == [original] * 4  # round robin: each rank twice
     assert_idle(sleepy)
+
+
+def test_a_load_staged_while_the_weights_are_dropped_is_undone_by_its_discard(checkpoint):
+    """A rank asleep at level 2 only names a load's weights; when another rank fails to stage the same load,
+    the discard names the old ones again, or this rank alone would wake up on the refused weights."""
+    weights = LocalWeights(checkpoint, torch.float32, torch.device("cpu"), batch_hint=8)
+    weights.drop()
+    weights.load("/elsewhere/model", "refused", version=1)
+    weights.discard_staged(1)
+    assert (weights.path, weights.weight_version) == (checkpoint.path, "0")
 
 
 @pytest.fixture(scope="module")

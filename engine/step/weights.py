@@ -138,6 +138,8 @@ class LocalWeights:
         served model's tensors (`load_in_place`) where they fit it, with no second model built; staged, they
         are checked now and written at the install."""
         if self.model is None:
+            if version is not None:  # nothing to put in, but a discard must name the old weights again
+                self._staged[version] = lambda: None, self.path, self.weight_version
             self.path, self.weight_version = source, name
             return
         config, weights = _read(source)
