@@ -169,6 +169,18 @@ class StepParams:
     any_greedy: bool
     wanted: list[int]  # the rows that ask for logprobs
     adjusts: bool  # a row's logits change before it draws: penalties, a logit bias, banned ids
+    # `filters`' results, by (vocabulary, device): made at the first draw, read by every draw of the same rows
+    _filters: dict[tuple[int, torch.device], "RowFilters"] = field(default_factory=dict, compare=False)
+
+    def filters(self, vocab: int, device: torch.device) -> "RowFilters":
+        """The rows that sample (every row, or those not greedy) as the draw reads them, made once for as long
+        as a step draws for the same rows (`SampleTable.gathered`), not at every step."""
+        made = self._filters.get((vocab, device))
+        if made is None:
+            sampled = np.flatnonzero(~self.greedy) if self.any_greedy else None
+            columns = self.columns if sampled is None else self.columns[:, sampled]
+            made = self._filters[(vocab, device)] = _row_filters(columns, vocab, device, sampled)
+        return made
 
 
 class SampleTable:
@@ -333,13 +345,14 @@ def launch_sample(
         logits = _apply_penalties(logits, rows)
     greedy, wanted = step.greedy, step.wanted
     if len(rows) and not step.any_greedy:  # no greedy rows: no argmax, no scatter
-        tokens = _sample_rows(logits, step.columns, step.seeds, counters)
+        tokens = _sample_rows(logits, step.filters(logits.shape[-1], logits.device), step.seeds, counters)
         return _fetch(raw, logits, tokens, rows, wanted)
     tokens = torch.ops.lmgate.argmax_rows(logits) if layer_kernels(logits) else logits.argmax(dim=-1)
     if not greedy.all():
-        sampled = np.flatnonzero(~greedy)
-        idx = to_device(torch.from_numpy(sampled), logits.device)
-        tokens[idx] = _sample_rows(logits[idx], step.columns[:, sampled], step.seeds[sampled], counters[sampled])
+        filters = step.filters(logits.shape[-1], logits.device)
+        assert filters.sampled is not None, "the rows that are not greedy"
+        sampled, idx = filters.sampled
+        tokens[idx] = _sample_rows(logits[idx], filters, step.seeds[sampled], counters[sampled])
     return _fetch(raw, logits, tokens, rows, wanted)
 
 
@@ -406,39 +419,62 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
     return logits
 
 
-def _sample_rows(logits: torch.Tensor, params: np.ndarray, seeds: np.ndarray, counters: np.ndarray) -> torch.Tensor:
-    """Temperature, then the filters in vLLM's order, each over what the one before kept: min-p, top-k, top-p;
-    then one uniform draw per row (`uniform` of its seed and draw counter, computed on the host) against the
-    row's cumulative distribution. `params`: the rows' [4, rows] (temperature, min_p, top_k, top_p), in float64
-    as they were given (a top_p just below 1 is 1 in float32, and still filters), which is where the rows that
-    filter are found, in array operations. They cross to the device in one copy (float32 holds each exactly:
-    top-k below 2^24, draws of 24 bits)."""
-    vocab = logits.shape[-1]
+@dataclass(frozen=True, slots=True)
+class RowFilters:
+    """The parameters of the rows that sample, as the device reads them (`StepParams.filters`)."""
+
+    columns: torch.Tensor  # [4, rows, 1] float32: temperature, min_p, top_k (the vocabulary where off), top_p
+    min_p: bool  # a row has a min-p: else its three passes over the vocabulary are saved
+    filtered: str  # which rows have a top-k or top-p: "none", "all" or "some"
+    known: bool  # every such row's top-k lies among its candidates, whatever the probabilities
+    split: tuple[torch.Tensor, torch.Tensor] | None  # "some": the rows without a filter, those with, on the device
+    sampled: tuple[np.ndarray, torch.Tensor] | None  # where greedy rows do not sample: the others, host and device
+
+
+def _row_filters(params: np.ndarray, vocab: int, device: torch.device, sampled: np.ndarray | None = None) -> RowFilters:
+    """`params`: the rows' [4, rows] (temperature, min_p, top_k, top_p), in float64 as they were given (a top_p
+    just below 1 is 1 in float32, and still filters), which is where the rows that filter are found. They cross
+    to the device in one copy (float32 holds each exactly: top-k below 2^24)."""
     temperature, min_p, top_k, top_p = params
     top_k = np.where((top_k > 0) & (top_k < vocab), top_k, vocab)
-    host = np.empty((5, len(seeds)), dtype=np.float32)
-    host[:4] = temperature, min_p, top_k, top_p
-    host[4] = uniforms(seeds, counters)
-    columns = to_device(torch.from_numpy(host), logits.device).unsqueeze(2)
-    temps, min_ps, top_ks, top_ps, draws = columns  # each [rows, 1]
-    probs = torch.softmax(logits / temps, dim=-1)
-    if min_p.any():  # min-p 0 masks nothing: three passes over the vocabulary saved
-        probs = probs.masked_fill(probs < min_ps * probs.amax(dim=-1, keepdim=True), 0.0)
+    columns = to_device(torch.from_numpy(np.stack([temperature, min_p, top_k, top_p]).astype(np.float32)), device)
     filtered = (top_k < vocab) | (top_p < 1)  # `SamplingParams.filtered`
-    if not filtered.any():
+    known = top_k <= min(CANDIDATES, vocab)
+    split = None
+    if filtered.any() and not filtered.all():
+        plain, kept = np.flatnonzero(~filtered), np.flatnonzero(filtered)
+        order = to_device(torch.from_numpy(np.concatenate([plain, kept])), device)
+        split = order[: len(plain)], order[len(plain) :]
+    return RowFilters(
+        columns.unsqueeze(2),
+        bool(min_p.any()),
+        "some" if split is not None else "all" if filtered.any() else "none",
+        bool(known[filtered].all()),
+        split,
+        None if sampled is None else (sampled, to_device(torch.from_numpy(sampled), device)),
+    )
+
+
+def _sample_rows(logits: torch.Tensor, filters: RowFilters, seeds: np.ndarray, counters: np.ndarray) -> torch.Tensor:
+    """Temperature, then the filters in vLLM's order, each over what the one before kept: min-p, top-k, top-p;
+    then one uniform draw per row (`uniform` of its seed and draw counter, computed on the host, 24 bits: exact
+    in float32) against the row's cumulative distribution."""
+    temps, min_ps, top_ks, top_ps = filters.columns  # each [rows, 1]
+    draws = to_device(torch.from_numpy(uniforms(seeds, counters)), logits.device).unsqueeze(1)
+    probs = torch.softmax(logits / temps, dim=-1)
+    if filters.min_p:
+        probs = probs.masked_fill(probs < min_ps * probs.amax(dim=-1, keepdim=True), 0.0)
+    if filters.filtered == "none":
         return _draw(probs, draws)
-    known = top_k <= min(CANDIDATES, vocab)  # its top-k lies among its candidates, whatever the probabilities
-    if filtered.all():
-        return _top_k_top_p(probs, top_ks, top_ps, draws, bool(known.all()))
+    if filters.split is None:
+        return _top_k_top_p(probs, top_ks, top_ps, draws, filters.known)
     # A row without top-k or top-p draws over the unsorted vocabulary whatever its batch holds: the same
     # draw over the filters' sorted order would pick another token.
-    plain, kept = np.flatnonzero(~filtered), np.flatnonzero(filtered)
-    order = to_device(torch.from_numpy(np.concatenate([plain, kept])), logits.device)
-    at_plain, at_filtered = order[: len(plain)], order[len(plain) :]
+    at_plain, at_filtered = filters.split
     tokens = torch.empty(len(seeds), dtype=torch.long, device=logits.device)
     tokens[at_plain] = _draw(probs[at_plain], draws[at_plain])
     tokens[at_filtered] = _top_k_top_p(
-        probs[at_filtered], top_ks[at_filtered], top_ps[at_filtered], draws[at_filtered], bool(known[kept].all())
+        probs[at_filtered], top_ks[at_filtered], top_ps[at_filtered], draws[at_filtered], filters.known
     )
     return tokens
 
