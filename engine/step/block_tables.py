@@ -136,10 +136,10 @@ class StepTables:
         lens = np.fromiter(map(len, tables), dtype=np.int64, count=n)
         self._fit(n, int(lens.max()))
         array = self._arrays[0]
-        if n <= len(self._ids) and np.array_equal(ids, self._ids[:n]):  # the same lists in the same places
+        if n <= len(self._ids) and (ids == self._ids[:n]).all():  # the same lists in the same places
             grown = np.flatnonzero(lens != self._lens[:n])
             written = self._lens[grown]
-            if np.array_equal(lens[grown], written + 1):  # a block each (most steps: a few rows, or none)
+            if (lens[grown] == written + 1).all():  # a block each (most steps: a few rows, or none)
                 array[grown, written] = [tables[i][-1] for i in grown.tolist()]
             else:
                 for i in grown.tolist():
