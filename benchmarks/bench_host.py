@@ -38,11 +38,17 @@ process with `lmgate` imported from that checkout (its own pyproject.toml's pack
 install's finder); its figures are printed beside this tree's. Where both checkouts' engine/kernels are the
 same files, the child imports this tree's, whose build is cached; otherwise it builds its own, privately.
 A hook the baseline lacks leaves its phase blank there.
+
+With --rounds N (N > 1) both are child processes, run in turn N times (this tree, the baseline, this tree, ...),
+and each figure is the median of its rounds: a small machine's drift moves one run's figures by tens of
+percent, and taking turns lays it on both sides alike.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import dataclasses
 import filecmp
 import importlib.abc
@@ -51,11 +57,13 @@ import inspect
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import tomllib
+from collections.abc import Iterator
 
 CODE_ENV, KERNELS_ENV = "BENCH_HOST_CODE", "BENCH_HOST_KERNELS"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -367,30 +375,80 @@ def measure(args: argparse.Namespace) -> dict:
     return result
 
 
-def run_baseline(args: argparse.Namespace) -> dict | None:
-    """This script over a worktree of `args.baseline`, as a child process; its JSON, or None if it failed."""
-    with tempfile.TemporaryDirectory(prefix="bench_host_base_") as tmp:
-        tree, out = os.path.join(tmp, "tree"), os.path.join(tmp, "baseline.json")
-        if subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-q", tree, args.baseline]).returncode:
-            print(f"no worktree of {args.baseline!r}: no baseline", flush=True)
+@contextlib.contextmanager
+def baseline_tree(args: argparse.Namespace) -> Iterator[str | None]:
+    """A worktree of `args.baseline` for as long as the block runs; None where it cannot be made."""
+    tree = tempfile.mkdtemp(prefix="bench_host_base_")
+    os.rmdir(tree)
+    if subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-q", tree, args.baseline]).returncode:
+        print(f"no worktree of {args.baseline!r}: no baseline", flush=True)
+        yield None
+        return
+    try:
+        yield tree
+    finally:
+        subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", tree], check=False)
+
+
+def run_child(args: argparse.Namespace, tree: str) -> dict | None:
+    """This script with `lmgate` imported from checkout `tree` (this one's, or the baseline's worktree), as a
+    child process; its JSON, or None if it failed."""
+    with tempfile.TemporaryDirectory(prefix="bench_host_run_") as tmp:
+        env, out = {**os.environ, CODE_ENV: tree}, os.path.join(tmp, "run.json")
+        kernels = os.path.join(ROOT, "engine", "kernels")
+        if same_files(kernels, os.path.join(tree, "engine", "kernels")):
+            env[KERNELS_ENV] = kernels
+        else:
+            print("the baseline's kernels differ: built for it (minutes)", flush=True)
+            env["TORCH_EXTENSIONS_DIR"] = os.path.join(os.path.dirname(tree), "bench_host_torch_extensions")
+        skip = ("baseline", "json", "rounds")
+        flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in skip]
+        done = subprocess.run([sys.executable, __file__, *flags, "--baseline=", f"--json={out}"], env=env)
+        if done.returncode:
+            print(f"the run over {tree} failed (exit {done.returncode})", flush=True)
             return None
-        try:
-            env = {**os.environ, CODE_ENV: tree}
-            kernels = os.path.join(ROOT, "engine", "kernels")
-            if same_files(kernels, os.path.join(tree, "engine", "kernels")):
-                env[KERNELS_ENV] = kernels
-            else:
-                print("the baseline's kernels differ: built for it (minutes)", flush=True)
-                env["TORCH_EXTENSIONS_DIR"] = os.path.join(tmp, "torch_extensions")
-            flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("baseline", "json")]
-            done = subprocess.run([sys.executable, __file__, *flags, "--baseline=", f"--json={out}"], env=env)
-            if done.returncode:
-                print(f"the baseline's run failed (exit {done.returncode})", flush=True)
-                return None
-            with open(out) as f:
-                return json.load(f)
-        finally:
-            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", tree], check=False)
+        with open(out) as f:
+            return json.load(f)
+
+
+def rounds(args: argparse.Namespace) -> tuple[dict, dict | None]:
+    """This tree's figures and the baseline's: with --rounds 1, this tree's in this process, then the baseline's;
+    else each in child processes, taken in turn round after round (so that a machine's drift, which moves a
+    run's figures by tens of percent here, falls on both alike), and per figure the median of the rounds."""
+    with baseline_tree(args) if args.baseline else contextlib.nullcontext() as tree:
+        if args.rounds == 1:
+            this = measure(args)
+            return this, run_child(args, tree) if tree else None
+        mine: list[dict] = []
+        theirs: list[dict] = []
+        for n in range(args.rounds):
+            print(f"round {n + 1} of {args.rounds}", flush=True)
+            if (run := run_child(args, ROOT)) is not None:
+                mine.append(run)
+            if tree and (run := run_child(args, tree)) is not None:
+                theirs.append(run)
+        if not mine:
+            raise SystemExit("no round of this tree completed")
+        return median_run(mine), median_run(theirs) if theirs else None
+
+
+def median_run(runs: list[dict]) -> dict:
+    """One run's figures from several rounds': per phase (and the sampler's floor, throughput, the pieces inside
+    the phases) the median of the rounds that have it."""
+    out = copy.deepcopy(runs[0])
+    out["sampler_floor_ms"] = statistics.median(r["sampler_floor_ms"] for r in runs)
+    out["rounds"] = len(runs)
+    for name, workload in out["workloads"].items():
+        each = [r["workloads"][name] for r in runs if name in r["workloads"]]
+        for key in ("ms_per_step", "us_per_seq"):
+            for phase in workload[key]:
+                workload[key][phase] = statistics.median(w[key][phase] for w in each if phase in w[key])
+        if "tok_s" in workload:
+            workload["tok_s"] = statistics.median(w["tok_s"] for w in each)
+        for label in workload["detail"]:
+            pairs = [w["detail"][label] for w in each if label in w["detail"]]
+            workload["detail"][label] = [statistics.median(p[i] for p in pairs) for i in (0, 1)]
+    return out
 
 
 def same_files(a: str, b: str) -> bool:
@@ -430,6 +488,10 @@ def report(this: dict, base: dict | None, baseline: str) -> None:
     """Per workload, a markdown table: this tree and the baseline side by side, with their ratio."""
     print(f"\n## Host time per engine step, {machine(this)}\n")
     print(f"this tree's lmgate.engine: {this['code']}; baseline {baseline or '—'}'s: {base['code'] if base else '—'}")
+    if "rounds" in this:
+        print(
+            f"each figure the median of {this['rounds']} rounds (baseline {base['rounds'] if base else 0}), taken in turn"
+        )
     print(
         f"model: 1 layer, hidden {SHAPE['hidden_size']}, vocabulary {SHAPE['vocab_size']} (SmolLM2's tokenizer), "
         f"{this['dtype']}, overlap scheduling {'on' if this['overlap'] else 'off'}; phases in "
@@ -482,6 +544,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup-steps", type=int, default=20, help="decode steps before those measured")
     ap.add_argument("--workload", choices=("decode", "offline", "both"), default="both")
     ap.add_argument("--baseline", default="HEAD", help="git ref measured beside this tree ('' for none)")
+    ap.add_argument("--rounds", type=int, default=1, help="runs of each, in turn, their medians reported (1: one each)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: the engine's default)")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (its work overlapped with the host's)")
     ap.add_argument("--tokenizer", default="", help="a directory of the embedded model's tokenizer files")
@@ -508,12 +571,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     transformers.utils.logging.disable_progress_bar()
-    this = measure(args)
-    if os.environ.get(CODE_ENV):  # the baseline's run: its figures, for the parent to print
+    if os.environ.get(CODE_ENV):  # a child's run: its figures, for the parent to print
         with open(args.json, "w") as f:
-            json.dump(this, f)
+            json.dump(measure(args), f)
         return
-    base = run_baseline(args) if args.baseline else None
+    this, base = rounds(args)
     report(this, base, args.baseline)
     if args.json:
         with open(args.json, "w") as f:

@@ -76,3 +76,23 @@ def test_the_cpu_clock_counts_a_threads_work_not_its_waits():
         rec.current = {}
         rec.wrap(lambda: time.sleep(0.05), "probe")()
         assert (rec.current["probe"][0] >= 0.05) is waited
+
+
+def test_rounds_report_each_figure_as_the_median_of_the_rounds_that_have_it():
+    """--rounds: per phase, the sampler's floor, throughput and the pieces inside the phases, the median of the
+    rounds; a phase only some rounds have is the median of those."""
+
+    def run(ms: float, floor: float, extra: bool = False) -> dict:
+        phases = {"schedule": ms, bench_host.HOST: 2 * ms, **({"detokenize": ms} if extra else {})}
+        workload = {"ms_per_step": phases, "us_per_seq": {k: v * 4 for k, v in phases.items()}, "tok_s": 100 * ms}
+        workload["detail"] = {"plan": [ms / 2, 1.0]}
+        return {"sampler_floor_ms": floor, "workloads": {"decode": workload}}
+
+    merged = bench_host.median_run([run(1.0, 0.5), run(9.0, 0.7, extra=True), run(2.0, 0.6, extra=True)])
+    decode = merged["workloads"]["decode"]
+    assert merged["rounds"] == 3 and merged["sampler_floor_ms"] == 0.6
+    assert decode["ms_per_step"] == {"schedule": 2.0, bench_host.HOST: 4.0}  # the first round's phases
+    assert decode["us_per_seq"]["schedule"] == 8.0 and decode["tok_s"] == 200.0
+    assert decode["detail"]["plan"] == [1.0, 1.0]
+    merged = bench_host.median_run([run(9.0, 0.7, extra=True), run(1.0, 0.5), run(2.0, 0.6, extra=True)])
+    assert merged["workloads"]["decode"]["ms_per_step"]["detokenize"] == 5.5  # of the two rounds that have it

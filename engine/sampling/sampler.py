@@ -423,7 +423,8 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
 class RowFilters:
     """The parameters of the rows that sample, as the device reads them (`StepParams.filters`)."""
 
-    columns: torch.Tensor  # [4, rows, 1] float32: temperature, min_p, top_k (the vocabulary where off), top_p
+    # Each [rows, 1] float32: temperature, min_p, top_k (the vocabulary where off), top_p
+    columns: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
     min_p: bool  # a row has a min-p: else its three passes over the vocabulary are saved
     filtered: str  # which rows have a top-k or top-p: "none", "all" or "some"
     known: bool  # every such row's top-k lies among its candidates, whatever the probabilities
@@ -445,8 +446,9 @@ def _row_filters(params: np.ndarray, vocab: int, device: torch.device, sampled: 
         plain, kept = np.flatnonzero(~filtered), np.flatnonzero(filtered)
         order = to_device(torch.from_numpy(np.concatenate([plain, kept])), device)
         split = order[: len(plain)], order[len(plain) :]
+    temps, min_ps, top_ks, top_ps = columns.unsqueeze(2)
     return RowFilters(
-        columns.unsqueeze(2),
+        (temps, min_ps, top_ks, top_ps),
         bool(min_p.any()),
         "some" if split is not None else "all" if filtered.any() else "none",
         bool(known[filtered].all()),
@@ -460,7 +462,8 @@ def _sample_rows(logits: torch.Tensor, filters: RowFilters, seeds: np.ndarray, c
     then one uniform draw per row (`uniform` of its seed and draw counter, computed on the host, 24 bits: exact
     in float32) against the row's cumulative distribution."""
     temps, min_ps, top_ks, top_ps = filters.columns  # each [rows, 1]
-    draws = to_device(torch.from_numpy(uniforms(seeds, counters)), logits.device).unsqueeze(1)
+    # Made [rows, 1] by numpy: a torch call lets go of the GIL, and the loop waits to take it back
+    draws = to_device(torch.from_numpy(uniforms(seeds, counters).reshape(-1, 1)), logits.device)
     probs = torch.softmax(logits / temps, dim=-1)
     if filters.min_p:
         probs = probs.masked_fill(probs < min_ps * probs.amax(dim=-1, keepdim=True), 0.0)

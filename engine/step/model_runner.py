@@ -317,14 +317,14 @@ class ModelRunner:
                 for start, end, context, table in plan.prefills
             ]
         decode = self._decode_tables(plan.decode_tables, plan.decode_lengths) if plan.decode_tables else None
-        # A token's id, position and slot, all the step's in one copy: each conversion costs the host more than
-        # its bytes (a few KB)
-        input_ids, positions, slots = self._tensor([plan.input_ids, plan.positions, plan.slots])
-        meta = AttentionMetadata(slots, len(plan.decode_tables), decode, prefills, triton=self.attention == "triton")
+        meta = AttentionMetadata(
+            self._tensor(plan.slots), len(plan.decode_tables), decode, prefills, triton=self.attention == "triton"
+        )
+        input_ids = self._tensor(plan.input_ids)
         self._fill_pending(input_ids, plan.pending_inputs, drawn)
         return StepInputs(
             input_ids,
-            positions,
+            self._tensor(plan.positions),
             meta,
             self._tensor(plan.logit_rows),
             plan.sample_rows,
