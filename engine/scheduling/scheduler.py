@@ -64,11 +64,11 @@ class Scheduler:
         bs = self.blocks.block_size
         to_reserve = False
         for s in self.running:
-            computed = s.num_computed
-            uncomputed = len(s.token_ids) + s.num_pending - computed
+            computed, num_tokens = s.num_computed, len(s.token_ids) + s.num_pending
+            uncomputed = num_tokens - computed
             if (
                 uncomputed == 1
-                and len(s.token_ids) - s.num_prompt_tokens + s.num_pending < s.max_new_tokens
+                and num_tokens - s.num_prompt_tokens < s.max_new_tokens
                 and not (s.num_pending and s.matcher is not None)
             ):
                 if computed < len(s.block_table) * bs and s.samples is None:
@@ -166,8 +166,12 @@ class Scheduler:
         """Blocks for `num_tokens` more tokens of `seq`, preempting newer sequences if need be; a copy of its
         last block where that is partly filled and shared (one of a request's samples)."""
         needed = -(-(seq.num_computed + num_tokens) // self.blocks.block_size) - len(seq.block_table)  # `blocks_for`
-        if needed <= 0 and (seq.samples is None or not self._shared_tail(seq)):  # most decodes: the last block has room
-            return True
+        if seq.samples is None or not self._shared_tail(seq):
+            if needed <= 0:  # most decodes: the last block has room
+                return True
+            if self.blocks.can_allocate(needed):  # most of the others: a free block, no one preempted
+                seq.block_table.extend(self.blocks.allocate(needed))
+                return True
         while not self._make_room(max(needed, 0) + self._shared_tail(seq), seq):
             victim = self.running[-1]
             self._preempt(victim)

@@ -622,7 +622,8 @@ class EngineLoop:
                 continue
             token_ids = seq.token_ids
             token_ids.append(token)
-            num_output = len(token_ids) - seq.num_prompt_tokens  # `Sequence.num_output`
+            num_tokens = len(token_ids)
+            num_output = num_tokens - seq.num_prompt_tokens  # `Sequence.num_output`
             if (
                 seq.detokenizer is None  # first: a loop that writes text fails here, at once
                 and interval == 1
@@ -630,7 +631,7 @@ class EngineLoop:
                 and seq.unsent is None
                 and seq.matcher is None
                 and 1 < num_output < seq.max_new_tokens
-                and len(token_ids) < limit
+                and num_tokens < limit
                 and token not in seq.stop_ids
             ):
                 signal((seq.request, token, seq.index, version))
@@ -654,7 +655,7 @@ class EngineLoop:
                     out.text += text
                 if stop_hit:
                     reason = FinishReason.STOP
-                elif num_output >= seq.max_new_tokens or len(token_ids) >= limit:
+                elif num_output >= seq.max_new_tokens or num_tokens >= limit:
                     reason = FinishReason.LENGTH
             if seq.matcher is not None and reason is None and self._grammar_ended(seq, token):
                 reason = FinishReason.STOP

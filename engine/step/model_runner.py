@@ -224,12 +224,14 @@ class ModelRunner:
         # Per sequence, hundreds a step on the host's critical path: its fields read once, no properties.
         input_ids, positions, slots = plan.input_ids, plan.positions, plan.slots
         samplers, sample_rows, filled = plan.samplers, plan.sample_rows, plan.filled
+        rows = draws = 0  # the step's token rows and draws so far: len(input_ids), len(samplers)
         for seq in batch:
             start, table, token_ids = seq.num_computed, seq.block_table, seq.token_ids
             end = start + seq.num_scheduled
             num_tokens = len(token_ids) + seq.num_pending  # `Sequence.num_tokens`
-            first_row = len(input_ids)
+            first_row = rows
             if end - start == 1 and end == num_tokens:  # a decode: one token, the last
+                rows += 1
                 if seq.num_pending:  # still on the device: the last step's draws fill it in there
                     plan.pending_inputs.append((first_row, seq.pending_row))
                     input_ids.append(0)
@@ -247,7 +249,8 @@ class ModelRunner:
                 for j in range(start // bs, (end - 1) // bs + 1):  # a block's slots at a time, not a token's
                     base = table[j] * bs - j * bs
                     slots.extend(range(base + max(start, j * bs), base + min(end, j * bs + bs)))
-                plan.prefills.append((first_row, len(input_ids), end, table[: -(-end // bs)]))
+                rows = len(input_ids)
+                plan.prefills.append((first_row, rows, end, table[: -(-end // bs)]))
                 if seq.prompt_logprobs is not None:
                     self._prompt_rows(plan, seq, start, end, first_row)
                 filled.append(seq)
@@ -255,13 +258,14 @@ class ModelRunner:
             if end == num_tokens:  # `Sequence.samples_this_step`
                 forks = seq.forks  # the request's other samples, not yet drawn: their first draws, from this row
                 for drawer in (seq, *forks) if forks else (seq,):
-                    plan.logit_rows.append(len(input_ids) - 1)
+                    plan.logit_rows.append(rows - 1)
                     if drawer.matcher is not None:
-                        plan.constrained.append((len(samplers), drawer.matcher))
+                        plan.constrained.append((draws, drawer.matcher))
                     sample_rows.append(drawer.sample_row())
                     drawer.num_pending += 1
-                    drawer.pending_row = len(samplers)
+                    drawer.pending_row = draws
                     samplers.append(drawer)
+                    draws += 1
                 if forks:
                     seq.forks = []
         return plan
