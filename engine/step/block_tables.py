@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from itertools import repeat
 
 import numpy as np
@@ -125,18 +126,17 @@ class StepTables:
         self.rows = rows
         self._arrays = [np.zeros((rows, 0), dtype=np.int64)] * 2  # the current one first
         self._held: list[list[int]] = []  # last step's tables, in order
-        self._ids = np.zeros(0, dtype=np.int64)
         self._lens = np.zeros(0, dtype=np.int64)
 
     def tables(self, tables: list[list[int]]) -> torch.Tensor:
         """[len(tables), width] int64, row i table i zero-padded: a view of the kept array, valid until the next
         call (a device copies it at once: `to_device` stages it in pinned memory)."""
         n = len(tables)
-        ids = np.fromiter(map(id, tables), dtype=np.int64, count=n)
         lens = np.fromiter(map(len, tables), dtype=np.int64, count=n)
         self._fit(n, int(lens.max()))
         array = self._arrays[0]
-        if n <= len(self._ids) and (ids == self._ids[:n]).all():  # the same lists in the same places
+        # The same lists in the same places: compared in one C pass over the two lists' pointers
+        if n <= len(self._held) and all(map(operator.is_, tables, self._held)):
             grown = np.flatnonzero(lens != self._lens[:n])
             written = self._lens[grown]
             if (lens[grown] == written + 1).all():  # a block each (most steps: a few rows, or none)
@@ -145,17 +145,17 @@ class StepTables:
                 for i in grown.tolist():
                     self._write(array, i, tables[i], int(self._lens[i]))
         else:
-            array = self._moved(tables, ids, lens)
-        self._held, self._ids, self._lens = tables, ids, lens
+            array = self._moved(tables, lens)
+        self._held, self._lens = tables, lens
         return torch.from_numpy(array[:n])
 
-    def _moved(self, tables: list[list[int]], ids: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    def _moved(self, tables: list[list[int]], lens: np.ndarray) -> np.ndarray:
         """The step's rows in the other array: each from where its list was last step (one copy), or written."""
         old, new = self._arrays
-        where = dict(zip(self._ids.tolist(), range(len(self._ids))))
-        src = np.fromiter(map(where.get, ids.tolist(), repeat(-1)), dtype=np.int64, count=len(ids))
+        where = {id(table): i for i, table in enumerate(self._held)}
+        src = np.fromiter(map(where.get, map(id, tables), repeat(-1)), dtype=np.int64, count=len(tables))
         known = src >= 0
-        np.take(old, np.where(known, src, 0), axis=0, out=new[: len(ids)])
+        np.take(old, np.where(known, src, 0), axis=0, out=new[: len(tables)])
         written = np.zeros_like(lens)  # entries of each row that came with it
         written[known] = self._lens[src[known]]
         for i in np.flatnonzero(lens != written).tolist():
@@ -180,4 +180,4 @@ class StepTables:
             return
         self.rows, width = max(self.rows, n), -(-needed // self.WIDTH_STEP) * self.WIDTH_STEP
         self._arrays = [np.zeros((self.rows, width), dtype=np.int64) for _ in range(2)]
-        self._held, self._ids, self._lens = [], np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        self._held, self._lens = [], np.zeros(0, dtype=np.int64)
