@@ -89,7 +89,7 @@ class CheckoutFinder(importlib.abc.MetaPathFinder):
         )
 
 
-if os.environ.get(CODE_ENV):  # the baseline's run (`run_baseline`): before anything imports lmgate
+if os.environ.get(CODE_ENV):  # a child's run (`run_child`): before anything imports lmgate
     sys.meta_path.insert(0, CheckoutFinder(os.environ[CODE_ENV], os.environ.get(KERNELS_ENV)))
 
 import lmgate.engine  # noqa: F401  before torch: the OMP_WAIT_POLICY it sets counts only before libgomp loads
@@ -377,17 +377,18 @@ def measure(args: argparse.Namespace) -> dict:
 
 @contextlib.contextmanager
 def baseline_tree(args: argparse.Namespace) -> Iterator[str | None]:
-    """A worktree of `args.baseline` for as long as the block runs; None where it cannot be made."""
-    tree = tempfile.mkdtemp(prefix="bench_host_base_")
-    os.rmdir(tree)
-    if subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-q", tree, args.baseline]).returncode:
-        print(f"no worktree of {args.baseline!r}: no baseline", flush=True)
-        yield None
-        return
-    try:
-        yield tree
-    finally:
-        subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", tree], check=False)
+    """A worktree of `args.baseline` for as long as the block runs, in a private directory (which holds the
+    baseline's kernel build too, where it needs its own) removed after; None where it cannot be made."""
+    with tempfile.TemporaryDirectory(prefix="bench_host_base_") as tmp:
+        tree = os.path.join(tmp, "tree")
+        if subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-q", tree, args.baseline]).returncode:
+            print(f"no worktree of {args.baseline!r}: no baseline", flush=True)
+            yield None
+            return
+        try:
+            yield tree
+        finally:
+            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", tree], check=False)
 
 
 def run_child(args: argparse.Namespace, tree: str) -> dict | None:
@@ -400,7 +401,7 @@ def run_child(args: argparse.Namespace, tree: str) -> dict | None:
             env[KERNELS_ENV] = kernels
         else:
             print("the baseline's kernels differ: built for it (minutes)", flush=True)
-            env["TORCH_EXTENSIONS_DIR"] = os.path.join(os.path.dirname(tree), "bench_host_torch_extensions")
+            env["TORCH_EXTENSIONS_DIR"] = os.path.join(os.path.dirname(tree), "torch_extensions")  # `baseline_tree`'s
         skip = ("baseline", "json", "rounds")
         flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in skip]
         done = subprocess.run([sys.executable, __file__, *flags, "--baseline=", f"--json={out}"], env=env)
@@ -413,8 +414,9 @@ def run_child(args: argparse.Namespace, tree: str) -> dict | None:
 
 def rounds(args: argparse.Namespace) -> tuple[dict, dict | None]:
     """This tree's figures and the baseline's: with --rounds 1, this tree's in this process, then the baseline's;
-    else each in child processes, taken in turn round after round (so that a machine's drift, which moves a
-    run's figures by tens of percent here, falls on both alike), and per figure the median of the rounds."""
+    else each in child processes, taken in turn round after round, which goes first alternating (so that a
+    machine's drift, which moves a run's figures by tens of percent here, falls on both alike), and per figure
+    the median of the rounds."""
     with baseline_tree(args) if args.baseline else contextlib.nullcontext() as tree:
         if args.rounds == 1:
             this = measure(args)
@@ -423,10 +425,10 @@ def rounds(args: argparse.Namespace) -> tuple[dict, dict | None]:
         theirs: list[dict] = []
         for n in range(args.rounds):
             print(f"round {n + 1} of {args.rounds}", flush=True)
-            if (run := run_child(args, ROOT)) is not None:
-                mine.append(run)
-            if tree and (run := run_child(args, tree)) is not None:
-                theirs.append(run)
+            sides = [(ROOT, mine), *([(tree, theirs)] if tree else [])]
+            for checkout, runs in sides[:: -1 if n % 2 else 1]:
+                if (run := run_child(args, checkout)) is not None:
+                    runs.append(run)
         if not mine:
             raise SystemExit("no round of this tree completed")
         return median_run(mine), median_run(theirs) if theirs else None
@@ -434,7 +436,8 @@ def rounds(args: argparse.Namespace) -> tuple[dict, dict | None]:
 
 def median_run(runs: list[dict]) -> dict:
     """One run's figures from several rounds': per phase (and the sampler's floor, throughput, the pieces inside
-    the phases) the median of the rounds that have it."""
+    the phases) the median of the rounds that have it; the host's bookkeeping too, its own median (not the sum
+    of the phases' medians). The phases, step counts and the rest are the first round's."""
     out = copy.deepcopy(runs[0])
     out["sampler_floor_ms"] = statistics.median(r["sampler_floor_ms"] for r in runs)
     out["rounds"] = len(runs)
@@ -534,6 +537,11 @@ def report(this: dict, base: dict | None, baseline: str) -> None:
         f"\n{HOST}: the sum of the rows above it (not of {', '.join(excluded)}): the whole step, with the `_flush` "
         "and the `pop` that follow it; `sampling` keeps the sampler's arithmetic. The signal thread's deliveries "
         "(the benchmark's callbacks included) run beside the loop, competing for the GIL and the cores."
+        + (
+            " Over rounds, each row is its own median: the medians above need not add up to it."
+            if "rounds" in this
+            else ""
+        )
     )
 
 

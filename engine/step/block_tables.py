@@ -112,8 +112,10 @@ class StepTables:
     A steady decode step runs the same sequences in the same order as the step before, each table the same
     list or grown by a block: its array is last step's with a few entries appended, rather than every row
     copied out of a store again (a copy whose source a CPU forward has evicted from the caches).
-    Rows are keyed by position: a position whose list is the one it held last step (by id; the lists of the
-    last step are held, so no id is reused meanwhile) keeps its row and has its new entries written. Where the
+    Rows are keyed by position: a position whose list is the one it held last step (the same object: the lists
+    of the last step are held, so none is freed and its address reused meanwhile) keeps its row and has its new
+    entries written. The caller passes a new list of the tables each step (a plan's): the one of the last step
+    is held as it was given, not copied. Where the
     batch changed (a sequence joined, left or moved), the rows are taken from their old positions into the
     other of two arrays in one copy, and only tables new to the array are written whole. Rows are zeros past
     their table; the width follows the longest table, in steps of WIDTH_STEP blocks, so that it changes
