@@ -21,9 +21,9 @@ repetition and a frequency penalty (PENALTIES). With --stop-strings every measur
 which its text never holds: the text is written and searched at every token, and nothing stops early. (A loop
 that is a thread does that itself, as this harness's is; a rank process's leaves it to its front end.)
 
-With --detail, a line more under each table: the pieces inside the phases (DETAIL_HOOKS: the plan, the inputs'
-tensors, the decodes' tables, on CUDA the graphs' loading, the sampler's bookkeeping, the prefix cache's keys),
-each timed whole, for where a phase's time goes.
+With --detail, a line more under each table: the pieces inside the phases (DETAIL_HOOKS: the plan made row by
+row or following the step before's arrays, the inputs' tensors, the decodes' tables, on CUDA the graphs'
+loading, the sampler's bookkeeping, the prefix cache's keys), each timed whole, for where a phase's time goes.
 
 With --clock cpu a phase is the CPU time of the thread it ran on (`time.thread_time`), not the time that passed:
 a loop waiting for the GIL, which the signal thread holds while it delivers, counts nothing then. The two
@@ -114,7 +114,6 @@ HOOKS = (
     ("schedule", "scheduling.scheduler", "Scheduler", "schedule"),
     ("launch", "step.engine_loop", "EngineLoop", "_launch"),
     ("setup", "step.model_runner", "ModelRunner", "setup"),
-    ("plan", "step.model_runner", "ModelRunner", "plan"),  # for the step's token count
     ("forward", "step.model_runner", "ModelRunner", "forward"),
     ("sample", "step.model_runner", "ModelRunner", "sample"),
     ("complete", "step.engine_loop", "EngineLoop", "_complete"),
@@ -128,8 +127,11 @@ HOOKS = (
 # --detail: pieces inside the phases, each timed whole (what it calls included) for where a phase's time goes;
 # a hook the code lacks (a CPU engine has no graphs) is left out.
 DETAIL_HOOKS = (
+    ("plan", "step.model_runner", "ModelRunner", "plan"),
+    ("plan: followed", "step.input_batch", "InputBatch", "follow"),
     ("prepare", "step.model_runner", "ModelRunner", "prepare"),
     ("decode tables", "step.block_tables", "StepTables", "tables"),
+    ("decode tables: followed", "step.block_tables", "StepTables", "grown"),
     ("graphs: load", "step.cuda_graphs", "DecodeGraphs", "load"),
     ("graphs: table rows", "step.block_tables", "TableStore", "rows_for"),
     ("graphs: table sync", "step.block_tables", "TableStore", "sync"),
@@ -184,7 +186,7 @@ class Recorder:
         return undo
 
     def wrap(self, fn, label: str):
-        """`fn`, its calls timed into the step under way (`step` opens one); `schedule` and `plan` also note the
+        """`fn`, its calls timed into the step under way (`step` opens one); `schedule` and `setup` also note the
         step's sequences and tokens, after their clock stops."""
         clock, rec = self.clock, self
 
@@ -201,8 +203,8 @@ class Recorder:
                 acc[1] += 1
             if label == "schedule":
                 rec.current["seqs"] = len(out)
-            elif label == "plan":
-                rec.current["tokens"] = len(out.input_ids)
+            elif label == "setup":
+                rec.current["tokens"] = len(out[0].input_ids)  # its plan's
             return out
 
         return call
@@ -240,11 +242,9 @@ def phases(steps: list[dict], overhead: float, device: str) -> dict:
     seconds = {**seconds, HOST: host, **beside}  # the table's order: the host's rows, their sum, the rest
     detail = {
         label: (total(hook)[0] / len(steps) * 1e3, total(hook)[1] / len(steps))
-        for label, hook in [("plan", "plan")] + [(label, "~" + label) for label, *_ in DETAIL_HOOKS]
+        for label, hook in [(label, "~" + label) for label, *_ in DETAIL_HOOKS]
         if hook in have
     }
-    if len(detail) == 1:  # the plan alone: no --detail
-        detail = {}
     return {
         "detail": detail,  # label: (ms a step, calls a step), nested calls included
         "steps": len(steps),

@@ -1,13 +1,15 @@
 """The per-row state a loop keeps across steps instead of building it from its sequences each step: the
 sampler's table (`SampleTable`), checked at every draw against a table built from that draw's rows alone, the
-decodes' block tables (`StepTables`) against the lists, and the scheduler's batch (a steady decode step returns its
-decodes as found) against the order rebuilt from the running sequences: through joins, leaves, cancels,
-preemptions, forks and slots recycled."""
+decodes' block tables (`StepTables`) against the lists, the steady decode step's inputs (`InputBatch`) against
+the plan made row by row from the sequences, and the scheduler's batch (a steady decode step returns its decodes
+as found) against the order rebuilt from the running sequences: through joins, leaves, cancels, preemptions,
+forks and slots recycled."""
 
 from __future__ import annotations
 
 import random
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,6 +20,9 @@ from lmgate.engine.engine import Engine
 from lmgate.engine.sampling.sampler import SampleRow, SampleTable, SamplingParams, launch_sample, sample
 from lmgate.engine.scheduling.scheduler import Scheduler
 from lmgate.engine.step.block_tables import StepTables
+from lmgate.engine.step.input_batch import InputBatch
+from lmgate.engine.step.model_runner import ModelRunner
+from lmgate.engine.step.plan import StepPlan
 from tests.test_engine import assert_idle
 
 KINDS = [
@@ -74,12 +79,41 @@ def test_the_kept_state_holds_what_one_built_from_each_steps_sequences_holds(tin
     preempt: at every draw, each row's parameters, seed and draw counter in the runner's table are those a new
     table reads from the rows themselves. Many more rows pass than the table has slots. At every step, the
     gathered block tables are the decodes' lists, zero-padded, and the batch is the running sequences that
-    were scheduled, decodes first, each in running order."""
+    were scheduled, decodes first, each in running order. Every plan that follows the step before's is the plan
+    made row by row from the sequences, and leaves them as that one does."""
     kept = SampleTable.draw
     seen: set[int] = set()
     draws = 0
-    schedule, step_tables = Scheduler.schedule, StepTables.tables
-    steady = 0  # steps of decodes only
+    schedule, step_tables, grown, follow = Scheduler.schedule, StepTables.tables, StepTables.grown, InputBatch.follow
+    steady = followed = 0  # steps of decodes only; of those, steps whose plan followed the step before's
+
+    def checked_follow(inputs: InputBatch, batch: list, pending: bool) -> StepPlan | None:
+        nonlocal followed
+        before = [(s.num_computed, s.num_pending, s.pending_row) for s in batch]
+        plan = follow(inputs, batch, pending)
+        if plan is None:
+            return None
+        followed += 1
+        after = [(s.num_computed, s.num_pending, s.pending_row) for s in batch]
+        rows_after = [(r.num_pending, r.banned_ids) for r in plan.sample_rows]
+        for seq, (computed, num_pending, pending_row) in zip(batch, before):
+            seq.num_computed, seq.num_pending, seq.pending_row = computed, num_pending, pending_row
+        runner = SimpleNamespace(block_size=inputs.block_size, _prompt_rows=ModelRunner._prompt_rows)
+        reference = ModelRunner.plan(runner, batch)  # type: ignore[arg-type]
+        assert [(s.num_computed, s.num_pending, s.pending_row) for s in batch] == after
+        assert [(r.num_pending, r.banned_ids) for r in reference.sample_rows] == rows_after
+        for name in ("input_ids", "positions", "slots", "logit_rows", "decode_lengths"):
+            assert list(map(int, getattr(plan, name))) == getattr(reference, name), name
+        assert [tuple(map(int, pair)) for pair in plan.pending_inputs] == reference.pending_inputs
+        for name in ("decode_tables", "sample_rows", "samplers", "filled"):
+            assert [id(x) for x in getattr(plan, name)] == [id(x) for x in getattr(reference, name)], name
+        assert not reference.prefills and not reference.constrained and reference.prompt is None
+        bs = inputs.block_size
+        gained = [
+            (i, p // bs, t[p // bs]) for i, (p, t) in enumerate(zip(plan.positions, plan.decode_tables)) if not p % bs
+        ]
+        assert plan.table_growth == gained
+        return plan
 
     def checked_schedule(scheduler: Scheduler) -> list:
         nonlocal steady
@@ -93,6 +127,11 @@ def test_the_kept_state_holds_what_one_built_from_each_steps_sequences_holds(tin
 
     def checked_tables(kept: StepTables, tables: list[list[int]]) -> torch.Tensor:
         gathered = step_tables(kept, tables)
+        assert gathered.tolist() == padded(tables, gathered.shape[1])
+        return gathered
+
+    def checked_growth(kept: StepTables, tables: list[list[int]], growth: list) -> torch.Tensor:
+        gathered = grown(kept, tables, growth)
         assert gathered.tolist() == padded(tables, gathered.shape[1])
         return gathered
 
@@ -115,6 +154,8 @@ def test_the_kept_state_holds_what_one_built_from_each_steps_sequences_holds(tin
     monkeypatch.setattr(SampleTable, "draw", checked)
     monkeypatch.setattr(Scheduler, "schedule", checked_schedule)
     monkeypatch.setattr(StepTables, "tables", checked_tables)
+    monkeypatch.setattr(StepTables, "grown", checked_growth)
+    monkeypatch.setattr(InputBatch, "follow", checked_follow)
     config = EngineConfig(
         dtype="float32",
         model=tiny_models("llama").path,
@@ -139,7 +180,7 @@ def test_the_kept_state_holds_what_one_built_from_each_steps_sequences_holds(tin
         (loop,) = engine.loops
         assert loop.scheduler.num_preemptions > 0
         assert len(seen) > 4 * loop.runner.sample_table.capacity
-        assert draws > 300 and steady > 50
+        assert draws > 300 and steady > 50 and followed > 20
         assert_idle(engine)
 
 

@@ -597,9 +597,15 @@ class SampleFuture:
             self._copied.record()
             packed = host
         self._packed = packed
+        self.read: SampleResult | None = None  # once `result` has read it
 
     def result(self) -> SampleResult:
         """The ids as Python ints, and each asking row's logprobs; waits for the device (the GIL let go)."""
+        if self.read is None:
+            self.read = self._read()
+        return self.read
+
+    def _read(self) -> SampleResult:
         if self._copied is not None:
             self._copied.synchronize()
         rows, wanted, packed = self._rows, self._wanted, self._packed

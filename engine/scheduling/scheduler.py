@@ -32,6 +32,8 @@ class Scheduler:
         # This step's copies on write, destination -> source: a block shared by a request's samples (forks),
         # partly filled, copied before the forward writes a sequence's next token into its own copy.
         self.copies: dict[int, int] = {}
+        # Whether the last schedule found decodes only: none prefilled or admitted, none preempted
+        self.decodes_only = False
 
     @property
     def has_work(self) -> bool:
@@ -51,7 +53,7 @@ class Scheduler:
 
     def schedule(self) -> list[Sequence]:
         """Sequences to run, decodes first, each with `num_scheduled` set."""
-        self.copies = {}
+        self.copies, self.decodes_only = {}, False
         for seq in self.waiting:
             seq.num_scheduled = 0
         # One pass over hundreds of running sequences, `num_uncomputed` read inline. A sequence that has drawn its
@@ -113,6 +115,7 @@ class Scheduler:
             budget -= self._schedule_prefill(seq, budget)
             admitted = True
         if not prefills and not admitted and preemptions == self.num_preemptions:
+            self.decodes_only = True
             return decodes  # each got its token (one that could not was preempted), in running order, and no other
         # A decode is one token that brings the KV to the sequence's end (ModelRunner.plan's test); a prefill
         # chunk that got the last token of budget is one token too, and must not sit among the decodes.

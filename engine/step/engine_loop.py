@@ -22,7 +22,8 @@ from ..kernels import load_cpu_kernels
 from ..kernels.triton import available as triton_available
 from .block_tables import StepTables
 from .kv_cache import allocate_kv_cache, kv_cache_dtype
-from .model_runner import ModelRunner, PromptRows
+from .model_runner import ModelRunner
+from .plan import PromptRows
 from ..gateway.request import CancelFlag, FinishReason, Request, RequestKind, RequestOutput, TokenLogprob, Usage
 from ..scheduling.scheduler import Scheduler
 from ..scheduling.sequence import EndedTurn, Sequence, Session
@@ -330,7 +331,8 @@ class EngineLoop:
                     self.scheduler.fork(seq)
         drawn = previous.draws.tokens if previous is not None and previous.draws is not None else None
         copies = [(source, copy) for copy, source in self.scheduler.copies.items()]
-        plan, batch.inputs = self.runner.setup(batch.seqs, drawn, copies)  # kSetup + kPrepare
+        decodes_only = self.scheduler.decodes_only
+        plan, batch.inputs = self.runner.setup(batch.seqs, drawn, copies, decodes_only)  # kSetup + kPrepare
         batch.samplers, batch.filled = plan.samplers, plan.filled
         self.computed_tokens += len(plan.input_ids)
         batch.logits = logits = self.runner.forward(batch.inputs)  # kForward + kUnprep

@@ -6,7 +6,7 @@ import dataclasses
 import itertools
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -23,54 +23,18 @@ from ..models.attention import (
 )
 from .block_tables import StepTables
 from .cuda_graphs import DecodeGraphs
+from .input_batch import InputBatch
 from .kv_cache import copy_blocks
 from ..machine.memory import empty_device_cache, release_host_memory
 from ..models.llama import LlamaForCausalLM
-from ..sampling.constraints import GrammarMatcher
 from ..sampling.sampler import SampleFuture, SampleRow, SampleTable, launch_sample
 from ..comm.host_comm import HostComm, RedOp
 from ..errors import InternalError
 from ..scheduling.sequence import Sequence
 from ..machine.transfers import to_device
+from .plan import PromptRows, StepPlan
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class PromptRows:
-    """The prompt positions whose log-probabilities a step computes (`SamplingParams.prompt_logprobs`): each
-    row's log-probability of the prompt token after it, and the `top` most likely alternatives."""
-
-    rows: list[int] = field(default_factory=list)
-    targets: list[int] = field(default_factory=list)
-    top: int = 0
-    owners: list[tuple[Sequence, int]] = field(default_factory=list)  # in row order: the sequence, its rows
-    result: torch.Tensor | None = None  # per row: the target's logprob, the top ids, their logprobs (float64)
-
-
-@dataclass(slots=True)
-class StepPlan:
-    """kSetup's output: one step as plain lists, decodes first. The same for every tensor-parallel rank, so a
-    leader broadcasts it (without what only the leader reads: `sample_rows` and below, `_shared`) and each rank
-    prepares its own tensors for its share of the KV heads."""
-
-    input_ids: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)  # each token's KV slot in the flattened cache
-    logit_rows: list[int] = field(default_factory=list)
-    decode_tables: list[list[int]] = field(default_factory=list)  # block tables of the decodes
-    decode_lengths: list[int] = field(default_factory=list)  # their tokens of KV, this step's included
-    prefills: list[tuple[int, int, int, list[int]]] = field(default_factory=list)  # rows [start, end), context, blocks
-    pending_inputs: list[tuple[int, int]] = field(default_factory=list)  # (row, row of the last step's draws)
-    copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) blocks, before the forward
-    # Only the leader reads these (never broadcast): each drawing row's `SampleRow`; the sequences that draw, in
-    # that order; the rows among them with a grammar (structured outputs), with its matcher; the sequences that
-    # may have filled a block (`BlockManager.cache_full_blocks`); prompt logprobs asked for.
-    sample_rows: list[SampleRow] = field(default_factory=list)
-    samplers: list[Sequence] = field(default_factory=list)
-    constrained: list[tuple[int, GrammarMatcher]] = field(default_factory=list)
-    filled: list[Sequence] = field(default_factory=list)
-    prompt: PromptRows | None = None
 
 
 @dataclass(slots=True)
@@ -126,6 +90,7 @@ class ModelRunner:
         self._no_prefills: PrefillTables | None = None  # a decode step's prefill tables, built once
         self.tables = tables  # the decodes' block tables, kept across steps
         self.sample_table = SampleTable(2 * tables.rows + 1)  # the sampling rows' state, kept across steps
+        self.inputs = InputBatch(block_size)  # a steady decode step's inputs, from the step before's
         self.graphs = graphs  # decode steps from CUDA graphs (Triton path, no tensor parallelism), else None
         self.followers: HostComm | None = None  # a tensor-parallel leader's group: what it does, they do
         self.group_kv_share = 1.0  # the tensor-parallel group's KV heads over this rank's
@@ -196,13 +161,21 @@ class ModelRunner:
         return int(sum(t.numel() * t.element_size() for kv in self.kv_caches for t in kv) * self.group_kv_share)
 
     def setup(
-        self, batch: list[Sequence], drawn: torch.Tensor | None = None, copies: list[tuple[int, int]] | None = None
+        self,
+        batch: list[Sequence],
+        drawn: torch.Tensor | None = None,
+        copies: list[tuple[int, int]] | None = None,
+        decodes_only: bool = False,
     ) -> tuple[StepPlan, StepInputs]:
         """kSetup + kPrepare. `drawn`: the last step's sampled ids on the device, the input of the decodes whose
         token the host has not read yet (overlap scheduling, never under tensor parallelism). `copies`: blocks
-        to copy before the forward writes (copy on write; `Scheduler.copies`). A tensor-parallel leader sends
-        the plan to its followers first."""
-        plan = self.plan(batch)
+        to copy before the forward writes (copy on write; `Scheduler.copies`). `decodes_only`: the scheduler
+        found decodes only (`Scheduler.decodes_only`): the plan may follow the last step's (`InputBatch`).
+        A tensor-parallel leader sends the plan to its followers first."""
+        plan = self.inputs.follow(batch, drawn is not None) if decodes_only and not copies else None
+        if plan is None:
+            plan = self.plan(batch)
+            self.inputs.hold(plan)
         plan.copies = copies or []
         if self.followers is not None:
             self.followers.broadcast(("step", self._shared(plan)))
@@ -214,11 +187,11 @@ class ModelRunner:
         return dataclasses.replace(plan, sample_rows=[], samplers=[], constrained=[], filled=[], prompt=None)
 
     def plan(self, batch: list[Sequence]) -> StepPlan:
-        """kSetup: the step as plain lists, decodes first, from the sequences' host-side state. The step's one
-        pass over its sequences, so it also moves each past the step as it goes: its scheduled tokens count as
-        computed, and a draw of its own (and of each sample it forks) as pending, at its row of the step's draws
-        (a step that fails after this ends every sequence). The sampling sequences, and the rows of those with
-        a grammar, are the plan's too."""
+        """kSetup row by row: the step as plain lists, decodes first, from the sequences' host-side state. The
+        step's one pass over its sequences, so it also moves each past the step as it goes: its scheduled tokens
+        count as computed, and a draw of its own (and of each sample it forks) as pending, at its row of the
+        step's draws (a step that fails after this ends every sequence). The sampling sequences, and the rows of
+        those with a grammar, are the plan's too."""
         plan = StepPlan()
         bs = self.block_size
         # Per sequence, hundreds a step on the host's critical path: its fields read once, no properties.
@@ -320,7 +293,7 @@ class ModelRunner:
                 PrefillChunk(start, end, context, self._rows(torch.tensor(table, dtype=torch.long)))
                 for start, end, context, table in plan.prefills
             ]
-        decode = self._decode_tables(plan.decode_tables, plan.decode_lengths) if plan.decode_tables else None
+        decode = self._decode_tables(plan) if plan.decode_tables else None
         meta = AttentionMetadata(
             self._tensor(plan.slots), len(plan.decode_tables), decode, prefills, triton=self.attention == "triton"
         )
@@ -351,8 +324,12 @@ class ModelRunner:
             rows, sources = self._tensor(list(zip(*pending)))
             input_ids.index_copy_(0, rows, drawn.index_select(0, sources))
 
-    def _decode_tables(self, block_tables: list[list[int]], lengths: list[int]) -> DecodeTables | GatheredDecode:
-        tables, lens = self.tables.tables(block_tables), torch.from_numpy(np.array(lengths, dtype=np.int64))
+    def _decode_tables(self, plan: StepPlan) -> DecodeTables | GatheredDecode:
+        if plan.table_growth is not None:
+            tables = self.tables.grown(plan.decode_tables, plan.table_growth)
+        else:
+            tables = self.tables.tables(plan.decode_tables)
+        lens = torch.from_numpy(np.array(plan.decode_lengths, dtype=np.int64))
         if self.attention != "torch":
             return DecodeTables(to_device(tables, self.device), to_device(lens, self.device))
         return GatheredDecode(
@@ -433,4 +410,6 @@ class ModelRunner:
     ) -> SampleFuture:
         """Sampling on the model's device, queued; its `result` (kFetch) brings the ids back in one copy.
         `masks`: structured outputs' token masks of the constrained rows (`launch_sample`)."""
-        return launch_sample(logits, inputs.sample_rows, masks, self.sample_table)
+        draws = launch_sample(logits, inputs.sample_rows, masks, self.sample_table)
+        self.inputs.drew(draws)
+        return draws
