@@ -11,7 +11,7 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from lmgate.engine.sampling import sampler as sampling
-from lmgate.engine.sampling.sampler import SampleRow, SamplingParams, sample, uniform, uniforms
+from lmgate.engine.sampling.sampler import SampleRow, SampleTable, SamplingParams, sample, uniform, uniforms
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 VOCAB = 64
@@ -45,6 +45,24 @@ def test_a_steps_draws_in_arrays_are_uniforms_own():
     seeds = [rng.getrandbits(64) for _ in range(2000)] + [0, 2**63, 2**64 - 1]
     counters = [rng.randrange(10**7) for _ in seeds]
     assert uniforms(seeds, counters).tolist() == [uniform(s, c) for s, c in zip(seeds, counters)]
+
+
+def test_draws_made_ahead_are_each_steps_own():
+    """A step of the same rows as the step before reads its draws from those made ahead (`StepParams.uniforms`):
+    at every step, through more steps than are made at once and a change of rows, each row's draw is `uniform`
+    of its seed at its counter."""
+    rng = random.Random(5)
+    pool = [SampleRow(SamplingParams(temperature=0.7), rng.getrandbits(64), [1, 2], 2) for _ in range(6)]
+    table, rows = SampleTable(8), pool[:4]
+    for step in range(3 * sampling.DRAWS_AHEAD + 5):
+        if step == sampling.DRAWS_AHEAD + 3:
+            rows = pool[2:]
+        at, counters = table.draw(rows)
+        drawn = table.gathered(at).uniforms(counters).tolist()
+        assert drawn == [uniform(r.seed, c) for r, c in zip(rows, counters.tolist())]
+        assert counters.tolist() == [r.num_output for r in rows]
+        for r in rows:
+            r.token_ids.append(0)
 
 
 def test_penalties_match_transformers_and_the_presence_frequency_formula():

@@ -171,6 +171,8 @@ class StepParams:
     adjusts: bool  # a row's logits change before it draws: penalties, a logit bias, banned ids
     # `filters`' results, by (vocabulary, device): made at the first draw, read by every draw of the same rows
     _filters: dict[tuple[int, torch.device], "RowFilters"] = field(default_factory=dict, compare=False)
+    # `uniforms`' draws ahead: (the counters they start from, [DRAWS_AHEAD, rows] draws from there)
+    _ahead: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list, compare=False)
 
     def filters(self, vocab: int, device: torch.device) -> "RowFilters":
         """The rows that sample (every row, or those not greedy) as the draw reads them, made once for as long
@@ -181,6 +183,20 @@ class StepParams:
             columns = self.columns if sampled is None else self.columns[:, sampled]
             made = self._filters[(vocab, device)] = _row_filters(columns, vocab, device, sampled)
         return made
+
+    def uniforms(self, counters: np.ndarray) -> np.ndarray:
+        """Each row's `uniform` at its counter (a draw's, `SampleTable.draw`), as float32. Made DRAWS_AHEAD
+        draws at a time: every draw of the same rows (the same `StepParams`) moves each row's counter on by one,
+        so the draws of the steps ahead are known now, and a step reads its column rather than make its own
+        (a dozen array operations, each slow on the caches a CPU forward leaves)."""
+        if self._ahead:
+            start, ahead = self._ahead[0]
+            step = int(counters[0] - start[0]) if len(counters) else 0
+            if 0 <= step < DRAWS_AHEAD:
+                return ahead[step]
+        ahead = uniforms(self.seeds[None, :], counters[None, :] + np.arange(DRAWS_AHEAD, dtype=np.int64)[:, None])
+        self._ahead[:] = [(counters, ahead)]
+        return ahead[0]
 
 
 class SampleTable:
@@ -293,6 +309,8 @@ class SampleTable:
         self._free = list(range(2 * old - 1, old - 1, -1))
 
 
+DRAWS_AHEAD = 16  # `StepParams.uniforms`: each row's draws made this many steps at a time
+
 _MASK64 = (1 << 64) - 1
 _GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # SplitMix64's constants
 
@@ -345,14 +363,14 @@ def launch_sample(
         logits = _apply_penalties(logits, rows)
     greedy, wanted = step.greedy, step.wanted
     if len(rows) and not step.any_greedy:  # no greedy rows: no argmax, no scatter
-        tokens = _sample_rows(logits, step.filters(logits.shape[-1], logits.device), step.seeds, counters)
+        tokens = _sample_rows(logits, step.filters(logits.shape[-1], logits.device), step.uniforms(counters))
         return _fetch(raw, logits, tokens, rows, wanted)
     tokens = torch.ops.lmgate.argmax_rows(logits) if layer_kernels(logits) else logits.argmax(dim=-1)
     if not greedy.all():
         filters = step.filters(logits.shape[-1], logits.device)
         assert filters.sampled is not None, "the rows that are not greedy"
         sampled, idx = filters.sampled
-        tokens[idx] = _sample_rows(logits[idx], filters, step.seeds[sampled], counters[sampled])
+        tokens[idx] = _sample_rows(logits[idx], filters, step.uniforms(counters)[sampled])
     return _fetch(raw, logits, tokens, rows, wanted)
 
 
@@ -457,13 +475,13 @@ def _row_filters(params: np.ndarray, vocab: int, device: torch.device, sampled: 
     )
 
 
-def _sample_rows(logits: torch.Tensor, filters: RowFilters, seeds: np.ndarray, counters: np.ndarray) -> torch.Tensor:
+def _sample_rows(logits: torch.Tensor, filters: RowFilters, uniform_draws: np.ndarray) -> torch.Tensor:
     """Temperature, then the filters in vLLM's order, each over what the one before kept: min-p, top-k, top-p;
-    then one uniform draw per row (`uniform` of its seed and draw counter, computed on the host, 24 bits: exact
-    in float32) against the row's cumulative distribution."""
+    then one uniform draw per row (`uniform_draws`: `uniform` of its seed and draw counter, computed on the host,
+    24 bits: exact in float32) against the row's cumulative distribution."""
     temps, min_ps, top_ks, top_ps = filters.columns  # each [rows, 1]
     # Made [rows, 1] by numpy: a torch call lets go of the GIL, and the loop waits to take it back
-    draws = to_device(torch.from_numpy(uniforms(seeds, counters).reshape(-1, 1)), logits.device)
+    draws = to_device(torch.from_numpy(uniform_draws.reshape(-1, 1)), logits.device)
     probs = torch.softmax(logits / temps, dim=-1)
     if filters.min_p:
         probs = probs.masked_fill(probs < min_ps * probs.amax(dim=-1, keepdim=True), 0.0)
@@ -474,7 +492,7 @@ def _sample_rows(logits: torch.Tensor, filters: RowFilters, seeds: np.ndarray, c
     # A row without top-k or top-p draws over the unsorted vocabulary whatever its batch holds: the same
     # draw over the filters' sorted order would pick another token.
     at_plain, at_filtered = filters.split
-    tokens = torch.empty(len(seeds), dtype=torch.long, device=logits.device)
+    tokens = torch.empty(len(uniform_draws), dtype=torch.long, device=logits.device)
     tokens[at_plain] = _draw(probs[at_plain], draws[at_plain])
     tokens[at_filtered] = _top_k_top_p(
         probs[at_filtered], top_ks[at_filtered], top_ps[at_filtered], draws[at_filtered], filters.known
