@@ -85,7 +85,8 @@ def test_the_kept_state_holds_what_one_built_from_each_steps_sequences_holds(tin
     seen: set[int] = set()
     draws = 0
     schedule, step_tables, grown, follow = Scheduler.schedule, StepTables.tables, StepTables.grown, InputBatch.follow
-    steady = followed = 0  # steps of decodes only; of those, steps whose plan followed the step before's
+    # steps of decodes only; of those, steps whose plan followed the step before's; schedules from a calendar
+    steady = followed = calendared = 0
 
     def checked_follow(inputs: InputBatch, batch: list, pending: bool) -> StepPlan | None:
         nonlocal followed
@@ -116,8 +117,19 @@ def test_the_kept_state_holds_what_one_built_from_each_steps_sequences_holds(tin
         return plan
 
     def checked_schedule(scheduler: Scheduler) -> list:
-        nonlocal steady
+        nonlocal steady, calendared
+        calendared += scheduler._calendar is not None
         batch = schedule(scheduler)
+        if scheduler.decodes_only:  # those due a token, as `_decodes_and_prefills` finds them, each with room
+            due = [
+                s
+                for s in scheduler.running
+                if s.num_uncomputed == 1
+                and s.num_tokens - s.num_prompt_tokens < s.max_new_tokens
+                and not (s.num_pending and s.matcher is not None)
+            ]
+            assert [id(s) for s in batch] == [id(s) for s in due]
+            assert all(s.num_computed < len(s.block_table) * scheduler.blocks.block_size for s in batch)
         scheduled = [s for s in scheduler.running if s.num_scheduled]
         decode = [s.num_scheduled == 1 and s.num_uncomputed == 1 for s in scheduled]
         order = [s for s, d in zip(scheduled, decode) if d] + [s for s, d in zip(scheduled, decode) if not d]
@@ -180,7 +192,7 @@ def test_the_kept_state_holds_what_one_built_from_each_steps_sequences_holds(tin
         (loop,) = engine.loops
         assert loop.scheduler.num_preemptions > 0
         assert len(seen) > 4 * loop.runner.sample_table.capacity
-        assert draws > 300 and steady > 50 and followed > 20
+        assert draws > 300 and steady > 50 and followed > 20 and calendared > 20
         assert_idle(engine)
 
 

@@ -9,6 +9,7 @@ request is never failed for lack of blocks.
 
 from __future__ import annotations
 
+import operator
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -34,6 +35,13 @@ class Scheduler:
         self.copies: dict[int, int] = {}
         # Whether the last schedule found decodes only: none prefilled or admitted, none preempted
         self.decodes_only = False
+        # A run of steps of the same decodes (`_steady_decodes`): the list the last schedule returned as such,
+        # which sequences start a block at which step, the fewest tokens any could still draw at the first step
+        # of the run, and the steps since.
+        self._returned: list[Sequence] | None = None
+        self._calendar: list[list[Sequence]] | None = None
+        self._least = 0
+        self._steps = 0
 
     @property
     def has_work(self) -> bool:
@@ -56,41 +64,9 @@ class Scheduler:
         self.copies, self.decodes_only = {}, False
         for seq in self.waiting:
             seq.num_scheduled = 0
-        # One pass over hundreds of running sequences, `num_uncomputed` read inline. A sequence that has drawn its
-        # max_new_tokens, the last perhaps still on the device (overlap), waits for them to be read: it then ends.
-        # So does a constrained one whose last token is still on the device: its next mask needs that token
-        # (structured outputs: it decodes every other step). Most decodes have room left in their last block and
-        # no samples sharing it (`_reserve`'s own first test): they are scheduled in the same pass.
-        decodes: list[Sequence] = []
-        prefills: list[Sequence] = []
-        bs = self.blocks.block_size
-        to_reserve = False
-        for s in self.running:
-            computed, num_tokens = s.num_computed, len(s.token_ids) + s.num_pending
-            uncomputed = num_tokens - computed
-            if (
-                uncomputed == 1
-                and num_tokens - s.num_prompt_tokens < s.max_new_tokens
-                and not (s.num_pending and s.matcher is not None)
-            ):
-                if computed < len(s.block_table) * bs and s.samples is None:
-                    s.num_scheduled = 1
-                else:
-                    s.num_scheduled = 0
-                    to_reserve = True
-                decodes.append(s)
-            else:
-                s.num_scheduled = 0
-                if uncomputed > 1:
-                    prefills.append(s)
         preemptions = self.num_preemptions
-        if to_reserve:
-            # The others in running order: one may preempt the newest sequences, which leave the batch (a
-            # preempted sequence is waiting, its `num_scheduled` 0).
-            for seq in decodes:
-                if not seq.num_scheduled and seq.status is SequenceStatus.RUNNING and self._reserve(seq, 1):
-                    seq.num_scheduled = 1
-            decodes = [s for s in decodes if s.num_scheduled]
+        steady = self._steady_decodes()
+        decodes, prefills = (steady, []) if steady is not None else self._decodes_and_prefills()
         budget = self.max_batched_tokens - len(decodes)
         for seq in prefills:
             budget -= self._schedule_prefill(seq, budget)
@@ -115,8 +91,9 @@ class Scheduler:
             budget -= self._schedule_prefill(seq, budget)
             admitted = True
         if not prefills and not admitted and preemptions == self.num_preemptions:
-            self.decodes_only = True
+            self.decodes_only, self._returned = True, decodes
             return decodes  # each got its token (one that could not was preempted), in running order, and no other
+        self._returned = None
         # A decode is one token that brings the KV to the sequence's end (ModelRunner.plan's test); a prefill
         # chunk that got the last token of budget is one token too, and must not sit among the decodes.
         first: list[Sequence] = []
@@ -126,6 +103,84 @@ class Scheduler:
                 decode = s.num_scheduled == 1 and len(s.token_ids) + s.num_pending - s.num_computed == 1
                 (first if decode else then).append(s)
         return first + then
+
+    def _decodes_and_prefills(self) -> tuple[list[Sequence], list[Sequence]]:
+        """The running sequences that decode this step, their blocks reserved, and those that prefill."""
+        # One pass over hundreds of running sequences, `num_uncomputed` read inline. A sequence that has drawn its
+        # max_new_tokens, the last perhaps still on the device (overlap), waits for them to be read: it then ends.
+        # So does a constrained one whose last token is still on the device: its next mask needs that token
+        # (structured outputs: it decodes every other step). Most decodes have room left in their last block and
+        # no samples sharing it (`_reserve`'s own first test): they are scheduled in the same pass.
+        self._calendar = None
+        decodes: list[Sequence] = []
+        prefills: list[Sequence] = []
+        bs = self.blocks.block_size
+        to_reserve = False
+        for s in self.running:
+            computed, num_tokens = s.num_computed, len(s.token_ids) + s.num_pending
+            uncomputed = num_tokens - computed
+            if (
+                uncomputed == 1
+                and num_tokens - s.num_prompt_tokens < s.max_new_tokens
+                and not (s.num_pending and s.matcher is not None)
+            ):
+                if computed < len(s.block_table) * bs and s.samples is None:
+                    s.num_scheduled = 1
+                else:
+                    s.num_scheduled = 0
+                    to_reserve = True
+                decodes.append(s)
+            else:
+                s.num_scheduled = 0
+                if uncomputed > 1:
+                    prefills.append(s)
+        if to_reserve:
+            # The others in running order: one may preempt the newest sequences, which leave the batch (a
+            # preempted sequence is waiting, its `num_scheduled` 0).
+            for seq in decodes:
+                if not seq.num_scheduled and seq.status is SequenceStatus.RUNNING and self._reserve(seq, 1):
+                    seq.num_scheduled = 1
+            decodes = [s for s in decodes if s.num_scheduled]
+        return decodes, prefills
+
+    def _steady_decodes(self) -> list[Sequence] | None:
+        """Where the running sequences are those the last schedule returned as its decodes, each one step further
+        (they all ran it): they all decode again, the same list, their blocks reserved; else None (the caller
+        looks at each). Which of them start a block is known from where each stood when this run of steps
+        began: a calendar of block_size lists, one per position in a block, read in turn, so that a step reserves
+        for the few that need a block without looking at the others (`_reserve` for every sample of a request's
+        n, as `_decodes_and_prefills` does). The run ends before its first sequence would reach max_new_tokens
+        (overlap: it waits for its last token there), and at any change."""
+        returned, running = self._returned, self.running
+        if returned is None or len(returned) != len(running) or not all(map(operator.is_, running, returned)):
+            return None
+        bs = self.blocks.block_size
+        if self._calendar is None:  # the first step of the run: where each stands, from its fields
+            calendar: list[list[Sequence]] = [[] for _ in range(bs)]
+            least = self.max_batched_tokens  # the fewest tokens any may still draw
+            for s in returned:
+                if s.matcher is not None:
+                    return None
+                least = min(least, s.max_new_tokens - (len(s.token_ids) + s.num_pending - s.num_prompt_tokens))
+                if s.samples is None:
+                    calendar[s.num_computed % bs].append(s)
+                else:
+                    for sequences in calendar:
+                        sequences.append(s)
+            self._calendar, self._least, self._steps = calendar, least, 0
+        else:
+            self._steps += 1
+        if self._least <= self._steps:  # one would draw past its max_new_tokens
+            self._calendar = None
+            return None
+        preemptions = self.num_preemptions
+        for seq in self._calendar[-self._steps % bs]:  # those whose next token starts a block
+            if seq.status is SequenceStatus.RUNNING:
+                self._reserve(seq, 1)  # where it preempts `seq` itself, `requeue` unschedules it
+        if preemptions != self.num_preemptions:
+            self._calendar = None
+            return [s for s in returned if s.num_scheduled]
+        return returned
 
     def fork(self, seq: Sequence) -> list[Sequence]:
         """The request's other samples, as `seq` is launched to draw its first token: each takes the prompt's KV
