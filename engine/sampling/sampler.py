@@ -215,7 +215,8 @@ class SampleTable:
         # (temperature, min_p, top_k, top_p) as the sampler applies them (`SamplingParams.columns`), in float64
         self.columns = np.zeros((4, capacity), dtype=np.float64)
         self.seeds = np.zeros(capacity, dtype=np.uint64)
-        self.drawn = np.zeros(capacity, dtype=np.int64)  # draws so far: the next draw's counter (`uniform`)
+        # Draws so far: the next draw's counter (`uniform`); the last call's rows' are in `_next` (`draw`)
+        self.drawn = np.zeros(capacity, dtype=np.int64)
         self.greedy = np.zeros(capacity, dtype=bool)
         self.logprobs = np.zeros(capacity, dtype=np.int64)  # `SamplingParams.logprobs`
         # Logits changed before drawing: penalties, a logit bias, or ids banned below min_new_tokens
@@ -226,6 +227,7 @@ class SampleTable:
         self._calls = 0
         self._free = list(range(capacity - 1, -1, -1))
         self._last: tuple[list[SampleRow], np.ndarray] = ([], np.zeros(0, dtype=np.int64))  # the last call's
+        self._next = np.zeros(0, dtype=np.int64)  # the counters of the last call's rows' next draws (`draw`)
         self._gathered: tuple[np.ndarray, StepParams] | None = None
 
     @property
@@ -234,15 +236,19 @@ class SampleTable:
 
     def draw(self, rows: list[SampleRow]) -> tuple[np.ndarray, np.ndarray]:
         """The rows' slots, and the counter of the draw each makes now, counted as made. The slots array is the
-        table's (the same object while the rows are): read it, never write it."""
+        table's (the same object while the rows are): read it, never write it. While a call draws for the same
+        rows as the one before, their counters move on in `_next` alone, and reach `drawn` and `_used` when
+        other rows come: a step's fancy-indexed reads and writes, slow on the caches a CPU forward leaves, are
+        saved."""
         self._calls += 1
         last_rows, at = self._last
         if len(rows) != len(last_rows) or not all(map(operator.is_, rows, last_rows)):
+            self.drawn[at], self._used[at] = self._next, self._calls - 1  # the last rows' state, written back
             at = self._slots_of(rows)
             self._last = (rows, at)  # held: no row of it is freed, so none's serial is reused meanwhile
-        self._used[at] = self._calls
-        counters = self.drawn[at]
-        self.drawn[at] = counters + 1
+            self._used[at] = self._calls
+            self._next = self.drawn[at]
+        counters, self._next = self._next, self._next + 1
         return at, counters
 
     def _slots_of(self, rows: list[SampleRow]) -> np.ndarray:
