@@ -20,6 +20,7 @@ from lmgate.engine.engine import Engine
 from lmgate.engine.sampling.sampler import SampleRow, SampleTable, SamplingParams, launch_sample, sample
 from lmgate.engine.scheduling.scheduler import Scheduler
 from lmgate.engine.step.block_tables import StepTables
+from lmgate.engine.step.engine_loop import EngineLoop
 from lmgate.engine.step.input_batch import InputBatch
 from lmgate.engine.step.model_runner import ModelRunner
 from lmgate.engine.step.plan import StepPlan
@@ -80,13 +81,34 @@ def test_the_kept_state_holds_what_one_built_from_each_steps_sequences_holds(tin
     table reads from the rows themselves. Many more rows pass than the table has slots. At every step, the
     gathered block tables are the decodes' lists, zero-padded, and the batch is the running sequences that
     were scheduled, decodes first, each in running order. Every plan that follows the step before's is the plan
-    made row by row from the sequences, and leaves them as that one does."""
+    made row by row from the sequences, and leaves them as that one does; every update that takes a step's
+    tokens as plain leaves the sequences and the outputs as the row-by-row update does."""
     kept = SampleTable.draw
     seen: set[int] = set()
     draws = 0
     schedule, step_tables, grown, follow = Scheduler.schedule, StepTables.tables, StepTables.grown, InputBatch.follow
-    # steps of decodes only; of those, steps whose plan followed the step before's; schedules from a calendar
-    steady = followed = calendared = 0
+    plain_tokens = EngineLoop._plain_tokens
+    # steps of decodes only; of those, steps whose plan followed the step before's; schedules from a calendar;
+    # updates whose tokens were all plain
+    steady = followed = calendared = plain = 0
+
+    def checked_plain_tokens(loop: EngineLoop, samplers: list, batch) -> bool:
+        """Where a step's tokens are taken as plain, the row-by-row update does the same from the same state."""
+        nonlocal plain
+        before, signals = [(s.num_pending, len(s.token_ids)) for s in samplers], len(loop._signals)
+        if not plain_tokens(loop, samplers, batch):
+            return False
+        plain += 1
+        after, sent = [(s.num_pending, list(s.token_ids)) for s in samplers], loop._signals[signals:]
+        for seq, (num_pending, num_tokens) in zip(samplers, before):
+            seq.num_pending = num_pending
+            del seq.token_ids[num_tokens:]
+        del loop._signals[signals:]
+        loop._update_rows(samplers, batch)
+        assert [(s.num_pending, list(s.token_ids)) for s in samplers] == after
+        assert not batch.finished and all(s.unsent is None and s.finish_reason is None for s in samplers)
+        assert [(id(r), *rest) for r, *rest in loop._signals[signals:]] == [(id(r), *rest) for r, *rest in sent]
+        return True
 
     def checked_follow(inputs: InputBatch, batch: list, pending: bool) -> StepPlan | None:
         nonlocal followed
@@ -168,6 +190,7 @@ def test_the_kept_state_holds_what_one_built_from_each_steps_sequences_holds(tin
     monkeypatch.setattr(StepTables, "tables", checked_tables)
     monkeypatch.setattr(StepTables, "grown", checked_growth)
     monkeypatch.setattr(InputBatch, "follow", checked_follow)
+    monkeypatch.setattr(EngineLoop, "_plain_tokens", checked_plain_tokens)
     config = EngineConfig(
         dtype="float32",
         model=tiny_models("llama").path,
@@ -182,7 +205,7 @@ def test_the_kept_state_holds_what_one_built_from_each_steps_sequences_holds(tin
 
         def run(job: tuple[list[int], SamplingParams, bool]) -> None:
             prompt, params, cancel = job
-            stream = engine.submit(prompt, params)
+            stream = engine.submit(prompt, params, text=False)  # ids only: most steps' tokens plain
             for _ in stream:
                 if cancel:
                     stream.cancel()
@@ -192,7 +215,7 @@ def test_the_kept_state_holds_what_one_built_from_each_steps_sequences_holds(tin
         (loop,) = engine.loops
         assert loop.scheduler.num_preemptions > 0
         assert len(seen) > 4 * loop.runner.sample_table.capacity
-        assert draws > 300 and steady > 50 and followed > 20 and calendared > 20
+        assert draws > 300 and steady > 50 and followed > 20 and calendared > 20 and plain > 20
         assert_idle(engine)
 
 

@@ -29,6 +29,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.removed = 0  # sequences taken out (`remove`) so far
         self.unforked = 0  # samples that running sequences will fork: they count against max_batch_size
         # This step's copies on write, destination -> source: a block shared by a request's samples (forks),
         # partly filled, copied before the forward writes a sequence's next token into its own copy.
@@ -58,6 +59,7 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
+        self.removed += 1
 
     def schedule(self) -> list[Sequence]:
         """Sequences to run, decodes first, each with `num_scheduled` set."""

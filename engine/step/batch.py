@@ -37,6 +37,7 @@ class BatchData:
     seqs: list[Sequence]
     samplers: list[Sequence] = field(default_factory=list)  # the sequences that draw a token, in row order
     filled: list[Sequence] = field(default_factory=list)  # those that may have filled a block (`StepPlan.filled`)
+    removed: int = 0  # `Scheduler.removed` at launch: a sequence that ended since is still among the samplers
     inputs: StepInputs | None = None
     logits: torch.Tensor | None = None
     draws: SampleFuture | None = None  # queued on the device at launch

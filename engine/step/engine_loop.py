@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from itertools import repeat
 
 import torch
 
@@ -51,6 +52,21 @@ class LoopStats:
     steps: int = 0
     pop_seconds: float = 0.0  # in `Gateway.pop`: the ranks' agreement, waits for slower ranks and idle time included
     computed_tokens: int = 0  # KV computed: prompts, recomputations, generated tokens
+
+
+@dataclass(slots=True)
+class TokenRun:
+    """Steps that draw for the same sequences in the same order (the same list: `InputBatch`), as kUpdate's
+    first step of them found them: whether each draw may be a plain token (no text written here, no grammar),
+    and, where so, what the steps' tokens go to, and how many steps from the first none reaches its end."""
+
+    samplers: list[Sequence]
+    plain: bool  # False: no step of the run takes the plain path (`EngineLoop._plain_tokens`)
+    requests: list[Request]
+    indexes: list[int]  # each sample's index
+    stop_ids: frozenset[int]  # any sequence's
+    slack: int = 0  # steps from the first before one would draw its max_new_tokens-th or reach the context's end
+    steps: int = 0  # since the first
 
 
 def build_runner(weights: LocalWeights, config: EngineConfig, max_context_length: int) -> ModelRunner:
@@ -145,6 +161,7 @@ class EngineLoop:
         self.keep_kv_on_update = False
         self._idle_waiters: list[Request] = []  # a pause (WAIT) answered once nothing runs or is queued
         self._cancels_seen = -1  # `CancelFlag.cancels` when this loop last looked for cancelled sequences
+        self._token_run: TokenRun | None = None  # kUpdate's run of steps of the same sequences (`_plain_tokens`)
 
     @classmethod
     def build(
@@ -333,7 +350,7 @@ class EngineLoop:
         copies = [(source, copy) for copy, source in self.scheduler.copies.items()]
         decodes_only = self.scheduler.decodes_only
         plan, batch.inputs = self.runner.setup(batch.seqs, drawn, copies, decodes_only)  # kSetup + kPrepare
-        batch.samplers, batch.filled = plan.samplers, plan.filled
+        batch.samplers, batch.filled, batch.removed = plan.samplers, plan.filled, self.scheduler.removed
         self.computed_tokens += len(plan.input_ids)
         batch.logits = logits = self.runner.forward(batch.inputs)  # kForward + kUnprep
         assert logits is not None, "a loop's runner computes the logits"
@@ -612,7 +629,64 @@ class EngineLoop:
     def _update(self, samplers: list[Sequence], batch: BatchData) -> None:
         """A token per sampling row: hundreds a step on the host's critical path. The common case (a token
         sent at once, its ids alone: no logprobs, no text written here, no grammar, neither the first nor the
-        last) leaves as a token delta (`Signal`), of which the signal thread makes the output."""
+        last) leaves as a token delta (`Signal`), of which the signal thread makes the output: for a whole step
+        at once where every row's is (`_plain_tokens`), else row by row."""
+        if not self._plain_tokens(samplers, batch):
+            self._update_rows(samplers, batch)
+
+    def _plain_tokens(self, samplers: list[Sequence], batch: BatchData) -> bool:
+        """Where every token of the step is plain (`_update_rows`' common case): each appended, its draw no
+        longer pending, and the step's token deltas made in one pass. The rows' own tests are made once, at the
+        first of a run of steps of the same rows (`TokenRun`); each step tests what it alone can change: no
+        sequence has ended since it was launched, none asked for logprobs, no token is a stop id, and the run
+        has not reached the step at which one would draw its last token or fill the context."""
+        result = batch.result
+        assert result is not None, "read by kFetch"
+        run = self._token_run
+        if run is None or run.samplers is not samplers:
+            run = self._token_run = self._first_of_run(samplers)
+        else:
+            run.steps += 1
+        if (
+            run is None
+            or not run.plain
+            or run.slack <= run.steps
+            or batch.removed != self.scheduler.removed
+            or any(result.logprobs)
+            or not run.stop_ids.isdisjoint(result.token_ids)
+        ):
+            return False
+        tokens = result.token_ids
+        for seq, token in zip(samplers, tokens):
+            seq.num_pending -= 1
+            seq.token_ids.append(token)
+        version = batch.inputs.weight_version if batch.inputs is not None else ""
+        self._signals.extend(zip(run.requests, tokens, run.indexes, repeat(version)))
+        return True
+
+    def _first_of_run(self, samplers: list[Sequence]) -> TokenRun | None:
+        """What the first step of a run of `samplers` finds of them, before its tokens are appended. A run of
+        rows that write text here or follow a grammar, or a stream interval over one, never takes the plain
+        path; None where this step holds a first token or an output not sent yet: its next step looks again."""
+        plain = self.stream_interval == 1 and all(s.detokenizer is None and s.matcher is None for s in samplers)
+        run = TokenRun(samplers, plain, [], [], frozenset())
+        if not plain:
+            return run
+        limit, slack = self.max_context_length, self.max_context_length
+        for s in samplers:
+            num_tokens = len(s.token_ids) + 1  # with this step's token
+            num_output = num_tokens - s.num_prompt_tokens
+            if num_output < 2 or s.unsent is not None:
+                return None
+            slack = min(slack, s.max_new_tokens - num_output, limit - num_tokens)
+        run.requests = [s.request for s in samplers]
+        run.indexes = [s.index for s in samplers]
+        run.stop_ids = frozenset().union(*(s.stop_ids for s in samplers))
+        run.slack = slack
+        return run
+
+    def _update_rows(self, samplers: list[Sequence], batch: BatchData) -> None:
+        """kUpdate row by row (`_update`)."""
         interval, limit = self.stream_interval, self.max_context_length
         signal = self._signals.append  # `_emit`, without a call of its own per token
         version = batch.inputs.weight_version if batch.inputs is not None else ""
