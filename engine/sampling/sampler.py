@@ -621,13 +621,14 @@ class SampleFuture:
             self._copied.record()
             packed = host
         self._packed = packed
-        self.read: SampleResult | None = None  # once `result` has read it
+        self.known: SampleResult | None = None  # `result`, once it has been read
 
     def result(self) -> SampleResult:
-        """The ids as Python ints, and each asking row's logprobs; waits for the device (the GIL let go)."""
-        if self.read is None:
-            self.read = self._read()
-        return self.read
+        """The ids as Python ints, and each asking row's logprobs; the first call waits for the device (the GIL
+        let go)."""
+        if self.known is None:
+            self.known = self._read()
+        return self.known
 
     def _read(self) -> SampleResult:
         if self._copied is not None:

@@ -60,9 +60,12 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         self.removed += 1
+        if not self.running:  # what a run of the same decodes kept is let go
+            self._returned = self._calendar = None
 
     def schedule(self) -> list[Sequence]:
-        """Sequences to run, decodes first, each with `num_scheduled` set."""
+        """Sequences to run, decodes first, each with `num_scheduled` set. The caller runs each step it is given
+        before it asks again (a run of the same decodes counts on it: `_steady_decodes`)."""
         self.copies, self.decodes_only = {}, False
         for seq in self.waiting:
             seq.num_scheduled = 0
@@ -159,7 +162,7 @@ class Scheduler:
         bs = self.blocks.block_size
         if self._calendar is None:  # the first step of the run: where each stands, from its fields
             calendar: list[list[Sequence]] = [[] for _ in range(bs)]
-            least = self.max_batched_tokens  # the fewest tokens any may still draw
+            least = self.max_batched_tokens  # the fewest tokens any may still draw, or the run's longest
             for s in returned:
                 if s.matcher is not None:
                     return None

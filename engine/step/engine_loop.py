@@ -852,6 +852,12 @@ class EngineLoop:
                 self.blocks.release(seq.block_table)
                 seq.session.active = None
             seq.session.drop_kv()
+        self._forget_runs()
+
+    def _forget_runs(self) -> None:
+        """Every sequence ended: what the runs of the same rows kept of them is let go."""
+        self.runner.inputs.forget()
+        self._token_run = None
 
     def _cancel_all(self) -> None:
         for seq in self.scheduler.running + list(self.scheduler.waiting):
@@ -862,6 +868,7 @@ class EngineLoop:
             self.blocks.release(session.block_table)
             session.drop_kv()
         self.sessions.clear()
+        self._forget_runs()
 
     # output ------------------------------------------------------------------------------------------------
 

@@ -1,16 +1,14 @@
-"""A steady decode step's inputs from the step before's, in array operations (vLLM's persistent input batch)."""
+"""A steady decode step's plan from the step before's (vLLM's persistent input batch)."""
 
 from __future__ import annotations
 
 import operator
-from operator import attrgetter
-
 
 from .plan import StepPlan
 from ..sampling.sampler import SampleFuture, SampleRow
 from ..scheduling.sequence import Sequence
 
-_banning = attrgetter("params.min_new_tokens")
+_banning = operator.attrgetter("params.min_new_tokens")
 
 
 class InputBatch:
@@ -18,8 +16,8 @@ class InputBatch:
     runner, on its loop's thread.
 
     A step is kept (`hold`) where the next could follow it: decodes only, each drawing one token of its own in
-    row order (no samples forked, no grammar, no ids banned below min_new_tokens: their rows change from step to
-    step). The next step follows it (`follow`) where the scheduler found nothing but decodes (no prefill, no
+    row order (no samples forked, no grammar, no min_new_tokens, below which a row's banned ids change from
+    step to step). The next step follows it (`follow`) where the scheduler found nothing but decodes (no prefill, no
     admission, no preemption, no block copied on write: `Scheduler.decodes_only`), the same sequences in the
     same order (the same objects), with the kept step's draws launched. Then each sequence is one token further
     along: its slot the next of its block, or at a block's start the first of the block the scheduler has just
@@ -60,6 +58,10 @@ class InputBatch:
             self._order = list(range(rows))
         self._pending = None
 
+    def forget(self) -> None:
+        """Keep no step (its sequences, requests and draws are let go): the loop's sequences all ended."""
+        self._batch, self._rows, self._tables, self._draws = [], [], [], None
+
     def drew(self, draws: SampleFuture) -> None:
         """The kept step's draws, launched: the next step's inputs."""
         if self._batch:
@@ -77,7 +79,7 @@ class InputBatch:
         if pending:  # each row's input is its own draw of the kept step, put in on the device
             input_ids, pending_inputs = [0] * n, list(zip(order, order))
         else:
-            read = self._draws.read
+            read = self._draws.known
             if read is None:
                 return None
             input_ids, pending_inputs = read.token_ids, []

@@ -183,8 +183,11 @@ class ModelRunner:
 
     @staticmethod
     def _shared(plan: StepPlan) -> StepPlan:
-        """What a tensor-parallel follower reads of the plan."""
-        return dataclasses.replace(plan, sample_rows=[], samplers=[], constrained=[], filled=[], prompt=None)
+        """What a tensor-parallel follower reads of the plan (not the tables' growth: its tables are other lists,
+        unpickled, which `StepTables` compares)."""
+        return dataclasses.replace(
+            plan, sample_rows=[], samplers=[], constrained=[], filled=[], prompt=None, table_growth=None
+        )
 
     def plan(self, batch: list[Sequence]) -> StepPlan:
         """kSetup row by row: the step as plain lists, decodes first, from the sequences' host-side state. The
