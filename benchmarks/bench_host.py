@@ -204,7 +204,8 @@ class Recorder:
             if label == "schedule":
                 rec.current["seqs"] = len(out)
             elif label == "setup":
-                rec.current["tokens"] = len(out[0].input_ids)  # its plan's
+                step = out[0] if isinstance(out, tuple) else out  # (plan, inputs); an older tree's: the inputs
+                rec.current["tokens"] = len(step.input_ids)
             return out
 
         return call
