@@ -297,6 +297,17 @@ def test_a_draw_at_the_top_of_the_range_lands_on_a_possible_token(monkeypatch):
     assert sample(logits, [row(temperature=1.0)]).token_ids[0] < 3
 
 
+def test_the_largest_draw_finds_a_token_of_its_row_whatever_its_total():
+    """`_search` takes draw x total as its target unguarded: the largest draw (the largest float32 below 1) must
+    leave it below the total, so that the search finds the row's last token of non-zero probability and not the
+    zeros after it, for every float32 total above the subnormals (every mantissa, at three exponents)."""
+    totals = (torch.arange(2**23, dtype=torch.int32) | (127 << 23)).view(torch.float32)  # each float32 in [1, 2)
+    largest = torch.full((len(totals), 1), 1 - 2.0**-24)
+    for scale in (2.0**-125, 2.0**-20, 2.0**100):
+        probs = torch.stack([totals * scale, torch.zeros_like(totals)], dim=1)  # one token, then a zero
+        assert not sampling._search(probs, largest)[0].any(), scale
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_draw_over_a_large_vocabulary_finds_its_block_then_its_token(device):
     """Past DRAW_BLOCK tokens a draw searches block sums, then one block: the token where the whole cumulative
