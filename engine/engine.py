@@ -675,8 +675,8 @@ class Engine:
             group.destroy()  # a receive under way ends Aborted
         self.gateway.shutdown()
         self.ranks.shutdown()
-        self.gateway.kv_events.close()  # after the loops' last events: its readers end
-        self.gateway.stop_signals()
+        self.gateway.stop_signals()  # the last outputs delivered, the loops' last events published
+        self.gateway.kv_events.close()  # after those: its readers end
         thaw_heap()
 
     def __enter__(self) -> "Engine":

@@ -185,6 +185,16 @@ def test_a_prompts_full_blocks_are_stored_with_their_tokens_and_chained(replica)
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
 
 
+def test_a_client_that_has_its_reply_finds_its_prompts_blocks_in_the_log(replica):
+    """The loop hands a step's events over with its outputs, and the signal thread publishes them before it
+    delivers those: by the time a reply has reached the client, a router reading the log sees its blocks."""
+    for seed in range(30, 36):
+        ids = prompt(seed, 2 * BLOCK + 3)
+        generate(replica, ids)
+        _, live = replica.engine.kv_events.snapshot()
+        assert set(blocks_of(ids)) <= {tokens for _, _, tokens in live}, seed
+
+
 def test_an_evicted_blocks_hash_is_removed(replica):
     first = prompt(2, 10 * BLOCK)
     sub = Subscription(replica)

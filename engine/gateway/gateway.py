@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 # index, the weights' version): most of a step's outputs, which a loop hands over as such, and the signal thread
 # makes outputs of (`token_output`), off the loop's thread.
 Signal = tuple[Request, RequestOutput] | tuple[Request, int, int, str]
+KvStep = tuple[int, list[RawEvent]]  # a loop's rank and the prefix-cache events of one of its steps
 SLEEP_GATE = "sleep"  # closed from a Sleep until the Wakeup that leaves nothing asleep
 
 
@@ -63,7 +64,7 @@ class Gateway:
         self._closed_gates: dict[str, str] = {}
         self._arrivals = threading.Condition()  # guards _num_arrivals; idle engine loops wait on it
         self._num_arrivals = 0
-        self._signals: deque[list[Signal]] = deque()
+        self._signals: deque[tuple[KvStep | None, list[Signal]]] = deque()  # a step's events and outputs each
         self._signal_cond = threading.Condition()  # guards _signals and _stopping
         self._stopping = False
         self._signal_thread = threading.Thread(target=self._signal_loop, name="lmgate-signal", daemon=True)
@@ -275,17 +276,19 @@ class Gateway:
             live.append(r)
         return live
 
-    def notify(self, signals: list[Signal]) -> None:
-        """Hand outputs to the signal thread; one hand-off per engine step, never blocking on a client.
+    def notify(self, signals: list[Signal], kv_step: KvStep | None = None) -> None:
+        """Hand outputs to the signal thread; one hand-off per engine step, never blocking on a client. With a
+        loop's step, its prefix-cache events, which that thread publishes first (`publish_kv_events`): a client
+        that sees its reply finds its prompt's blocks published, and the loop does not wait on the log's lock.
         Once that thread has stopped, the caller delivers them itself, so no callback is ever lost."""
-        if not signals:
+        if not signals and kv_step is None:
             return
         with self._signal_cond:
             if not self._stopping:
-                self._signals.append(signals)
+                self._signals.append((kv_step, signals))
                 self._signal_cond.notify()
                 return
-        self._deliver_all(signals)
+        self._hand_over(kv_step, signals)
 
     def stop_found(self, rank: int, found: StopFound) -> None:
         """The front end found a stop string in a sample of loop `rank` (a rank process's receiver tells it
@@ -303,7 +306,8 @@ class Gateway:
 
     def publish_kv_events(self, rank: int, events: list[RawEvent]) -> None:
         """A loop's prefix-cache events of one step, before its outputs are delivered (a client that sees its
-        reply and sends the next turn finds them published). A rank process's gateway sends them instead."""
+        reply and sends the next turn finds them published): on the signal thread (`notify`), or the rank
+        receiver's for a rank process, whose own gateway sends them instead."""
         self.kv_events.publish(rank, events)
 
     def shutdown(self, error: EngineError | None = None) -> None:
@@ -333,8 +337,14 @@ class Gateway:
                 self._signal_cond.wait_for(lambda: self._signals or self._stopping)
                 if not self._signals:
                     return
-                batch = self._signals.popleft()
-            self._deliver_all(batch)
+                kv_step, batch = self._signals.popleft()
+            self._hand_over(kv_step, batch)
+
+    def _hand_over(self, kv_step: KvStep | None, signals: list[Signal]) -> None:
+        if kv_step is not None:
+            self.publish_kv_events(*kv_step)
+        if signals:
+            self._deliver_all(signals)
 
     def _deliver_all(self, signals: list[Signal]) -> None:
         """Each output to its callback. Hundreds a step: one that is not its request's last and has no text for

@@ -8,8 +8,9 @@ A loop's `BlockManager` records its keys' changes as tuples, and only with prefi
   (FORGOTTEN, key)                 a keyed block lost its key: evicted (handed out again) or made private
   (CLEARED,)                       every key forgotten: new weights, sleep, a flush
 
-The loop hands over a step's events at its end (`Gateway.publish_kv_events`); a rank process sends them to the
-serving process, whose rank receiver publishes them here.
+The loop hands over a step's events at its end with its outputs (`Gateway.notify`), and the signal thread
+publishes them here before it delivers those (`Gateway.publish_kv_events`); a rank process's signal thread sends
+them to the serving process, whose rank receiver publishes them here.
 
 The log speaks for the server as a whole, since a router routes to servers: a block is stored when its first
 loop keys it and removed when its last loop forgets it. Each publish that changes what the server holds is one
@@ -19,7 +20,7 @@ the live blocks are kept beside it, for a subscriber whose cursor the ring no lo
 Memory is thus bounded by the KV cache's blocks and the ring, whoever reads or does not.
 
 `_lock` guards all of it and is a leaf. Listeners run after a publish with no lock held, on the publishing thread
-(an engine loop, the rank receiver): they must not block.
+(the signal thread, the rank receiver): they must not block.
 """
 
 from __future__ import annotations

@@ -876,8 +876,6 @@ class EngineLoop:
         self._signals.append((request, output))
 
     def _flush(self) -> None:
-        events = self.blocks.take_events()
-        if events:  # before the outputs: a client that sees its reply finds its prompt's blocks published
-            self.gateway.publish_kv_events(self.rank, events)
-        self.gateway.notify(self._signals)
+        events = self.blocks.take_events()  # published before the outputs, on the signal thread
+        self.gateway.notify(self._signals, (self.rank, events) if events else None)
         self._signals = []
