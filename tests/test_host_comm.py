@@ -299,6 +299,12 @@ def test_gloo_group_of_one_reduces_to_its_own_value_until_aborted(on_ranks) -> N
     assert on_ranks("gloo", 1, _lone_rank) == ["aborted"]
 
 
+def test_thread_group_of_one_reduces_to_its_own_value_until_aborted() -> None:
+    """A lone loop thread's every-step reduction waits on no barrier, and still refuses once aborted."""
+    (comm,) = ThreadComm.create_group(1)
+    assert _lone_rank(comm) == "aborted"
+
+
 def test_create_group_rejects_empty_group() -> None:
     with pytest.raises(ValueError):
         ThreadComm.create_group(0)

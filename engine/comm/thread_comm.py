@@ -122,6 +122,10 @@ class ThreadComm(HostComm):
     def _exchange(self, value: T) -> list[T]:
         """Every rank's value, indexed by rank: the two-phase step all collectives but `sync` are built on."""
         slots = self._group.slots
+        if len(slots) == 1:  # a loop alone (every step's `Gateway.pop`): nobody to wait for, unless aborted
+            if self._group.barrier.broken:
+                raise CommAborted("host communicator aborted")
+            return [value]
         slots[self._rank] = value
         self._wait()
         seen = cast("list[T]", list(slots))  # every slot holds a rank's `value` of this collective
