@@ -488,6 +488,14 @@ def goal_figure(run: dict, workload: dict) -> str:
     return f"{HOST} less the sampler's arithmetic ({floor:.3f} ms): {host - floor:.3f} ms a step"
 
 
+def common_floor_figure(this: dict, mine: dict, base: dict, theirs: dict) -> str:
+    """Both sides' figure less one floor, the mean of the two: the floor is this script's arithmetic on either
+    side, so what tells the sides' floors apart is the machine's drift, which should not tell the sides apart."""
+    floor = (this["sampler_floor_ms"] + base["sampler_floor_ms"]) / 2
+    a, b = mine["ms_per_step"][HOST] - floor, theirs["ms_per_step"][HOST] - floor
+    return f"the same, less one floor for both (their mean, {floor:.3f} ms): {a:.3f} against {b:.3f} ms ({a / b:.2f}x)"
+
+
 def report(this: dict, base: dict | None, baseline: str) -> None:
     """Per workload, a markdown table: this tree and the baseline side by side, with their ratio."""
     print(f"\n## Host time per engine step, {machine(this)}\n")
@@ -533,6 +541,8 @@ def report(this: dict, base: dict | None, baseline: str) -> None:
             print(
                 f"\n{goal_figure(this, mine)}" + (f"; baseline {goal_figure(base, theirs)}" if base and theirs else "")
             )
+            if base and theirs:
+                print(common_floor_figure(this, mine, base, theirs))
     excluded = next(iter(this["workloads"].values()), {}).get("excluded", [])
     print(
         f"\n{HOST}: the sum of the rows above it (not of {', '.join(excluded)}): the whole step, with the `_flush` "

@@ -62,6 +62,10 @@ def test_ids_only_requests_write_no_text_and_the_table_shows_the_phase_only_the_
     assert [cell.strip() for cell in rows[names.index("detokenize")][1:3]] == ["—", "—"]
     goal = [line for line in out.splitlines() if "less the sampler's arithmetic" in line]
     assert len(goal) == 1 and goal[0].count(" ms a step") == 2  # this tree's figure and the baseline's
+    floor = (ids_only["sampler_floor_ms"] + with_text["sampler_floor_ms"]) / 2
+    host = bench_host.HOST
+    mine, theirs = (run["workloads"]["decode"]["ms_per_step"][host] - floor for run in (ids_only, with_text))
+    assert f"{mine:.3f} against {theirs:.3f} ms ({mine / theirs:.2f}x)" in out  # both less the same floor
     bench_host.report({**ids_only, "clock": "cpu"}, None, "")
     out = capsys.readouterr().out
     assert "phases in the CPU time of their thread" in out and "less the sampler's arithmetic" not in out
