@@ -20,14 +20,16 @@ class InputBatch:
     step to step). The next step follows it (`follow`) where the scheduler found nothing but decodes (no prefill, no
     admission, no preemption, no block copied on write: `Scheduler.decodes_only`), the same sequences in the
     same order (the same objects), with the kept step's draws launched. Then each sequence is one token further
-    along: its slot the next of its block, or at a block's start the first of the block the scheduler has just
-    given it (one sequence in block_size reads its table); its input the token the kept step drew for it, read
-    by the host or still on the device; its table, sampling row and place among the draws the kept step's (the
-    same lists). Its plan is made in one short pass that also moves each sequence past the step, as
-    `ModelRunner.plan` does: a token computed and a draw pending, at its row (the same as before).
+    along: its position the kept step's length; its slot the next of its block, or at a block's start the first
+    of the block the scheduler has just given it; its input the token the kept step drew for it, read by the
+    host or still on the device; its table, sampling row and place among the draws the kept step's (the same
+    lists). Which rows start a block, and which fill one, at a step of the run is known from where each stood at
+    its first: the rows bucketed by their position within a block then, read in turn, so that only those rows
+    (one in block_size) are looked at. Each sequence is moved past the step as `ModelRunner.plan` does: a token
+    computed and a draw pending, at its row (the same as before).
 
-    A pass in Python, not array operations: 256 rows cost a few numpy calls' time, and on a CPU, whose forward
-    has just evicted numpy's code and data from the caches, each such call costs tens of microseconds.
+    List passes in Python, not array operations: 256 rows cost a few numpy calls' time, and on a CPU, whose
+    forward has just evicted numpy's code and data from the caches, each such call costs tens of microseconds.
     """
 
     def __init__(self, block_size: int) -> None:
@@ -36,6 +38,11 @@ class InputBatch:
         self._rows: list[SampleRow] = []  # their sampling rows
         self._tables: list[list[int]] = []  # their block tables
         self._slots: list[int] = []  # their slots
+        self._lengths: list[int] = []  # their lengths: the next step's positions
+        # The run's rows by where their length stood within a block at its first followed step, and the steps
+        # followed since (`follow`); None until a step follows the kept one
+        self._buckets: list[list[int]] | None = None
+        self._steps = 0
         self._order: list[int] = []  # 0 .. rows - 1: each row's draw is its own
         self._pending: bool | None = None  # whether the rows say a draw is pending (all, or none); None: unknown
         self._draws: SampleFuture | None = None  # the kept step's draws, once launched (`drew`)
@@ -53,14 +60,14 @@ class InputBatch:
         ):
             return
         self._batch, self._rows, self._tables = plan.samplers, plan.sample_rows, plan.decode_tables
-        self._slots = list(plan.slots)
+        self._slots, self._lengths, self._buckets = plan.slots, plan.decode_lengths, None
         if len(self._order) != rows:
             self._order = list(range(rows))
         self._pending = None
 
     def forget(self) -> None:
         """Keep no step (its sequences, requests and draws are let go): the loop's sequences all ended."""
-        self._batch, self._rows, self._tables, self._draws = [], [], [], None
+        self._batch, self._rows, self._tables, self._draws, self._buckets = [], [], [], None, None
 
     def drew(self, draws: SampleFuture) -> None:
         """The kept step's draws, launched: the next step's inputs."""
@@ -88,26 +95,24 @@ class InputBatch:
                 row.num_pending = seq.num_pending
             self._pending = pending
         bs = self.block_size
-        positions: list[int] = []
-        slots: list[int] = []
-        lengths: list[int] = []
-        filled: list[Sequence] = []
+        if self._buckets is None:  # the run's first followed step
+            self._buckets, self._steps = [[] for _ in range(bs)], 0
+            for i, length in enumerate(self._lengths):
+                self._buckets[length % bs].append(i)
+        step, positions = self._steps, self._lengths
+        lengths = [p + 1 for p in positions]
+        slots = [s + 1 for s in self._slots]
         growth: list[tuple[int, int, int]] = []
-        for i, (seq, slot) in enumerate(zip(batch, self._slots)):
-            position = seq.num_computed
-            seq.num_computed = end = position + 1
+        for i in self._buckets[-step % bs]:  # the rows whose position starts a block: a block just given
+            j = positions[i] // bs
+            block = batch[i].block_table[j]
+            growth.append((i, j, block))
+            slots[i] = block * bs
+        filled = [batch[i] for i in self._buckets[(-step - 1) % bs]]  # the rows whose token ends a block
+        for seq in batch:
+            seq.num_computed += 1
             seq.num_pending += 1
-            if position % bs:
-                slots.append(slot + 1)
-            else:  # the first of a block the scheduler has just given it
-                block = seq.block_table[position // bs]
-                growth.append((i, position // bs, block))
-                slots.append(block * bs)
-            positions.append(position)
-            lengths.append(end)
-            if end % bs == 0:
-                filled.append(seq)
-        self._slots, self._draws = slots, None
+        self._slots, self._lengths, self._steps, self._draws = slots, lengths, step + 1, None
         return StepPlan(
             input_ids,
             positions,
