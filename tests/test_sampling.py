@@ -297,6 +297,27 @@ def test_a_draw_at_the_top_of_the_range_lands_on_a_possible_token(monkeypatch):
     assert sample(logits, [row(temperature=1.0)]).token_ids[0] < 3
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_logits_lent_to_the_sampler_draw_the_same_tokens_and_logprobs(device):
+    """A model runner lends the sampler its step's logits (`scratch`): the temperature may divide them in place.
+    The draws and log-probabilities are those of logits not lent, and where a row reads log-probabilities
+    (raw or processed) the logits are left as they were."""
+    kinds = [
+        [dict(temperature=0.7), dict(temperature=1.3, top_p=0.9)],  # every row samples: divided in place
+        [dict(temperature=0.7, logprobs=2), dict(temperature=1.1)],  # a row reads log-probabilities
+        [dict(temperature=0.8, logprobs=1, logprobs_mode="processed"), dict(temperature=0.5, top_k=5)],
+        [dict(), dict(temperature=0.9, logprobs=1)],  # a greedy row: the others' logits are a copy
+    ]
+    for case, params in enumerate(kinds):
+        logits = logits_for(len(params), case).to(device)
+        kept = sampling.launch_sample(logits.clone(), [row(i, **p) for i, p in enumerate(params)]).result()
+        lent = logits.clone()
+        got = sampling.launch_sample(lent, [row(i, **p) for i, p in enumerate(params)], scratch=True).result()
+        assert (got.token_ids, got.logprobs) == (kept.token_ids, kept.logprobs), case
+        reads = any(p.get("logprobs") for p in params)
+        assert torch.equal(lent, logits) == (reads or any(not p for p in params)), case
+
+
 def test_the_largest_draw_finds_a_token_of_its_row_whatever_its_total():
     """`_search` takes draw x total as its target unguarded: the largest draw (the largest float32 below 1) must
     leave it below the total, so that the search finds the row's last token of non-zero probability and not the

@@ -413,6 +413,6 @@ class ModelRunner:
     ) -> SampleFuture:
         """Sampling on the model's device, queued; its `result` (kFetch) brings the ids back in one copy.
         `masks`: structured outputs' token masks of the constrained rows (`launch_sample`)."""
-        draws = launch_sample(logits, inputs.sample_rows, masks, self.sample_table)
+        draws = launch_sample(logits, inputs.sample_rows, masks, self.sample_table, scratch=True)
         self.inputs.drew(draws)
         return draws
