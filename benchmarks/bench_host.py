@@ -493,7 +493,8 @@ def common_floor_figure(this: dict, mine: dict, base: dict, theirs: dict) -> str
     side, so what tells the sides' floors apart is the machine's drift, which should not tell the sides apart."""
     floor = (this["sampler_floor_ms"] + base["sampler_floor_ms"]) / 2
     a, b = mine["ms_per_step"][HOST] - floor, theirs["ms_per_step"][HOST] - floor
-    return f"the same, less one floor for both (their mean, {floor:.3f} ms): {a:.3f} against {b:.3f} ms ({a / b:.2f}x)"
+    ratio = f"{a / b:.2f}x" if a > 0 and b > 0 else "—"
+    return f"the same, less one floor for both (their mean, {floor:.3f} ms): {a:.3f} against {b:.3f} ms ({ratio})"
 
 
 def report(this: dict, base: dict | None, baseline: str) -> None:

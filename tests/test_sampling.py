@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
@@ -288,9 +289,13 @@ def test_rows_that_look_past_the_candidates_sort_the_vocabulary(device):
 
 
 def test_a_draw_at_the_top_of_the_range_lands_on_a_possible_token(monkeypatch):
-    """The largest uniform times the total may round up to the total; the draw must still not fall on the
+    """The largest uniform times the total must stay below the total: the draw must not fall on the
     zero-probability tail."""
-    monkeypatch.setattr(sampling, "uniform", lambda seed, counter: 1 - 2.0**-24)
+
+    def largest(seeds, counters):  # every row's every draw, as `uniforms` makes them
+        return np.full(np.broadcast(np.asarray(seeds), np.asarray(counters)).shape, 1 - 2.0**-24, dtype=np.float32)
+
+    monkeypatch.setattr(sampling, "uniforms", largest)
     logits = torch.full((1, VOCAB), -1e4)
     logits[0, :3] = torch.tensor([1.0, 0.5, 0.25])
     assert sample(logits, [row(temperature=1.0, top_k=3)]).token_ids == [2]

@@ -79,7 +79,7 @@ class _Live:
 
 
 class KvEventLog:
-    """Written by whoever publishes (engine loops, the rank receiver), read by subscribers on any thread."""
+    """Written by whoever publishes (the signal thread, the rank receiver), read by subscribers on any thread."""
 
     def __init__(self, max_blocks: int = MAX_BLOCKS) -> None:
         self.max_blocks = max_blocks

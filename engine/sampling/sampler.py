@@ -594,8 +594,9 @@ def _block_sums(probs: torch.Tensor) -> torch.Tensor:
 def _search(probs: torch.Tensor, draws: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The index per row, and the prefix sums and target it was found by. Each draw is at most the largest
     float below 1 (a `uniform` has 24 bits; a share within a block is clamped there), so draw x total rounds to
-    below the total for any total a distribution has (a float above the subnormals): the target lands on a
-    token of non-zero probability with no guard (three array operations a step fewer)."""
+    below the total for any total above the smallest normal float: a distribution's holds its largest
+    probability, and a block of less mass is found only by a draw of 0. The target then lands on a token of
+    non-zero probability with no guard (three array operations a step fewer)."""
     cdf = probs.cumsum(dim=-1)
     target = draws * cdf[:, -1:]
     # A row of NaN (a model that overflowed) finds no token: the last id, not one past the vocabulary.
