@@ -3,6 +3,7 @@ figures are `make bench-host`'s business, not a test's)."""
 
 import importlib
 import os
+import subprocess
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
@@ -101,3 +102,22 @@ def test_rounds_report_each_figure_as_the_median_of_the_rounds_that_have_it():
     assert decode["detail"]["plan"] == [1.0, 1.0]
     merged = bench_host.median_run([run(9.0, 0.7, extra=True), run(1.0, 0.5), run(2.0, 0.6, extra=True)])
     assert merged["workloads"]["decode"]["ms_per_step"]["detokenize"] == 5.5  # of the two rounds that have it
+
+
+def test_the_rounds_import_this_tree_from_a_copy_of_its_packages_as_they_are():
+    """Both sides of a run in rounds import from copies under the temporary directory: this checkout's is
+    its packages with their changes, which a child imports (its code path names the copy)."""
+    with bench_host.copy_of_this_tree() as tree:
+        assert bench_host.same_files(os.path.join(tree, "engine"), os.path.join(bench_host.ROOT, "engine"))
+        assert bench_host.same_files(os.path.join(tree, "service"), os.path.join(bench_host.ROOT, "service"))
+        env = {**os.environ, bench_host.CODE_ENV: tree}
+        probe = "import sys; sys.argv = ['x']; import bench_host, lmgate.engine; print(lmgate.engine.__file__)"
+        where = subprocess.run(
+            [sys.executable, "-c", probe],
+            env=env,
+            cwd=os.path.dirname(bench_host.__file__),
+            capture_output=True,
+            text=True,
+        )
+        assert where.stdout.strip() == os.path.join(tree, "engine", "__init__.py"), where.stderr
+    assert not os.path.exists(tree)
