@@ -292,3 +292,35 @@ def test_a_control_closed_in_its_queue_is_unavailable_not_done(gateway):
             sleeping.result(timeout=60)
     with pytest.raises(Unavailable, match="shutting down"):
         gateway.control(RequestKind.WAKE_KV)
+
+
+def test_outputs_handed_over_while_the_signal_thread_stops_keep_their_order():
+    """A step's outputs notified after `stop_signals` began, while the signal thread still delivers an earlier
+    step's, come after that step's: the thread drains what it is handed before callers deliver their own."""
+    gw = Gateway(1)
+    delivered: list[str] = []
+    first_started, release = threading.Event(), threading.Event()
+
+    def slow(output) -> None:
+        first_started.set()
+        release.wait(60)
+        delivered.append("first")
+
+    early = Request(RequestKind.GENERATE, 0, slow, input_ids=[1], params=SamplingParams())
+    late = Request(
+        RequestKind.GENERATE, 0, lambda _: delivered.append("second"), input_ids=[1], params=SamplingParams()
+    )
+    gw.notify([(early, 5, 0, "0")])
+    assert first_started.wait(60)  # the signal thread is inside the first step's delivery
+    stopper = threading.Thread(target=gw.stop_signals)
+    stopper.start()
+    while not gw._stopping:
+        time.sleep(0.001)
+    gw.notify([(late, 6, 1, "0")])  # the next step's, from a loop that has not stopped yet
+    release.set()
+    stopper.join(60)
+    assert not stopper.is_alive()
+    assert delivered == ["first", "second"]
+    gw.notify([(late, 7, 2, "0")])  # once the thread is gone the caller delivers at once
+    assert delivered == ["first", "second", "second"]
+    gw.shutdown()

@@ -65,8 +65,9 @@ class Gateway:
         self._arrivals = threading.Condition()  # guards _num_arrivals; idle engine loops wait on it
         self._num_arrivals = 0
         self._signals: deque[tuple[KvStep | None, list[Signal]]] = deque()  # a step's events and outputs each
-        self._signal_cond = threading.Condition()  # guards _signals and _stopping
+        self._signal_cond = threading.Condition()  # guards _signals, _stopping and _drained
         self._stopping = False
+        self._drained = False  # the signal thread has delivered its last hand-off and returned
         self._signal_thread = threading.Thread(target=self._signal_loop, name="lmgate-signal", daemon=True)
         self._signal_thread.start()
         self.kv_events = KvEventLog()  # the loops' prefix-cache block events, for a gateway's router
@@ -280,11 +281,12 @@ class Gateway:
         """Hand outputs to the signal thread; one hand-off per engine step, never blocking on a client. With a
         loop's step, its prefix-cache events, which that thread publishes first (`publish_kv_events`): a client
         that sees its reply finds its prompt's blocks published, and the loop does not wait on the log's lock.
-        Once that thread has stopped, the caller delivers them itself, so no callback is ever lost."""
+        Once that thread has delivered its last hand-off and returned, the caller delivers them itself, so no
+        callback is ever lost and none overtakes an earlier step's."""
         if not signals and kv_step is None:
             return
         with self._signal_cond:
-            if not self._stopping:
+            if not self._drained:  # while it stops it still drains what it is handed, in order
                 self._signals.append((kv_step, signals))
                 self._signal_cond.notify()
                 return
@@ -336,6 +338,7 @@ class Gateway:
             with self._signal_cond:
                 self._signal_cond.wait_for(lambda: self._signals or self._stopping)
                 if not self._signals:
+                    self._drained = True  # every hand-off before this one delivered: callers deliver their own
                     return
                 kv_step, batch = self._signals.popleft()
             self._hand_over(kv_step, batch)
