@@ -11,6 +11,7 @@ import torch
 from lmgate.client.client import Client
 from lmgate.client.weights import weight_stream
 from lmgate.engine.config import EngineConfig
+from lmgate.engine.loading.pushed import TensorSpec, host_buffer, tensor_views
 from lmgate.engine.ranks import weight_transfer
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
@@ -143,6 +144,38 @@ def test_weight_push_cut_off_or_not_committed_changes_nothing(server, trainer):
         assert push_error(server, ends_early).code() == grpc.StatusCode.INVALID_ARGUMENT
     assert greedy(server) == before
     assert server.info().weight_version == "0"
+
+
+def test_a_kept_buffer_is_received_into_again_once_nothing_views_it():
+    """A push's buffer keeps its pages when its tensors go: the next push of its size is received into them (the
+    values the last one left there still in them), never while a tensor, or a view of one, still reads them."""
+    specs = [TensorSpec("w", "float32", (1021, 7))]  # a size no other push in this process has
+    nbytes = specs[0].nbytes
+    first = tensor_views(specs, host_buffer(nbytes))["w"]
+    first.fill_(7.0)
+    row, at = first[3], first.data_ptr()
+    del first
+    second = tensor_views(specs, host_buffer(nbytes))["w"]  # a row of the first still viewed: other memory
+    assert second.data_ptr() != at
+    del second, row
+    kept = [tensor_views(specs, host_buffer(nbytes))["w"] for _ in range(2)]
+    again = next(t for t in kept if t.data_ptr() == at)
+    assert bool((again == 7.0).all())
+
+
+def test_a_push_is_never_received_into_memory_the_served_model_reads(server, trainer):
+    """A model built on a push's own tensors (float32 into a float32 engine: the embedding and the norms are
+    served from the received bytes) keeps that buffer from later pushes: pushes that are not committed, more of
+    them than buffers are kept, change nothing it answers."""
+    state = {k: v.detach().clone() for k, v in trainer.state_dict().items() if k != "lm_head.weight"}
+    with Client(server.address) as client:
+        client.update_weights(state, version="float32")
+    served = greedy(server)
+    messages = list(weight_stream({k: -v for k, v in state.items()}, "never"))
+    for _ in range(3):
+        assert push_error(server, messages[:-1]).code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert greedy(server) == served
+    assert server.info().weight_version == "float32"
 
 
 def test_weight_push_needs_the_admin_credential(checkpoint, trainer):
