@@ -314,8 +314,11 @@ def test_outputs_handed_over_while_the_signal_thread_stops_keep_their_order():
     assert first_started.wait(60)  # the signal thread is inside the first step's delivery
     stopper = threading.Thread(target=gw.stop_signals)
     stopper.start()
-    while not gw._stopping:
+    for _ in range(60_000):  # until the stop has begun (a guard against a hang, not a time limit)
+        if gw._stopping:
+            break
         time.sleep(0.001)
+    assert gw._stopping
     gw.notify([(late, 6, 1, "0")])  # the next step's, from a loop that has not stopped yet
     release.set()
     stopper.join(60)

@@ -11,7 +11,7 @@ import torch
 from lmgate.client.client import Client
 from lmgate.client.weights import weight_stream
 from lmgate.engine.config import EngineConfig
-from lmgate.engine.loading.pushed import TensorSpec, host_buffer, tensor_views
+from lmgate.engine.loading.pushed import TensorSpec, host_buffer, release_kept_buffers, tensor_views
 from lmgate.engine.ranks import weight_transfer
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
@@ -161,6 +161,19 @@ def test_a_kept_buffer_is_received_into_again_once_nothing_views_it():
     kept = [tensor_views(specs, host_buffer(nbytes))["w"] for _ in range(2)]
     again = next(t for t in kept if t.data_ptr() == at)
     assert bool((again == 7.0).all())
+
+
+def test_kept_buffers_let_go_are_not_received_into_again():
+    """After `release_kept_buffers` (a level-2 sleep, shutdown) a push gets fresh memory: 40 MB, above the size
+    below which the C library may hand the same memory out again."""
+    specs = [TensorSpec("w", "float32", (10_007, 1_000))]
+    nbytes = specs[0].nbytes
+    first = tensor_views(specs, host_buffer(nbytes))["w"]
+    first.fill_(7.0)
+    del first
+    release_kept_buffers()
+    again = tensor_views(specs, host_buffer(nbytes))["w"]
+    assert not bool((again == 7.0).any())
 
 
 def test_a_push_is_never_received_into_memory_the_served_model_reads(server, trainer):

@@ -334,14 +334,21 @@ class Gateway:
     # signal thread -----------------------------------------------------------------------------------------
 
     def _signal_loop(self) -> None:
-        while True:
+        try:
+            while True:
+                with self._signal_cond:
+                    self._signal_cond.wait_for(lambda: self._signals or self._stopping)
+                    if not self._signals:
+                        self._drained = True  # every hand-off before this one delivered: callers deliver their own
+                        return
+                    kv_step, batch = self._signals.popleft()
+                try:
+                    self._hand_over(kv_step, batch)
+                except Exception:  # a bug, or a rank's outbox that failed: later steps' outputs still go
+                    log.exception("handing a step's outputs over failed")
+        finally:  # should this thread die anyway, callers deliver their own rather than queue to no one
             with self._signal_cond:
-                self._signal_cond.wait_for(lambda: self._signals or self._stopping)
-                if not self._signals:
-                    self._drained = True  # every hand-off before this one delivered: callers deliver their own
-                    return
-                kv_step, batch = self._signals.popleft()
-            self._hand_over(kv_step, batch)
+                self._drained = True
 
     def _hand_over(self, kv_step: KvStep | None, signals: list[Signal]) -> None:
         if kv_step is not None:

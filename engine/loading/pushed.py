@@ -88,9 +88,17 @@ def pushed_weights(tensors: Mapping[str, torch.Tensor], config: ModelConfig, own
 
 def host_buffer(nbytes: int) -> memoryview:
     """`nbytes` of host memory for received tensors, left unwritten: a kept buffer of that size that nothing views
-    any more (`_KeptBuffers`), else a new one. A `bytearray` zeroes its pages first, and numpy's (which it asks to
-    be huge) took 0.6 s a 0.54 GB model to fill on the 2-core EPYC against 0.19 s for torch's."""
+    any more (`_KeptBuffers`), else a new one. Never `release()` the memoryview: the tensors made from it would
+    no longer hold the buffer, which could then be handed out again. A `bytearray` zeroes its pages first, and
+    numpy's (which it asks to be huge) took 0.6 s a 0.54 GB model to fill on the 2-core EPYC against 0.19 s for
+    torch's."""
     return _kept.take(nbytes)
+
+
+def release_kept_buffers() -> None:
+    """Let go of the kept buffers (a level-2 sleep, whose point is memory; shutdown): those nothing views are
+    freed now, the others when their views go."""
+    _kept.clear()
 
 
 class _KeptBuffers:
@@ -110,15 +118,18 @@ class _KeptBuffers:
 
     def take(self, nbytes: int) -> memoryview:
         with self._lock:
-            free = [i for i, (_, handed) in enumerate(self._buffers) if handed() is None]
-            found = next((i for i in free if self._buffers[i][0].numel() == nbytes), None)
+            # A free buffer of another size goes: pushes of another dtype, or another model, will not need it
+            self._buffers = [b for b in self._buffers if b[1]() is not None or b[0].numel() == nbytes]
+            found = next((i for i, (_, handed) in enumerate(self._buffers) if handed() is None), None)
             base = self._buffers.pop(found)[0] if found is not None else torch.empty(nbytes, dtype=torch.uint8)
             array = base.numpy()
             self._buffers.insert(0, (base, weakref.ref(array)))
-            while len(self._buffers) > self.KEPT:  # a free one goes first; one in use is only no longer kept
-                spare = [i for i, (_, handed) in enumerate(self._buffers) if handed() is None]
-                self._buffers.pop(spare[-1] if spare else -1)
+            del self._buffers[self.KEPT :]  # the oldest in use is only no longer kept: its views still hold it
         return array.data
+
+    def clear(self) -> None:
+        with self._lock:
+            self._buffers = []
 
 
 _kept = _KeptBuffers()
