@@ -164,10 +164,11 @@ class AdminServicer(pb_grpc.AdminServicer):
                 # Off the event loop: a buffer the rank processes map takes its room first (0.9 s for 2.47 GB)
                 buffer = await asyncio.to_thread(self.engine.host_buffer, sum(spec.nbytes for spec in specs))
             elif part == "chunk":
-                if received + len(request.chunk) > len(buffer):
+                chunk = request.chunk  # read once: each read of the field copies its bytes (72 us for 2 MiB)
+                if received + len(chunk) > len(buffer):
                     raise InvalidRequest(f"more bytes than the header's tensors hold ({len(buffer)}): nothing changed")
-                buffer[received : received + len(request.chunk)] = request.chunk
-                received += len(request.chunk)
+                buffer[received : received + len(chunk)] = chunk
+                received += len(chunk)
             elif part == "commit":
                 if received != len(buffer):
                     raise InvalidRequest(f"commit after {received} of {len(buffer)} bytes: nothing changed")
