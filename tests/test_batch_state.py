@@ -127,7 +127,8 @@ def test_the_kept_state_holds_what_one_built_from_each_steps_sequences_holds(tin
         assert [(r.num_pending, r.banned_ids) for r in reference.sample_rows] == rows_after
         for name in ("input_ids", "positions", "slots", "logit_rows", "decode_lengths"):
             assert list(map(int, getattr(plan, name))) == getattr(reference, name), name
-        assert [tuple(map(int, pair)) for pair in plan.pending_inputs] == reference.pending_inputs
+        in_order = [(row, row) for row in range(len(batch))] if plan.pending_in_order else []
+        assert [tuple(map(int, pair)) for pair in plan.pending_inputs] + in_order == reference.pending_inputs
         for name in ("decode_tables", "sample_rows", "samplers", "filled"):
             assert [id(x) for x in getattr(plan, name)] == [id(x) for x in getattr(reference, name)], name
         assert not reference.prefills and not reference.constrained and reference.prompt is None

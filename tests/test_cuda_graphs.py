@@ -40,6 +40,20 @@ def test_only_decode_steps_that_fit_run_from_a_graph():
     assert not graphs.fits(num_rows=2, num_prefills=0, table_width=5)  # a table wider than the buffers
 
 
+def test_pending_inputs_are_the_last_steps_draws():
+    """Under overlap a decode's input is still on the device: by pairs (row, row of the draws), or every row's
+    its own row's draw (a followed step); rows read by the host keep theirs, and padding stays token 0."""
+    graphs = DecodeGraphs(8, 4, torch.device("cpu"), capture=False)
+    drawn = torch.tensor([70, 71, 72])
+    tables, lengths = [[1], [2], [3]], [4, 5, 6]
+    ids, _, _ = graphs.load([5, 0, 0], [3, 4, 5], [3, 4, 5], tables, lengths, [(2, 0), (1, 2)], drawn)
+    assert ids.tolist() == [5, 72, 70, 0]
+    ids, _, _ = graphs.load([0, 0, 0], [4, 5, 6], [4, 5, 6], tables, [5, 6, 7], (), drawn, pending_in_order=True)
+    assert ids.tolist() == [70, 71, 72, 0]
+    ids, _, _ = graphs.load([1, 2, 3], [5, 6, 7], [5, 6, 7], tables, [6, 7, 8])  # read: nothing pending
+    assert ids.tolist() == [1, 2, 3, 0]
+
+
 def test_padded_rows_store_nothing_and_read_nothing():
     """A step of three in bucket four, after a step of five: the fourth row and every stale row are padding."""
     graphs = DecodeGraphs(8, 4, torch.device("cpu"), capture=False)

@@ -57,10 +57,12 @@ class DecodeGraphs:
         size = self.sizes[-1]
         # One flat int64 buffer, so that a step's per-row inputs cross to the device in a single copy; two on
         # the host, taken in turn: a step's copy may still be queued while the next step is loaded (overlap).
-        self._hosts = [torch.zeros(_INPUTS * size, dtype=torch.long) for _ in range(2)]
+        # Each with its numpy view, which the host writes (a numpy call costs less than a tensor's).
+        hosts = [torch.zeros(_INPUTS * size, dtype=torch.long) for _ in range(2)]
         if capture:
-            self._hosts = [host.pin_memory() for host in self._hosts]
-        self._device = torch.zeros_like(self._hosts[0], device=device)
+            hosts = [host.pin_memory() for host in hosts]
+        self._hosts = [(host, host.numpy().reshape(_INPUTS, size)) for host in hosts]
+        self._device = torch.zeros_like(hosts[0], device=device)
         views = self._device.view(_INPUTS, size)
         self.input_ids, self.positions, self.slots, self.lengths, self.table_rows, *self._pending = views
         self.store = TableStore(2 * size + 1, max_blocks, device, pin=capture)
@@ -88,28 +90,32 @@ class DecodeGraphs:
         lengths: list[int],
         pending: Sequence[tuple[int, int]] = (),
         drawn: torch.Tensor | None = None,
+        pending_in_order: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """A decode step's inputs into the static buffers, padded to its bucket; returns the bucket's views.
         `pending`: (row, row of `drawn`) of each decode whose input is the last step's draw, still on the device
-        (overlap). One copy of the per-row inputs (a few KB), one copy and one scatter of the table rows written
-        since the last step, a gather of the step's table rows and one of the pending ids, on the device: a
-        handful of CUDA calls, whatever the batch. A pinned host buffer is written again two loads later: by
-        then the engine has read this step's draws, so its copies have run. (A table row may be written while
-        a copy of it is queued: only with entries past those the queued step reads.)"""
-        size, n, b = self.sizes[-1], len(input_ids), self.bucket(len(input_ids))
+        (overlap); `pending_in_order`: every row's is, its own row's. One copy of the per-row inputs (a few KB),
+        one copy and one scatter of the table rows written since the last step, a gather of the step's table
+        rows and the pending ids put in, on the device: a handful of CUDA calls, whatever the batch. A pinned
+        host buffer is written again two loads later: by then the engine has read this step's draws, so its
+        copies have run. (A table row may be written while a copy of it is queued: only with entries past
+        those the queued step reads.)"""
+        n = len(input_ids)
         self._hosts.reverse()
-        host = self._hosts[0]
-        columns = host.view(_INPUTS, size)
-        columns.zero_()  # padded rows: token 0 at position 0, no KV, table row 0 (zeros)
-        rows = [input_ids, positions, slots, lengths, self.store.rows_for(tables)]
-        columns[:5, :n] = torch.from_numpy(np.array(rows, dtype=np.int64))  # numpy reads lists of ints faster
+        host, columns = self._hosts[0]
+        columns.fill(0)  # padded rows: token 0 at position 0, no KV, table row 0 (zeros)
+        columns[:5, :n] = (input_ids, positions, slots, lengths, self.store.rows_for(tables))
         columns[2, n:] = -1  # padded rows store nothing
         if pending:
-            columns[5:, : len(pending)] = torch.from_numpy(np.array(pending, dtype=np.int64).T)
+            columns[5:, : len(pending)] = np.array(pending, dtype=np.int64).T
         self._device.copy_(host, non_blocking=True)
         self.store.sync()
+        b = self.bucket(n)
         torch.index_select(self.store.device, 0, self.table_rows[:b], out=self.tables[:b])
-        if pending:
+        if pending_in_order:
+            assert drawn is not None, "a pending input is the last step's draw"
+            self.input_ids[:n].copy_(drawn[:n])
+        elif pending:
             assert drawn is not None, "a pending input is the last step's draw"
             into, source = (column[: len(pending)] for column in self._pending)
             self.input_ids.index_copy_(0, into, drawn.index_select(0, source))

@@ -84,12 +84,12 @@ class InputBatch:
         order = self._order
         input_ids: list[int]
         if pending:  # each row's input is its own draw of the kept step, put in on the device
-            input_ids, pending_inputs = [0] * n, list(zip(order, order))
+            input_ids = [0] * n
         else:
             read = self._draws.known
             if read is None:
                 return None
-            input_ids, pending_inputs = read.token_ids, []
+            input_ids = read.token_ids
         if pending != self._pending:  # what the rows hold of their draws pending, as `Sequence.sample_row` sets it
             for seq, row in zip(batch, self._rows):
                 row.num_pending = seq.num_pending
@@ -120,7 +120,7 @@ class InputBatch:
             order,
             self._tables,
             lengths,
-            pending_inputs=pending_inputs,
+            pending_in_order=pending,
             table_growth=growth,
             sample_rows=self._rows,
             samplers=self._batch,

@@ -277,6 +277,7 @@ class ModelRunner:
                 plan.decode_lengths,
                 plan.pending_inputs,
                 drawn,
+                plan.pending_in_order,
             )
             # Every decode samples, in order: the logits are the bucket's first rows (only their count is read).
             return StepInputs(
@@ -301,7 +302,7 @@ class ModelRunner:
             self._tensor(plan.slots), len(plan.decode_tables), decode, prefills, triton=self.attention == "triton"
         )
         input_ids = self._tensor(plan.input_ids)
-        self._fill_pending(input_ids, plan.pending_inputs, drawn)
+        self._fill_pending(input_ids, plan, drawn)
         return StepInputs(
             input_ids,
             self._tensor(plan.positions),
@@ -318,13 +319,14 @@ class ModelRunner:
         sources, destinations = self._tensor(list(zip(*copies)))
         return sources, destinations
 
-    def _fill_pending(
-        self, input_ids: torch.Tensor, pending: list[tuple[int, int]], drawn: torch.Tensor | None
-    ) -> None:
+    def _fill_pending(self, input_ids: torch.Tensor, plan: StepPlan, drawn: torch.Tensor | None) -> None:
         """The decodes' input ids the host has not read, from the last step's draws, on the device."""
-        if pending:
+        if plan.pending_in_order:
             assert drawn is not None, "a pending input is the last step's draw"
-            rows, sources = self._tensor(list(zip(*pending)))
+            input_ids.copy_(drawn[: len(input_ids)])
+        elif plan.pending_inputs:
+            assert drawn is not None, "a pending input is the last step's draw"
+            rows, sources = self._tensor(list(zip(*plan.pending_inputs)))
             input_ids.index_copy_(0, rows, drawn.index_select(0, sources))
 
     def _decode_tables(self, plan: StepPlan) -> DecodeTables | GatheredDecode:

@@ -38,6 +38,9 @@ class StepPlan:
     decode_lengths: list[int] = field(default_factory=list)  # their tokens of KV, this step's included
     prefills: list[tuple[int, int, int, list[int]]] = field(default_factory=list)  # rows [start, end), context, blocks
     pending_inputs: list[tuple[int, int]] = field(default_factory=list)  # (row, row of the last step's draws)
+    # Every row's input is the last step's draw of the same row (a followed step under overlap): one copy on the
+    # device, no pairs to convert; `pending_inputs` is then empty.
+    pending_in_order: bool = False
     copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) blocks, before the forward
     # Where the plan followed the step before's (`InputBatch`): the same tables, of which these gained a block,
     # (row, its index in the table, block); None: tables to compare with the last step's (`StepTables`).
