@@ -26,6 +26,7 @@ from lmgate.engine.engine import Engine
 from lmgate.engine.loading.loader import embedded_model_path
 from lmgate.engine.errors import InternalError, InvalidRequest, Unavailable
 from lmgate.engine.gateway.request import (
+    CancelFlag,
     FinishReason,
     Request,
     RequestKind,
@@ -33,8 +34,9 @@ from lmgate.engine.gateway.request import (
     StopFound,
     TokenLogprob,
     Usage,
+    token_output,
 )
-from lmgate.engine.ranks.rank_process import from_wire, to_wire
+from lmgate.engine.ranks.rank_process import Outbox, RankGateway, from_wire, to_wire
 from lmgate.engine.sampling.sampler import SamplingParams
 from lmgate.engine.text.chat import render_ids
 from lmgate.engine.text.detokenizer import IncrementalDetokenizer, reply_context
@@ -130,6 +132,38 @@ def test_an_output_of_token_ids_alone_crosses_as_a_tuple_and_any_other_whole():
         assert not output.only_tokens, name
         wire_id, copy = from_wire(pickle.loads(pickle.dumps(to_wire(4, output))))
         assert wire_id == 4 and getattr(copy, name) is not None and copy.token_ids == [5, 6], name
+
+
+def test_a_ranks_outputs_leave_in_order_as_to_wire_makes_them_one_message_a_delivery():
+    """A rank's signal thread makes the wire item of a token delta itself (no output, no callback): what arrives
+    is what `to_wire` of each output would send, in the order delivered, token deltas and whole outputs mixed."""
+    import zmq
+
+    context = zmq.Context.instance()
+    pull, push = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    pull.bind("inproc://rank-outputs")
+    push.connect("inproc://rank-outputs")
+    outbox = Outbox(push, rank=0)
+    gateway = RankGateway(0, 1, 16, outbox)
+    a, b = (Request(RequestKind.GENERATE, i, outbox.collector(10 + i), request_id=f"r{i}") for i in (1, 2))
+    for request in (a, b):  # as its loop took it
+        request.cancel_flag.compare_exchange(CancelFlag.QUEUED, CancelFlag.ACTIVE)
+    last = RequestOutput("r1", 1, [9], finish_reason=FinishReason.LENGTH, index=0, weight_version="v2")
+    try:
+        gateway._deliver_all([(a, 7, 0, "v1"), (b, 8, 1, "v1"), (a, last), (b, 5, 1, "v2")])
+        kind, rank, _, items = pull.recv_pyobj()
+    finally:
+        pull.close(linger=0)
+        push.close(linger=0)
+    assert (kind, rank) == ("outputs", 0)
+    want = [
+        (11, token_output("r1", 1, [7], 0, "v1")),
+        (12, token_output("r2", 2, [8], 1, "v1")),
+        (11, last),
+        (12, token_output("r2", 2, [5], 1, "v2")),
+    ]
+    assert items == [to_wire(*pair) for pair in want] and [from_wire(item) for item in items] == want
+    assert last.finish_reason is FinishReason.LENGTH and a.cancel_flag.value == CancelFlag.FINISHED
 
 
 def test_the_serving_process_writes_the_text_a_ranks_loop_leaves_it(process_ranks_server, monkeypatch):

@@ -154,14 +154,19 @@ class Outbox:
         self._lock = threading.Lock()
         self.stats: Callable[[], LoopStats] = LoopStats
 
-    def collector(self, wire_id: int) -> Callable[[RequestOutput], None]:
+    def collector(self, wire_id: int) -> Collector:
         """The `on_output` of the request the serving process knows as `wire_id`."""
-        return lambda output: self._add(wire_id, output)
+        return Collector(self, wire_id)
 
-    def _add(self, wire_id: int, output: RequestOutput) -> None:
+    def add(self, wire_id: int, output: RequestOutput) -> None:
         item = to_wire(wire_id, output)
         with self._lock:
             self._items.append(item)
+
+    def extend(self, items: list[tuple]) -> None:
+        """`to_wire`'s items, already made."""
+        with self._lock:
+            self._items += items
 
     def flush(self) -> None:
         with self._lock:
@@ -177,6 +182,19 @@ class Outbox:
         self.send(("kv_events", self._rank, events))
 
 
+class Collector:
+    """A request's `on_output` in a rank process: its outputs into the outbox, under the serving process's id."""
+
+    __slots__ = ("outbox", "wire_id")
+
+    def __init__(self, outbox: Outbox, wire_id: int) -> None:
+        self.outbox = outbox
+        self.wire_id = wire_id
+
+    def __call__(self, output: RequestOutput) -> None:
+        self.outbox.add(self.wire_id, output)
+
+
 class RankGateway(Gateway):
     """The Gateway of one rank process: every request goes to its own loop, and each delivered batch of
     outputs leaves as one message."""
@@ -190,7 +208,21 @@ class RankGateway(Gateway):
         return self.rank
 
     def _deliver_all(self, signals: list[Signal]) -> None:
-        super()._deliver_all(signals)
+        """A token delta (most of a step's outputs) becomes its wire item at once, with no output made and no
+        callback called for it (the serving process writes its text); the rest go as a Gateway delivers them,
+        in their order."""
+        items: list[tuple] = []
+        plain = self.tokenizer is None  # else this side writes text: every output as a Gateway delivers it
+        for given in signals:
+            if plain and len(given) == 4 and type(on := given[0].on_output) is Collector:
+                request, token, index, version = given  # as `to_wire` sends a `token_output` of it
+                items.append((on.wire_id, request.request_id, request.session_id, [token], index, version))
+                continue
+            if items:
+                self.outbox.extend(items)
+                items = []
+            super()._deliver_all([given])
+        self.outbox.extend(items)
         self.outbox.flush()
 
     def publish_kv_events(self, rank: int, events: list[RawEvent]) -> None:
