@@ -110,3 +110,26 @@ def test_table_store_against_the_lists_over_many_steps():
         _, _, meta = graphs.load([0] * n, [0] * n, [0] * n, lists, [1] * n)
         got = meta.decode.block_tables.tolist()[:n]
         assert got == [t + [0] * (8 - len(t)) for t in lists]
+
+
+def test_a_followed_step_writes_only_the_blocks_its_tables_gained():
+    """Runs of followed steps (the same list of tables, a few grown by a block: `StepPlan.table_growth`)
+    between steps of new lists, more tables than the store has rows: every step's gathered tables equal its
+    lists, zero-padded, whichever way the store found them."""
+    rng = random.Random(1)
+    graphs = DecodeGraphs(6, 8, torch.device("cpu"), capture=False)
+    for _ in range(40):
+        lists = [[rng.randrange(1, 100)] for _ in range(rng.randint(1, 6))]
+        growth = None  # the run's first step: found by the lists' ids
+        for _ in range(rng.randint(1, 8)):
+            n = len(lists)
+            _, _, meta = graphs.load([0] * n, [0] * n, [0] * n, lists, [1] * n, growth=growth)
+            assert meta.decode.block_tables.tolist()[:n] == [t + [0] * (8 - len(t)) for t in lists]
+            growth = []
+            for i, table in enumerate(lists):
+                if len(table) < 8 and rng.random() < 0.4:
+                    growth.append((i, len(table), rng.randrange(1, 100)))
+                    table.append(growth[-1][2])
+    stale = [[5, 6]]  # growth for another list than the last step's: found by ids, as any step
+    _, _, meta = graphs.load([0], [0], [0], stale, [1], growth=[(0, 1, 6)])
+    assert meta.decode.block_tables.tolist()[0] == [5, 6, 0, 0, 0, 0, 0, 0]

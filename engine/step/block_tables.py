@@ -39,20 +39,36 @@ class TableStore:
         self._calls = 0
         self._free = list(range(rows - 1, 0, -1))
         self._dirty: set[int] = set()  # rows written on the host since the last `sync`
+        # The last call's list of tables (held as given: no id reused meanwhile) and their rows
+        self._last: tuple[list[list[int]] | None, np.ndarray] = (None, np.zeros(0, dtype=np.int64))
 
     @property
     def width(self) -> int:
         return self.host.shape[1]
 
-    def rows_for(self, tables: list[list[int]]) -> np.ndarray:
-        """The store's row of each table, its new entries written to the host copy (`sync` copies them over)."""
+    def rows_for(self, tables: list[list[int]], growth: list[tuple[int, int, int]] | None = None) -> np.ndarray:
+        """The store's row of each table, its new entries written to the host copy (`sync` copies them over).
+        `growth`: where `tables` is the list the last call was given (the same object), of which those in
+        `growth` (index, entry, block) gained one block each since, at that entry (a followed step:
+        `StepPlan.table_growth`): the last call's rows, with only those entries written. The array returned is
+        the caller's to read, not to change."""
         self._calls += 1
-        n = len(tables)
-        rows = np.fromiter(map(self._row_of.get, map(id, tables), repeat(0)), dtype=np.int64, count=n)
+        held, rows = self._last
+        if growth is not None and tables is held and all(self._written[rows[i]] == at for i, at, _ in growth):
+            for i, at, block in growth:
+                row = int(rows[i])
+                self._array[row, at] = block
+                self._written[row] = at + 1
+                self._dirty.add(row)
+        else:
+            n = len(tables)
+            rows = np.fromiter(map(self._row_of.get, map(id, tables), repeat(0)), dtype=np.int64, count=n)
+            self._used[rows] = self._calls
+            stale = self._written[rows] != np.fromiter(map(len, tables), dtype=np.int64, count=n)
+            for i in np.flatnonzero(stale).tolist():
+                rows[i] = self._write(tables[i])
+            self._last = (tables, rows)
         self._used[rows] = self._calls
-        stale = self._written[rows] != np.fromiter(map(len, tables), dtype=np.int64, count=n)
-        for i in np.flatnonzero(stale).tolist():
-            rows[i] = self._write(tables[i])
         return rows
 
     def sync(self) -> None:

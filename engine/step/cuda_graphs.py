@@ -91,20 +91,21 @@ class DecodeGraphs:
         pending: Sequence[tuple[int, int]] = (),
         drawn: torch.Tensor | None = None,
         pending_in_order: bool = False,
+        growth: list[tuple[int, int, int]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """A decode step's inputs into the static buffers, padded to its bucket; returns the bucket's views.
         `pending`: (row, row of `drawn`) of each decode whose input is the last step's draw, still on the device
-        (overlap); `pending_in_order`: every row's is, its own row's. One copy of the per-row inputs (a few KB),
-        one copy and one scatter of the table rows written since the last step, a gather of the step's table
-        rows and the pending ids put in, on the device: a handful of CUDA calls, whatever the batch. A pinned
-        host buffer is written again two loads later: by then the engine has read this step's draws, so its
-        copies have run. (A table row may be written while a copy of it is queued: only with entries past
-        those the queued step reads.)"""
+        (overlap); `pending_in_order`: every row's is, its own row's. `growth`: the tables are the last step's,
+        these grown (`TableStore.rows_for`). One copy of the per-row inputs (a few KB), one copy and one scatter
+        of the table rows written since the last step, a gather of the step's table rows and the pending ids
+        put in, on the device: a handful of CUDA calls, whatever the batch. A pinned host buffer is written
+        again two loads later: by then the engine has read this step's draws, so its copies have run. (A table
+        row may be written while a copy of it is queued: only with entries past those the queued step reads.)"""
         n = len(input_ids)
         self._hosts.reverse()
         host, columns = self._hosts[0]
         columns.fill(0)  # padded rows: token 0 at position 0, no KV, table row 0 (zeros)
-        columns[:5, :n] = (input_ids, positions, slots, lengths, self.store.rows_for(tables))
+        columns[:5, :n] = (input_ids, positions, slots, lengths, self.store.rows_for(tables, growth))
         columns[2, n:] = -1  # padded rows store nothing
         if pending:
             columns[5:, : len(pending)] = np.array(pending, dtype=np.int64).T

@@ -278,6 +278,7 @@ class ModelRunner:
                 plan.pending_inputs,
                 drawn,
                 plan.pending_in_order,
+                plan.table_growth,
             )
             # Every decode samples, in order: the logits are the bucket's first rows (only their count is read).
             return StepInputs(
