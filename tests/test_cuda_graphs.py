@@ -133,3 +133,16 @@ def test_a_followed_step_writes_only_the_blocks_its_tables_gained():
     stale = [[5, 6]]  # growth for another list than the last step's: found by ids, as any step
     _, _, meta = graphs.load([0], [0], [0], stale, [1], growth=[(0, 1, 6)])
     assert meta.decode.block_tables.tolist()[0] == [5, 6, 0, 0, 0, 0, 0, 0]
+
+
+def test_a_step_that_passed_the_store_by_leaves_the_next_to_find_its_rows():
+    """A followed run's step that ran eagerly (`TableStore.passed_by`): the blocks gained then are written at
+    the next step through the store, though its growth names only that step's."""
+    graphs = DecodeGraphs(4, 6, torch.device("cpu"), capture=False)
+    lists = [[1], [2]]
+    graphs.load([0, 0], [0, 0], [0, 0], lists, [1, 1])
+    lists[0].append(3)  # gained at a step that did not come to the store
+    graphs.store.passed_by()
+    lists[1].append(4)
+    _, _, meta = graphs.load([0, 0], [0, 0], [0, 0], lists, [1, 1], growth=[(1, 1, 4)])
+    assert meta.decode.block_tables.tolist()[:2] == [[1, 3, 0, 0, 0, 0], [2, 4, 0, 0, 0, 0]]

@@ -55,6 +55,7 @@ class TableStore:
         self._calls += 1
         held, rows = self._last
         if growth is not None and tables is held and all(self._written[rows[i]] == at for i, at, _ in growth):
+            self._used[rows] = self._calls
             for i, at, block in growth:
                 row = int(rows[i])
                 self._array[row, at] = block
@@ -63,13 +64,17 @@ class TableStore:
         else:
             n = len(tables)
             rows = np.fromiter(map(self._row_of.get, map(id, tables), repeat(0)), dtype=np.int64, count=n)
-            self._used[rows] = self._calls
+            self._used[rows] = self._calls  # before any row is taken: a full store frees the rows not used
             stale = self._written[rows] != np.fromiter(map(len, tables), dtype=np.int64, count=n)
             for i in np.flatnonzero(stale).tolist():
                 rows[i] = self._write(tables[i])
             self._last = (tables, rows)
-        self._used[rows] = self._calls
         return rows
+
+    def passed_by(self) -> None:
+        """A step that ran without the store: the next call finds its rows by the tables' ids, since a followed
+        step's growth names only the blocks gained since the step before it."""
+        self._last = (None, self._last[1])
 
     def sync(self) -> None:
         """The rows written since the last call (a few per step: a sequence's table grows by a block every

@@ -114,7 +114,7 @@ class DecodeGraphs:
         b = self.bucket(n)
         torch.index_select(self.store.device, 0, self.table_rows[:b], out=self.tables[:b])
         if pending_in_order:
-            assert drawn is not None, "a pending input is the last step's draw"
+            assert drawn is not None and len(drawn) >= n, "each row's input is its draw of the last step"
             self.input_ids[:n].copy_(drawn[:n])
         elif pending:
             assert drawn is not None, "a pending input is the last step's draw"

@@ -290,6 +290,8 @@ class ModelRunner:
                 bucket=meta.num_decode,
                 copies=self._copies(plan.copies),
             )
+        if self.graphs is not None:
+            self.graphs.store.passed_by()
         prefills: PrefillTables | list[PrefillChunk]
         if self.attention in ("triton", "cpu"):
             prefills = self._prefill_tables(plan.prefills)
@@ -323,7 +325,7 @@ class ModelRunner:
     def _fill_pending(self, input_ids: torch.Tensor, plan: StepPlan, drawn: torch.Tensor | None) -> None:
         """The decodes' input ids the host has not read, from the last step's draws, on the device."""
         if plan.pending_in_order:
-            assert drawn is not None, "a pending input is the last step's draw"
+            assert drawn is not None and len(drawn) >= len(input_ids), "each row's input is its draw of the last step"
             input_ids.copy_(drawn[: len(input_ids)])
         elif plan.pending_inputs:
             assert drawn is not None, "a pending input is the last step's draw"
