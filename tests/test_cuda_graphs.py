@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from lmgate.engine.sampling.sampler import SampleRow, SampleTable, SamplingParams, launch_sample
 from lmgate.engine.step.cuda_graphs import DecodeGraphs, buckets
 
 
@@ -146,3 +147,50 @@ def test_a_step_that_passed_the_store_by_leaves_the_next_to_find_its_rows():
     lists[1].append(4)
     _, _, meta = graphs.load([0, 0], [0, 0], [0, 0], lists, [1, 1], growth=[(1, 1, 4)])
     assert meta.decode.block_tables.tolist()[:2] == [[1, 3, 0, 0, 0, 0], [2, 4, 0, 0, 0, 0]]
+
+
+@pytest.mark.parametrize(
+    "kinds,plain",
+    [
+        ([{"temperature": 0.7}, {"temperature": 1.3}, {"temperature": 0.2}], True),
+        ([{"temperature": 0.7}, {"temperature": 0.0}, {"temperature": 0.2}], False),  # a greedy row
+        ([{"temperature": 0.7}, {"temperature": 1.0, "top_k": 5}, {"temperature": 0.2}], False),
+        ([{"temperature": 0.7}, {"temperature": 1.0, "min_p": 0.1}, {"temperature": 0.2}], False),
+        ([{"temperature": 0.7}, {"temperature": 1.0, "logprobs": 2}, {"temperature": 0.2}], False),
+        ([{"temperature": 0.7}, {"temperature": 1.0, "presence_penalty": 1.0}, {"temperature": 0.2}], False),
+    ],
+    ids=["temperatures", "greedy", "top-k", "min-p", "logprobs", "penalty"],
+)
+def test_rows_that_draw_at_a_temperature_alone_draw_through_the_graphs_buffers(kinds, plain):
+    """A step of three in bucket four whose rows all draw at their temperature alone goes through
+    `DecodeGraphs.draw` (run eagerly here: a CPU cannot capture), and over four steps draws the sampler's own
+    tokens; any other row keeps the whole step on the sampler's path. The draw spans two blocks of the
+    vocabulary, so both of its searches run; the padded row's logits are NaN and change nothing."""
+    vocab, steps = 3000, 4
+    torch.manual_seed(0)
+    logits = [torch.randn(4, vocab) * 4 for _ in range(steps)]
+    for step in logits:
+        step[3] = float("nan")
+
+    def tokens(through_graphs: bool) -> list[list[int]]:
+        graphs = DecodeGraphs(8, 4, torch.device("cpu"), capture=False)
+        table = SampleTable(4)
+        rows = [SampleRow(SamplingParams(**kind), 11 + i, [1, 2, 3], 3) for i, kind in enumerate(kinds)]
+        drawn, calls = [], []
+
+        def draw(temperatures, uniforms):
+            calls.append(len(uniforms))
+            return graphs.draw(4, temperatures, uniforms)
+
+        for step in logits:
+            graphs._logits = step.clone()  # what the bucket's run leaves (`DecodeGraphs.run`)
+            scratch = graphs._logits if through_graphs else step[:3].clone()
+            plain_draw = draw if through_graphs else None
+            out = launch_sample(scratch[:3], rows, table=table, scratch=True, plain=plain_draw).result()
+            drawn.append(out.token_ids)
+            for row, token in zip(rows, out.token_ids):
+                row.token_ids.append(token)
+        assert calls == ([3] * steps if through_graphs and plain else [])
+        return drawn
+
+    assert tokens(through_graphs=True) == tokens(through_graphs=False)

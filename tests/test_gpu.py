@@ -154,28 +154,34 @@ def test_bfloat16_logprobs_as_close_to_float32_as_transformers_own(models, arch)
 def test_graph_path_equals_eager_path(models):
     """Batches of 1, 3 (a bucket of 4), 5 (8) and 13 (16): the same tokens with and without CUDA graphs, and
     with and without overlap scheduling (on by default on CUDA: a decode's input id is the last step's draw,
-    put into the graph's buffers on the device)."""
+    put into the graph's buffers on the device). Greedy, then seeded at a temperature alone, whose draws are
+    graphs too (`DecodeGraphs.draw`)."""
     batches = [prompts(n, seed=n) for n in (1, 3, 5, 13)]
     results = {}
     for graphs, overlap in ((False, "off"), (True, "off"), (True, "auto")):
         with engine(models["qwen2"], cuda_graphs=graphs, overlap_scheduling=overlap) as eng:
             assert (eng.loops[0].runner.graphs is not None) == graphs
             assert eng.loops[0].overlap == (overlap == "auto")
-            results[graphs, overlap] = [greedy(eng, batch) for batch in batches]
+            results[graphs, overlap] = [greedy(eng, batch, **kind) for kind in ({}, SAMPLED) for batch in batches]
             if graphs:  # a capture that fails falls back to eager steps: the same tokens, so look
                 captured = eng.loops[0].runner.graphs
                 assert not captured.capture_failed and {1, 4, 8, 16} <= set(captured._graphs)
+                assert {1, 4, 8, 16} <= set(captured._draw_graphs)
             assert_all_blocks_free(eng)
     assert results[True, "auto"] == results[True, "off"] == results[False, "off"]
+
+
+SAMPLED = dict(temperature=0.8, seed=1234)  # every row at a temperature alone: the draw from a CUDA graph
 
 
 def test_a_requests_tokens_do_not_depend_on_its_batch(models):
     probe = prompts(1, seed=9)[0]
     seeded = dict(temperature=0.8, top_p=0.9, top_k=50, seed=1234)
     with engine(models["llama"]) as eng:
-        alone = greedy(eng, [probe])[0], greedy(eng, [probe], **seeded)[0]
+        alone = [greedy(eng, [probe], **kind)[0] for kind in ({}, seeded, SAMPLED)]
         crowd = prompts(12, seed=10)
-        in_crowd = greedy(eng, crowd[:6] + [probe] + crowd[6:])[6], greedy(eng, crowd + [probe], **seeded)[12]
+        in_crowd = [greedy(eng, crowd[:6] + [probe] + crowd[6:])[6]]
+        in_crowd += [greedy(eng, crowd + [probe], **kind)[12] for kind in (seeded, SAMPLED)]
         assert_all_blocks_free(eng)
     assert in_crowd == alone
 

@@ -154,24 +154,33 @@ def test_prefill_attention_over_cached_prefix_matches_reference(dtype, heads, kv
 
 
 @pytest.mark.parametrize(
-    "graphs,overlap,model",
+    "graphs,overlap,model,temperature",
     [
-        (False, False, "llama"),
-        (True, False, "llama"),
-        (True, True, "llama"),
-        ("failing", False, "llama"),
-        (True, False, "llama_head_24"),
+        (False, False, "llama", 0.0),
+        (True, False, "llama", 0.0),
+        (True, True, "llama", 0.0),
+        (True, True, "llama", 0.8),
+        ("failing", False, "llama", 0.8),
+        (True, False, "llama_head_24", 0.0),
     ],
-    ids=["eager", "graph-buffers", "graph-buffers-overlap", "graph-capture-fails", "graph-buffers-head-dim-24"],
+    ids=[
+        "eager",
+        "graph-buffers",
+        "graph-buffers-overlap",
+        "graph-buffers-overlap-sampled",
+        "graph-capture-fails",
+        "graph-buffers-head-dim-24",
+    ],
 )
-def test_engine_greedy_tokens_equal_on_the_triton_path(tiny_models, monkeypatch, graphs, overlap, model):
+def test_engine_tokens_equal_on_the_triton_path(tiny_models, monkeypatch, graphs, overlap, model, temperature):
     """Chunked prefills (some after a cached prefix), decodes and mixed steps through the Triton kernels, the
     layer ops' included, give the torch path's tokens. With `graphs`, decode-only steps go through the
     CUDA-graph runner's static buffers, padded to their bucket (three sequences in a bucket of four), run
     eagerly: a CPU cannot capture. With `overlap`, the decodes' input ids are the last step's draws, put
     into those buffers on the device. "failing": the runner tries to capture, which a CPU cannot do, and a
-    capture that fails (out of memory, on a GPU) leaves the loop on eager steps, not failing them."""
-    calls = {"decode_attention": 0, "prefill_attention": 0, "run": 0, "rms_norm": 0, "rotary": 0}
+    capture that fails (out of memory, on a GPU) leaves the loop on eager steps, not failing them. With a
+    `temperature` (seeded), the graph steps draw through the runner's draw buffers (`DecodeGraphs.draw`)."""
+    calls = {"decode_attention": 0, "prefill_attention": 0, "run": 0, "draw": 0, "rms_norm": 0, "rotary": 0}
 
     def counted(owner, name: str):
         kernel = getattr(owner, name)
@@ -187,6 +196,7 @@ def test_engine_greedy_tokens_equal_on_the_triton_path(tiny_models, monkeypatch,
     for name in ("rms_norm", "rotary"):
         counted(layer_ops, name)
     counted(DecodeGraphs, "run")
+    counted(DecodeGraphs, "draw")
     with Engine(
         EngineConfig(
             dtype="float32",
@@ -203,7 +213,7 @@ def test_engine_greedy_tokens_equal_on_the_triton_path(tiny_models, monkeypatch,
             "Graphs replay.",
         )
         prompts = [eng.tokenizer.encode(text) for text in texts]
-        params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+        params = SamplingParams(max_new_tokens=6, ignore_eos=True, temperature=temperature, seed=7)
         want = [eng.generate(p, params).token_ids for p in prompts]
         monkeypatch.setattr(triton_package, "serves", lambda x: True)  # the layer ops, as on CUDA
         for loop in eng.loops:
@@ -220,6 +230,7 @@ def test_engine_greedy_tokens_equal_on_the_triton_path(tiny_models, monkeypatch,
     assert calls["decode_attention"] > 0 and calls["prefill_attention"] > 0
     assert calls["rms_norm"] > 0 and calls["rotary"] > 0  # SiLU is inside the CPU's packed gate_up matmul
     assert (calls["run"] > 0) == bool(graphs)
+    assert (calls["draw"] > 0) == bool(graphs and temperature)
 
 
 # The torch expressions of models/llama.py, which the Triton ops replace on CUDA

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -173,6 +174,19 @@ class StepParams:
     _filters: dict[tuple[int, torch.device], "RowFilters"] = field(default_factory=dict, compare=False)
     # `uniforms`' draws ahead: (the counters they start from, [DRAWS_AHEAD, rows] draws from there)
     _ahead: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list, compare=False)
+    _plain: dict[int, bool] = field(default_factory=dict, compare=False)  # `plain`'s, by vocabulary
+
+    def plain(self, vocab: int) -> bool:
+        """Whether every row draws at its temperature alone: none greedy, none asking for logprobs, no logit
+        changed before the draw, no min-p, top-k or top-p. Such a step's sampling is the same few operations
+        on the same shapes whatever its rows (`draw_at_temperature`), which a CUDA graph can replay."""
+        known = self._plain.get(vocab)
+        if known is None:
+            _, min_p, top_k, top_p = self.columns
+            known = self._plain[vocab] = not (
+                self.any_greedy or self.wanted or self.adjusts or min_p.any() or _filtered(top_k, top_p, vocab).any()
+            )
+        return known
 
     def filters(self, vocab: int, device: torch.device) -> "RowFilters":
         """The rows that sample (every row, or those not greedy) as the draw reads them, made once for as long
@@ -352,6 +366,7 @@ def launch_sample(
     masks: tuple[torch.Tensor, list[int]] | None = None,
     table: SampleTable | None = None,
     scratch: bool = False,
+    plain: Callable[[np.ndarray, np.ndarray], torch.Tensor] | None = None,
 ) -> "SampleFuture":
     """logits: [rows, vocab] fp32 on the model's device, which does all the work; the chosen ids (and the
     logprobs asked for) come back to the host in one copy, queued here and read by `SampleFuture.result`.
@@ -362,10 +377,15 @@ def launch_sample(
     model runner's); without one, a table of this call's rows. `scratch`: the logits are the caller's to overwrite
     (a step's own): where no row reads log-probabilities from them, the temperature divides them in place, not
     into a new [rows, vocabulary] tensor (on a CPU, whose fresh pages cost more than the division: 100 against
-    150-180 ms with softmax at 256 rows of Qwen's 151,936 ids)."""
+    150-180 ms with softmax at 256 rows of Qwen's 151,936 ids). `plain`: where every row draws at its
+    temperature alone (`StepParams.plain`), what draws them, given their temperatures and uniforms: a CUDA
+    graph of `draw_at_temperature` over these logits (`DecodeGraphs.draw`), one launch for a few dozen."""
     table = table if table is not None else SampleTable(max(len(rows), 1))
     at, counters = table.draw(rows)
     step = table.gathered(at)
+    if plain is not None and masks is None and len(rows) and step.plain(logits.shape[-1]):
+        tokens = plain(step.columns[0], step.uniforms(counters))
+        return SampleFuture(tokens, tokens, rows, [])
     raw = logits
     if masks is not None:
         logits = apply_token_mask(logits.clone(), *masks)
@@ -466,9 +486,9 @@ def _row_filters(params: np.ndarray, vocab: int, device: torch.device, sampled: 
     just below 1 is 1 in float32, and still filters), which is where the rows that filter are found. They cross
     to the device in one copy (float32 holds each exactly: top-k below 2^24)."""
     temperature, min_p, top_k, top_p = params
+    filtered = _filtered(top_k, top_p, vocab)
     top_k = np.where((top_k > 0) & (top_k < vocab), top_k, vocab)
     columns = to_device(torch.from_numpy(np.stack([temperature, min_p, top_k, top_p]).astype(np.float32)), device)
-    filtered = (top_k < vocab) | (top_p < 1)  # `SamplingParams.filtered`
     known = top_k <= min(CANDIDATES, vocab)
     split = None
     if filtered.any() and not filtered.all():
@@ -486,6 +506,27 @@ def _row_filters(params: np.ndarray, vocab: int, device: torch.device, sampled: 
     )
 
 
+def _filtered(top_k: np.ndarray, top_p: np.ndarray, vocab: int) -> np.ndarray:
+    """The rows a top-k or top-p filter applies to (`SamplingParams.filtered`), of their parameter columns."""
+    return ((top_k > 0) & (top_k < vocab)) | (top_p < 1)
+
+
+def draw_at_temperature(logits: torch.Tensor, temps: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    """The whole sampling of rows that draw at their temperature alone (`StepParams.plain`), `logits` divided
+    in place: the operations `_sample_rows` makes for them, so a graph of these draws the same tokens.
+    `temps`, `draws`: [rows, 1] float32."""
+    return _draw(torch.softmax(_scaled(logits, temps, in_place=True), dim=-1), draws)
+
+
+def _scaled(logits: torch.Tensor, temps: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """The logits over each row's temperature; `in_place`: into `logits` itself, where it is float32 (else the
+    division is in float32, as it always is)."""
+    if in_place and logits.dtype == temps.dtype:
+        with torch.inference_mode():  # a model's logits are inference tensors, written only in that mode
+            return logits.div_(temps)
+    return logits / temps
+
+
 def _sample_rows(
     logits: torch.Tensor, filters: RowFilters, uniform_draws: np.ndarray, in_place: bool = False
 ) -> torch.Tensor:
@@ -496,12 +537,7 @@ def _sample_rows(
     temps, min_ps, top_ks, top_ps = filters.columns  # each [rows, 1]
     # Made [rows, 1] by numpy: a torch call lets go of the GIL, and the loop waits to take it back
     draws = to_device(torch.from_numpy(uniform_draws.reshape(-1, 1)), logits.device)
-    if in_place and logits.dtype == temps.dtype:  # else the division is in float32, as it always is
-        with torch.inference_mode():  # a model's logits are inference tensors, written only in that mode
-            scaled = logits.div_(temps)
-    else:
-        scaled = logits / temps
-    probs = torch.softmax(scaled, dim=-1)
+    probs = torch.softmax(_scaled(logits, temps, in_place), dim=-1)
     if filters.min_p:
         probs = probs.masked_fill(probs < min_ps * probs.amax(dim=-1, keepdim=True), 0.0)
     if filters.filtered == "none":

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
 from ..models.attention import AttentionMetadata, DecodeTables
 from ..machine.memory import DEVICE_CACHE_LOCK
 from ..models.llama import LlamaForCausalLM
+from ..sampling.sampler import draw_at_temperature
 from .block_tables import TableStore
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,15 @@ class DecodeGraphs:
         self.store = TableStore(2 * size + 1, max_blocks, device, pin=capture)
         self.tables = torch.zeros(size, max_blocks, dtype=torch.long, device=device)  # the step's rows, gathered
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # `draw`'s: each row's temperature and uniform, crossing in one copy from two pinned buffers taken in
+        # turn (as the inputs'); and per bucket the graph of the draw over that bucket's logits, with its tokens
+        hosts = [torch.zeros(2 * size, dtype=torch.float32) for _ in range(2)]
+        if capture:
+            hosts = [host.pin_memory() for host in hosts]
+        self._draw_hosts = [(host, host.numpy().reshape(2, size)) for host in hosts]
+        self._draw_device = torch.zeros_like(hosts[0], device=device)
+        self._draw_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._logits: torch.Tensor | None = None  # the last `run`'s logits, all of its bucket's rows
         self._pool: torch.cuda._POOL_HANDLE | None = None
         self._captured_for: tuple[int, int] | None = None  # (id of the model, its weights version)
         # Captures warm up on one side stream, made once: cuBLAS keeps a workspace (32 MiB on an H100) for each
@@ -139,36 +149,73 @@ class DecodeGraphs:
             self._captured_for = (id(model), weights_version)
         if self.capture_failed:
             return self._forward(model, kv_caches, b)
-        if b not in self._graphs:
-            stream = torch.cuda.current_stream() if self._device.is_cuda else None
-            try:
-                with DEVICE_CACHE_LOCK:
-                    self._graphs[b] = self._capture(model, kv_caches, b)
-            except Exception:  # out of memory, say: slower steps, but steps
-                log.exception(
-                    "capturing the CUDA graph of %d rows failed; decode steps run eagerly until the "
-                    "model, its weights or the KV cache change",
-                    b,
-                )
-                if stream is not None:  # a capture that failed to end leaves its thread on the capture stream
-                    torch.cuda.set_stream(stream)
-                self._graphs.clear()
-                self.capture_failed = True
-                return self._forward(model, kv_caches, b)
+        if b not in self._graphs and not self._captured(self._graphs, b, lambda: self._capture(model, kv_caches, b)):
+            return self._forward(model, kv_caches, b)
         graph, logits = self._graphs[b]
         graph.replay()
+        self._logits = logits
         return logits
+
+    def draw(self, b: int, temperatures: np.ndarray, uniforms: np.ndarray) -> torch.Tensor:
+        """The tokens of the rows of the last `run` (bucket b) that all draw at their temperature alone
+        (`launch_sample`'s `plain`), from bucket b's graph of `draw_at_temperature`: one copy in, a replay and a
+        copy out, for the few dozen launches the draw makes eagerly. Padded rows draw at temperature 1 with
+        draw 0, which no row reads. The tokens are a copy: the next replay writes the graph's over."""
+        n = len(uniforms)
+        self._draw_hosts.reverse()
+        host, columns = self._draw_hosts[0]
+        columns[0, :n], columns[1, :n] = temperatures, uniforms
+        columns[0, n:], columns[1, n:] = 1.0, 0.0
+        self._draw_device.copy_(host, non_blocking=True)
+        if not self.capture or self.capture_failed:
+            return self._draw(b)[:n]
+        if b not in self._draw_graphs and not self._captured(self._draw_graphs, b, lambda: self._capture_draw(b)):
+            return self._draw(b)[:n]
+        graph, tokens = self._draw_graphs[b]
+        graph.replay()
+        return tokens[:n].clone()
 
     def drop(self) -> None:
         """Forget every graph and its memory pool (the caller empties the allocator's cache)."""
         self._graphs.clear()
+        self._draw_graphs.clear()
+        self._logits = None
         self._pool = None
         self._captured_for = None
         self.capture_failed = False
 
+    def _captured(self, into: dict, b: int, capture: Callable[[], tuple[torch.cuda.CUDAGraph, torch.Tensor]]) -> bool:
+        """`capture()` into `into[b]`; False where it failed (out of memory, say: slower steps, but steps), and
+        every graph is forgotten until the model, its weights or the KV cache change."""
+        stream = torch.cuda.current_stream() if self._device.is_cuda else None
+        try:
+            with DEVICE_CACHE_LOCK:
+                into[b] = capture()
+            return True
+        except Exception:
+            log.exception(
+                "capturing a CUDA graph of %d rows failed; decode steps run eagerly until the model, its weights "
+                "or the KV cache change",
+                b,
+            )
+            if stream is not None:  # a capture that failed to end leaves its thread on the capture stream
+                torch.cuda.set_stream(stream)
+            self._graphs.clear()
+            self._draw_graphs.clear()
+            self.capture_failed = True
+            return False
+
     def _forward(self, model: LlamaForCausalLM, kv_caches, b: int) -> torch.Tensor:
         input_ids, positions, meta = self.views(b)
-        return model.compute_logits(model(input_ids, positions, kv_caches, meta))
+        self._logits = model.compute_logits(model(input_ids, positions, kv_caches, meta))
+        return self._logits
+
+    def _draw(self, b: int, logits: torch.Tensor | None = None) -> torch.Tensor:
+        """`draw_at_temperature` over the last run's logits (or `logits`), with `draw`'s temperatures and
+        uniforms of its b rows."""
+        assert self._logits is not None and len(self._logits) == b, "a draw follows its bucket's run"
+        temps, uniforms = self._draw_device.view(2, -1)[:, :b].unsqueeze(2)
+        return draw_at_temperature(self._logits if logits is None else logits, temps, uniforms)
 
     def _capture(self, model: LlamaForCausalLM, kv_caches, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """One eager run on a side stream first (Triton compiles there, and the step's KV is written: the
@@ -186,3 +233,18 @@ class DecodeGraphs:
             logits = self._forward(model, kv_caches, b)
         self._pool = graph.pool()
         return graph, logits
+
+    def _capture_draw(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """As `_capture`, for the draw over bucket b's logits, in the same pool. Its eager run is over a copy
+        of them: the draw divides its logits in place, and the step's own are drawn by the replay."""
+        assert self._logits is not None and len(self._logits) == b, "a draw follows its bucket's run"
+        side = self._side = self._side or torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._draw(b, self._logits.clone())
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            tokens = self._draw(b)
+        self._pool = graph.pool()
+        return graph, tokens

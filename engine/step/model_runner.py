@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
@@ -418,6 +419,9 @@ class ModelRunner:
     ) -> SampleFuture:
         """Sampling on the model's device, queued; its `result` (kFetch) brings the ids back in one copy.
         `masks`: structured outputs' token masks of the constrained rows (`launch_sample`)."""
-        draws = launch_sample(logits, inputs.sample_rows, masks, self.sample_table, scratch=True)
+        plain = None
+        if inputs.bucket and self.graphs is not None:  # the logits are the graph's: so may its draw be
+            plain = functools.partial(self.graphs.draw, inputs.bucket)
+        draws = launch_sample(logits, inputs.sample_rows, masks, self.sample_table, scratch=True, plain=plain)
         self.inputs.drew(draws)
         return draws
