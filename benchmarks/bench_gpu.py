@@ -436,14 +436,42 @@ def phase_times() -> Iterator[dict[str, float]]:
 
         return call
 
+    # On CUDA, each step's device time too: events recorded on the stream before its forward and after its
+    # sample, [start, end, a graph's decode step]. Exact for a graph's step (two replays); for an eager step it
+    # also counts the device waiting for the host's launches.
+    marks: list[list] = []
+
+    def marked(fn: Callable, first: bool) -> Callable:
+        @functools.wraps(fn)
+        def call(runner, inputs, *args, **kwargs):
+            if first:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
+                marks.append([start, None, bool(inputs.bucket)])
+            out = fn(runner, inputs, *args, **kwargs)
+            if marks:
+                marks[-1][1] = torch.cuda.Event(enable_timing=True)
+                marks[-1][1].record()
+            return out
+
+        return call
+
     originals = [(owner, name, owner.__dict__[name]) for owner, name in PHASES]
     for owner, name, fn in originals:
         setattr(owner, name, timed(fn, name))
+    if torch.cuda.is_available():
+        ModelRunner.forward = marked(ModelRunner.forward, first=True)
+        ModelRunner.sample = marked(ModelRunner.sample, first=False)
     try:
         yield totals
     finally:
         for owner, name, fn in originals:
             setattr(owner, name, fn)
+        if marks:
+            torch.cuda.synchronize()
+            graphs = [start.elapsed_time(end) / 1e3 for start, end, graph in marks if graph]
+            totals["device"] = sum(start.elapsed_time(end) / 1e3 for start, end, _ in marks)
+            totals["graph_steps"], totals["graph_device"] = len(graphs), sum(graphs)
 
 
 def offline_figures(engine: Engine, warmup: Requests, offlines: list[Requests]) -> dict:
@@ -456,10 +484,14 @@ def offline_figures(engine: Engine, warmup: Requests, offlines: list[Requests]) 
         with phase_times() as phases:
             tps = run_requests(engine, requests).tokens_per_second
         steps = max(phases.pop("steps"), 1)
+        graph_steps = phases.pop("graph_steps", 0)
+        if graph_steps:  # a graph step's own device time, beside the step's host time
+            phases["graph_device"] *= steps / graph_steps
         runs.append(
             {
                 "offline_tps": tps,
                 "offline_steps": steps,
+                "offline_graph_steps": graph_steps,
                 "offline_ms_per_step": {name: sec / steps * 1e3 for name, sec in phases.items()},
             }
         )
@@ -775,10 +807,14 @@ def report(meta: dict, results: dict[str, dict], w: Workload) -> None:
     print(
         "\nWhere an offline step's time went, ms per step (mean over the run's steps), with overlap scheduling "
         "(the engine's default on CUDA; a CPU runs one step at a time either way) and without: forward and sample only queue work on a GPU, fetch waits for "
-        "the device; host = step - fetch\n"
+        "the device; host = step - fetch; device: the device's time from a step's forward to the end of its "
+        "sample (an eager step's with the host's launches between), of every step and of a graph's decode step\n"
     )
-    print("| model | overlap | tok/s | steps | step | schedule | setup | forward | sample | fetch | update | host |")
-    print("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
+    print(
+        "| model | overlap | tok/s | steps | step | schedule | setup | forward | sample | fetch | update | host | "
+        "device | graph steps | device a graph step |"
+    )
+    print("|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     for name, r in with_figure(results, "offline_ms_per_step"):
         for f in (r, r.get("sequential")):
             if f is None:
@@ -789,7 +825,8 @@ def report(meta: dict, results: dict[str, dict], w: Workload) -> None:
                 + " | ".join(
                     f"{ms[k]:.2f}" for k in ("step", "schedule", "setup", "forward", "sample", "result", "_update")
                 )
-                + f" | {ms['step'] - ms['result']:.2f} |"
+                + f" | {ms['step'] - ms['result']:.2f} | {fmt(ms.get('device'), '.2f')} | "
+                f"{f.get('offline_graph_steps', '—')} | {fmt(ms.get('graph_device'), '.2f')} |"
             )
 
     b = w.decode_batch
