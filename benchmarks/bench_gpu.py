@@ -518,11 +518,23 @@ def engine_figures(
     figures.update(single_ms_eager=eager["single_ms"], batch_ms_step_eager=eager["batch_ms_step"])
     # The engine's default on CUDA: its loop in a rank process, whose interpreter lock the callbacks here and
     # the signal thread do not share (the phases above cannot be timed there).
+    # Its threads' CPU use says whether the loop's thread (the busiest) is the bottleneck.
     with Engine(dataclasses.replace(config, dp_backend="process")) as engine:
         run_requests(engine, warmup)
-        figures["process_tps_runs"] = [run_requests(engine, offline).tokens_per_second for offline in offlines]
+        figures["process_tps_runs"], figures["process_thread_cores"] = [], []
+        for offline in offlines:
+            before, start = thread_seconds(os.getpid()), time.perf_counter()
+            figures["process_tps_runs"].append(run_requests(engine, offline).tokens_per_second)
+            after, seconds = thread_seconds(os.getpid()), time.perf_counter() - start
+            cores = sorted(((after[t] - before.get(t, 0.0)) / seconds for t in after), reverse=True)
+            figures["process_thread_cores"].append(cores[:3])
         figures["process_tps"] = max(figures["process_tps_runs"])
-    print(f"engine, rank process: {runs(figures['process_tps_runs'])} tok/s offline", flush=True)
+    busiest = ", ".join("/".join(f"{c:.2f}" for c in cores) for cores in figures["process_thread_cores"])
+    print(
+        f"engine, rank process: {runs(figures['process_tps_runs'])} tok/s offline; its busiest threads' cores "
+        f"{busiest}",
+        flush=True,
+    )
 
 
 # ------------------------------------------------------------------------------------------------ references
@@ -602,6 +614,30 @@ def stream_from_processes(address: str, requests: Requests, processes: int) -> t
         client.join()
     seconds = max(end for _, _, end, _ in shares) - min(start for _, start, _, _ in shares)
     return sum(s[0] for s in shares), seconds, sum(s[3] for s in shares) / seconds
+
+
+def thread_seconds(pid: int) -> dict[int, float]:
+    """CPU seconds used so far by each thread of the children of `pid` (its rank processes), by thread id, from
+    /proc; empty where the kernel does not list children (a thread gone meanwhile is left out)."""
+    seconds = {}
+    try:
+        tasks = [f"/proc/{pid}/task/{task}/children" for task in os.listdir(f"/proc/{pid}/task")]
+        children = [int(c) for path in tasks for c in _read(path).split()]
+        threads = [f"/proc/{c}/task/{t}" for c in children for t in os.listdir(f"/proc/{c}/task")]
+    except OSError:
+        return seconds
+    for thread in threads:
+        try:
+            fields = _read(f"{thread}/stat").rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        seconds[int(thread.rsplit("/", 1)[1])] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return seconds
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
 
 
 def cpu_seconds(pid: int) -> tuple[float, float]:
