@@ -7,7 +7,9 @@ over three phases of its workload (a benchmark's companion: it prints, never ass
 Phases, each after the warm-up that compiles Triton and captures every CUDA graph bucket:
 1. one stream decoding, from its graph: the host's share of a step is its time less the kernels';
 2. a batch decoding without CUDA graphs, so that each kernel shows by name;
-3. the start of the offline workload, eager too: prefill chunks of max_batched_tokens beside decodes.
+3. the start of the offline workload, eager too: prefill chunks of max_batched_tokens beside decodes;
+4. the offline workload's decode from its graphs (its 256 prompts in, every sequence decoding), over
+   --window steps: where bench_gpu.py's device time of a graph's step goes.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import tempfile
+import threading
 import time
 
 import lmgate.engine  # noqa: F401  before torch, as in bench_gpu.py
@@ -55,6 +58,38 @@ def profiled(engine: Engine, requests: list, device: torch.device, title: str, r
     print(prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=70))
 
 
+def profiled_decode(engine: Engine, requests: list, device: torch.device, title: str, rows: int, window: int) -> None:
+    """`requests` submitted at once; once each has its first token (every prompt in), `window` steps of their
+    decode under the profiler: the kernels by device time, and per step."""
+    counts = [0] * len(requests)
+    done = threading.Semaphore(0)
+
+    def on_output_of(i: int):
+        def on_output(out) -> None:
+            counts[i] += len(out.token_ids)
+            if out.finished:
+                done.release()
+
+        return on_output
+
+    for i, (prompt, params) in enumerate(requests):
+        engine.submit(prompt, params, on_output=on_output_of(i))
+    while min(counts) == 0:
+        time.sleep(0.001)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    with profile(activities=activities, experimental_config=config) as prof:
+        first = min(counts)
+        while min(counts) < first + window:
+            time.sleep(0.0005)
+        steps = min(counts) - first
+    for _ in requests:
+        done.acquire()
+    print(f"\n### {title}: {steps} steps profiled; a step's device time is the table's total / {steps}")
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=70))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -62,6 +97,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--rows", type=int, default=22, help="kernels listed per phase")
     ap.add_argument("--offline-seqs", type=int, default=64, help="sequences of the offline phase")
+    ap.add_argument("--window", type=int, default=32, help="decode steps profiled in phase 4")
     args = ap.parse_args()
     w: Workload = TINY_WORKLOAD if args.tiny else Workload()
     device = torch.device(args.device)
@@ -82,6 +118,18 @@ def main() -> None:
             with Engine(config) as engine:
                 run_requests(engine, warmup)
                 profiled(engine, [(prompts.single, greedy)], device, "one stream, graphs", args.rows)
+                decodes = [
+                    (p, dataclasses.replace(s, max_new_tokens=args.window + 16))
+                    for p, s in offline_requests(2, w, cfg.vocab_size)
+                ]
+                profiled_decode(
+                    engine,
+                    decodes,
+                    device,
+                    f"the offline workload's decode, {len(decodes)} sequences, graphs",
+                    args.rows,
+                    args.window,
+                )
             with Engine(dataclasses.replace(config, cuda_graphs=False)) as engine:
                 run_requests(engine, [(p, greedy) for p in prompts.warm_batch])
                 profiled(
