@@ -24,7 +24,7 @@ from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 
 from .history import History
-from .weights import weight_stream
+from .weights import COMMIT, weight_stream
 from .weight_group import init_request, update_request
 from .routing import Target, channel_target
 from .wire import Delta, bearer_metadata, generate_request, new_session_id, session_metadata, to_delta
@@ -317,19 +317,51 @@ class Client(_ClientBase[Generator[Delta, None, None]]):
         sleeps."""
         return self._admin.Wakeup(pb.WakeupRequest(tags=tags), timeout=self._timeout, metadata=self._admin_metadata)
 
-    def update_weights(self, weights: str | Mapping[str, Any], version: str = "") -> str:
+    def update_weights(
+        self, weights: str | Mapping[str, Any], version: str = "", pause: str = "", keep_kv: bool = False
+    ) -> str:
         """Admin: new weights of the same architecture, served as `version` (empty: the server counts), which
         is returned. `weights`: a HF directory or GGUF file on the server, or the weights themselves, every
         one of the model's by Hugging Face name (a `state_dict()`: torch tensors, float32, float16 or
-        bfloat16), streamed in chunks (`weights.weight_stream`)."""
-        if isinstance(weights, str):
-            request = pb.UpdateWeightsRequest(path=weights, weight_version=version)
-            return self._admin.UpdateWeights(
-                request, timeout=self._timeout, metadata=self._admin_metadata
+        bfloat16), streamed in chunks (`weights.weight_stream`). `pause` (a `pause` mode, with `keep_kv`):
+        generation pauses for the commit alone and resumes after it, while the bytes travel it goes on, so
+        "keep"'s streams wait for the install only (with weights themselves; a path pauses for the call)."""
+        request_pause = _pause_request(pause, keep_kv) if pause else None  # a bad mode before a byte is sent
+        paused: list[Paused | grpc.RpcError] = []
+        try:
+            if isinstance(weights, str):
+                if request_pause is not None:
+                    paused.append(self._pause(request_pause))
+                request = pb.UpdateWeightsRequest(path=weights, weight_version=version)
+                return self._admin.UpdateWeights(
+                    request, timeout=self._timeout, metadata=self._admin_metadata
+                ).weight_version
+            messages = weight_stream(weights, version)
+            if request_pause is not None:
+                messages = self._paused_commit(weights, version, request_pause, paused)
+            return self._admin.UpdateWeightsFromTensors(
+                messages, timeout=self._timeout, metadata=self._admin_metadata
             ).weight_version
-        return self._admin.UpdateWeightsFromTensors(
-            weight_stream(weights, version), timeout=self._timeout, metadata=self._admin_metadata
-        ).weight_version
+        except grpc.RpcError:
+            if paused and isinstance(paused[0], BaseException):
+                raise paused[0] from None  # the pause failed: the stream ended without its commit
+            raise
+        finally:
+            if paused and isinstance(paused[0], Paused):
+                self.resume()
+
+    def _paused_commit(
+        self, weights: Mapping[str, Any], version: str, request: pb.PauseRequest, paused: list[Paused | grpc.RpcError]
+    ) -> Generator[pb.UpdateWeightsFromTensorsRequest, None, None]:
+        """The stream's messages, the server paused once every chunk is sent, before the commit (gRPC reads
+        them on a thread of its own). A pause that fails is put in `paused` and the stream ends uncommitted."""
+        yield from weight_stream(weights, version, commit=False)
+        try:
+            paused.append(self._pause(request))
+        except grpc.RpcError as exc:
+            paused.append(exc)
+            return
+        yield COMMIT
 
     def init_weight_group(
         self,
@@ -370,7 +402,9 @@ class Client(_ClientBase[Generator[Delta, None, None]]):
         (after an update meanwhile its KV is recomputed by the new weights, unless `keep_kv`). New Generate
         calls are refused (UNAVAILABLE) until `resume`; as a context manager, leaving the block resumes:
         `with client.pause("keep"): client.update_weights(model.state_dict())`."""
-        request = _pause_request(mode, keep_kv)
+        return self._pause(_pause_request(mode, keep_kv))
+
+    def _pause(self, request: pb.PauseRequest) -> Paused:
         response = self._admin.Pause(request, timeout=self._timeout, metadata=self._admin_metadata)
         return Paused(response.requests, self.resume)
 
@@ -474,15 +508,48 @@ class AsyncClient(_ClientBase[AsyncGenerator[Delta, None]]):
             pb.WakeupRequest(tags=tags), timeout=self._timeout, metadata=self._admin_metadata
         )
 
-    async def update_weights(self, weights: str | Mapping[str, Any], version: str = "") -> str:
-        if isinstance(weights, str):
-            request = pb.UpdateWeightsRequest(path=weights, weight_version=version)
-            response = await self._admin.UpdateWeights(request, timeout=self._timeout, metadata=self._admin_metadata)
-        else:
-            response = await self._admin.UpdateWeightsFromTensors(
-                weight_stream(weights, version), timeout=self._timeout, metadata=self._admin_metadata
-            )
+    async def update_weights(
+        self, weights: str | Mapping[str, Any], version: str = "", pause: str = "", keep_kv: bool = False
+    ) -> str:
+        """As `Client.update_weights`."""
+        pausing = AsyncPause(self, _pause_request(pause, keep_kv)) if pause else None
+        paused: list[int | grpc.RpcError] = []
+        try:
+            if isinstance(weights, str):
+                if pausing is not None:
+                    paused.append(await pausing)
+                request = pb.UpdateWeightsRequest(path=weights, weight_version=version)
+                response = await self._admin.UpdateWeights(
+                    request, timeout=self._timeout, metadata=self._admin_metadata
+                )
+            else:
+                messages: Any = weight_stream(weights, version)
+                if pausing is not None:
+                    messages = self._paused_commit(weights, version, pausing, paused)
+                response = await self._admin.UpdateWeightsFromTensors(
+                    messages, timeout=self._timeout, metadata=self._admin_metadata
+                )
+        except grpc.RpcError:
+            if paused and isinstance(paused[0], BaseException):
+                raise paused[0] from None
+            raise
+        finally:
+            if paused and not isinstance(paused[0], BaseException):
+                await self.resume()
         return response.weight_version
+
+    async def _paused_commit(
+        self, weights: Mapping[str, Any], version: str, pausing: AsyncPause, paused: list[int | grpc.RpcError]
+    ) -> AsyncGenerator[pb.UpdateWeightsFromTensorsRequest, None]:
+        """As `Client._paused_commit`, the pause awaited."""
+        for message in weight_stream(weights, version, commit=False):
+            yield message
+        try:
+            paused.append(await pausing)
+        except grpc.RpcError as exc:
+            paused.append(exc)
+            return
+        yield COMMIT
 
     async def init_weight_group(
         self,

@@ -14,11 +14,15 @@ CHUNK_BYTES = 2 << 20
 TIED_HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
 
 
+COMMIT = pb.UpdateWeightsFromTensorsRequest(commit=True)
+
+
 def weight_stream(
-    named_tensors: Mapping[str, Any], version: str = "", chunk_bytes: int = CHUNK_BYTES
+    named_tensors: Mapping[str, Any], version: str = "", chunk_bytes: int = CHUNK_BYTES, commit: bool = True
 ) -> Iterator[pb.UpdateWeightsFromTensorsRequest]:
     """The stream's messages, made as they are sent: one tensor's bytes at a time are copied out. A head that is
-    the embedding's very tensor (a tied model's `state_dict()`) is left out: the server serves it so."""
+    the embedding's very tensor (a tied model's `state_dict()`) is left out: the server serves it so. Without
+    `commit`, all but the last message (COMMIT), which the caller sends when it chooses."""
     tensors = sent_tensors(named_tensors)
     header = pb.WeightsHeader(weight_version=version, tensors=tensor_specs(tensors))
     yield pb.UpdateWeightsFromTensorsRequest(header=header)
@@ -39,7 +43,8 @@ def weight_stream(
         pending += data[at:]
     if pending:
         yield pb.UpdateWeightsFromTensorsRequest(chunk=bytes(pending))
-    yield pb.UpdateWeightsFromTensorsRequest(commit=True)
+    if commit:
+        yield COMMIT
 
 
 def sent_tensors(named_tensors: Mapping[str, Any]) -> dict[str, Any]:

@@ -5,13 +5,14 @@ computed as a fresh request of the same tokens would be. Afterwards every KV blo
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from lmgate.client.client import Client
+from lmgate.client.client import AsyncClient, Client
 from lmgate.engine.config import EngineConfig
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
@@ -257,3 +258,47 @@ def test_weights_pushed_while_asleep_at_level_two_are_served_after_the_wakeup(se
         assert pushed != before
         client.update_weights(bf16_state(trainer), version="awake")  # the same weights pushed awake
     assert greedy(server, PROMPTS[0], 8) == pushed
+
+
+def test_an_update_that_pauses_for_its_commit_alone_freezes_what_runs_for_the_install(server, trainer):
+    """`update_weights(state, pause="keep")`: the bytes travel while the streams run; the server is paused
+    (KEEP) when the update is installed, and resumed after it, so the streams go on under the new weights with
+    their KV recomputed. A mode the server does not know is refused before a byte is sent."""
+    engine, seen = server.engine, []
+    pause, install = engine.pause, engine.update_weights_from_tensors
+
+    def pause_seen(mode, keep_kv=False):
+        seen.append(("pause", mode, pause(mode, keep_kv)))
+        return seen[-1][2]
+
+    def install_seen(*args, **kwargs):
+        seen.append(("install", engine.pause_mode))
+        return install(*args, **kwargs)
+
+    engine.pause, engine.update_weights_from_tensors = pause_seen, install_seen
+    streams = Streams(server, PROMPTS)
+    streams.started()
+    with Client(server.address) as client:
+        with pytest.raises(ValueError, match="pause mode"):
+            client.update_weights(bf16_state(trainer), version="never", pause="sideways")
+        assert seen == []
+        assert client.update_weights(bf16_state(trainer), version="committed", pause="keep") == "committed"
+    assert seen == [("pause", "keep", STREAMS), ("install", "keep")]
+    assert not server.info().paused and server.info().weight_version == "committed"
+    outputs = streams.join()
+    for messages in outputs:
+        assert messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        old, new = tokens(messages, "0"), tokens(messages, "committed")
+        assert len(old) >= 2 and len(new) >= 1 and tokens(messages) == old + new
+    for prompt, messages in list(zip(PROMPTS, outputs))[:4]:  # recomputed: as a fresh request of those tokens
+        old, new = tokens(messages, "0"), tokens(messages, "committed")
+        assert greedy(server, prompt + old, len(new)) == new
+
+    async def from_the_async_client() -> str:
+        async with AsyncClient(server.address) as client:
+            return await client.update_weights(bf16_state(trainer), version="async", pause="keep")
+
+    seen.clear()
+    assert asyncio.run(from_the_async_client()) == "async"
+    assert seen == [("pause", "keep", 0), ("install", "keep")] and not server.info().paused
+    assert_all_free(server)
