@@ -10,12 +10,14 @@ a sampling integer beyond its proto field's range (`seed=-1`), ValueError naming
 from __future__ import annotations
 
 import abc
+import asyncio
 import contextlib
 import functools
+import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncGenerator, Callable, Generator, Generic, Iterable, Mapping, Sequence, TypeVar
+from typing import Any, AsyncGenerator, Callable, Generator, Generic, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -63,6 +65,83 @@ def _pause_request(mode: str, keep_kv: bool) -> pb.PauseRequest:
     if mode not in PAUSE_MODES:
         raise ValueError(f"pause mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
     return pb.PauseRequest(mode=PAUSE_MODES[mode], keep_kv=keep_kv)
+
+
+def _update_pause(pause: str, keep_kv: bool) -> pb.PauseRequest | None:
+    """`update_weights`' pause: its request, or None for none (then keep_kv, a pause's, is refused)."""
+    if pause:
+        return _pause_request(pause, keep_kv)
+    if keep_kv:
+        raise ValueError("keep_kv is a pause's: give pause= too")
+    return None
+
+
+class _PauseBeforeCommit:
+    """`update_weights(..., pause=...)`'s pause: made on the thread that reads the request stream (gRPC's)
+    once every chunk is sent, before the commit, unless the call has ended meanwhile (`close`); `close` waits
+    for a pause under way, so a pause the server made is always seen, and resumed."""
+
+    def __init__(self, pause: Callable[[], Paused]) -> None:
+        self._pause = pause
+        self._lock = threading.Lock()
+        self._closed = False
+        self._outcome: Paused | grpc.RpcError | None = None
+
+    def messages(
+        self, stream: Iterator[pb.UpdateWeightsFromTensorsRequest]
+    ) -> Iterator[pb.UpdateWeightsFromTensorsRequest]:
+        """`stream` (without its commit), the pause, the commit; a pause that fails ends it uncommitted."""
+        yield from stream
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                self._outcome = self._pause()
+            except grpc.RpcError as exc:
+                self._outcome = exc
+                return
+        yield COMMIT
+
+    def close(self) -> Paused | grpc.RpcError | None:
+        """No pause after this; the pause made (or its error), if any."""
+        with self._lock:
+            self._closed = True
+            return self._outcome
+
+
+class _AsyncPauseBeforeCommit:
+    """As `_PauseBeforeCommit`, in the event loop: the pause a task of its own, which `close` awaits (a
+    cancelled call stops the stream's reading, not a Pause already sent)."""
+
+    def __init__(self, pausing: AsyncPause) -> None:
+        self._pausing = pausing
+        self._closed = False
+        self._task: asyncio.Future | None = None
+
+    async def messages(
+        self, stream: Iterator[pb.UpdateWeightsFromTensorsRequest]
+    ) -> AsyncGenerator[pb.UpdateWeightsFromTensorsRequest, None]:
+        for message in stream:
+            yield message
+        if self._closed:
+            return
+        self._task = asyncio.ensure_future(self._pausing)
+        try:
+            await asyncio.shield(self._task)
+        except grpc.RpcError:
+            return
+        yield COMMIT
+
+    async def close(self) -> bool | grpc.RpcError | None:
+        """No pause after this; True where the pause was made, its error where it failed, None if none began."""
+        self._closed = True
+        if self._task is None:
+            return None
+        try:
+            await self._task
+        except grpc.RpcError as exc:
+            return exc
+        return True
 
 
 class Paused:
@@ -326,42 +405,32 @@ class Client(_ClientBase[Generator[Delta, None, None]]):
         bfloat16), streamed in chunks (`weights.weight_stream`). `pause` (a `pause` mode, with `keep_kv`):
         generation pauses for the commit alone and resumes after it, while the bytes travel it goes on, so
         "keep"'s streams wait for the install only (with weights themselves; a path pauses for the call)."""
-        request_pause = _pause_request(pause, keep_kv) if pause else None  # a bad mode before a byte is sent
-        paused: list[Paused | grpc.RpcError] = []
-        try:
-            if isinstance(weights, str):
-                if request_pause is not None:
-                    paused.append(self._pause(request_pause))
-                request = pb.UpdateWeightsRequest(path=weights, weight_version=version)
+        request = _update_pause(pause, keep_kv)  # before a byte is sent
+        if isinstance(weights, str):
+            with self._pause(request) if request is not None else contextlib.nullcontext():
+                path = pb.UpdateWeightsRequest(path=weights, weight_version=version)
                 return self._admin.UpdateWeights(
-                    request, timeout=self._timeout, metadata=self._admin_metadata
+                    path, timeout=self._timeout, metadata=self._admin_metadata
                 ).weight_version
+        if request is None:
             messages = weight_stream(weights, version)
-            if request_pause is not None:
-                messages = self._paused_commit(weights, version, request_pause, paused)
             return self._admin.UpdateWeightsFromTensors(
                 messages, timeout=self._timeout, metadata=self._admin_metadata
             ).weight_version
+        gate = _PauseBeforeCommit(functools.partial(self._pause, request))
+        try:
+            return self._admin.UpdateWeightsFromTensors(
+                gate.messages(weight_stream(weights, version, commit=False)),
+                timeout=self._timeout,
+                metadata=self._admin_metadata,
+            ).weight_version
         except grpc.RpcError:
-            if paused and isinstance(paused[0], BaseException):
-                raise paused[0] from None  # the pause failed: the stream ended without its commit
+            if isinstance(failed := gate.close(), grpc.RpcError):
+                raise failed from None  # the stream ended without its commit
             raise
         finally:
-            if paused and isinstance(paused[0], Paused):
+            if isinstance(gate.close(), Paused):
                 self.resume()
-
-    def _paused_commit(
-        self, weights: Mapping[str, Any], version: str, request: pb.PauseRequest, paused: list[Paused | grpc.RpcError]
-    ) -> Generator[pb.UpdateWeightsFromTensorsRequest, None, None]:
-        """The stream's messages, the server paused once every chunk is sent, before the commit (gRPC reads
-        them on a thread of its own). A pause that fails is put in `paused` and the stream ends uncommitted."""
-        yield from weight_stream(weights, version, commit=False)
-        try:
-            paused.append(self._pause(request))
-        except grpc.RpcError as exc:
-            paused.append(exc)
-            return
-        yield COMMIT
 
     def init_weight_group(
         self,
@@ -512,44 +581,37 @@ class AsyncClient(_ClientBase[AsyncGenerator[Delta, None]]):
         self, weights: str | Mapping[str, Any], version: str = "", pause: str = "", keep_kv: bool = False
     ) -> str:
         """As `Client.update_weights`."""
-        pausing = AsyncPause(self, _pause_request(pause, keep_kv)) if pause else None
-        paused: list[int | grpc.RpcError] = []
-        try:
-            if isinstance(weights, str):
-                if pausing is not None:
-                    paused.append(await pausing)
-                request = pb.UpdateWeightsRequest(path=weights, weight_version=version)
-                response = await self._admin.UpdateWeights(
-                    request, timeout=self._timeout, metadata=self._admin_metadata
-                )
+        request = _update_pause(pause, keep_kv)
+        if isinstance(weights, str):
+            path = pb.UpdateWeightsRequest(path=weights, weight_version=version)
+            if request is None:
+                response = await self._admin.UpdateWeights(path, timeout=self._timeout, metadata=self._admin_metadata)
             else:
-                messages: Any = weight_stream(weights, version)
-                if pausing is not None:
-                    messages = self._paused_commit(weights, version, pausing, paused)
-                response = await self._admin.UpdateWeightsFromTensors(
-                    messages, timeout=self._timeout, metadata=self._admin_metadata
-                )
+                async with AsyncPause(self, request):
+                    response = await self._admin.UpdateWeights(
+                        path, timeout=self._timeout, metadata=self._admin_metadata
+                    )
+            return response.weight_version
+        if request is None:
+            response = await self._admin.UpdateWeightsFromTensors(
+                weight_stream(weights, version), timeout=self._timeout, metadata=self._admin_metadata
+            )
+            return response.weight_version
+        gate = _AsyncPauseBeforeCommit(AsyncPause(self, request))
+        try:
+            response = await self._admin.UpdateWeightsFromTensors(
+                gate.messages(weight_stream(weights, version, commit=False)),
+                timeout=self._timeout,
+                metadata=self._admin_metadata,
+            )
         except grpc.RpcError:
-            if paused and isinstance(paused[0], BaseException):
-                raise paused[0] from None
+            if isinstance(failed := await gate.close(), grpc.RpcError):
+                raise failed from None
             raise
         finally:
-            if paused and not isinstance(paused[0], BaseException):
+            if await gate.close() is True:
                 await self.resume()
         return response.weight_version
-
-    async def _paused_commit(
-        self, weights: Mapping[str, Any], version: str, pausing: AsyncPause, paused: list[int | grpc.RpcError]
-    ) -> AsyncGenerator[pb.UpdateWeightsFromTensorsRequest, None]:
-        """As `Client._paused_commit`, the pause awaited."""
-        for message in weight_stream(weights, version, commit=False):
-            yield message
-        try:
-            paused.append(await pausing)
-        except grpc.RpcError as exc:
-            paused.append(exc)
-            return
-        yield COMMIT
 
     async def init_weight_group(
         self,

@@ -9,11 +9,15 @@ import asyncio
 import threading
 
 import grpc
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from lmgate.client import client as client_module
 from lmgate.client.client import AsyncClient, Client
+from lmgate.client.weights import weight_stream
 from lmgate.engine.config import EngineConfig
+from lmgate.engine.errors import InvalidRequest
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 from tests.serving import ServerThread
@@ -260,30 +264,51 @@ def test_weights_pushed_while_asleep_at_level_two_are_served_after_the_wakeup(se
     assert greedy(server, PROMPTS[0], 8) == pushed
 
 
-def test_an_update_that_pauses_for_its_commit_alone_freezes_what_runs_for_the_install(server, trainer):
-    """`update_weights(state, pause="keep")`: the bytes travel while the streams run; the server is paused
-    (KEEP) when the update is installed, and resumed after it, so the streams go on under the new weights with
-    their KV recomputed. A mode the server does not know is refused before a byte is sent."""
-    engine, seen = server.engine, []
+def test_an_update_that_pauses_for_its_commit_alone_freezes_what_runs_for_the_install(server, trainer, monkeypatch):
+    """`update_weights(state, pause="keep")`: the bytes travel while the streams run (every chunk is sent
+    before the server pauses); the server is paused (KEEP) when the update is installed, and resumed after it,
+    so the streams go on under the new weights with their KV recomputed. A mode the server does not know is
+    refused before a byte is sent; a pause the server refuses ends the stream uncommitted, and nothing changes."""
+    engine, seen, sent = server.engine, [], [0]
     pause, install = engine.pause, engine.update_weights_from_tensors
+    state = bf16_state(trainer)
+    chunks = len(list(weight_stream(state, commit=False)))
+
+    def counted(*args, **kwargs):
+        for message in weight_stream(*args, **kwargs):
+            sent[0] += 1
+            yield message
 
     def pause_seen(mode, keep_kv=False):
-        seen.append(("pause", mode, pause(mode, keep_kv)))
-        return seen[-1][2]
+        if mode == "abort":  # refused, as a server may refuse a pause
+            raise InvalidRequest("not now")
+        seen.append(("pause", mode, sent[0], pause(mode, keep_kv)))
+        return seen[-1][3]
 
     def install_seen(*args, **kwargs):
         seen.append(("install", engine.pause_mode))
         return install(*args, **kwargs)
 
+    monkeypatch.setattr(client_module, "weight_stream", counted)
     engine.pause, engine.update_weights_from_tensors = pause_seen, install_seen
     streams = Streams(server, PROMPTS)
     streams.started()
     with Client(server.address) as client:
         with pytest.raises(ValueError, match="pause mode"):
-            client.update_weights(bf16_state(trainer), version="never", pause="sideways")
-        assert seen == []
-        assert client.update_weights(bf16_state(trainer), version="committed", pause="keep") == "committed"
-    assert seen == [("pause", "keep", STREAMS), ("install", "keep")]
+            client.update_weights(state, version="never", pause="sideways")
+        with pytest.raises(grpc.RpcError) as refused:
+            client.update_weights(state, version="never", pause="abort")
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not now" in refused.value.details()
+        assert seen == [] and server.info().weight_version == "0" and not server.info().paused
+        # Refused at its header while its one chunk is long sent: a pause made meanwhile is resumed
+        with pytest.raises(grpc.RpcError) as unknown:
+            client.update_weights({"model.no_such.weight": np.zeros(4, np.float32)}, pause="keep")
+        assert unknown.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert not server.info().paused and server.info().weight_version == "0"
+        seen.clear()
+        sent[0] = 0
+        assert client.update_weights(state, version="committed", pause="keep") == "committed"
+    assert seen == [("pause", "keep", chunks, STREAMS), ("install", "keep")]
     assert not server.info().paused and server.info().weight_version == "committed"
     outputs = streams.join()
     for messages in outputs:
@@ -296,9 +321,10 @@ def test_an_update_that_pauses_for_its_commit_alone_freezes_what_runs_for_the_in
 
     async def from_the_async_client() -> str:
         async with AsyncClient(server.address) as client:
-            return await client.update_weights(bf16_state(trainer), version="async", pause="keep")
+            return await client.update_weights(state, version="async", pause="keep")
 
     seen.clear()
+    sent[0] = 0
     assert asyncio.run(from_the_async_client()) == "async"
-    assert seen == [("pause", "keep", 0), ("install", "keep")] and not server.info().paused
+    assert seen == [("pause", "keep", chunks, 0), ("install", "keep")] and not server.info().paused
     assert_all_free(server)

@@ -378,12 +378,13 @@ def launch_sample(
     (a step's own): where no row reads log-probabilities from them, the temperature divides them in place, not
     into a new [rows, vocabulary] tensor (on a CPU, whose fresh pages cost more than the division: 100 against
     150-180 ms with softmax at 256 rows of Qwen's 151,936 ids). `plain`: where every row draws at its
-    temperature alone (`StepParams.plain`), what draws them, given their temperatures and uniforms: a CUDA
-    graph of `draw_at_temperature` over these logits (`DecodeGraphs.draw`), one launch for a few dozen."""
+    temperature alone (`StepParams.plain`) and the logits are scratch, what draws them, given their
+    temperatures and uniforms: a CUDA graph of `draw_at_temperature` over these logits (`DecodeGraphs.draw`),
+    one launch for a few dozen."""
     table = table if table is not None else SampleTable(max(len(rows), 1))
     at, counters = table.draw(rows)
     step = table.gathered(at)
-    if plain is not None and masks is None and len(rows) and step.plain(logits.shape[-1]):
+    if plain is not None and scratch and masks is None and len(rows) and step.plain(logits.shape[-1]):
         tokens = plain(step.columns[0], step.uniforms(counters))
         return SampleFuture(tokens, tokens, rows, [])
     raw = logits
