@@ -19,6 +19,7 @@ Without CUDA (`capture=False`, the tests on a CPU), the same buffers and padding
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 from collections.abc import Callable, Sequence
 import numpy as np
@@ -149,8 +150,10 @@ class DecodeGraphs:
             self._captured_for = (id(model), weights_version)
         if self.capture_failed:
             return self._forward(model, kv_caches, b)
-        if b not in self._graphs and not self._captured(self._graphs, b, lambda: self._capture(model, kv_caches, b)):
-            return self._forward(model, kv_caches, b)
+        if b not in self._graphs:
+            forward = functools.partial(self._forward, model, kv_caches, b)
+            if not self._captured(self._graphs, b, lambda: self._capture(forward)):
+                return forward()
         graph, logits = self._graphs[b]
         graph.replay()
         self._logits = logits
@@ -169,8 +172,10 @@ class DecodeGraphs:
         self._draw_device.copy_(host, non_blocking=True)
         if not self.capture or self.capture_failed:
             return self._draw(b)[:n]
-        if b not in self._draw_graphs and not self._captured(self._draw_graphs, b, lambda: self._capture_draw(b)):
-            return self._draw(b)[:n]
+        if b not in self._draw_graphs:
+            draw, warm_up = functools.partial(self._draw, b), functools.partial(self._draw, b, copy=True)
+            if not self._captured(self._draw_graphs, b, lambda: self._capture(draw, warm_up)):
+                return draw()[:n]
         graph, tokens = self._draw_graphs[b]
         graph.replay()
         return tokens[:n].clone()
@@ -210,41 +215,29 @@ class DecodeGraphs:
         self._logits = model.compute_logits(model(input_ids, positions, kv_caches, meta))
         return self._logits
 
-    def _draw(self, b: int, logits: torch.Tensor | None = None) -> torch.Tensor:
-        """`draw_at_temperature` over the last run's logits (or `logits`), with `draw`'s temperatures and
+    def _draw(self, b: int, copy: bool = False) -> torch.Tensor:
+        """`draw_at_temperature` over the last run's logits (`copy`: over a copy of them, which it divides in
+        place instead: a capture's warm-up, whose step is drawn by the replay), with `draw`'s temperatures and
         uniforms of its b rows."""
         assert self._logits is not None and len(self._logits) == b, "a draw follows its bucket's run"
         temps, uniforms = self._draw_device.view(2, -1)[:, :b].unsqueeze(2)
-        return draw_at_temperature(self._logits if logits is None else logits, temps, uniforms)
+        return draw_at_temperature(self._logits.clone() if copy else self._logits, temps, uniforms)
 
-    def _capture(self, model: LlamaForCausalLM, kv_caches, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """One eager run on a side stream first (Triton compiles there, and the step's KV is written: the
-        replay writes the same values again), then the capture. Graphs share one memory pool: they never run
-        at the same time."""
+    def _capture(
+        self, body: Callable[[], torch.Tensor], warm_up: Callable[[], object] | None = None
+    ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """A graph of `body` and its output. One eager run on a side stream first (`warm_up`, else `body`:
+        Triton compiles there, and a forward's KV is written, which the replay writes again), then the
+        capture. Graphs share one memory pool: they never run at the same time."""
         side = self._side = self._side or torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._forward(model, kv_caches, b)
+            (warm_up or body)()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: another engine loop's thread may run steps while this one captures (not capture:
-        # the caller holds DEVICE_CACHE_LOCK).
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            logits = self._forward(model, kv_caches, b)
-        self._pool = graph.pool()
-        return graph, logits
-
-    def _capture_draw(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """As `_capture`, for the draw over bucket b's logits, in the same pool. Its eager run is over a copy
-        of them: the draw divides its logits in place, and the step's own are drawn by the replay."""
-        assert self._logits is not None and len(self._logits) == b, "a draw follows its bucket's run"
-        side = self._side = self._side or torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._draw(b, self._logits.clone())
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
+        # the caller holds DEVICE_CACHE_LOCK). Inference mode: a draw divides the forward's logits in place.
         with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            tokens = self._draw(b)
+            out = body()
         self._pool = graph.pool()
-        return graph, tokens
+        return graph, out
