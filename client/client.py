@@ -26,7 +26,8 @@ from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 
 from .history import History
-from .weights import COMMIT, weight_stream
+from .shared_memory import SharedMemoryFile
+from .weights import COMMIT, shared_memory_stream, weight_stream
 from .weight_group import init_request, update_request
 from .routing import Target, channel_target
 from .wire import Delta, bearer_metadata, generate_request, new_session_id, session_metadata, to_delta
@@ -65,6 +66,11 @@ def _pause_request(mode: str, keep_kv: bool) -> pb.PauseRequest:
     if mode not in PAUSE_MODES:
         raise ValueError(f"pause mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
     return pb.PauseRequest(mode=PAUSE_MODES[mode], keep_kv=keep_kv)
+
+
+def _path_alone(shared_memory: bool) -> None:
+    if shared_memory:
+        raise ValueError("shared_memory carries the weights themselves: a path is read by the server")
 
 
 def _update_pause(pause: str, keep_kv: bool) -> pb.PauseRequest | None:
@@ -200,6 +206,22 @@ class _ClientBase(abc.ABC, Generic[StreamT]):
         self._admin_metadata = bearer_metadata(admin_token)
         self._inference_metadata = bearer_metadata(api_key)
         self._timeout = timeout
+        self._shared_memory: SharedMemoryFile | None = None  # update_weights(shared_memory=True)'s, made at first
+
+    def _tensor_messages(
+        self, weights: Mapping[str, Any], version: str, shared_memory: bool, commit: bool
+    ) -> Iterator[pb.UpdateWeightsFromTensorsRequest]:
+        """An UpdateWeightsFromTensors stream's messages: the bytes in chunks, or written now into this
+        client's shared-memory file (its caller holds the file's lock until the call returns)."""
+        if not shared_memory:
+            return weight_stream(weights, version, commit=commit)
+        if self._shared_memory is None:
+            self._shared_memory = SharedMemoryFile()
+        return iter(shared_memory_stream(weights, self._shared_memory, version, commit))
+
+    def _close_shared_memory(self) -> None:
+        if self._shared_memory is not None:
+            self._shared_memory.close()
 
     def generate(
         self,
@@ -326,6 +348,7 @@ class Client(_ClientBase[Generator[Delta, None, None]]):
             grpc.secure_channel(target, tls.credentials(), options) if tls else grpc.insecure_channel(target, options)
         )
         super().__init__(channel, admin_token, api_key, timeout)
+        self._shared_memory_lock = threading.Lock()  # one update at a time writes the file and has it read
 
     def _stream(self, call: Any, request: pb.GenerateRequest) -> Generator[Delta, None, None]:
         last = None
@@ -397,30 +420,44 @@ class Client(_ClientBase[Generator[Delta, None, None]]):
         return self._admin.Wakeup(pb.WakeupRequest(tags=tags), timeout=self._timeout, metadata=self._admin_metadata)
 
     def update_weights(
-        self, weights: str | Mapping[str, Any], version: str = "", pause: str = "", keep_kv: bool = False
+        self,
+        weights: str | Mapping[str, Any],
+        version: str = "",
+        pause: str = "",
+        keep_kv: bool = False,
+        shared_memory: bool = False,
     ) -> str:
         """Admin: new weights of the same architecture, served as `version` (empty: the server counts), which
         is returned. `weights`: a HF directory or GGUF file on the server, or the weights themselves, every
         one of the model's by Hugging Face name (a `state_dict()`: torch tensors, float32, float16 or
-        bfloat16), streamed in chunks (`weights.weight_stream`). `pause` (a `pause` mode, with `keep_kv`):
-        generation pauses for the commit alone and resumes after it, while the bytes travel it goes on, so
-        "keep"'s streams wait for the install only (with weights themselves; a path pauses for the call)."""
+        bfloat16), streamed in chunks (`weights.weight_stream`), or, with `shared_memory` (a server on this
+        machine), written into a file of /dev/shm this client keeps for its next updates (`close` removes
+        it), which the server reads. `pause` (a `pause` mode, with `keep_kv`): generation pauses for the
+        commit alone and resumes after it, while the bytes travel it goes on, so "keep"'s streams wait for
+        the install only (with weights themselves; a path pauses for the call)."""
         request = _update_pause(pause, keep_kv)  # before a byte is sent
         if isinstance(weights, str):
+            _path_alone(shared_memory)
             with self._pause(request) if request is not None else contextlib.nullcontext():
                 path = pb.UpdateWeightsRequest(path=weights, weight_version=version)
                 return self._admin.UpdateWeights(
                     path, timeout=self._timeout, metadata=self._admin_metadata
                 ).weight_version
+        with self._shared_memory_lock if shared_memory else contextlib.nullcontext():
+            return self._update_from_tensors(weights, version, request, shared_memory)
+
+    def _update_from_tensors(
+        self, weights: Mapping[str, Any], version: str, request: pb.PauseRequest | None, shared_memory: bool
+    ) -> str:
+        messages = self._tensor_messages(weights, version, shared_memory, commit=request is None)
         if request is None:
-            messages = weight_stream(weights, version)
             return self._admin.UpdateWeightsFromTensors(
                 messages, timeout=self._timeout, metadata=self._admin_metadata
             ).weight_version
         gate = _PauseBeforeCommit(functools.partial(self._pause, request))
         try:
             return self._admin.UpdateWeightsFromTensors(
-                gate.messages(weight_stream(weights, version, commit=False)),
+                gate.messages(messages),
                 timeout=self._timeout,
                 metadata=self._admin_metadata,
             ).weight_version
@@ -483,6 +520,7 @@ class Client(_ClientBase[Generator[Delta, None, None]]):
 
     def close(self) -> None:
         self._channel.close()
+        self._close_shared_memory()
 
     def __enter__(self) -> Client:
         return self
@@ -511,6 +549,7 @@ class AsyncClient(_ClientBase[AsyncGenerator[Delta, None]]):
             else grpc.aio.insecure_channel(target, options)
         )
         super().__init__(channel, admin_token, api_key, timeout)
+        self._shared_memory_lock = asyncio.Lock()  # as Client's
 
     async def _stream(self, call: Any, request: pb.GenerateRequest) -> AsyncGenerator[Delta, None]:
         last = None
@@ -578,11 +617,17 @@ class AsyncClient(_ClientBase[AsyncGenerator[Delta, None]]):
         )
 
     async def update_weights(
-        self, weights: str | Mapping[str, Any], version: str = "", pause: str = "", keep_kv: bool = False
+        self,
+        weights: str | Mapping[str, Any],
+        version: str = "",
+        pause: str = "",
+        keep_kv: bool = False,
+        shared_memory: bool = False,
     ) -> str:
-        """As `Client.update_weights`."""
+        """As `Client.update_weights` (the shared-memory file written off the event loop)."""
         request = _update_pause(pause, keep_kv)
         if isinstance(weights, str):
+            _path_alone(shared_memory)
             path = pb.UpdateWeightsRequest(path=weights, weight_version=version)
             if request is None:
                 response = await self._admin.UpdateWeights(path, timeout=self._timeout, metadata=self._admin_metadata)
@@ -592,15 +637,25 @@ class AsyncClient(_ClientBase[AsyncGenerator[Delta, None]]):
                         path, timeout=self._timeout, metadata=self._admin_metadata
                     )
             return response.weight_version
+        if not shared_memory:
+            return await self._update_from_tensors(weights, version, request, False)
+        async with self._shared_memory_lock:
+            return await self._update_from_tensors(weights, version, request, True)
+
+    async def _update_from_tensors(
+        self, weights: Mapping[str, Any], version: str, request: pb.PauseRequest | None, shared_memory: bool
+    ) -> str:
+        make = functools.partial(self._tensor_messages, weights, version, shared_memory, commit=request is None)
+        messages = await asyncio.to_thread(make) if shared_memory else make()  # the file's writes: seconds
         if request is None:
             response = await self._admin.UpdateWeightsFromTensors(
-                weight_stream(weights, version), timeout=self._timeout, metadata=self._admin_metadata
+                messages, timeout=self._timeout, metadata=self._admin_metadata
             )
             return response.weight_version
         gate = _AsyncPauseBeforeCommit(AsyncPause(self, request))
         try:
             response = await self._admin.UpdateWeightsFromTensors(
-                gate.messages(weight_stream(weights, version, commit=False)),
+                gate.messages(messages),
                 timeout=self._timeout,
                 metadata=self._admin_metadata,
             )
@@ -648,6 +703,7 @@ class AsyncClient(_ClientBase[AsyncGenerator[Delta, None]]):
 
     async def close(self) -> None:
         await self._channel.close()
+        self._close_shared_memory()
 
     async def __aenter__(self) -> AsyncClient:
         return self

@@ -1,5 +1,6 @@
-"""Weights from the caller's memory as an `UpdateWeightsFromTensors` stream: a header, the bytes in chunks, a
-commit. Tensors are read by duck typing (a torch tensor, or a numpy array): the client imports no torch."""
+"""Weights from the caller's memory as an `UpdateWeightsFromTensors` stream: a header, the bytes in chunks (or,
+for a server on this machine, in a file of its shared memory the stream names), a commit. Tensors are read by
+duck typing (a torch tensor, or a numpy array): the client imports no torch."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import sys
 from typing import Any, Iterator, Mapping
 
 from lmgate.v1 import lmgate_pb2 as pb
+
+from .shared_memory import SharedMemoryFile
 
 # Bytes per chunk message: a few MiB, under a server's default 4 MiB limit on a received message.
 CHUNK_BYTES = 2 << 20
@@ -45,6 +48,23 @@ def weight_stream(
         yield pb.UpdateWeightsFromTensorsRequest(chunk=bytes(pending))
     if commit:
         yield COMMIT
+
+
+def shared_memory_stream(
+    named_tensors: Mapping[str, Any], file: SharedMemoryFile, version: str = "", commit: bool = True
+) -> list[pb.UpdateWeightsFromTensorsRequest]:
+    """The stream's messages for a server on this machine, the bytes written into `file` first (now, by this
+    call): the header, the file's range, and (with `commit`) COMMIT. The file stays unchanged until the call
+    that sends them returns."""
+    tensors = sent_tensors(named_tensors)
+    header = pb.WeightsHeader(weight_version=version, tensors=tensor_specs(tensors))
+    length = file.write(_raw_bytes(t) for t in tensors.values())
+    named = pb.SharedMemoryBytes(name=file.name, offset=0, length=length)
+    messages = [
+        pb.UpdateWeightsFromTensorsRequest(header=header),
+        pb.UpdateWeightsFromTensorsRequest(shared_memory=named),
+    ]
+    return messages + [COMMIT] if commit else messages
 
 
 def sent_tensors(named_tensors: Mapping[str, Any]) -> dict[str, Any]:

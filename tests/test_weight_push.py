@@ -4,11 +4,16 @@ GenerateResponse report; a refused or broken-off push changes nothing."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
+import uuid
+
 import grpc
 import pytest
 import torch
 
-from lmgate.client.client import Client
+from lmgate.client.client import AsyncClient, Client
 from lmgate.client.weights import weight_stream
 from lmgate.engine.config import EngineConfig
 from lmgate.engine.loading.pushed import TensorSpec, host_buffer, release_kept_buffers, tensor_views
@@ -144,6 +149,100 @@ def test_weight_push_cut_off_or_not_committed_changes_nothing(server, trainer):
         assert push_error(server, ends_early).code() == grpc.StatusCode.INVALID_ARGUMENT
     assert greedy(server) == before
     assert server.info().weight_version == "0"
+
+
+def test_a_push_named_in_shared_memory_serves_as_one_sent_in_chunks(server, trainer, saved):
+    """A client on the server's machine writes the bytes into a file of /dev/shm the stream names: served as the
+    same weights loaded by path, the file written again (its pages kept) by the next push and removed when
+    the client closes; chunks and file ranges mixed in one stream; the async client, paused for the commit."""
+    other = bf16_state(trainer)
+    other["model.layers.5.mlp.down_proj.weight"] = -other["model.layers.5.mlp.down_proj.weight"]
+    with Client(server.address) as client:
+        client.update_weights(saved, version="by-path")
+        by_path = greedy(server)
+        assert client.update_weights(other, version="other", shared_memory=True) == "other"
+        pushed_other = greedy(server)
+        assert pushed_other != by_path
+        file = client._shared_memory
+        inode = os.stat(file.path).st_ino
+        assert client.update_weights(bf16_state(trainer), version="shm", shared_memory=True) == "shm"
+        assert greedy(server) == by_path and server.info().weight_version == "shm"
+        assert client._shared_memory is file and os.stat(file.path).st_ino == inode
+        assert os.stat(file.path).st_mode & 0o777 == 0o600
+        with pytest.raises(ValueError, match="shared_memory"):
+            client.update_weights(saved, shared_memory=True)
+    assert not os.path.exists(file.path)
+
+    messages = list(weight_stream(other, "mixed"))
+    header, chunks, commit = messages[0], [m.chunk for m in messages[1:-1]], messages[-1]
+    sent, named = chunks[: len(chunks) // 2], b"".join(chunks[len(chunks) // 2 :])
+    with shared_memory_file(b"\0" * 100 + named) as name:
+        ranged = pb.SharedMemoryBytes(name=name, offset=100, length=len(named))
+        mixed = [header, *messages[1 : 1 + len(sent)], pb.UpdateWeightsFromTensorsRequest(shared_memory=ranged), commit]
+        with server.channel() as channel:
+            assert pb_grpc.AdminStub(channel).UpdateWeightsFromTensors(iter(mixed)).weight_version == "mixed"
+    assert greedy(server) == pushed_other
+
+    async def push_async() -> str:
+        async with AsyncClient(server.address) as client:
+            version = await client.update_weights(bf16_state(trainer), "async", pause="keep", shared_memory=True)
+            assert os.path.exists(client._shared_memory.path)
+            return version
+
+    assert asyncio.run(push_async()) == "async"
+    assert greedy(server) == by_path and not server.engine.pause_mode
+
+
+@contextlib.contextmanager
+def shared_memory_file(data: bytes, make=None):
+    """A file of /dev/shm holding `data` (or what `make(path)` makes there), its name given, removed after."""
+    name = f"lmgate-test-{uuid.uuid4().hex}"
+    path = os.path.join("/dev/shm", name)
+    if make is None:
+        with open(path, "wb") as f:
+            f.write(data)
+    else:
+        make(path)
+    try:
+        yield name
+    finally:
+        os.unlink(path)
+
+
+def test_shared_memory_the_server_cannot_read_is_refused_and_changes_nothing(server, trainer, tmp_path):
+    """A name that is no file of the server's /dev/shm (another directory's, a link, a FIFO, none), a range past
+    the file's end or past the header's bytes: INVALID_ARGUMENT naming why, nothing served changes (and the
+    FIFO's open does not block the server)."""
+    before = greedy(server)
+    header = next(weight_stream(bf16_state(trainer), "bad"))
+    total = sum(t.nbytes for t in tensor_views_specs(header))
+    outside = tmp_path / "weights"
+    outside.write_bytes(b"\0" * total)
+
+    def refused(name: str, offset: int = 0, length: int = total) -> str:
+        part = pb.UpdateWeightsFromTensorsRequest(
+            shared_memory=pb.SharedMemoryBytes(name=name, offset=offset, length=length)
+        )
+        err = push_error(server, [header, part, pb.UpdateWeightsFromTensorsRequest(commit=True)])
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        return err.details()
+
+    assert "name alone" in refused(str(outside))
+    assert "name alone" in refused("../" + outside.name)
+    assert "another machine" in refused(f"lmgate-test-absent-{uuid.uuid4().hex}")
+    with shared_memory_file(b"", make=lambda path: os.symlink(outside, path)) as name:
+        assert "cannot be read" in refused(name)
+    with shared_memory_file(b"", make=os.mkfifo) as name:
+        assert "not a regular file" in refused(name)
+    with shared_memory_file(b"\0" * total) as name:
+        assert "past its end" in refused(name, offset=1)
+        assert "more bytes than" in refused(name, length=total + 1)
+    assert greedy(server) == before
+    assert server.info().weight_version == "0"
+
+
+def tensor_views_specs(header: pb.UpdateWeightsFromTensorsRequest) -> list[TensorSpec]:
+    return [TensorSpec(t.name, t.dtype, tuple(t.shape)) for t in header.header.tensors]
 
 
 def test_a_kept_buffer_is_received_into_again_once_nothing_views_it():

@@ -380,14 +380,26 @@ class WeightsHeader(_message.Message):
     def __init__(self, weight_version: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
 
 class UpdateWeightsFromTensorsRequest(_message.Message):
-    __slots__ = ("header", "chunk", "commit")
+    __slots__ = ("header", "chunk", "commit", "shared_memory")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
+    SHARED_MEMORY_FIELD_NUMBER: _ClassVar[int]
     header: WeightsHeader
     chunk: bytes
     commit: bool
-    def __init__(self, header: _Optional[_Union[WeightsHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ..., commit: _Optional[bool] = ...) -> None: ...
+    shared_memory: SharedMemoryBytes
+    def __init__(self, header: _Optional[_Union[WeightsHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ..., commit: _Optional[bool] = ..., shared_memory: _Optional[_Union[SharedMemoryBytes, _Mapping]] = ...) -> None: ...
+
+class SharedMemoryBytes(_message.Message):
+    __slots__ = ("name", "offset", "length")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    offset: int
+    length: int
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class PauseRequest(_message.Message):
     __slots__ = ("mode", "keep_kv")

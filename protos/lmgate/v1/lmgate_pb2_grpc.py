@@ -409,7 +409,8 @@ class AdminServicer:
 
     def UpdateWeightsFromTensors(self, request_iterator, context):
         """Replaces the weights with tensors the caller streams from its memory (a trainer's), by their Hugging
-        Face names: first a header, then the tensors' bytes in chunks, then a commit. Every tensor of the model
+        Face names: first a header, then the tensors' bytes in chunks (or, from the server's own machine, named
+        in its shared memory: SharedMemoryBytes), then a commit. Every tensor of the model
         is required (no partial update yet). An unknown name, or a shape or dtype the model does not take, is
         refused (INVALID_ARGUMENT, naming it) before any bytes are read; a stream that ends without its commit,
         or with bytes missing or left over, changes nothing. Atomic at a step boundary, as UpdateWeights.
