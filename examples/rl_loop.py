@@ -9,7 +9,8 @@ first integer is the sum earns 1; one that names the sum later, 0.2 (partial cre
 3. the PPO-clip loss with the rollout's log-probabilities as the old policy's, ratio = exp(trainer - rollout),
    and one AdamW step;
 4. the new weights into the server, as version "step-<k>", inside a pause that keeps what runs: streamed over
-   gRPC (`--sync tensors`) or broadcast over a torch.distributed gloo group (`--sync gloo`).
+   gRPC (`--sync tensors`), its bytes handed over in /dev/shm to a server on this machine (`--sync shm`), or
+   broadcast over a torch.distributed gloo group (`--sync gloo`).
 
 The trainer is transformers on the CPU, loaded from the same GGUF as the server. The server is `lmgate serve
 --dtype float32 --weights float`, started here as a child process, or the one at `--target host:port`. Each
@@ -69,7 +70,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--n", type=int, default=8, help="samples per prompt: one GRPO group")
     ap.add_argument("--lr", type=float, default=5e-5)
     ap.add_argument("--max-new-tokens", type=int, default=16)
-    ap.add_argument("--sync", choices=("tensors", "gloo"), default="tensors")
+    ap.add_argument(
+        "--sync",
+        choices=("tensors", "shm", "gloo"),
+        default="tensors",
+        help="the tensor stream; its bytes through /dev/shm (a server on this machine); a gloo group",
+    )
     ap.add_argument(
         "--target", default=None, help="host:port of a server of the embedded model, --dtype float32 --weights float"
     )
@@ -190,10 +196,12 @@ def train_step(model, optimizer, problems: list[Problem], groups: list[list[Samp
 
 
 class Sync:
-    """Brings the trainer's weights into the server: the tensor stream, or a gloo group made once for the run."""
+    """Brings the trainer's weights into the server: the tensor stream (its bytes in chunks, or in a file of
+    /dev/shm it names), or a gloo group made once for the run."""
 
     def __init__(self, client: Client, how: str, stack: contextlib.ExitStack) -> None:
         self.client = client
+        self.shared_memory = how == "shm"
         self.group = stack.enter_context(WeightGroup(client, "127.0.0.1", 0)) if how == "gloo" else None
 
     def push(self, model: torch.nn.Module, version: str) -> str:
@@ -202,7 +210,7 @@ class Sync:
         with self.client.pause("keep"):
             if self.group is not None:
                 return self.group.push(state, version)
-            return self.client.update_weights(state, version=version)
+            return self.client.update_weights(state, version=version, shared_memory=self.shared_memory)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,7 +19,7 @@ TINY = ["--steps", "2", "--prompts-per-step", "2", "--n", "4", "--max-new-tokens
 PROMPT = [504, 3575, 282, 4649, 314]
 
 
-SYNCS = ("tensors", "gloo")
+SYNCS = ("tensors", "shm", "gloo")
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def greedy_logprobs(address: str) -> list[float]:
 
 
 def test_rl_loop_pushes_each_steps_weights_as_its_version(servers):
-    """Both syncs at once, each run a process of its own (most of a run is the trainer loading the GGUF in
+    """Every sync at once, each run a process of its own (most of a run is the trainer loading the GGUF in
     transformers, one core's work)."""
     before = {sync: greedy_logprobs(s.address) for sync, s in servers.items()}
     runs = {
