@@ -3,6 +3,8 @@ the same machine to read instead of receiving them through its socket (`SharedMe
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import uuid
 import weakref
@@ -16,34 +18,64 @@ WRITE_BYTES = 1 << 30  # asked for by each write: Linux moves at most 2 GiB - 4 
 class SharedMemoryFile:
     """One client's file, kept across its updates so that the next one writes into pages already there (2.47 GB
     into them: 0.3 s on the 2-core EPYC, into new ones 0.9 s), readable by this user alone, and removed by
-    `close` (or, left open, when the object goes or the interpreter exits). The caller serializes its use: a
-    write must not begin before the server has read the last one (the call that sent it has returned)."""
+    `close` (or, left open, when the object goes or the interpreter exits). It is locked while this process
+    holds it: a file whose lock no process holds was left by a client that was killed, and the next one made
+    on the machine removes it. The caller serializes its use: a write must not begin before the server has
+    read the last one (the call that sent it has returned)."""
 
     def __init__(self) -> None:
-        self.name = f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        self.path = os.path.join(SHM_DIR, self.name)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        self._removed = weakref.finalize(self, _remove, self._fd, self.path)
+        remove_stale()
+        fd = -1
+        while fd < 0:
+            self.name = f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+            self.path = os.path.join(SHM_DIR, self.name)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if not os.fstat(fd).st_nlink:  # taken for stale between its making and its lock
+                os.close(fd)
+                fd = -1
+        self._fd = fd
+        self._removed = weakref.finalize(self, _remove, fd, self.path)
 
-    def write(self, parts: Iterable[memoryview]) -> int:
-        """`parts` back to back from the file's start, over the last write's pages, then the file cut to their
-        length, which is returned."""
+    def write(self, parts: Iterable[memoryview], length: int) -> None:
+        """`parts`, `length` bytes in all, back to back from the file's start, over the last write's pages, then
+        the file cut to that length. Where /dev/shm has no room, OSError before a byte is written."""
+        try:  # the room taken first: a full tmpfs fails this call, not a write half done
+            os.posix_fallocate(self._fd, 0, length)
+        except OSError as exc:
+            raise OSError(
+                exc.errno, f"no room for {length} bytes in {SHM_DIR} ({exc.strerror}): update without shared_memory"
+            ) from None
         at = 0
         for part in parts:
             done = 0
             while done < len(part):
                 done += os.pwrite(self._fd, part[done : done + WRITE_BYTES], at + done)
             at += len(part)
-        os.ftruncate(self._fd, at)
-        return at
+        if at != length:
+            raise ValueError(f"{at} bytes written, {length} announced")
+        os.ftruncate(self._fd, length)
 
     def close(self) -> None:
         self._removed()
 
 
+def remove_stale() -> None:
+    """This machine's client files that no process holds the lock of. A lock, unlike a pid, says so across
+    containers that share /dev/shm and through pid reuse."""
+    with contextlib.suppress(OSError):
+        names = [name for name in os.listdir(SHM_DIR) if name.startswith(PREFIX)]
+        for path in (os.path.join(SHM_DIR, name) for name in names):
+            with contextlib.suppress(OSError):  # another user's, locked by a live client, or removed meanwhile
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    os.unlink(path)
+                finally:
+                    os.close(fd)
+
+
 def _remove(fd: int, path: str) -> None:
-    os.close(fd)
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass
+    os.close(fd)

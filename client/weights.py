@@ -58,7 +58,8 @@ def shared_memory_stream(
     that sends them returns."""
     tensors = sent_tensors(named_tensors)
     header = pb.WeightsHeader(weight_version=version, tensors=tensor_specs(tensors))
-    length = file.write(_raw_bytes(t) for t in tensors.values())
+    length = sum(t.nbytes for t in tensors.values())
+    file.write((_raw_bytes(t) for t in tensors.values()), length)  # one tensor's bytes at a time, as the chunks
     named = pb.SharedMemoryBytes(name=file.name, offset=0, length=length)
     messages = [
         pb.UpdateWeightsFromTensorsRequest(header=header),

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import subprocess
+import sys
 import uuid
 
 import grpc
@@ -14,6 +16,7 @@ import pytest
 import torch
 
 from lmgate.client.client import AsyncClient, Client
+from lmgate.client.shared_memory import SharedMemoryFile
 from lmgate.client.weights import weight_stream
 from lmgate.engine.config import EngineConfig
 from lmgate.engine.loading.pushed import TensorSpec, host_buffer, release_kept_buffers, tensor_views
@@ -191,6 +194,41 @@ def test_a_push_named_in_shared_memory_serves_as_one_sent_in_chunks(server, trai
 
     assert asyncio.run(push_async()) == "async"
     assert greedy(server) == by_path and not server.engine.pause_mode
+
+
+def test_a_killed_clients_shared_memory_file_is_removed_by_the_next_one_made():
+    """A client killed while it holds its file leaves it in /dev/shm; the next file made on the machine removes
+    it (its lock is free), never a live client's."""
+    holders = [
+        subprocess.Popen(
+            [sys.executable, "-c", HOLDS_A_FILE], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    try:
+        killed, alive = (holder.stdout.readline().strip() for holder in holders)
+        holders[0].kill()
+        holders[0].wait()
+        assert os.path.exists(killed) and os.path.exists(alive)
+        mine = SharedMemoryFile()
+        assert not os.path.exists(killed) and os.path.exists(alive)
+        mine.close()
+        assert not os.path.exists(mine.path)
+    finally:
+        for holder in holders:
+            holder.kill()
+            holder.wait()
+        SharedMemoryFile().close()  # removes the second one's, killed now
+    assert not os.path.exists(alive)
+
+
+HOLDS_A_FILE = """
+import sys, time
+from lmgate.client.shared_memory import SharedMemoryFile
+file = SharedMemoryFile()
+print(file.path, flush=True)
+time.sleep(600)
+"""
 
 
 @contextlib.contextmanager
