@@ -37,6 +37,7 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 READY_CHECK = health_pb2.HealthCheckRequest(service=pb.DESCRIPTOR.services_by_name["Inference"].full_name)
 
 StreamT = TypeVar("StreamT", Generator[Delta, None, None], AsyncGenerator[Delta, None])
+T = TypeVar("T")
 CANCEL_SECONDS = 5.0  # the deadline of the Cancel a session turn left early sends
 # A resumable session's turn that gets one of these starts the session again and replays its conversation:
 # NOT_FOUND, the session is gone (its replica restarted, or the route leads to another); ABORTED, the route
@@ -66,6 +67,17 @@ def _pause_request(mode: str, keep_kv: bool) -> pb.PauseRequest:
     if mode not in PAUSE_MODES:
         raise ValueError(f"pause mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
     return pb.PauseRequest(mode=PAUSE_MODES[mode], keep_kv=keep_kv)
+
+
+async def _to_thread_to_its_end(call: Callable[[], T]) -> T:
+    """`call` in a thread; a cancel waits for it to end before it is raised (a write into the client's file
+    goes on in its thread: the lock it is under must not be let go before it has)."""
+    work = asyncio.ensure_future(asyncio.to_thread(call))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        await asyncio.wait([work])
+        raise
 
 
 def _path_alone(shared_memory: bool) -> None:
@@ -207,6 +219,7 @@ class _ClientBase(abc.ABC, Generic[StreamT]):
         self._inference_metadata = bearer_metadata(api_key)
         self._timeout = timeout
         self._shared_memory: SharedMemoryFile | None = None  # update_weights(shared_memory=True)'s, made at first
+        self._closed = False
 
     def _tensor_messages(
         self, weights: Mapping[str, Any], version: str, shared_memory: bool, commit: bool
@@ -215,13 +228,18 @@ class _ClientBase(abc.ABC, Generic[StreamT]):
         client's shared-memory file (its caller holds the file's lock until the call returns)."""
         if not shared_memory:
             return weight_stream(weights, version, commit=commit)
+        if self._closed:
+            raise ValueError("the client is closed")
         if self._shared_memory is None:
             self._shared_memory = SharedMemoryFile()
         return iter(shared_memory_stream(weights, self._shared_memory, version, commit))
 
     def _close_shared_memory(self) -> None:
+        """The file removed (its caller holds its lock): at `close`, and after an update by it that did not end
+        OK or refused (a deadline, a cancel), which the server may still be reading: the next makes a new one."""
         if self._shared_memory is not None:
             self._shared_memory.close()
+            self._shared_memory = None
 
     def generate(
         self,
@@ -443,8 +461,18 @@ class Client(_ClientBase[Generator[Delta, None, None]]):
                 return self._admin.UpdateWeights(
                     path, timeout=self._timeout, metadata=self._admin_metadata
                 ).weight_version
-        with self._shared_memory_lock if shared_memory else contextlib.nullcontext():
-            return self._update_from_tensors(weights, version, request, shared_memory)
+        if not shared_memory:
+            return self._update_from_tensors(weights, version, request, False)
+        with self._shared_memory_lock:
+            try:
+                return self._update_from_tensors(weights, version, request, True)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.INVALID_ARGUMENT:  # refused: read no more
+                    self._close_shared_memory()
+                raise
+            except BaseException:
+                self._close_shared_memory()
+                raise
 
     def _update_from_tensors(
         self, weights: Mapping[str, Any], version: str, request: pb.PauseRequest | None, shared_memory: bool
@@ -520,7 +548,9 @@ class Client(_ClientBase[Generator[Delta, None, None]]):
 
     def close(self) -> None:
         self._channel.close()
-        self._close_shared_memory()
+        with self._shared_memory_lock:  # after an update under way: its file is not written once closed
+            self._closed = True
+            self._close_shared_memory()
 
     def __enter__(self) -> Client:
         return self
@@ -640,13 +670,21 @@ class AsyncClient(_ClientBase[AsyncGenerator[Delta, None]]):
         if not shared_memory:
             return await self._update_from_tensors(weights, version, request, False)
         async with self._shared_memory_lock:
-            return await self._update_from_tensors(weights, version, request, True)
+            try:
+                return await self._update_from_tensors(weights, version, request, True)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                    self._close_shared_memory()
+                raise
+            except BaseException:
+                self._close_shared_memory()
+                raise
 
     async def _update_from_tensors(
         self, weights: Mapping[str, Any], version: str, request: pb.PauseRequest | None, shared_memory: bool
     ) -> str:
         make = functools.partial(self._tensor_messages, weights, version, shared_memory, commit=request is None)
-        messages = await asyncio.to_thread(make) if shared_memory else make()  # the file's writes: seconds
+        messages = await _to_thread_to_its_end(make) if shared_memory else make()  # the file's writes: seconds
         if request is None:
             response = await self._admin.UpdateWeightsFromTensors(
                 messages, timeout=self._timeout, metadata=self._admin_metadata
@@ -703,7 +741,9 @@ class AsyncClient(_ClientBase[AsyncGenerator[Delta, None]]):
 
     async def close(self) -> None:
         await self._channel.close()
-        self._close_shared_memory()
+        async with self._shared_memory_lock:
+            self._closed = True
+            self._close_shared_memory()
 
     async def __aenter__(self) -> AsyncClient:
         return self

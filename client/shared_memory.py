@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import stat
 import uuid
 import weakref
 from typing import Iterable
@@ -18,10 +19,11 @@ WRITE_BYTES = 1 << 30  # asked for by each write: Linux moves at most 2 GiB - 4 
 class SharedMemoryFile:
     """One client's file, kept across its updates so that the next one writes into pages already there (2.47 GB
     into them: 0.3 s on the 2-core EPYC, into new ones 0.9 s), readable by this user alone, and removed by
-    `close` (or, left open, when the object goes or the interpreter exits). It is locked while this process
-    holds it: a file whose lock no process holds was left by a client that was killed, and the next one made
-    on the machine removes it. The caller serializes its use: a write must not begin before the server has
-    read the last one (the call that sent it has returned)."""
+    `close` (or, left open, when the object goes or the interpreter exits; never by a forked child). It is
+    locked while this process holds it: a file whose lock no process holds was left by a client that was
+    killed, and the next one made on the machine removes it. The caller serializes its use: a write must not
+    begin before the server has read the last one (the call that sent it has returned OK or been refused;
+    after any other end, the server may read on: make a new file)."""
 
     def __init__(self) -> None:
         remove_stale()
@@ -35,13 +37,16 @@ class SharedMemoryFile:
                 os.close(fd)
                 fd = -1
         self._fd = fd
-        self._removed = weakref.finalize(self, _remove, fd, self.path)
+        self._removed = weakref.finalize(self, _remove, fd, self.path, os.getpid())
 
     def write(self, parts: Iterable[memoryview], length: int) -> None:
         """`parts`, `length` bytes in all, back to back from the file's start, over the last write's pages, then
         the file cut to that length. Where /dev/shm has no room, OSError before a byte is written."""
+        if not self._removed.alive:
+            raise ValueError(f"{self.path} is closed")
         try:  # the room taken first: a full tmpfs fails this call, not a write half done
-            os.posix_fallocate(self._fd, 0, length)
+            if length:
+                os.posix_fallocate(self._fd, 0, length)
         except OSError as exc:
             raise OSError(
                 exc.errno, f"no room for {length} bytes in {SHM_DIR} ({exc.strerror}): update without shared_memory"
@@ -61,21 +66,25 @@ class SharedMemoryFile:
 
 
 def remove_stale() -> None:
-    """This machine's client files that no process holds the lock of. A lock, unlike a pid, says so across
-    containers that share /dev/shm and through pid reuse."""
+    """This user's client files in SHM_DIR that no process holds the lock of. A lock, unlike a pid, says so
+    across containers that share /dev/shm and through pid reuse. Anything else there by that name (a link, a
+    FIFO, another user's file) is left alone, and never waited on."""
     with contextlib.suppress(OSError):
         names = [name for name in os.listdir(SHM_DIR) if name.startswith(PREFIX)]
         for path in (os.path.join(SHM_DIR, name) for name in names):
-            with contextlib.suppress(OSError):  # another user's, locked by a live client, or removed meanwhile
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            with contextlib.suppress(OSError):  # locked by a live client (BlockingIOError), or removed meanwhile
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
                 try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    os.unlink(path)
+                    found = os.fstat(fd)
+                    if stat.S_ISREG(found.st_mode) and found.st_uid == os.getuid():
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        os.unlink(path)
                 finally:
                     os.close(fd)
 
 
-def _remove(fd: int, path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+def _remove(fd: int, path: str, owner: int) -> None:
+    if os.getpid() == owner:  # a forked child's copy of the object is not the file's holder
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
     os.close(fd)

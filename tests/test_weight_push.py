@@ -9,6 +9,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import threading
 import uuid
 
 import grpc
@@ -157,7 +158,9 @@ def test_weight_push_cut_off_or_not_committed_changes_nothing(server, trainer):
 def test_a_push_named_in_shared_memory_serves_as_one_sent_in_chunks(server, trainer, saved):
     """A client on the server's machine writes the bytes into a file of /dev/shm the stream names: served as the
     same weights loaded by path, the file written again (its pages kept) by the next push and removed when
-    the client closes; chunks and file ranges mixed in one stream; the async client, paused for the commit."""
+    the client closes (no file made after); chunks and file ranges mixed in one stream; both clients paused for
+    the commit. Each push by a file is received into new memory (`release_kept_buffers`), so that one whose
+    bytes were not read from the file could not answer as the weights it names."""
     other = bf16_state(trainer)
     other["model.layers.5.mlp.down_proj.weight"] = -other["model.layers.5.mlp.down_proj.weight"]
     with Client(server.address) as client:
@@ -168,13 +171,18 @@ def test_a_push_named_in_shared_memory_serves_as_one_sent_in_chunks(server, trai
         assert pushed_other != by_path
         file = client._shared_memory
         inode = os.stat(file.path).st_ino
-        assert client.update_weights(bf16_state(trainer), version="shm", shared_memory=True) == "shm"
+        release_kept_buffers()
+        assert client.update_weights(bf16_state(trainer), "shm", pause="keep", shared_memory=True) == "shm"
         assert greedy(server) == by_path and server.info().weight_version == "shm"
         assert client._shared_memory is file and os.stat(file.path).st_ino == inode
         assert os.stat(file.path).st_mode & 0o777 == 0o600
         with pytest.raises(ValueError, match="shared_memory"):
             client.update_weights(saved, shared_memory=True)
     assert not os.path.exists(file.path)
+    files = push_files()
+    with pytest.raises(ValueError, match="closed"):
+        client.update_weights(other, shared_memory=True)
+    assert push_files() == files
 
     messages = list(weight_stream(other, "mixed"))
     header, chunks, commit = messages[0], [m.chunk for m in messages[1:-1]], messages[-1]
@@ -182,6 +190,7 @@ def test_a_push_named_in_shared_memory_serves_as_one_sent_in_chunks(server, trai
     with shared_memory_file(b"\0" * 100 + named) as name:
         ranged = pb.SharedMemoryBytes(name=name, offset=100, length=len(named))
         mixed = [header, *messages[1 : 1 + len(sent)], pb.UpdateWeightsFromTensorsRequest(shared_memory=ranged), commit]
+        release_kept_buffers()
         with server.channel() as channel:
             assert pb_grpc.AdminStub(channel).UpdateWeightsFromTensors(iter(mixed)).weight_version == "mixed"
     assert greedy(server) == pushed_other
@@ -192,6 +201,7 @@ def test_a_push_named_in_shared_memory_serves_as_one_sent_in_chunks(server, trai
             assert os.path.exists(client._shared_memory.path)
             return version
 
+    release_kept_buffers()
     assert asyncio.run(push_async()) == "async"
     assert greedy(server) == by_path and not server.engine.pause_mode
 
@@ -220,6 +230,32 @@ def test_a_killed_clients_shared_memory_file_is_removed_by_the_next_one_made():
             holder.wait()
         SharedMemoryFile().close()  # removes the second one's, killed now
     assert not os.path.exists(alive)
+
+
+def push_files() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("lmgate-push-")}
+
+
+def test_removing_stale_shared_memory_files_never_waits_on_a_fifo():
+    """A FIFO (or a link) by a stale file's name, which any local user may make: the client's and the server's
+    sweeps pass it by, without waiting on its open."""
+    made = []
+    for prefix in ("lmgate-push-", weight_transfer.PREFIX):
+        made += [os.path.join("/dev/shm", f"{prefix}{kind}-{uuid.uuid4().hex}") for kind in ("fifo", "link")]
+        os.mkfifo(made[-2])
+        os.symlink("/dev/null", made[-1])
+    swept = threading.Thread(target=lambda: (SharedMemoryFile().close(), weight_transfer.remove_stale()))
+    try:
+        swept.start()
+        swept.join(timeout=120)  # a guard against the hang this tests for, not a bound on its time
+        assert not swept.is_alive()
+        assert all(os.path.lexists(path) for path in made)
+    finally:
+        for path in made:
+            if "fifo" in path and swept.is_alive():  # a sweep waiting on a FIFO's open: a writer lets it go
+                with contextlib.suppress(OSError):
+                    os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            os.unlink(path)
 
 
 HOLDS_A_FILE = """
@@ -275,6 +311,14 @@ def test_shared_memory_the_server_cannot_read_is_refused_and_changes_nothing(ser
     with shared_memory_file(b"\0" * total) as name:
         assert "past its end" in refused(name, offset=1)
         assert "more bytes than" in refused(name, length=total + 1)
+        half = pb.UpdateWeightsFromTensorsRequest(
+            shared_memory=pb.SharedMemoryBytes(name=name, offset=0, length=total // 2)
+        )
+        rest = pb.UpdateWeightsFromTensorsRequest(
+            shared_memory=pb.SharedMemoryBytes(name=name, offset=total, length=total - total // 2)
+        )
+        err = push_error(server, [header, half, rest, pb.UpdateWeightsFromTensorsRequest(commit=True)])
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "past its end" in err.details()
     assert greedy(server) == before
     assert server.info().weight_version == "0"
 

@@ -21,6 +21,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import stat
 import tempfile
 import weakref
 from dataclasses import dataclass
@@ -144,11 +145,14 @@ def remove_stale() -> None:
     for path in (os.path.join(SHM_DIR, n) for n in names):
         if path in mine:
             continue
-        try:
-            fd = os.open(path, os.O_RDONLY)
+        try:  # not a link followed, nor a FIFO waited on
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
             continue  # another user's, or removed meanwhile
         try:
+            found = os.fstat(fd)
+            if not stat.S_ISREG(found.st_mode) or found.st_uid != os.getuid():
+                continue
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.unlink(path)
             log.info("removed %s, left by a server that was killed", path)
