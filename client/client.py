@@ -234,9 +234,14 @@ class _ClientBase(abc.ABC, Generic[StreamT]):
             self._shared_memory = SharedMemoryFile()
         return iter(shared_memory_stream(weights, self._shared_memory, version, commit))
 
+    def _after_failed_push(self, exc: BaseException) -> None:
+        """A push by the file that was not refused (a deadline, a cancel) may still be read by the server: its
+        file goes, and the next makes a new one. A refused one (INVALID_ARGUMENT) has been read no more."""
+        if not (isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.INVALID_ARGUMENT):
+            self._close_shared_memory()
+
     def _close_shared_memory(self) -> None:
-        """The file removed (its caller holds its lock): at `close`, and after an update by it that did not end
-        OK or refused (a deadline, a cancel), which the server may still be reading: the next makes a new one."""
+        """The file removed, its caller holding its lock: at `close`, and after a push `_after_failed_push` says."""
         if self._shared_memory is not None:
             self._shared_memory.close()
             self._shared_memory = None
@@ -466,12 +471,8 @@ class Client(_ClientBase[Generator[Delta, None, None]]):
         with self._shared_memory_lock:
             try:
                 return self._update_from_tensors(weights, version, request, True)
-            except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.INVALID_ARGUMENT:  # refused: read no more
-                    self._close_shared_memory()
-                raise
-            except BaseException:
-                self._close_shared_memory()
+            except BaseException as exc:
+                self._after_failed_push(exc)
                 raise
 
     def _update_from_tensors(
@@ -672,12 +673,8 @@ class AsyncClient(_ClientBase[AsyncGenerator[Delta, None]]):
         async with self._shared_memory_lock:
             try:
                 return await self._update_from_tensors(weights, version, request, True)
-            except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
-                    self._close_shared_memory()
-                raise
-            except BaseException:
-                self._close_shared_memory()
+            except BaseException as exc:
+                self._after_failed_push(exc)
                 raise
 
     async def _update_from_tensors(

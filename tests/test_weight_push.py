@@ -205,6 +205,16 @@ def test_a_push_named_in_shared_memory_serves_as_one_sent_in_chunks(server, trai
     assert asyncio.run(push_async()) == "async"
     assert greedy(server) == by_path and not server.engine.pause_mode
 
+    # a refused push has been read no more: its file is kept; one past its deadline may be read on: it goes
+    with Client(server.address) as client:
+        with pytest.raises(grpc.RpcError) as refused:
+            client.update_weights(bad_states(trainer)["missing"], shared_memory=True)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and client._shared_memory is not None
+    with Client(server.address, timeout=1e-3) as client:
+        with pytest.raises(grpc.RpcError) as late:
+            client.update_weights(other, shared_memory=True)
+        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and client._shared_memory is None
+
 
 def test_a_killed_clients_shared_memory_file_is_removed_by_the_next_one_made():
     """A client killed while it holds its file leaves it in /dev/shm; the next file made on the machine removes
