@@ -1,6 +1,6 @@
 """Bytes of an UpdateWeightsFromTensors stream that a client on this machine names in its shared memory
 (`SharedMemoryBytes`) instead of sending them: read straight into the stream's receive buffer, one copy made
-by the kernel with the GIL released (2.47 GB in 0.26 s on the 2-core EPYC, against 3.2 s through the socket).
+by the kernel with the GIL released (2.47 GB in 0.2-0.36 s on the 2-core EPYC, against 3.2 s through the socket).
 The file is the client's: it is opened read-only, never mapped, written, kept or removed."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+from concurrent.futures import ThreadPoolExecutor
 
 from lmgate.engine.errors import InvalidRequest
 from lmgate.engine.ranks.weight_transfer import SHM_DIR
@@ -40,11 +41,19 @@ def read_shared_memory(name: str, offset: int, length: int, into: memoryview) ->
             raise InvalidRequest(
                 f"{path} holds {found.st_size} bytes: bytes {offset}..{offset + length} are past its end"
             )
-        done = 0
-        while done < length:
-            read = os.preadv(fd, [into[done : done + min(READ_BYTES, length - done)]], offset + done)
-            if read == 0:
-                raise InvalidRequest(f"{path} was cut short while the server read it")
-            done += read
+        halves = [(0, length // 2), (length // 2, length)]  # one core copies 8 GB/s on the EPYC, two 12.5
+        with ThreadPoolExecutor(1, thread_name_prefix="lmgate-shm") as pool:
+            other = pool.submit(_read_range, fd, path, offset, into, *halves[1])
+            _read_range(fd, path, offset, into, *halves[0])
+            other.result()
     finally:
         os.close(fd)
+
+
+def _read_range(fd: int, path: str, offset: int, into: memoryview, start: int, end: int) -> None:
+    """Bytes `start`..`end` of the range into the same bytes of `into`."""
+    while start < end:
+        read = os.preadv(fd, [into[start : min(end, start + READ_BYTES)]], offset + start)
+        if read == 0:
+            raise InvalidRequest(f"{path} was cut short while the server read it")
+        start += read

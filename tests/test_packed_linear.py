@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmgate.engine.machine.hardware import cpu_features
-from lmgate.engine.models.packed_linear import PackedLinear, pack_linears
+from lmgate.engine.models.packed_linear import DIRECT_BYTES, PackedLinear, pack_linears
 from tests.conftest import AVX2
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -32,6 +32,26 @@ def test_packed_linear_matches_f_linear(dtype, tol, tokens, bias):
     assert isinstance(model[0], PackedLinear if packs else nn.Linear)
     assert got.shape == want.shape and got.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [4096, 4100])  # whole blocks of rows, and rows oneDNN pads to a block
+def test_a_packed_weight_loaded_anew_serves_exactly_the_new_values(dtype, rows):
+    """`load_` writes a weight of DIRECT_BYTES or more into oneDNN's layout itself where `row_blocks` found it
+    (float32's is the same on every x86 CPU oneDNN packs for), through oneDNN's reorder where rows are padded."""
+    if dtype == torch.bfloat16 and not cpu_features().onednn_bf16:
+        pytest.skip("oneDNN packs no bf16 weights on this CPU")
+    torch.manual_seed(rows)
+    layer = PackedLinear(nn.Linear(2048, rows, bias=False).to(dtype), batch_hint=64)
+    new = torch.randn(rows, 2048, dtype=dtype)
+    assert new.numel() * new.element_size() >= DIRECT_BYTES
+    with torch.inference_mode():
+        layer.load_(new)
+        assert torch.equal(layer.packed.to_dense(), new)
+        x = torch.randn(3, 2048, dtype=dtype)
+        torch.testing.assert_close(layer(x).float(), F.linear(x, new).float(), rtol=2e-2, atol=2e-2)
+    if dtype == torch.float32 and rows == 4096:
+        assert layer._layout() is not None
 
 
 def test_pack_linears_keeps_bf16_unpacked_where_onednn_cannot(cpu_flags):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from lmgate.engine.loading.pushed import PushedWeights, spec_of, tensor_views
+from lmgate.engine.models.quantized_linear import cat_rows
 from lmgate.engine.ranks import weight_transfer
 from lmgate.engine.ranks.weight_transfer import pack, remove_stale, share, shared_buffer
 
@@ -71,6 +72,26 @@ def test_packed_weights_are_the_pushed_tensors_after_a_trip_through_pickle(check
         assert torch.equal(opened.tensors[name], tensor) and opened.tensors[name].dtype == tensor.dtype
     opened.tensors["a"].neg_()
     assert torch.equal(packed.open().tensors["a"], -TENSORS["a"])
+
+
+def test_received_neighbours_join_into_one_projection_without_a_copy():
+    """Q, K and V received back to back (as a trainer's `state_dict()` orders them) are one view where the served
+    QKV weight is written from; a tensor its dtype cannot view where it lies (after an odd count of bfloat16
+    elements) is read and written through memory of its own, the buffer's bytes all the same."""
+    sent = {
+        "q": torch.randn(4, 8, dtype=torch.bfloat16),
+        "k": torch.randn(2, 8, dtype=torch.bfloat16),
+        "odd": torch.randn(3, dtype=torch.bfloat16),
+        "f": torch.randn(5),
+    }
+    specs = [spec_of(name, t) for name, t in sent.items()]
+    buffer = bytearray(sum(spec.nbytes for spec in specs))
+    received = tensor_views(specs, memoryview(buffer))
+    for name, tensor in sent.items():
+        received[name].copy_(tensor)
+    joined = cat_rows([received["q"], received["k"]])
+    assert joined.data_ptr() == received["q"].data_ptr() and torch.equal(joined, torch.cat([sent["q"], sent["k"]]))
+    assert bytes(buffer[-20:]) == sent["f"].numpy().tobytes()  # 16 + 8 + 6 bytes in: no float32 view there
 
 
 @needs_shm

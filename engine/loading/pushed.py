@@ -139,13 +139,21 @@ def tensor_views(
     specs: Sequence[TensorSpec], buffer: memoryview | bytearray, offsets: Sequence[int] | None = None
 ) -> dict[str, torch.Tensor]:
     """Each spec's tensor, a view of its bytes in `buffer`: at `offsets`, else packed in the specs' order (the
-    engine copies what it keeps)."""
+    engine copies what it keeps). Views of one storage, so that neighbours join without a copy (Q, K and V into
+    one projection: `cat_rows`); a tensor its dtype cannot view there (after an odd count of bfloat16 elements,
+    say) gets a storage of its own."""
+    whole = torch.frombuffer(buffer, dtype=torch.uint8) if len(buffer) else torch.empty(0, dtype=torch.uint8)
     tensors, at = {}, 0
     for i, spec in enumerate(specs):
         at = offsets[i] if offsets is not None else at
         dtype = PUSH_DTYPES[spec.dtype]
         count = spec.nbytes // dtype.itemsize
-        flat = torch.frombuffer(buffer, dtype=dtype, count=count, offset=at) if count else torch.empty(0, dtype=dtype)
+        if not count:
+            flat = torch.empty(0, dtype=dtype)
+        elif at % dtype.itemsize == 0:
+            flat = whole[at : at + spec.nbytes].view(dtype)
+        else:
+            flat = torch.frombuffer(buffer, dtype=dtype, count=count, offset=at)
         tensors[spec.name] = flat.view(spec.shape)
         at += spec.nbytes
     return tensors
