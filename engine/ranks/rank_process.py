@@ -431,21 +431,22 @@ class RankProcess:
             gateway.outbox.flush()
             gateway.wake_loops()
 
-    def _install(self, version: int) -> None:
+    def _install(self, version: int) -> object:
         """A lone rank's staged weights go in at once (its loop reads the model once per step, and an idle
-        loop may not step for long); a tensor-parallel group's at its leader's next step, all ranks at once."""
+        loop may not step for long); a tensor-parallel group's at its leader's next step, all ranks at once.
+        What the install let go of, to be freed after the answer (`LocalWeights.install_staged`)."""
         if self.spec.tp_size > 1:
             self.runner.switch_weights_at_next_step(version)
-        else:
-            self.weights.install_staged(version)
+            return None
+        return self.weights.install_staged(version)
 
     def _weights(self, wire_id: int, action: str, argument: Any) -> None:
         """`argument`: a load's source, weight version name and whether to write in place; the version (the
         load's wire id) to install or discard."""
-        error = None
+        error, replaced = None, None
         try:
             use_device(self.runner.device)
-            {
+            replaced = {
                 "offload": self.weights.offload,
                 "drop": self.weights.drop,
                 "restore": self.weights.restore,
@@ -461,6 +462,7 @@ class RankProcess:
             log.exception("rank %d: weights %s failed", self.spec.rank, action)
             error = exc if isinstance(exc, EngineError) else InternalError(f"weights {action} failed: {exc}")
         self.outbox.send(("weights_done", self.spec.rank, wire_id, error, self.weights.nbytes))
+        del replaced  # only now: the serving process, and the requests it holds paused, need not wait for it
 
 
 def _opened(source: Any) -> Any:

@@ -95,7 +95,8 @@ class ModelRunner:
         self.graphs = graphs  # decode steps from CUDA graphs (Triton path, no tensor parallelism), else None
         self.followers: HostComm | None = None  # a tensor-parallel leader's group: what it does, they do
         self.group_kv_share = 1.0  # the tensor-parallel group's KV heads over this rank's
-        self.install_weights: Callable[[int], None] = lambda version: None  # a TP leader's LocalWeights.install_staged
+        # a TP leader's LocalWeights.install_staged
+        self.install_weights: Callable[[int], object] = lambda version: None
         self._pending_weights: int | None = None  # the staged version to install; a leaf lock guards it
         self._pending_lock = threading.Lock()
 

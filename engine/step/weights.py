@@ -158,14 +158,17 @@ class LocalWeights:
             self._staged[version] = put_in, self.path, self.weight_version
         self.path, self.weight_version = source, name
 
-    def install_staged(self, version: int) -> None:
+    def install_staged(self, version: int) -> object:
         """Staged `version` in place of the current model, older stages dropped: on the loop or follower
-        thread, at the step its group's leader chose (every rank of the group has staged it by then)."""
+        thread, at the step its group's leader chose (every rank of the group has staged it by then). Returns
+        what the stage held of the weights before it (the source they were loaded from), for the caller to let
+        go of when it chooses: a lone rank after its answer, as unmapping a pushed 2.47 GB took 0.4-0.5 s."""
         staged = self._staged.pop(version, None)
         for older in [v for v in list(self._staged) if v < version]:  # a copy: the weights thread may stage
             del self._staged[older]
         if staged is not None:
             staged[0]()
+        return staged
 
     def discard_staged(self, version: int) -> None:
         """A staged model the ranks will not switch to (another rank failed to load it): `path` goes back to
