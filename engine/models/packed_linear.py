@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from ..machine.hardware import cpu_features
-from ..machine.threads import available_cpus
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +45,14 @@ class PackedLinear(nn.Module):
             layout.write(_memory_of(self.packed), weight)
 
     def _layout(self) -> RowBlocks | None:
-        """This weight's `RowBlocks`, if oneDNN described its memory as it did the probe's `row_blocks` read."""
-        layout, descriptor = row_blocks(self.out_features, self.in_features, self.packed.dtype, self.batch_hint)
-        same = torch.equal(torch.ops.mkldnn._get_mkldnn_serialized_md(self.packed), descriptor)
+        """This weight's `RowBlocks`, if oneDNN described its memory as it did the probe's `row_blocks` read;
+        None too where this torch lacks the oneDNN internals it takes (the reorder then, as before)."""
+        try:
+            layout, descriptor = row_blocks(self.out_features, self.in_features, self.packed.dtype, self.batch_hint)
+            same = torch.equal(torch.ops.mkldnn._get_mkldnn_serialized_md(self.packed), descriptor)
+        except (AttributeError, RuntimeError) as exc:
+            log.warning("new weights go through oneDNN's reorder: %s", exc)
+            return None
         return layout if same else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -108,12 +112,16 @@ class RowBlocks:
 
     def write(self, memory: torch.Tensor, weight: torch.Tensor) -> None:
         """`weight` into `memory` in this layout. One strided copy runs on one core, so the blocks are shared
-        among as many threads as the process has CPUs (fresh ones: engine/machine/threads.py says why)."""
-        dst, src = self.views(memory, weight.contiguous())
+        among as many threads as torch's (a rank process's share of the CPUs; fresh threads:
+        engine/machine/threads.py says why)."""
+        weight = weight.contiguous()
+        if weight.storage_offset() % self.unit:  # a view whose start no unit of its storage begins at
+            weight = weight.clone()
+        dst, src = self.views(memory, weight)
         if self.rows == 1:
             dst.copy_(src)
             return
-        shares = min(available_cpus(), len(dst), 1 + memory.numel() // SHARE_BYTES)
+        shares = min(torch.get_num_threads(), len(dst), 1 + memory.numel() // SHARE_BYTES)
         bounds = [len(dst) * i // shares for i in range(shares + 1)]
 
         def copy(share: int) -> None:
@@ -133,7 +141,8 @@ def row_blocks(n: int, k: int, dtype: torch.dtype, batch_hint: int) -> tuple[Row
     """The layout oneDNN packs an [n, k] weight of `dtype` in, with its memory descriptor, found once per shape
     by packing a probe whose values tell where each came from and trying every `RowBlocks`: oneDNN exposes no
     layout, and which it picks depends on the CPU. None where none matches (padded rows, say). The first push
-    of a shape pays for it (0.7 s for a 128256 x 2048 bf16 head on the 2-core EPYC, 0.1 s for 16384 x 2048)."""
+    of a shape pays for it (0.7 s for a 128256 x 2048 bf16 head on the 2-core EPYC, 0.1 s for 16384 x 2048),
+    and twice the weight's bytes for as long."""
     row_values, column_values = (torch.arange(n) % 16 * 16).to(dtype), (torch.arange(k) % 16).to(dtype)
     probe = row_values.view(n, 1) + column_values  # 0 to 255: exact in bfloat16 too
     packed = torch.ops.mkldnn._reorder_linear_weight(probe, batch_hint)
