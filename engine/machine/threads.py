@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
 T = TypeVar("T")
@@ -43,6 +44,17 @@ def on_fresh_thread(fn: Callable[[], T], name: str = "lmgate-setup") -> T:
     if error:
         raise error[0]
     return result[0]
+
+
+def in_shares(work: Callable[[int], None], shares: int) -> None:
+    """`work(0)` to `work(shares - 1)` at once, for copies one core cannot make as fast as two: the first on
+    this thread, the others on threads that end with them (no OpenMP pool left behind), all joined; an
+    exception of any raised here."""
+    with ThreadPoolExecutor(max(1, shares - 1), thread_name_prefix="lmgate-share") as pool:
+        others = [pool.submit(work, share) for share in range(1, shares)]
+        work(0)
+        for other in others:
+            other.result()
 
 
 def available_cpus(cgroup_root: str = "/sys/fs/cgroup") -> int:

@@ -12,13 +12,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..machine.hardware import cpu_features
+from ..machine.threads import in_shares
 
 log = logging.getLogger(__name__)
 
@@ -129,11 +129,7 @@ class RowBlocks:
                 for block in range(bounds[share], bounds[share + 1]):
                     dst[block].copy_(src[block])
 
-        with ThreadPoolExecutor(max(1, shares - 1), thread_name_prefix="lmgate-pack") as pool:
-            others = [pool.submit(copy, share) for share in range(1, shares)]
-            copy(0)
-            for other in others:
-                other.result()
+        in_shares(copy, shares)
 
 
 @functools.cache
