@@ -31,7 +31,7 @@ from .gateway.request import Request, RequestKind, RequestOutput
 from .sampling.sampler import SamplingParams
 from .machine.threads import available_cpus, on_fresh_thread
 from .step.weights import WeightSource, quantized_gguf
-from .loading.pushed import TensorSpec, check_specs, pushed_weights, release_kept_buffers
+from .loading.pushed import TensorSpec, check_specs, pushed_weights
 from .loading.weight_group import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT, WeightGroup
 from .errors import Aborted, FailedPrecondition
 
@@ -446,7 +446,7 @@ class Engine:
                 if level == 2:
                     self._weights_dropped = True  # before: a drop that fails on some ranks still counts
                     self.ranks.drop_weights()
-                    release_kept_buffers()  # a push's spare buffer too: the sleep is for the memory
+                    self.ranks.release_host_buffers()  # a push's spare buffer too: the sleep is for the memory
                 log.info("asleep at level %d", level)
         finally:
             with self._pending_lock:
@@ -678,7 +678,7 @@ class Engine:
         self.ranks.shutdown()
         self.gateway.stop_signals()  # the last outputs delivered, the loops' last events published
         self.gateway.kv_events.close()  # after those: its readers end
-        release_kept_buffers()
+        self.ranks.release_host_buffers()
         thaw_heap()
 
     def __enter__(self) -> "Engine":

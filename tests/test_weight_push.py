@@ -396,8 +396,9 @@ def test_weight_push_needs_the_admin_credential(checkpoint, trainer):
 
 def test_weight_push_reaches_every_rank_process(checkpoint, trainer, saved):
     """Two data-parallel ranks in processes of their own: each gets the pushed tensors (through one file in
-    /dev/shm, gone once they have them), and both serve them as they serve the same weights loaded by path
-    (requests alternate between the ranks)."""
+    /dev/shm), and both serve them as they serve the same weights loaded by path (requests alternate between
+    the ranks). The file is kept: once both ranks have let go of it (the weights loaded by path replaced those
+    they served from it), the next push is received into it again; at shutdown it goes."""
     s = ServerThread(
         EngineConfig(dtype="float32", kv_cache_tokens=4096, engine_loops=2, dp_backend="process"), checkpoint
     )
@@ -408,6 +409,8 @@ def test_weight_push_reaches_every_rank_process(checkpoint, trainer, saved):
             assert client.update_weights(bf16_state(trainer), version="pushed") == "pushed"
         pushed = [greedy(s) for _ in range(4)]
         assert pushed[0] != before and all(p == pushed[0] for p in pushed)
+        kept = shared_files() - files
+        assert len(kept) == (1 if os.path.isdir(weight_transfer.SHM_DIR) else 0)
         with Client(s.address) as client:
             client.update_weights(saved, version="by-path")
             assert [greedy(s) for _ in range(4)] == pushed
@@ -415,9 +418,10 @@ def test_weight_push_reaches_every_rank_process(checkpoint, trainer, saved):
             with client.pause("keep"):  # each rank checks, then writes them into the model it serves
                 client.update_weights(bf16_state(trainer), version="paused")
         assert [greedy(s) for _ in range(4)] == pushed and s.info().weight_version == "paused"
-        assert shared_files() == files
+        assert shared_files() - files == kept
     finally:
         s.stop()
+    assert shared_files() == files
 
 
 def test_weight_push_reaches_a_rank_process_in_its_message_without_shared_memory(

@@ -97,23 +97,56 @@ def test_received_neighbours_join_into_one_projection_without_a_copy():
 @needs_shm
 def test_tensors_received_into_a_shared_buffer_reach_the_ranks_without_a_copy(checkpoint):
     """A push received into `shared_buffer` (as the server receives one for its rank processes) is handed over
-    as that very file; the file goes when the received tensors are dropped, if the ranks' caller has not
-    removed it first."""
+    as that very file, which is kept for the next push of its size: received into again only once nothing here
+    views it and every rank it was lent to has said it let go of it; removed when the kept files are let go."""
     before = shared_files()
     specs = [spec_of(name, t) for name, t in TENSORS.items()]
-    buffer = shared_buffer(sum(spec.nbytes for spec in specs))
+    nbytes = sum(spec.nbytes for spec in specs)
+    buffer = shared_buffer(nbytes)
     assert buffer is not None
     received = tensor_views(specs, buffer)
     for view, tensor in zip(received.values(), TENSORS.values()):
         view.copy_(tensor)
     shared = share(PushedWeights(checkpoint.config, received))
     assert shared is not None and shared_files() == before | {os.path.basename(shared.path)}  # no second file
+    assert weight_transfer.lend(shared.path, {0, 1})
     opened = shared.open()
     for name, tensor in TENSORS.items():
         assert torch.equal(opened.tensors[name], tensor)
     del buffer, received, view
+    assert weight_transfer.awaits_ranks(nbytes)  # free here, lent to ranks 0 and 1
+    weight_transfer.released([shared.path], 0)
+    second = shared_buffer(nbytes)  # rank 1 may still map the first: a new file
+    assert second is not None and len(shared_files() - before) == 2
+    weight_transfer.released([shared.path], 1)
+    again = shared_buffer(nbytes)
+    assert again is not None and len(shared_files() - before) == 2
+    assert share(PushedWeights(checkpoint.config, tensor_views(specs, again))).path == shared.path
+    del second
+    weight_transfer.release_kept_files()
+    assert shared_files() - before == {os.path.basename(shared.path)}  # the one `again` views, until it goes
+    del again
     assert shared_files() == before
     assert torch.equal(opened.tensors["a"], TENSORS["a"])  # a rank's mapping outlives the file
+
+
+@needs_shm
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="no /proc on this machine")
+def test_a_rank_names_each_file_it_let_go_of_once_and_none_it_still_maps(checkpoint):
+    """What a rank's answers carry (`unmapped`), read from its mappings whatever held them."""
+    shared = share(PushedWeights(checkpoint.config, TENSORS))
+    assert shared is not None
+    try:
+        opened = shared.open()
+        held = opened.tensors["b"]  # a view of the mapping, alone
+        del opened
+        assert shared.path not in weight_transfer.unmapped()
+        assert torch.equal(held, TENSORS["b"])
+        del held
+        assert shared.path in weight_transfer.unmapped()
+        assert shared.path not in weight_transfer.unmapped()
+    finally:
+        weight_transfer.remove(shared.path)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="no /proc on this machine")

@@ -40,7 +40,18 @@ from ..gateway.request import CancelFlag, FinishReason, Request, RequestKind, Re
 from ..comm.gloo_comm import GlooComm, new_secret
 from .rank_process import HEARTBEAT_SECONDS, HEARTBEAT_TIMEOUT, RankSpec, from_wire, request_fields, run_rank
 from .ranks import Ranks
-from .weight_transfer import SharedWeights, pack, remove, remove_stale, share, shared_buffer
+from .weight_transfer import (
+    SharedWeights,
+    awaits_ranks,
+    lend,
+    pack,
+    release_kept_files,
+    released,
+    remove,
+    remove_stale,
+    share,
+    shared_buffer,
+)
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
@@ -387,31 +398,42 @@ class ProcessRanks(Ranks):
         self._weights("restore")
 
     def host_buffer(self, nbytes: int) -> memoryview:
-        """A file this machine's ranks map, where /dev/shm has room (`shared_buffer`)."""
+        """A file this machine's ranks map, where /dev/shm has room (`shared_buffer`): one an earlier push was
+        received into once every rank has let go of it, the ranks asked first where one has not said so yet
+        (they say it in their answers: `weights_done`)."""
+        if awaits_ranks(nbytes):
+            self._weights("report", links=[self._links[rank] for rank in self._procs])
         return shared_buffer(nbytes) or host_buffer(nbytes)
+
+    def release_host_buffers(self) -> None:
+        super().release_host_buffers()
+        release_kept_files()
 
     def load_weights(self, source: WeightSource, name: str, in_place: bool = False) -> None:
         """In two phases: every rank stages its weights (or shard), then each group's leader puts its group's
         in at its next step; none switches unless all loaded. Pushed weights reach this machine's ranks through
-        one shared-memory file (`share`: the one `host_buffer` received them into, else a copy), removed once
-        they have staged them, and another machine's as bytes in their messages (`pack`; this machine's too,
-        where /dev/shm has no room). `in_place`: each rank checks that they fit its model when it stages them,
-        and writes them into it at the install."""
+        one shared-memory file (`share`: the one `host_buffer` received them into, kept for a later push, else
+        a copy, removed once they have staged them), and another machine's as bytes in their messages (`pack`;
+        this machine's too, where /dev/shm has no room). `in_place`: each rank checks that they fit its model
+        when it stages them, and writes them into it at the install."""
         version = next(self._ids)
         shared: SharedWeights | None = None
+        written: str | None = None  # a file `share` wrote them into, removed once staged
         carried: object = source  # what the ranks get: the source, or the pushed weights' bytes
         try:
             if isinstance(source, PushedWeights):
                 shared = share(source)  # this node has ranks
                 carried = pack(source) if shared is None or self.remote else shared
+                if shared is not None and not lend(shared.path, self._procs):
+                    written = shared.path
             local = (shared, name, in_place) if shared is not None else None
             self._weights("load", (carried, name, in_place), wire_id=version, local=local)
         except EngineError:
             self._weights("discard", version)
             raise
         finally:
-            if shared is not None:
-                remove(shared.path)
+            if written is not None:
+                remove(written)
         self._weights("install", version, links=self._leaders)
 
     def _weights(
@@ -511,7 +533,8 @@ class ProcessRanks(Ranks):
         elif kind == "kv_events":  # only from leaders
             self._front.publish_kv_events(rank // self.tp_size, message[2])
         elif kind == "weights_done":
-            _, _, wire_id, error, nbytes = message
+            _, _, wire_id, error, nbytes, unmapped = message
+            released(unmapped, rank)  # before the answer: a push waiting on it may take the file
             with self._lock:
                 self._weights_bytes[rank] = nbytes
                 self._ack(wire_id, error)

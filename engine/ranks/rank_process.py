@@ -11,7 +11,7 @@ Gateway, its queue filled from the serving process. The loops of all ranks agree
                                    the sample ends after num_output tokens (`Gateway.stop_found`)
     ("wake",)                      a request arrived at another rank: idle loops here must step with it
     ("weights", wire_id, action, argument)   offload / drop / restore / load (argument: source, name; pushed
-                                   weights as bytes: weight_transfer.py), done
+                                   weights as bytes: weight_transfer.py) / report (nothing: the answer), done
                                    off the loop thread; a load only stages, as version wire_id, and
                                    "install" (to leaders) or "discard" of it follows once every rank answered
     ("close",)                     shut down: cancel everything, stop the loop, exit 0
@@ -21,7 +21,7 @@ Gateway, its queue filled from the serving process. The loops of all ranks agree
     ("ready", rank, stats, weights_bytes) | ("failed", rank, error)
     ("outputs", rank, stats, [item, ...])   one message per delivered batch, an item per output (`to_wire`)
     ("kv_events", rank, [event, ...])   a step's prefix-cache events (gateway/kv_events.py), from the loop thread
-    ("weights_done", rank, wire_id, error | None, weights_bytes)
+    ("weights_done", rank, wire_id, error | None, weights_bytes, [pushed file no longer mapped, ...])
     ("exited", rank)               its last message after a clean close
     ("alive", rank)                every HEARTBEAT_SECONDS
 
@@ -59,7 +59,7 @@ from ..step.weights import LocalWeights, TensorParallel, keep_quantized
 from ..comm.device_group import DeviceGroup
 from ..comm.gloo_comm import GlooComm
 from ..comm.host_comm import CommAborted
-from .weight_transfer import PackedWeights, SharedWeights
+from .weight_transfer import PackedWeights, SharedWeights, unmapped
 from ..machine.placement import check_placement, rank_device, use_device
 
 log = logging.getLogger(__name__)
@@ -455,13 +455,14 @@ class RankProcess:
                 ),
                 "discard": lambda: self.weights.discard_staged(argument),
                 "install": lambda: self._install(argument),
+                "report": lambda: None,  # the answer alone: which pushed files this rank let go of
             }[action]()
             if action in ("drop", "install"):  # a dropped or (for a lone rank) replaced model's memory goes back
                 release_host_memory()
         except Exception as exc:
             log.exception("rank %d: weights %s failed", self.spec.rank, action)
             error = exc if isinstance(exc, EngineError) else InternalError(f"weights {action} failed: {exc}")
-        self.outbox.send(("weights_done", self.spec.rank, wire_id, error, self.weights.nbytes))
+        self.outbox.send(("weights_done", self.spec.rank, wire_id, error, self.weights.nbytes, unmapped()))
         del replaced  # only now: the serving process, and the requests it holds paused, need not wait for it
 
 

@@ -7,7 +7,7 @@ import threading
 from typing import Callable, Sequence
 
 from ..step.engine_loop import LoopStats
-from ..loading.pushed import host_buffer
+from ..loading.pushed import host_buffer, release_kept_buffers
 from ..step.weights import WeightSource
 from ..gateway.gateway import Gateway
 from ..gateway.request_queue import QueueEnd
@@ -51,6 +51,10 @@ class Ranks(abc.ABC):
     def host_buffer(self, nbytes: int) -> memoryview:
         """Host memory to receive pushed weights into, where `load_weights` takes them from without a copy."""
         return host_buffer(nbytes)
+
+    def release_host_buffers(self) -> None:
+        """Let go of the memory kept for the next push (a level-2 sleep, whose point is memory; shutdown)."""
+        release_kept_buffers()
 
     @property
     @abc.abstractmethod
