@@ -4,6 +4,7 @@ is tests/test_weight_push.py's (two rank processes, and one without /dev/shm).""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import subprocess
@@ -110,6 +111,9 @@ def test_tensors_received_into_a_shared_buffer_reach_the_ranks_without_a_copy(ch
     shared = share(PushedWeights(checkpoint.config, received))
     assert shared is not None and shared_files() == before | {os.path.basename(shared.path)}  # no second file
     assert weight_transfer.lend(shared.path, {0, 1})
+    copied = share(PushedWeights(checkpoint.config, received))  # pushed again while lent: into a file of its own
+    assert copied is not None and copied.path != shared.path and not weight_transfer.lend(copied.path, {0})
+    weight_transfer.remove(copied.path)
     opened = shared.open()
     for name, tensor in TENSORS.items():
         assert torch.equal(opened.tensors[name], tensor)
@@ -132,10 +136,15 @@ def test_tensors_received_into_a_shared_buffer_reach_the_ranks_without_a_copy(ch
 
 @needs_shm
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="no /proc on this machine")
-def test_a_rank_names_each_file_it_let_go_of_once_and_none_it_still_maps(checkpoint):
-    """What a rank's answers carry (`unmapped`), read from its mappings whatever held them."""
+@pytest.mark.parametrize("through_a_link", [False, True])
+def test_a_rank_names_each_file_it_let_go_of_once_and_none_it_still_maps(checkpoint, tmp_path, through_a_link):
+    """What a rank's answers carry (`unmapped`), read from its mappings whatever held them, and whatever path
+    led to the file (/dev/shm is a link to /run/shm on some systems: the mappings name the file's own)."""
     shared = share(PushedWeights(checkpoint.config, TENSORS))
     assert shared is not None
+    if through_a_link:
+        os.symlink(weight_transfer.SHM_DIR, tmp_path / "shm")
+        shared = dataclasses.replace(shared, path=str(tmp_path / "shm" / os.path.basename(shared.path)))
     try:
         opened = shared.open()
         held = opened.tensors["b"]  # a view of the mapping, alone
@@ -146,7 +155,7 @@ def test_a_rank_names_each_file_it_let_go_of_once_and_none_it_still_maps(checkpo
         assert shared.path in weight_transfer.unmapped()
         assert shared.path not in weight_transfer.unmapped()
     finally:
-        weight_transfer.remove(shared.path)
+        weight_transfer.remove(os.path.join(weight_transfer.SHM_DIR, os.path.basename(shared.path)))
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="no /proc on this machine")

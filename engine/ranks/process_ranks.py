@@ -536,7 +536,8 @@ class ProcessRanks(Ranks):
             _, _, wire_id, error, nbytes, unmapped = message
             released(unmapped, rank)  # before the answer: a push waiting on it may take the file
             with self._lock:
-                self._weights_bytes[rank] = nbytes
+                if nbytes is not None:  # None: a report's, which may have overtaken a drop's or an install's
+                    self._weights_bytes[rank] = nbytes
                 self._ack(wire_id, error)
         elif kind == "exited":
             self._exited.add(rank)

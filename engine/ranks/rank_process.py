@@ -21,7 +21,7 @@ Gateway, its queue filled from the serving process. The loops of all ranks agree
     ("ready", rank, stats, weights_bytes) | ("failed", rank, error)
     ("outputs", rank, stats, [item, ...])   one message per delivered batch, an item per output (`to_wire`)
     ("kv_events", rank, [event, ...])   a step's prefix-cache events (gateway/kv_events.py), from the loop thread
-    ("weights_done", rank, wire_id, error | None, weights_bytes, [pushed file no longer mapped, ...])
+    ("weights_done", rank, wire_id, error | None, weights_bytes | None, [pushed file no longer mapped, ...])
     ("exited", rank)               its last message after a clean close
     ("alive", rank)                every HEARTBEAT_SECONDS
 
@@ -462,7 +462,8 @@ class RankProcess:
         except Exception as exc:
             log.exception("rank %d: weights %s failed", self.spec.rank, action)
             error = exc if isinstance(exc, EngineError) else InternalError(f"weights {action} failed: {exc}")
-        self.outbox.send(("weights_done", self.spec.rank, wire_id, error, self.weights.nbytes, unmapped()))
+        nbytes = None if action == "report" else self.weights.nbytes  # a report may overtake the call before it
+        self.outbox.send(("weights_done", self.spec.rank, wire_id, error, nbytes, unmapped()))
         del replaced  # only now: the serving process, and the requests it holds paused, need not wait for it
 
 

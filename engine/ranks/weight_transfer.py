@@ -47,8 +47,9 @@ ALIGN = 64  # bytes: where each tensor of a new file starts
 # inside any allocation, and would wait on a lock its own thread holds. So it is touched by single dict
 # operations (set, pop, copy), atomic under the GIL.
 _files: dict[str, int] = {}
-# A rank process's: the files it opened and may still map (`unmapped`); the lock orders opens and reads of them.
-_mapped: set[str] = set()
+# A rank process's: the files it opened and may still map (`unmapped`), by path: their (device, inode) as
+# /proc/self/maps names them. The lock orders opens and reads of them.
+_mapped: dict[str, tuple[str, int]] = {}
 _mapped_lock = threading.Lock()
 
 
@@ -66,7 +67,10 @@ class SharedWeights:
         """The tensors, views of a private (copy-on-write) mapping of the file."""
         with _mapped_lock:
             flat = torch.from_file(self.path, shared=False, size=self.size, dtype=torch.uint8)
-            _mapped.add(self.path)
+            found = os.stat(self.path)
+            key = f"{os.major(found.st_dev):02x}:{os.minor(found.st_dev):02x}", found.st_ino
+            if key in _mappings():  # else never said to be let go of: the serving process makes new files
+                _mapped[self.path] = key
         return PushedWeights(self.config, tensor_views(self.specs, flat.numpy().data, self.offsets))
 
 
@@ -116,20 +120,27 @@ def release_kept_files() -> None:
 
 def unmapped() -> list[str]:
     """The files this (rank) process opened (`SharedWeights.open`) that none of its mappings holds any more,
-    each named once: the serving process may receive a push into them again. Read from /proc/self/maps, which
-    says so whatever still held them; none where there is no /proc (the serving process then makes new
-    files)."""
+    each named once: the serving process may receive a push into them again. Read from /proc/self/maps, by
+    device and inode (whatever path led there), which says so whatever still held them; a file whose mapping
+    was not found there when it was opened is never named (the serving process then makes new files)."""
     with _mapped_lock:  # with the opens: a file opened while the maps are read is not taken for gone
         if not _mapped:
             return []
-        try:
-            with open("/proc/self/maps") as maps:
-                held = {line.split(maxsplit=5)[-1].rstrip("\n").removesuffix(" (deleted)") for line in maps}
-        except OSError:
-            return []
-        gone = _mapped - held
-        _mapped.difference_update(gone)
+        held = _mappings()
+        gone = [path for path, key in _mapped.items() if key not in held]
+        for path in gone:
+            del _mapped[path]
     return sorted(gone)
+
+
+def _mappings() -> set[tuple[str, int]]:
+    """(device, inode) of every file this process maps; none where /proc cannot say."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            fields = [line.split(maxsplit=5) for line in maps]
+        return {(f[3].decode(), int(f[4])) for f in fields if len(f) >= 5}
+    except (OSError, ValueError):
+        return set()
 
 
 def share(weights: PushedWeights) -> SharedWeights | None:
@@ -274,9 +285,11 @@ class _KeptFiles:
         self._lock = threading.Lock()
         self._kept: list[_Kept] = []
         self._paths: set[str] = set()
+        self._clears = 0  # how many times `clear` ran: a file taken across one is not kept
 
     def take(self, nbytes: int) -> memoryview | None:
         with self._lock:
+            clears = self._clears
             other_sizes = [k for k in self._kept if k.free() and k.size != nbytes]  # another model's, or dtype's
             found = next((k for k in self._kept if k.free() and k.size == nbytes), None)
             self._kept = [k for k in self._kept if k is not found and k not in other_sizes]
@@ -288,19 +301,20 @@ class _KeptFiles:
         array = found.memory.numpy()
         found.handed = weakref.ref(array)
         self._paths.add(found.path)
-        weakref.finalize(array, self._unless_kept, found.path)  # the memoryview holds it, and views of that it
+        weakref.finalize(array, self._unless_kept, found)  # the memoryview holds it, and views of that it
         with self._lock:
             self._kept.insert(0, found)
-            evicted = self._kept[self.KEPT :]
-            del self._kept[self.KEPT :]
+            evicted = self._kept[self.KEPT :] if clears == self._clears else [found]
+            self._kept = [k for k in self._kept if k not in evicted]
         self._drop(evicted)
         return array.data
 
     def placed(self, tensors: Iterable[torch.Tensor]) -> tuple[str, int, tuple[int, ...]] | None:
         """The file, its size and each tensor's offset in it, where every tensor is a contiguous host view of
-        one kept file; else None."""
+        one kept file that no rank maps yet; else None (a file a rank still maps is not lent again: an answer
+        of that rank's, computed before it opened the file anew, could say it let go of it)."""
         with self._lock:
-            spans = [(k.memory.data_ptr(), k.size, k.path) for k in self._kept]
+            spans = [(k.memory.data_ptr(), k.size, k.path) for k in self._kept if not k.lent]
         found, offsets = None, []
         for t in tensors:
             if t.device.type != "cpu" or not t.is_contiguous():
@@ -334,6 +348,7 @@ class _KeptFiles:
     def clear(self) -> None:
         with self._lock:
             kept, self._kept = self._kept, []
+            self._clears += 1
         self._drop(kept)
 
     def _drop(self, files: list[_Kept]) -> None:
@@ -344,9 +359,10 @@ class _KeptFiles:
             if k.handed() is None:
                 remove(k.path)
 
-    def _unless_kept(self, path: str) -> None:
-        if path not in self._paths:
-            remove(path)
+    def _unless_kept(self, kept: _Kept) -> None:
+        """A handed-out array's finalizer: its file removed if no longer kept and no later array views it."""
+        if kept.path not in self._paths and kept.handed() is None:
+            remove(kept.path)
 
 
 def _mapped_file(nbytes: int) -> _Kept | None:

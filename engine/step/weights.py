@@ -181,9 +181,10 @@ class LocalWeights:
     @property
     def nbytes(self) -> int:
         """Bytes of weights on the device (tied tensors once, packed copies included)."""
-        if self.model is None or (self.device.type != "cpu" and self._offloaded):
+        model = self.model  # read once: a rank's "report" may run beside a drop
+        if model is None or (self.device.type != "cpu" and self._offloaded):
             return 0
-        return count_weight_bytes(self.model)
+        return count_weight_bytes(model)
 
     def _config_of(self, ckpt: Checkpoint) -> ModelConfig:
         """The checkpoint's config, as this process's shard of it."""
