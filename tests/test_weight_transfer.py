@@ -191,3 +191,4 @@ def test_only_a_file_no_process_holds_is_removed_as_stale():
     finally:
         other.communicate(b"")
         os.unlink(held)
+        weight_transfer.release_kept_files()  # `mine`'s, kept for a later push in this process

@@ -31,6 +31,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+import numpy as np
 import torch
 
 from ..config import ModelConfig
@@ -254,17 +255,18 @@ def _write(weights: PushedWeights, views: dict[str, torch.Tensor]) -> None:
 
 @dataclass(eq=False)
 class _Kept:
-    """A file pushes are received into: its path, this process's shared mapping of it (pages faulted in), the
-    array last handed out over that mapping (dead once nothing here views it) and the ranks that may map it."""
+    """A file pushes are received into: its path, this process's shared mapping of it (pages faulted in; every
+    array handed out is a view of it, so it lives while they do), the array last handed out (dead once nothing
+    here views it) and the ranks that may map it."""
 
     path: str
-    memory: torch.Tensor
+    memory: np.ndarray
     handed: Callable[[], object] = lambda: None
     lent: set[int] = field(default_factory=set)
 
     @property
     def size(self) -> int:
-        return self.memory.numel()
+        return self.memory.size
 
     def free(self) -> bool:
         return self.handed() is None and not self.lent
@@ -275,16 +277,15 @@ class _KeptFiles:
     size is received into pages already there: on the 2-core EPYC making a new 2.47 GB file took 0.53-0.68 s
     and receiving into it 0.64-0.9 s. A file is free once nothing here views it and every rank it was lent to
     has said it let go of it: their copy-on-write mappings would see the next push's bytes. At most KEPT are
-    kept, in use or not, the newest first; one that goes is unlinked (mappings still open keep its pages).
-    `_lock` is a leaf held for list operations only; `_paths` (the kept files') is read, unlocked, by the
-    finalizers of handed-out arrays, which remove a file no longer kept."""
+    kept, in use or not, the newest first. A file lives as long as this process's mapping of it
+    (`_mapped_file`): one no longer kept is unlinked once nothing here views it (the ranks' mappings keep its
+    pages). `_lock` is a leaf held for list operations only."""
 
     KEPT = 2  # a push's file, and the one before it, mapped by the ranks as their weights' source until replaced
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._kept: list[_Kept] = []
-        self._paths: set[str] = set()
         self._clears = 0  # how many times `clear` ran: a file taken across one is not kept
 
     def take(self, nbytes: int) -> memoryview | None:
@@ -293,20 +294,16 @@ class _KeptFiles:
             other_sizes = [k for k in self._kept if k.free() and k.size != nbytes]  # another model's, or dtype's
             found = next((k for k in self._kept if k.free() and k.size == nbytes), None)
             self._kept = [k for k in self._kept if k is not found and k not in other_sizes]
-        self._drop(other_sizes)
         if found is None:
             found = _mapped_file(nbytes)  # outside the lock: half a second for 2.47 GB
             if found is None:
                 return None
-        array = found.memory.numpy()
+        array = found.memory[:]  # the memoryview holds it, and views of that it
         found.handed = weakref.ref(array)
-        self._paths.add(found.path)
-        weakref.finalize(array, self._unless_kept, found)  # the memoryview holds it, and views of that it
         with self._lock:
-            self._kept.insert(0, found)
-            evicted = self._kept[self.KEPT :] if clears == self._clears else [found]
-            self._kept = [k for k in self._kept if k not in evicted]
-        self._drop(evicted)
+            if clears == self._clears:  # else let go of at once, as `clear` let go of the others
+                self._kept.insert(0, found)
+                del self._kept[self.KEPT :]
         return array.data
 
     def placed(self, tensors: Iterable[torch.Tensor]) -> tuple[str, int, tuple[int, ...]] | None:
@@ -314,7 +311,7 @@ class _KeptFiles:
         one kept file that no rank maps yet; else None (a file a rank still maps is not lent again: an answer
         of that rank's, computed before it opened the file anew, could say it let go of it)."""
         with self._lock:
-            spans = [(k.memory.data_ptr(), k.size, k.path) for k in self._kept if not k.lent]
+            spans = [(k.memory.ctypes.data, k.size, k.path) for k in self._kept if not k.lent]
         found, offsets = None, []
         for t in tensors:
             if t.device.type != "cpu" or not t.is_contiguous():
@@ -347,34 +344,22 @@ class _KeptFiles:
 
     def clear(self) -> None:
         with self._lock:
-            kept, self._kept = self._kept, []
+            self._kept = []
             self._clears += 1
-        self._drop(kept)
-
-    def _drop(self, files: list[_Kept]) -> None:
-        """No longer kept: removed now if nothing here views it, else by its array's finalizer (either may
-        run first; `remove` does its work once)."""
-        for k in files:
-            self._paths.discard(k.path)
-            if k.handed() is None:
-                remove(k.path)
-
-    def _unless_kept(self, kept: _Kept) -> None:
-        """A handed-out array's finalizer: its file removed if no longer kept and no later array views it."""
-        if kept.path not in self._paths and kept.handed() is None:
-            remove(kept.path)
 
 
 def _mapped_file(nbytes: int) -> _Kept | None:
+    """A new file, mapped here; removed when the mapping goes (no kept entry, no array handed out over it)."""
     path = _new_file(nbytes)
     if path is None:
         return None
     try:
-        memory = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        memory = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8).numpy()
     except RuntimeError as exc:
         remove(path)
         log.warning("mapping %s failed (%s): pushed weights go to the ranks in messages", path, exc)
         return None
+    weakref.finalize(memory, remove, path)
     return _Kept(path, memory)
 
 
