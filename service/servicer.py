@@ -20,6 +20,7 @@ from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 from . import convert
 from .metrics import Metrics, StreamTracker
 from .relay import OutputRelay
+from .shared_memory import shared_memory_id
 from .status import abort, status_code
 
 log = logging.getLogger(__name__)
@@ -248,6 +249,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             weight_version=i.weight_version,
             paused=i.pause_mode is not None,
             pause_mode=convert.pause_mode_value(i.pause_mode),
+            shared_memory_id=shared_memory_id(),
         )
 
 

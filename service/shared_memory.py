@@ -14,7 +14,20 @@ from lmgate.engine.machine.threads import in_shares
 from lmgate.engine.ranks.weight_transfer import SHM_DIR
 
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")  # a file of SHM_DIR itself: no directory, no "." or ".."
+BOOT_ID = "/proc/sys/kernel/random/boot_id"  # a random id each boot: two machines never share one
 READ_BYTES = 1 << 30  # asked for by each read: Linux moves at most 2 GiB - 4 KiB a call
+
+
+def shared_memory_id() -> str:
+    """InfoResponse.shared_memory_id: this kernel's boot id, SHM_DIR's device and inode, this process's user id
+    (the client's `shared_memory.shared_memory_id` finds the same where it shares them); "" without SHM_DIR."""
+    try:
+        with open(BOOT_ID) as f:
+            boot = f.read().strip()
+        found = os.stat(SHM_DIR)
+    except OSError:
+        return ""
+    return f"{boot}:{found.st_dev}:{found.st_ino}:{os.getuid()}"
 
 
 def read_shared_memory(name: str, offset: int, length: int, into: memoryview) -> None:

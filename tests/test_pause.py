@@ -265,8 +265,8 @@ def test_weights_pushed_while_asleep_at_level_two_are_served_after_the_wakeup(se
 
 
 def test_an_update_that_pauses_for_its_commit_alone_freezes_what_runs_for_the_install(server, trainer, monkeypatch):
-    """`update_weights(state, pause="keep")`: the bytes travel while the streams run (every chunk is sent
-    before the server pauses); the server is paused (KEEP) when the update is installed, and resumed after it,
+    """`update_weights(state, pause="keep")`, in chunks: the bytes travel while the streams run (every chunk is
+    sent before the server pauses); the server is paused (KEEP) when the update is installed, and resumed after it,
     so the streams go on under the new weights with their KV recomputed. A mode the server does not know is
     refused before a byte is sent; a pause the server refuses ends the stream uncommitted, and nothing changes."""
     engine, seen, sent = server.engine, [], [0]
@@ -295,19 +295,19 @@ def test_an_update_that_pauses_for_its_commit_alone_freezes_what_runs_for_the_in
     streams.started()
     with Client(server.address) as client:
         with pytest.raises(ValueError, match="pause mode"):
-            client.update_weights(state, version="never", pause="sideways")
+            client.update_weights(state, version="never", pause="sideways", shared_memory=False)
         with pytest.raises(grpc.RpcError) as refused:
-            client.update_weights(state, version="never", pause="abort")
+            client.update_weights(state, version="never", pause="abort", shared_memory=False)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not now" in refused.value.details()
         assert seen == [] and server.info().weight_version == "0" and not server.info().paused
         # Refused at its header while its one chunk is long sent: a pause made meanwhile is resumed
         with pytest.raises(grpc.RpcError) as unknown:
-            client.update_weights({"model.no_such.weight": np.zeros(4, np.float32)}, pause="keep")
+            client.update_weights({"model.no_such.weight": np.zeros(4, np.float32)}, pause="keep", shared_memory=False)
         assert unknown.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert not server.info().paused and server.info().weight_version == "0"
         seen.clear()
         sent[0] = 0
-        assert client.update_weights(state, version="committed", pause="keep") == "committed"
+        assert client.update_weights(state, version="committed", pause="keep", shared_memory=False) == "committed"
     assert seen == [("pause", "keep", chunks, STREAMS), ("install", "keep")]
     assert not server.info().paused and server.info().weight_version == "committed"
     outputs = streams.join()
@@ -321,7 +321,7 @@ def test_an_update_that_pauses_for_its_commit_alone_freezes_what_runs_for_the_in
 
     async def from_the_async_client() -> str:
         async with AsyncClient(server.address) as client:
-            return await client.update_weights(state, version="async", pause="keep")
+            return await client.update_weights(state, version="async", pause="keep", shared_memory=False)
 
     seen.clear()
     sent[0] = 0

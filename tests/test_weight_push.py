@@ -17,11 +17,12 @@ import pytest
 import torch
 
 from lmgate.client.client import AsyncClient, Client
-from lmgate.client.shared_memory import SharedMemoryFile
+from lmgate.client.shared_memory import SharedMemoryFile, shared_memory_id
 from lmgate.client.weights import weight_stream
 from lmgate.engine.config import EngineConfig
 from lmgate.engine.loading.pushed import TensorSpec, host_buffer, release_kept_buffers, tensor_views
 from lmgate.engine.ranks import weight_transfer
+from lmgate.service import shared_memory as server_shared_memory
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 from tests.serving import ServerThread
@@ -75,7 +76,8 @@ def test_weight_push_serves_as_the_saved_checkpoint_and_names_its_version(server
     assert server.info().weight_version == "0"
     assert all(m.weight_version == "0" for m in generate(server) if m.token_ids)
     with Client(server.address) as client:
-        assert client.update_weights(bf16_state(trainer), version="step-1") == "step-1"
+        assert client.update_weights(bf16_state(trainer), version="step-1", shared_memory=False) == "step-1"
+        assert client._shared_memory is None  # in chunks
     pushed = generate(server)
     assert [t for m in pushed for t in m.token_ids] != before
     assert all(m.weight_version == "step-1" for m in pushed if m.token_ids)
@@ -156,8 +158,9 @@ def test_weight_push_cut_off_or_not_committed_changes_nothing(server, trainer):
 
 
 def test_a_push_named_in_shared_memory_serves_as_one_sent_in_chunks(server, trainer, saved):
-    """A client on the server's machine writes the bytes into a file of /dev/shm the stream names: served as the
-    same weights loaded by path, the file written again (its pages kept) by the next push and removed when
+    """A client on the server's machine (by default, its Info says so) writes the bytes into a file of /dev/shm
+    the stream names: served as the same weights loaded by path, the file written again (its pages kept) by
+    the next push and removed when
     the client closes (no file made after); chunks and file ranges mixed in one stream; both clients paused for
     the commit. Each push by a file is received into new memory (`release_kept_buffers`), so that one whose
     bytes were not read from the file could not answer as the weights it names."""
@@ -166,10 +169,12 @@ def test_a_push_named_in_shared_memory_serves_as_one_sent_in_chunks(server, trai
     with Client(server.address) as client:
         client.update_weights(saved, version="by-path")
         by_path = greedy(server)
-        assert client.update_weights(other, version="other", shared_memory=True) == "other"
+        assert client.info().shared_memory_id == shared_memory_id() != ""
+        assert client.update_weights(other, version="other") == "other"
         pushed_other = greedy(server)
         assert pushed_other != by_path
         file = client._shared_memory
+        assert file is not None
         inode = os.stat(file.path).st_ino
         release_kept_buffers()
         assert client.update_weights(bf16_state(trainer), "shm", pause="keep", shared_memory=True) == "shm"
@@ -214,6 +219,46 @@ def test_a_push_named_in_shared_memory_serves_as_one_sent_in_chunks(server, trai
         with pytest.raises(grpc.RpcError) as late:
             client.update_weights(other, shared_memory=True)
         assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and client._shared_memory is None
+
+
+def test_a_push_goes_in_chunks_to_a_server_of_another_shared_memory_or_where_it_has_no_room(
+    server, trainer, saved, monkeypatch, tmp_path
+):
+    """By default a client names its bytes in /dev/shm only where the server's Info says it reads that very
+    /dev/shm as this user, and it has room for them: a server reading another (another machine's, another
+    container's) and a client whose file cannot grow (a 1 MiB file size limit, as a container's small /dev/shm
+    refuses the room) both push in chunks, served as the same weights loaded by path, no file left."""
+    with Client(server.address) as client:
+        client.update_weights(saved, version="by-path")
+        by_path = greedy(server)
+        monkeypatch.setattr(server_shared_memory, "SHM_DIR", str(tmp_path))
+        assert "" != client.info().shared_memory_id != shared_memory_id()
+        assert client.update_weights(bf16_state(trainer), "elsewhere") == "elsewhere"
+        assert client._shared_memory is None and greedy(server) == by_path
+    monkeypatch.undo()
+    torch.save(bf16_state(trainer), tmp_path / "state.pt")
+    files = push_files()
+    client_ = subprocess.run(
+        [sys.executable, "-c", PUSHES_WITHOUT_ROOM, server.address, str(tmp_path / "state.pt")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert client_.returncode == 0, client_.stderr
+    assert client_.stdout.split() == ["tight", "chunks"]
+    assert server.info().weight_version == "tight" and greedy(server) == by_path
+    assert push_files() == files
+
+
+PUSHES_WITHOUT_ROOM = """
+import resource, signal, sys
+import torch
+from lmgate.client import Client
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file grown past the limit: EFBIG, not a killed process
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+with Client(sys.argv[1]) as client:
+    print(client.update_weights(torch.load(sys.argv[2]), "tight"), "file" if client._shared_memory else "chunks")
+"""
 
 
 def test_a_killed_clients_shared_memory_file_is_removed_by_the_next_one_made():
