@@ -7,9 +7,9 @@
 For each model, `lmgate serve` as a child process and the trainer's copy of the weights here (transformers):
   tensors     `Client.update_weights(state_dict, shared_memory=False)`: UpdateWeightsFromTensors, its bytes in
               chunks over loopback (as a trainer on another machine sends them);
-  shm         `Client.update_weights(state_dict)`: the same stream, its bytes written into a file of /dev/shm
-              the client keeps, which the server reads from it (the client's default where the server's Info
-              says it reads this machine's /dev/shm, as here);
+  shm         `Client.update_weights(state_dict, shared_memory=True)`: the same stream, its bytes written into a
+              file of /dev/shm the client keeps, which the server reads from it (the client's default where the
+              server's Info says it reads this machine's /dev/shm and it has room, as here);
   gloo        `WeightGroup.push(state_dict)`: UpdateWeightsFromDistributed, broadcast over a gloo group on loopback
               (the group made once, its setup timed apart);
   checkpoint  `model.save_pretrained(dir)` (safetensors, into a fresh directory) and `UpdateWeights(dir)`: the
@@ -158,7 +158,7 @@ def measure(name: str, args: argparse.Namespace, root: str) -> dict:
                 saves: list[float] = []
                 pushes = {
                     "tensors": lambda v: client.update_weights(state, v, shared_memory=False),
-                    "shm": lambda v: client.update_weights(state, v),
+                    "shm": lambda v: client.update_weights(state, v, shared_memory=True),
                     "gloo": lambda v: group.push(state, v),
                     "checkpoint": lambda v: saves.append(save_and_load(client, model, tokenizer, root, v)),
                 }
@@ -172,6 +172,7 @@ def measure(name: str, args: argparse.Namespace, root: str) -> dict:
                 found["save"] = saves
                 if name == "embedded" and args.streams:
                     chunks = functools.partial(client.update_weights, state, shared_memory=False)
+                    shm = functools.partial(client.update_weights, state, shared_memory=True)
                     found["pause"] = {
                         label: pause_gap(client, address, args.streams, keep_kv, push)
                         for label, keep_kv, push in (
@@ -182,15 +183,11 @@ def measure(name: str, args: argparse.Namespace, root: str) -> dict:
                                 None,
                                 functools.partial(chunks, pause="keep"),
                             ),
-                            (
-                                "shm (the client's default here), KV recomputed",
-                                False,
-                                lambda v: client.update_weights(state, v),
-                            ),
+                            ("shm, KV recomputed", False, shm),
                             (
                                 "shm paused for the commit alone, KV recomputed",
                                 None,
-                                lambda v: client.update_weights(state, v, pause="keep"),
+                                functools.partial(shm, pause="keep"),
                             ),
                             ("gloo, KV recomputed", False, lambda v: group.push(state, v)),
                         )

@@ -222,9 +222,22 @@ class _ClientBase(abc.ABC, Generic[StreamT]):
         self._server_shares_memory: bool | None = None  # whether the server reads this /dev/shm: asked once
         self._closed = False
 
-    def _learn_shared_memory(self, info: pb.InfoResponse) -> None:
-        """Remembers whether the server that answered `info` reads this machine's /dev/shm as this user."""
+    def _learn_shared_memory(self, info: pb.InfoResponse | grpc.RpcError) -> None:
+        """Remembers whether the server that answered `info` (Info's answer, or its failure) reads this machine's
+        /dev/shm as this user: not where this client may not call Info (an api key it lacks); a failure that
+        may pass (a deadline) says nothing, so this push sends chunks and the next asks again."""
+        if isinstance(info, grpc.RpcError):
+            if info.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                self._server_shares_memory = False
+            return
         self._server_shares_memory = bool(info.shared_memory_id) and info.shared_memory_id == shared_memory_id()
+
+    def _unread(self, exc: BaseException) -> bool:
+        """Whether a push by this client's file was refused as a file the server cannot read (the refusal names
+        it): a server that answered Info as this machine's, and reads another /dev/shm (a proxy's other one)."""
+        if not isinstance(exc, grpc.RpcError) or exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
+            return False
+        return self._shared_memory is not None and self._shared_memory.name in (exc.details() or "")
 
     def _tensor_messages(
         self, weights: Mapping[str, Any], version: str, shared_memory: bool | None, commit: bool
@@ -239,7 +252,8 @@ class _ClientBase(abc.ABC, Generic[StreamT]):
         try:
             if self._shared_memory is None:
                 self._shared_memory = SharedMemoryFile()
-            return iter(shared_memory_stream(weights, self._shared_memory, version, commit))
+            spare = shared_memory is None  # by default, /dev/shm keeps room for the server's own file
+            return iter(shared_memory_stream(weights, self._shared_memory, version, commit, spare))
         except OSError:
             if shared_memory:
                 raise
@@ -467,11 +481,11 @@ class Client(_ClientBase[Generator[Delta, None, None]]):
         one of the model's by Hugging Face name (a `state_dict()`: torch tensors, float32, float16 or
         bfloat16), streamed in chunks (`weights.weight_stream`; `shared_memory=False`), or written into a
         file of /dev/shm this client keeps for its next updates (`close` removes it), which the server reads
-        (True: a server on this machine; None, the default: where the server's Info says it reads this
-        machine's /dev/shm as this user, asked once, and /dev/shm has room for them). `pause` (a `pause` mode,
-        with `keep_kv`): generation pauses for the commit alone and resumes after it, while the bytes travel
-        it goes on, so "keep"'s streams wait for the install only (with weights themselves; a path pauses for
-        the call)."""
+        (True: a server on this machine; None, the default: where the server's Info, asked once, says it reads
+        this machine's /dev/shm as this user, and /dev/shm has room for them twice over; a push the server then
+        cannot read goes again in chunks, as do the next). `pause` (a `pause` mode, with `keep_kv`):
+        generation pauses for the commit alone and resumes after it, while the bytes travel it goes on, so
+        "keep"'s streams wait for the install only (with weights themselves; a path pauses for the call)."""
         request = _update_pause(pause, keep_kv)  # before a byte is sent
         if isinstance(weights, str):
             _path_alone(shared_memory)
@@ -481,18 +495,20 @@ class Client(_ClientBase[Generator[Delta, None, None]]):
                     path, timeout=self._timeout, metadata=self._admin_metadata
                 ).weight_version
         if shared_memory is None and self._server_shares_memory is None:
-            with contextlib.suppress(grpc.RpcError):  # an Info this client may not call (no api key): chunks
-                self._learn_shared_memory(self.info())
-        if shared_memory is None and not self._server_shares_memory:
-            shared_memory = False
-        if shared_memory is False:
-            return self._update_from_tensors(weights, version, request, False)
-        with self._shared_memory_lock:
             try:
-                return self._update_from_tensors(weights, version, request, shared_memory)
-            except BaseException as exc:
-                self._after_failed_push(exc)
-                raise
+                self._learn_shared_memory(self.info())
+            except grpc.RpcError as exc:
+                self._learn_shared_memory(exc)
+        if shared_memory is not False and (shared_memory or self._server_shares_memory):
+            with self._shared_memory_lock:
+                try:
+                    return self._update_from_tensors(weights, version, request, shared_memory)
+                except BaseException as exc:
+                    self._after_failed_push(exc)
+                    if shared_memory is not None or not self._unread(exc):
+                        raise
+                    self._server_shares_memory = False  # refused, nothing changed: the same push in chunks
+        return self._update_from_tensors(weights, version, request, False)
 
     def _update_from_tensors(
         self, weights: Mapping[str, Any], version: str, request: pb.PauseRequest | None, shared_memory: bool | None
@@ -688,18 +704,20 @@ class AsyncClient(_ClientBase[AsyncGenerator[Delta, None]]):
                     )
             return response.weight_version
         if shared_memory is None and self._server_shares_memory is None:
-            with contextlib.suppress(grpc.RpcError):  # as Client's
-                self._learn_shared_memory(await self.info())
-        if shared_memory is None and not self._server_shares_memory:
-            shared_memory = False
-        if shared_memory is False:
-            return await self._update_from_tensors(weights, version, request, False)
-        async with self._shared_memory_lock:
             try:
-                return await self._update_from_tensors(weights, version, request, shared_memory)
-            except BaseException as exc:
-                self._after_failed_push(exc)
-                raise
+                self._learn_shared_memory(await self.info())
+            except grpc.RpcError as exc:
+                self._learn_shared_memory(exc)
+        if shared_memory is not False and (shared_memory or self._server_shares_memory):
+            async with self._shared_memory_lock:
+                try:
+                    return await self._update_from_tensors(weights, version, request, shared_memory)
+                except BaseException as exc:
+                    self._after_failed_push(exc)
+                    if shared_memory is not None or not self._unread(exc):
+                        raise
+                    self._server_shares_memory = False  # as Client's
+        return await self._update_from_tensors(weights, version, request, False)
 
     async def _update_from_tensors(
         self, weights: Mapping[str, Any], version: str, request: pb.PauseRequest | None, shared_memory: bool | None

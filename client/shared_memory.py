@@ -4,6 +4,7 @@ the same machine to read instead of receiving them through its socket (`SharedMe
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import stat
@@ -53,17 +54,22 @@ class SharedMemoryFile:
         self._fd = fd
         self._removed = weakref.finalize(self, _remove, fd, self.path, os.getpid())
 
-    def write(self, parts: Iterable[memoryview], length: int) -> None:
+    def write(self, parts: Iterable[memoryview], length: int, spare: bool = False) -> None:
         """`parts`, `length` bytes in all, back to back from the file's start, over the last write's pages, then
-        the file cut to that length. Where /dev/shm has no room, OSError before a byte is written."""
+        the file cut to that length. Where /dev/shm has no room (with `spare`: none left after them for as many
+        bytes more, as a server whose loops are rank processes receives a push into), OSError before a byte is
+        written."""
         if not self._removed.alive:
             raise ValueError(f"{self.path} is closed")
         try:  # the room taken first: a full tmpfs fails this call, not a write half done
+            if spare and (room := self._room()) < 2 * length:  # asked first: a failed allocation fills /dev/shm
+                raise OSError(errno.ENOSPC, f"{2 * length} bytes asked, {room} free")
             if length:
                 os.posix_fallocate(self._fd, 0, length)
         except OSError as exc:
             raise OSError(
-                exc.errno, f"no room for {length} bytes in {SHM_DIR} ({exc.strerror}): update without shared_memory"
+                exc.errno,
+                f"no room for {length} bytes in {SHM_DIR} ({exc.strerror}): update with shared_memory=False",
             ) from None
         at = 0
         for part in parts:
@@ -74,6 +80,11 @@ class SharedMemoryFile:
         if at != length:
             raise ValueError(f"{at} bytes written, {length} announced")
         os.ftruncate(self._fd, length)
+
+    def _room(self) -> int:
+        """The bytes this file may hold: SHM_DIR's free ones, and those it holds already."""
+        free = os.statvfs(SHM_DIR)
+        return free.f_bavail * free.f_frsize + os.fstat(self._fd).st_blocks * 512
 
     def close(self) -> None:
         self._removed()

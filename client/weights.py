@@ -51,15 +51,19 @@ def weight_stream(
 
 
 def shared_memory_stream(
-    named_tensors: Mapping[str, Any], file: SharedMemoryFile, version: str = "", commit: bool = True
+    named_tensors: Mapping[str, Any],
+    file: SharedMemoryFile,
+    version: str = "",
+    commit: bool = True,
+    spare: bool = False,
 ) -> list[pb.UpdateWeightsFromTensorsRequest]:
     """The stream's messages for a server on this machine, the bytes written into `file` first (now, by this
-    call): the header, the file's range, and (with `commit`) COMMIT. The file stays unchanged until the call
-    that sends them returns."""
+    call; `spare`: as `SharedMemoryFile.write`'s): the header, the file's range, and (with `commit`) COMMIT.
+    The file stays unchanged until the call that sends them returns."""
     tensors = sent_tensors(named_tensors)
     header = pb.WeightsHeader(weight_version=version, tensors=tensor_specs(tensors))
     length = sum(t.nbytes for t in tensors.values())
-    file.write((_raw_bytes(t) for t in tensors.values()), length)  # one tensor's bytes at a time, as the chunks
+    file.write((_raw_bytes(t) for t in tensors.values()), length, spare)  # a tensor's bytes at a time, as chunks
     named = pb.SharedMemoryBytes(name=file.name, offset=0, length=length)
     messages = [
         pb.UpdateWeightsFromTensorsRequest(header=header),

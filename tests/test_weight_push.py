@@ -22,6 +22,7 @@ from lmgate.client.weights import weight_stream
 from lmgate.engine.config import EngineConfig
 from lmgate.engine.loading.pushed import TensorSpec, host_buffer, release_kept_buffers, tensor_views
 from lmgate.engine.ranks import weight_transfer
+from lmgate.service import servicer as servicer_module
 from lmgate.service import shared_memory as server_shared_memory
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
@@ -202,7 +203,7 @@ def test_a_push_named_in_shared_memory_serves_as_one_sent_in_chunks(server, trai
 
     async def push_async() -> str:
         async with AsyncClient(server.address) as client:
-            version = await client.update_weights(bf16_state(trainer), "async", pause="keep", shared_memory=True)
+            version = await client.update_weights(bf16_state(trainer), "async", pause="keep")  # this machine's
             assert os.path.exists(client._shared_memory.path)
             return version
 
@@ -222,20 +223,36 @@ def test_a_push_named_in_shared_memory_serves_as_one_sent_in_chunks(server, trai
 
 
 def test_a_push_goes_in_chunks_to_a_server_of_another_shared_memory_or_where_it_has_no_room(
-    server, trainer, saved, monkeypatch, tmp_path
+    server, trainer, saved, checkpoint, monkeypatch, tmp_path
 ):
     """By default a client names its bytes in /dev/shm only where the server's Info says it reads that very
     /dev/shm as this user, and it has room for them: a server reading another (another machine's, another
-    container's) and a client whose file cannot grow (a 1 MiB file size limit, as a container's small /dev/shm
-    refuses the room) both push in chunks, served as the same weights loaded by path, no file left."""
+    container's), one whose Info this client may not call (an api key it lacks), and a client whose file
+    cannot grow (a 1 MiB file size limit, as a container's small /dev/shm refuses the room) push in chunks;
+    a push refused as a file the server cannot read, though its Info said it could (a proxy's two servers),
+    goes again in chunks. Each serves as the same weights loaded by path, no file left."""
     with Client(server.address) as client:
         client.update_weights(saved, version="by-path")
         by_path = greedy(server)
-        monkeypatch.setattr(server_shared_memory, "SHM_DIR", str(tmp_path))
+        monkeypatch.setattr(server_shared_memory, "SHM_DIR", str(tmp_path))  # the server reads another
         assert "" != client.info().shared_memory_id != shared_memory_id()
         assert client.update_weights(bf16_state(trainer), "elsewhere") == "elsewhere"
         assert client._shared_memory is None and greedy(server) == by_path
+    monkeypatch.setattr(servicer_module, "shared_memory_id", shared_memory_id)  # yet says it reads this one
+    with Client(server.address) as client:
+        assert client.update_weights(bf16_state(trainer), "retried") == "retried"
+        assert client._server_shares_memory is False and greedy(server) == by_path
     monkeypatch.undo()
+    keyed = ServerThread(EngineConfig(dtype="float32", kv_cache_tokens=4096), checkpoint, api_key="key")
+    try:
+        with Client(keyed.address) as client:
+            assert client.update_weights(bf16_state(trainer), "no-info") == "no-info"
+            assert client._shared_memory is None and client._server_shares_memory is False
+        with Client(keyed.address, api_key="key") as client:
+            deltas = client.generate(token_ids=PROMPT, max_new_tokens=12, ignore_eos=True)
+            assert [t for d in deltas for t in d.token_ids] == by_path
+    finally:
+        keyed.stop()
     torch.save(bf16_state(trainer), tmp_path / "state.pt")
     files = push_files()
     client_ = subprocess.run(
@@ -248,6 +265,22 @@ def test_a_push_goes_in_chunks_to_a_server_of_another_shared_memory_or_where_it_
     assert client_.stdout.split() == ["tight", "chunks"]
     assert server.info().weight_version == "tight" and greedy(server) == by_path
     assert push_files() == files
+
+
+def test_a_shared_memory_file_asked_to_spare_room_takes_none_where_it_cannot():
+    """By default a client's file must leave /dev/shm room for as many bytes more (a server with rank processes
+    receives the push into a file there): where it cannot, OSError before a page is taken."""
+    file = SharedMemoryFile()
+    try:
+        free = os.statvfs("/dev/shm")
+        half = free.f_bavail * free.f_frsize // 2
+        with pytest.raises(OSError, match="shared_memory=False"):
+            file.write([], half + (1 << 20), spare=True)
+        assert os.fstat(file._fd).st_blocks == 0
+        file.write([memoryview(b"\1" * 4096)], 4096, spare=True)
+        assert os.path.getsize(file.path) == 4096
+    finally:
+        file.close()
 
 
 PUSHES_WITHOUT_ROOM = """
