@@ -211,16 +211,32 @@ class _ClientBase(abc.ABC, Generic[StreamT]):
         admin_token: str | None,
         api_key: str | None,
         timeout: float | None,
+        routed: bool,
     ) -> None:
         self._channel = channel
         self._inference = pb_grpc.InferenceStub(channel)
-        self._admin = pb_grpc.AdminStub(channel)
+        self._admin_stub = pb_grpc.AdminStub(channel)
+        self._routed = routed
         self._admin_metadata = bearer_metadata(admin_token)
         self._inference_metadata = bearer_metadata(api_key)
         self._timeout = timeout
         self._shared_memory: SharedMemoryFile | None = None  # update_weights' file, made at its first use
         self._server_shares_memory: bool | None = None  # whether the server reads this /dev/shm: asked once
         self._closed = False
+
+    @property
+    def _admin(self) -> pb_grpc.AdminStub:
+        self._one_server()
+        return self._admin_stub
+
+    def _one_server(self) -> None:
+        """Admin calls are one server's: a client routed over several replicas (by ring hash, skipping those that
+        sleep) would pause, put to sleep or update one of them, at random; ValueError instead."""
+        if self._routed:
+            raise ValueError(
+                "Admin calls (pause, sleep, wakeup, weight updates) need one server: this client routes over "
+                "several replicas, so make a Client for each replica's own address"
+            )
 
     def _learn_shared_memory(self, info: pb.InfoResponse | grpc.RpcError) -> None:
         """Remembers whether the server that answered `info` (Info's answer, or its failure) reads this machine's
@@ -379,9 +395,10 @@ def _channel_args(target: Target, tls: Tls | None) -> tuple[str, list[tuple[str,
 
 class Client(_ClientBase[Generator[Delta, None, None]]):
     """A blocking client over one channel. `target` is "host:port", or a list of replicas' "ip:port" routed
-    by ring hash on the session id (see `routing`). `timeout` is each call's deadline in seconds (streams included);
-    `admin_token` is sent as 'authorization: Bearer <token>' on Admin calls only, `api_key` the same way on
-    Inference calls only; `tls` makes the channel TLS."""
+    by ring hash on the session id (see `routing`; Admin calls then raise ValueError: each is one server's).
+    `timeout` is each call's deadline in seconds (streams included); `admin_token` is sent as 'authorization:
+    Bearer <token>' on Admin calls only, `api_key` the same way on Inference calls only; `tls` makes the
+    channel TLS."""
 
     def __init__(
         self,
@@ -392,11 +409,11 @@ class Client(_ClientBase[Generator[Delta, None, None]]):
         tls: Tls | None = None,
         timeout: float | None = None,
     ) -> None:
-        target, options = _channel_args(target, tls)
+        address, options = _channel_args(target, tls)
         channel = (
-            grpc.secure_channel(target, tls.credentials(), options) if tls else grpc.insecure_channel(target, options)
+            grpc.secure_channel(address, tls.credentials(), options) if tls else grpc.insecure_channel(address, options)
         )
-        super().__init__(channel, admin_token, api_key, timeout)
+        super().__init__(channel, admin_token, api_key, timeout, routed=not isinstance(target, str) and len(target) > 1)
         self._shared_memory_lock = threading.Lock()  # one update at a time writes the file and has it read
 
     def _stream(self, call: Any, request: pb.GenerateRequest) -> Generator[Delta, None, None]:
@@ -486,6 +503,7 @@ class Client(_ClientBase[Generator[Delta, None, None]]):
         cannot read goes again in chunks, as do the next). `pause` (a `pause` mode, with `keep_kv`):
         generation pauses for the commit alone and resumes after it, while the bytes travel it goes on, so
         "keep"'s streams wait for the install only (with weights themselves; a path pauses for the call)."""
+        self._one_server()
         request = _update_pause(pause, keep_kv)  # before a byte is sent
         if isinstance(weights, str):
             _path_alone(shared_memory)
@@ -608,13 +626,13 @@ class AsyncClient(_ClientBase[AsyncGenerator[Delta, None]]):
         tls: Tls | None = None,
         timeout: float | None = None,
     ) -> None:
-        target, options = _channel_args(target, tls)
+        address, options = _channel_args(target, tls)
         channel = (
-            grpc.aio.secure_channel(target, tls.credentials(), options)
+            grpc.aio.secure_channel(address, tls.credentials(), options)
             if tls
-            else grpc.aio.insecure_channel(target, options)
+            else grpc.aio.insecure_channel(address, options)
         )
-        super().__init__(channel, admin_token, api_key, timeout)
+        super().__init__(channel, admin_token, api_key, timeout, routed=not isinstance(target, str) and len(target) > 1)
         self._shared_memory_lock = asyncio.Lock()  # as Client's
 
     async def _stream(self, call: Any, request: pb.GenerateRequest) -> AsyncGenerator[Delta, None]:
@@ -691,6 +709,7 @@ class AsyncClient(_ClientBase[AsyncGenerator[Delta, None]]):
         shared_memory: bool | None = None,
     ) -> str:
         """As `Client.update_weights` (the shared-memory file written off the event loop)."""
+        self._one_server()
         request = _update_pause(pause, keep_kv)
         if isinstance(weights, str):
             _path_alone(shared_memory)

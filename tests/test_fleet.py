@@ -3,13 +3,14 @@ replica that holds it, stateless calls spread over all, and Envoy's health check
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 
 import grpc
 import pytest
 
-from lmgate.client import Client
+from lmgate.client import AsyncClient, Client
 from lmgate.client.routing import channel_target
 from lmgate.client.wire import new_session_id, session_metadata
 from lmgate.engine.config import EngineConfig
@@ -174,6 +175,18 @@ def test_client_side_ring_hash_without_a_proxy(replicas):
                         list(session.generate(prompt, max_new_tokens=2, ignore_eos=True))[-1].finish_reason == "length"
                     )
         assert {client.info().replica_id for _ in range(40)} == set(REPLICAS)
+        # Admin calls are one server's: a hashed route would reach one replica at random, never a sleeping one
+        for call in (lambda: client.pause("keep"), client.sleep, lambda: client.update_weights({}, "never")):
+            with pytest.raises(ValueError, match="one server"):
+                call()
+
+    async def async_pause() -> None:
+        async with AsyncClient([s.address for s in replicas]) as client:
+            await client.pause("abort")
+
+    with pytest.raises(ValueError, match="one server"):
+        asyncio.run(async_pause())
+    assert not any(s.info().paused or s.info().sleeping for s in replicas)
 
 
 def test_a_resumable_session_whose_route_comes_back_replays_over_the_copy_it_left(replicas):
