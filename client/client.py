@@ -234,8 +234,8 @@ class _ClientBase(abc.ABC, Generic[StreamT]):
         sleep) would pause, put to sleep or update one of them, at random; ValueError instead."""
         if self._routed:
             raise ValueError(
-                "Admin calls (pause, sleep, wakeup, weight updates) need one server: this client routes over "
-                "several replicas, so make a Client for each replica's own address"
+                "Admin calls (pause, sleep, wakeup, weight updates) need one server: this client routes over a list of "
+                "replicas (skipping those that sleep), so make a Client for each replica's own address"
             )
 
     def _learn_shared_memory(self, info: pb.InfoResponse | grpc.RpcError) -> None:
@@ -413,7 +413,7 @@ class Client(_ClientBase[Generator[Delta, None, None]]):
         channel = (
             grpc.secure_channel(address, tls.credentials(), options) if tls else grpc.insecure_channel(address, options)
         )
-        super().__init__(channel, admin_token, api_key, timeout, routed=not isinstance(target, str) and len(target) > 1)
+        super().__init__(channel, admin_token, api_key, timeout, routed=not isinstance(target, str))
         self._shared_memory_lock = threading.Lock()  # one update at a time writes the file and has it read
 
     def _stream(self, call: Any, request: pb.GenerateRequest) -> Generator[Delta, None, None]:
@@ -632,7 +632,7 @@ class AsyncClient(_ClientBase[AsyncGenerator[Delta, None]]):
             if tls
             else grpc.aio.insecure_channel(address, options)
         )
-        super().__init__(channel, admin_token, api_key, timeout, routed=not isinstance(target, str) and len(target) > 1)
+        super().__init__(channel, admin_token, api_key, timeout, routed=not isinstance(target, str))
         self._shared_memory_lock = asyncio.Lock()  # as Client's
 
     async def _stream(self, call: Any, request: pb.GenerateRequest) -> AsyncGenerator[Delta, None]:
