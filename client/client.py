@@ -27,7 +27,7 @@ from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 
 from .history import History
 from .shared_memory import SharedMemoryFile, shared_memory_id
-from .weights import COMMIT, shared_memory_stream, weight_stream
+from .weights import COMMIT, UPLOAD_METHOD, shared_memory_stream, weight_stream
 from .weight_group import init_request, update_request
 from .routing import Target, channel_target
 from .wire import Delta, bearer_metadata, generate_request, new_session_id, session_metadata, to_delta
@@ -105,9 +105,7 @@ class _PauseBeforeCommit:
         self._closed = False
         self._outcome: Paused | grpc.RpcError | None = None
 
-    def messages(
-        self, stream: Iterator[pb.UpdateWeightsFromTensorsRequest]
-    ) -> Iterator[pb.UpdateWeightsFromTensorsRequest]:
+    def messages(self, stream: Iterator[bytes]) -> Iterator[bytes]:
         """`stream` (without its commit), the pause, the commit; a pause that fails ends it uncommitted."""
         yield from stream
         with self._lock:
@@ -136,9 +134,7 @@ class _AsyncPauseBeforeCommit:
         self._closed = False
         self._task: asyncio.Future | None = None
 
-    async def messages(
-        self, stream: Iterator[pb.UpdateWeightsFromTensorsRequest]
-    ) -> AsyncGenerator[pb.UpdateWeightsFromTensorsRequest, None]:
+    async def messages(self, stream: Iterator[bytes]) -> AsyncGenerator[bytes, None]:
         for message in stream:
             yield message
         if self._closed:
@@ -216,6 +212,10 @@ class _ClientBase(abc.ABC, Generic[StreamT]):
         self._channel = channel
         self._inference = pb_grpc.InferenceStub(channel)
         self._admin_stub = pb_grpc.AdminStub(channel)
+        # UpdateWeightsFromTensors takes its messages as `weights` serializes them: no protobuf message per chunk
+        self._upload = channel.stream_unary(
+            UPLOAD_METHOD, request_serializer=None, response_deserializer=pb.UpdateWeightsResponse.FromString
+        )
         self._routed = routed
         self._admin_metadata = bearer_metadata(admin_token)
         self._inference_metadata = bearer_metadata(api_key)
@@ -257,8 +257,8 @@ class _ClientBase(abc.ABC, Generic[StreamT]):
 
     def _tensor_messages(
         self, weights: Mapping[str, Any], version: str, shared_memory: bool | None, commit: bool
-    ) -> Iterator[pb.UpdateWeightsFromTensorsRequest]:
-        """An UpdateWeightsFromTensors stream's messages: the bytes in chunks (`shared_memory` False), or
+    ) -> Iterator[bytes]:
+        """An UpdateWeightsFromTensors stream's messages, serialized: the bytes in chunks (`shared_memory` False), or
         written now into this client's shared-memory file (True; None: where /dev/shm has room for them, else
         in chunks). Its caller holds the file's lock until the call returns."""
         if shared_memory is False:
@@ -533,12 +533,10 @@ class Client(_ClientBase[Generator[Delta, None, None]]):
     ) -> str:
         messages = self._tensor_messages(weights, version, shared_memory, commit=request is None)
         if request is None:
-            return self._admin.UpdateWeightsFromTensors(
-                messages, timeout=self._timeout, metadata=self._admin_metadata
-            ).weight_version
+            return self._upload(messages, timeout=self._timeout, metadata=self._admin_metadata).weight_version
         gate = _PauseBeforeCommit(functools.partial(self._pause, request))
         try:
-            return self._admin.UpdateWeightsFromTensors(
+            return self._upload(
                 gate.messages(messages),
                 timeout=self._timeout,
                 metadata=self._admin_metadata,
@@ -744,13 +742,11 @@ class AsyncClient(_ClientBase[AsyncGenerator[Delta, None]]):
         make = functools.partial(self._tensor_messages, weights, version, shared_memory, commit=request is None)
         messages = await _to_thread_to_its_end(make) if shared_memory is not False else make()  # the file: seconds
         if request is None:
-            response = await self._admin.UpdateWeightsFromTensors(
-                messages, timeout=self._timeout, metadata=self._admin_metadata
-            )
+            response = await self._upload(messages, timeout=self._timeout, metadata=self._admin_metadata)
             return response.weight_version
         gate = _AsyncPauseBeforeCommit(AsyncPause(self, request))
         try:
-            response = await self._admin.UpdateWeightsFromTensors(
+            response = await self._upload(
                 gate.messages(messages),
                 timeout=self._timeout,
                 metadata=self._admin_metadata,

@@ -23,6 +23,7 @@ from .metrics import Metrics
 from .servicer import InferenceServicer, log_access
 from .vllm_servicer import SERVICE as VLLM_SERVICE
 from .vllm_servicer import VllmEngineServicer, default_model_name
+from .weight_chunks import ChunkViewInterceptor
 
 log = logging.getLogger(__name__)
 SHUTDOWN_FLUSH_SECONDS = 1.0  # for the last messages of cancelled streams to reach their clients
@@ -84,7 +85,10 @@ class Server:
         self._expiry: asyncio.Task | None = None
         self.metrics = Metrics(engine)
         self.replica_id = replica_id or default_replica_id()
-        interceptors = [ReplicaHeaderInterceptor(self.replica_id)]
+        interceptors: list[grpc.aio.ServerInterceptor] = [
+            ReplicaHeaderInterceptor(self.replica_id),
+            ChunkViewInterceptor(),
+        ]
         if api_key:
             interceptors.append(ApiKeyInterceptor(api_key, (INFERENCE, VLLM_SERVICE), self._refused))
         self.grpc = grpc.aio.server(

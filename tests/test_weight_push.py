@@ -15,15 +15,17 @@ import uuid
 import grpc
 import pytest
 import torch
+from google.protobuf.message import DecodeError
 
 from lmgate.client.client import AsyncClient, Client
 from lmgate.client.shared_memory import SharedMemoryFile, shared_memory_id
-from lmgate.client.weights import weight_stream
+from lmgate.client.weights import COMMIT, UPLOAD_METHOD, chunk_message, weight_stream
 from lmgate.engine.config import EngineConfig
 from lmgate.engine.loading.pushed import TensorSpec, host_buffer, release_kept_buffers, tensor_views
 from lmgate.engine.ranks import weight_transfer
 from lmgate.service import servicer as servicer_module
 from lmgate.service import shared_memory as server_shared_memory
+from lmgate.service.weight_chunks import chunk_or_request
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 from tests.serving import ServerThread
@@ -67,9 +69,16 @@ def greedy(server) -> list[int]:
 
 
 def push_error(server, messages) -> grpc.RpcError:
+    """The refusal of an UpdateWeightsFromTensors call of `messages`: serialized (as `weight_stream` makes them)
+    or protobuf messages, each sent as it comes."""
     with server.channel() as channel, pytest.raises(grpc.RpcError) as err:
-        pb_grpc.AdminStub(channel).UpdateWeightsFromTensors(iter(messages))
+        call = channel.stream_unary(UPLOAD_METHOD, response_deserializer=pb.UpdateWeightsResponse.FromString)
+        call(m if isinstance(m, bytes) else m.SerializeToString() for m in messages)
     return err.value
+
+
+def parsed(messages) -> list[pb.UpdateWeightsFromTensorsRequest]:
+    return [pb.UpdateWeightsFromTensorsRequest.FromString(m) for m in messages]
 
 
 def test_weight_push_serves_as_the_saved_checkpoint_and_names_its_version(server, trainer, saved):
@@ -158,6 +167,25 @@ def test_weight_push_cut_off_or_not_committed_changes_nothing(server, trainer):
     assert server.info().weight_version == "0"
 
 
+def test_a_chunk_is_sent_as_protobuf_serializes_it_and_received_as_a_view_of_its_bytes_alone():
+    """The client's chunk messages are protobuf's own bytes (lengths across the varint's byte boundaries); the
+    server views a message that is one chunk field and nothing else, and parses every other (a header, a
+    commit, a chunk with a field after it); one cut short is refused as protobuf refuses it."""
+    for length in (1, 127, 128, 16383, 16384, (2 << 20) + 3):
+        data = os.urandom(length)
+        message = chunk_message(memoryview(data))
+        assert message == pb.UpdateWeightsFromTensorsRequest(chunk=data).SerializeToString()
+        received = chunk_or_request(message)
+        assert isinstance(received, memoryview) and received == data
+    header = pb.UpdateWeightsFromTensorsRequest(header=pb.WeightsHeader(weight_version="v"))
+    for other in (header.SerializeToString(), COMMIT, chunk_message(b"abc") + COMMIT):
+        assert chunk_or_request(other) == pb.UpdateWeightsFromTensorsRequest.FromString(other)
+    assert chunk_or_request(chunk_message(b"abc") + COMMIT).commit
+    for cut in (chunk_message(b"abc")[:-1], chunk_message(b"x" * 300)[:2]):
+        with pytest.raises(DecodeError):
+            chunk_or_request(cut)
+
+
 def test_a_push_named_in_shared_memory_serves_as_one_sent_in_chunks(server, trainer, saved):
     """A client on the server's machine (by default, its Info says so) writes the bytes into a file of /dev/shm
     the stream names: served as the same weights loaded by path, the file written again (its pages kept) by
@@ -190,7 +218,7 @@ def test_a_push_named_in_shared_memory_serves_as_one_sent_in_chunks(server, trai
         client.update_weights(other, shared_memory=True)
     assert push_files() == files
 
-    messages = list(weight_stream(other, "mixed"))
+    messages = parsed(weight_stream(other, "mixed"))  # sent by the generated stub, which serializes them itself
     header, chunks, commit = messages[0], [m.chunk for m in messages[1:-1]], messages[-1]
     sent, named = chunks[: len(chunks) // 2], b"".join(chunks[len(chunks) // 2 :])
     with shared_memory_file(b"\0" * 100 + named) as name:
@@ -376,7 +404,7 @@ def test_shared_memory_the_server_cannot_read_is_refused_and_changes_nothing(ser
     the file's end or past the header's bytes: INVALID_ARGUMENT naming why, nothing served changes (and the
     FIFO's open does not block the server)."""
     before = greedy(server)
-    header = next(weight_stream(bf16_state(trainer), "bad"))
+    header = pb.UpdateWeightsFromTensorsRequest.FromString(next(weight_stream(bf16_state(trainer), "bad")))
     total = sum(t.nbytes for t in tensor_views_specs(header))
     outside = tmp_path / "weights"
     outside.write_bytes(b"\0" * total)
