@@ -213,7 +213,7 @@ class _ClientBase(abc.ABC, Generic[StreamT]):
         self._inference = pb_grpc.InferenceStub(channel)
         self._admin_stub = pb_grpc.AdminStub(channel)
         # UpdateWeightsFromTensors takes its messages as `weights` serializes them: no protobuf message per chunk
-        self._upload = channel.stream_unary(
+        self._upload_call = channel.stream_unary(
             UPLOAD_METHOD, request_serializer=None, response_deserializer=pb.UpdateWeightsResponse.FromString
         )
         self._routed = routed
@@ -228,6 +228,12 @@ class _ClientBase(abc.ABC, Generic[StreamT]):
     def _admin(self) -> pb_grpc.AdminStub:
         self._one_server()
         return self._admin_stub
+
+    @property
+    def _upload(self) -> Any:
+        """UpdateWeightsFromTensors' call (sync or async), for one server as every Admin call."""
+        self._one_server()
+        return self._upload_call
 
     def _one_server(self) -> None:
         """Admin calls are one server's: a client routed over several replicas (by ring hash, skipping those that

@@ -21,8 +21,8 @@ TIED_HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
 
 UPLOAD_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Admin'].full_name}/UpdateWeightsFromTensors"
 COMMIT = pb.UpdateWeightsFromTensorsRequest(commit=True).SerializeToString()
-# A chunk message's first byte: its field's number and wire type 2 (length-delimited), as protobuf encodes them.
-CHUNK_TAG = bytes([pb.UpdateWeightsFromTensorsRequest.DESCRIPTOR.fields_by_name["chunk"].number << 3 | 2])
+# A chunk message's tag (its field's number, wire type 2): what protobuf writes before a one-byte chunk's length.
+CHUNK_TAG = pb.UpdateWeightsFromTensorsRequest(chunk=b"\0").SerializeToString()[:-2]
 
 
 def weight_stream(

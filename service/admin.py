@@ -11,6 +11,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 
 from lmgate.engine.engine import Engine
 from lmgate.engine.errors import EngineError, InternalError, InvalidRequest
@@ -97,6 +98,10 @@ class AdminServicer(pb_grpc.AdminServicer):
             await context.abort(*denial)
         try:
             version, tensors = await self._receive_tensors(request_iterator)
+        except DecodeError as exc:  # a message gRPC's deserializer could not parse, raised where it is read
+            await abort(
+                context, InvalidRequest(f"a message is no UpdateWeightsFromTensorsRequest ({exc}): nothing changed")
+            )
         except EngineError as exc:
             await abort(context, exc)
 

@@ -85,12 +85,10 @@ class Server:
         self._expiry: asyncio.Task | None = None
         self.metrics = Metrics(engine)
         self.replica_id = replica_id or default_replica_id()
-        interceptors: list[grpc.aio.ServerInterceptor] = [
-            ReplicaHeaderInterceptor(self.replica_id),
-            ChunkViewInterceptor(),
-        ]
+        interceptors: list[grpc.aio.ServerInterceptor] = [ReplicaHeaderInterceptor(self.replica_id)]
         if api_key:
             interceptors.append(ApiKeyInterceptor(api_key, (INFERENCE, VLLM_SERVICE), self._refused))
+        interceptors.append(ChunkViewInterceptor())  # innermost: it changes the servicer's own handler
         self.grpc = grpc.aio.server(
             interceptors=interceptors,
             options=[

@@ -11,15 +11,15 @@ import grpc
 from lmgate.v1 import lmgate_pb2 as pb
 
 METHOD = f"/{pb.DESCRIPTOR.services_by_name['Admin'].full_name}/UpdateWeightsFromTensors"
-# A chunk message's first byte: its field's number and wire type 2 (length-delimited), as protobuf encodes them.
-CHUNK_TAG = bytes([pb.UpdateWeightsFromTensorsRequest.DESCRIPTOR.fields_by_name["chunk"].number << 3 | 2])
+# A chunk message's tag (its field's number, wire type 2): what protobuf writes before a one-byte chunk's length.
+CHUNK_TAG = pb.UpdateWeightsFromTensorsRequest(chunk=b"\0").SerializeToString()[:-2]
 
 
 def chunk_or_request(data: bytes) -> memoryview | pb.UpdateWeightsFromTensorsRequest:
     """A message that is one chunk field and nothing else (as every client sends a chunk): its bytes, a view of
     `data`; any other message parsed (a header, a commit, a chunk with more fields, one that is malformed)."""
-    if data[:1] == CHUNK_TAG:
-        length, at = 0, 1
+    if data.startswith(CHUNK_TAG):
+        length, at = 0, len(CHUNK_TAG)
         for shift in range(0, 64, 7):  # the length, a varint: 7 bits a byte, the last without its high bit
             if at == len(data):
                 break
@@ -43,6 +43,6 @@ class ChunkViewInterceptor(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None or details.method != METHOD:
+        if handler is None or details.method != METHOD or handler.stream_unary is None:  # None: a refusal's
             return handler
         return grpc.stream_unary_rpc_method_handler(handler.stream_unary, chunk_or_request, handler.response_serializer)

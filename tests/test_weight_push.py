@@ -25,7 +25,8 @@ from lmgate.engine.loading.pushed import TensorSpec, host_buffer, release_kept_b
 from lmgate.engine.ranks import weight_transfer
 from lmgate.service import servicer as servicer_module
 from lmgate.service import shared_memory as server_shared_memory
-from lmgate.service.weight_chunks import chunk_or_request
+from lmgate.service import weight_chunks
+from lmgate.service.weight_chunks import CHUNK_TAG, chunk_or_request
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 from tests.serving import ServerThread
@@ -81,13 +82,23 @@ def parsed(messages) -> list[pb.UpdateWeightsFromTensorsRequest]:
     return [pb.UpdateWeightsFromTensorsRequest.FromString(m) for m in messages]
 
 
-def test_weight_push_serves_as_the_saved_checkpoint_and_names_its_version(server, trainer, saved):
+def test_weight_push_serves_as_the_saved_checkpoint_and_names_its_version(server, trainer, saved, monkeypatch):
+    """(Its chunks reach the servicer as views of the received bytes: the server's interceptor is in place.)"""
     before = greedy(server)
     assert server.info().weight_version == "0"
     assert all(m.weight_version == "0" for m in generate(server) if m.token_ids)
+    received = []
+
+    def seen(data: bytes):
+        received.append(type(chunk_or_request(data)))
+        return chunk_or_request(data)
+
+    monkeypatch.setattr(weight_chunks, "chunk_or_request", seen)
     with Client(server.address) as client:
         assert client.update_weights(bf16_state(trainer), version="step-1", shared_memory=False) == "step-1"
         assert client._shared_memory is None  # in chunks
+    kinds = [pb.UpdateWeightsFromTensorsRequest, memoryview, pb.UpdateWeightsFromTensorsRequest]
+    assert received == kinds[:1] + kinds[1:2] * (len(received) - 2) + kinds[2:] and len(received) > 100
     pushed = generate(server)
     assert [t for m in pushed for t in m.token_ids] != before
     assert all(m.weight_version == "step-1" for m in pushed if m.token_ids)
@@ -163,6 +174,11 @@ def test_weight_push_cut_off_or_not_committed_changes_nothing(server, trainer):
     assert push_error(server, breaks_off()).code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
     for ends_early in ([header, *chunks], [header, *chunks[:-1], messages[-1]], chunks):
         assert push_error(server, ends_early).code() == grpc.StatusCode.INVALID_ARGUMENT
+    unparsed = push_error(server, [header, chunks[0], chunk_message(b"abc")[:-1], messages[-1]])  # cut short
+    assert (
+        unparsed.code() == grpc.StatusCode.INVALID_ARGUMENT
+        and "no UpdateWeightsFromTensorsRequest" in unparsed.details()
+    )
     assert greedy(server) == before
     assert server.info().weight_version == "0"
 
@@ -181,7 +197,7 @@ def test_a_chunk_is_sent_as_protobuf_serializes_it_and_received_as_a_view_of_its
     for other in (header.SerializeToString(), COMMIT, chunk_message(b"abc") + COMMIT):
         assert chunk_or_request(other) == pb.UpdateWeightsFromTensorsRequest.FromString(other)
     assert chunk_or_request(chunk_message(b"abc") + COMMIT).commit
-    for cut in (chunk_message(b"abc")[:-1], chunk_message(b"x" * 300)[:2]):
+    for cut in (chunk_message(b"abc")[:-1], chunk_message(b"x" * 300)[:2], CHUNK_TAG + b"\x80" * 11 + b"\0"):
         with pytest.raises(DecodeError):
             chunk_or_request(cut)
 
