@@ -147,7 +147,8 @@ class _AsyncPauseBeforeCommit:
         yield COMMIT
 
     async def close(self) -> bool | grpc.RpcError | None:
-        """No pause after this; True where the pause was made, its error where it failed, None if none began."""
+        """No pause after this; where the pause was made, whether it is this call's to end (the server was not
+        paused already); its error where it failed; None if none began."""
         self._closed = True
         if self._task is None:
             return None
@@ -155,36 +156,44 @@ class _AsyncPauseBeforeCommit:
             await self._task
         except grpc.RpcError as exc:
             return exc
-        return True
+        return not self._pausing.already_paused
 
 
 class Paused:
-    """A pause under way (`Client.pause`): leaving its `with` block resumes. `requests`: those the pause
-    aborted or froze."""
+    """A pause under way (`Client.pause`): leaving its `with` block resumes, unless the server was paused
+    already when it came (`already_paused`: an earlier pause, perhaps another client's, which its maker ends).
+    `requests`: those the pause aborted or froze."""
 
-    def __init__(self, requests: int, resume: Callable[[], None]) -> None:
+    def __init__(self, requests: int, resume: Callable[[], None], already_paused: bool = False) -> None:
         self.requests = requests
+        self.already_paused = already_paused
         self._resume = resume
+
+    def end(self) -> None:
+        """Resumes, where this pause is the one that paused the server."""
+        if not self.already_paused:
+            self._resume()
 
     def __enter__(self) -> Paused:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._resume()
+        self.end()
 
 
 class AsyncPause:
     """`AsyncClient.pause`: awaited, the number of requests aborted or frozen; as `async with`, a pause that
-    resumes when the block is left."""
+    resumes when the block is left, unless the server was paused already (as `Paused`)."""
 
     def __init__(self, client: AsyncClient, request: pb.PauseRequest) -> None:
         self._client, self._request = client, request
         self.requests = 0
+        self.already_paused = False
 
     async def _pause(self) -> int:
         client = self._client
         response = await client._admin.Pause(self._request, timeout=client._timeout, metadata=client._admin_metadata)
-        self.requests = response.requests
+        self.requests, self.already_paused = response.requests, response.already_paused
         return self.requests
 
     def __await__(self) -> Generator[Any, None, int]:
@@ -195,7 +204,8 @@ class AsyncPause:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self._client.resume()
+        if not self.already_paused:
+            await self._client.resume()
 
 
 class _ClientBase(abc.ABC, Generic[StreamT]):
@@ -507,8 +517,9 @@ class Client(_ClientBase[Generator[Delta, None, None]]):
         (True: a server on this machine; None, the default: where the server's Info, asked once, says it reads
         this machine's /dev/shm as this user, and /dev/shm has room for them twice over; a push the server then
         cannot read goes again in chunks, as do the next). `pause` (a `pause` mode, with `keep_kv`):
-        generation pauses for the commit alone and resumes after it, while the bytes travel it goes on, so
-        "keep"'s streams wait for the install only (with weights themselves; a path pauses for the call)."""
+        generation pauses for the commit alone and resumes after it (unless it was paused already), while the
+        bytes travel it goes on, so "keep"'s streams wait for the install only (with weights themselves; a
+        path pauses for the call)."""
         self._one_server()
         request = _update_pause(pause, keep_kv)  # before a byte is sent
         if isinstance(weights, str):
@@ -552,8 +563,8 @@ class Client(_ClientBase[Generator[Delta, None, None]]):
                 raise failed from None  # the stream ended without its commit
             raise
         finally:
-            if isinstance(gate.close(), Paused):
-                self.resume()
+            if isinstance(paused := gate.close(), Paused):
+                paused.end()
 
     def init_weight_group(
         self,
@@ -593,12 +604,13 @@ class Client(_ClientBase[Generator[Delta, None, None]]):
         (finish_reason "aborted", partial output), "wait" lets it finish, "keep" freezes it until the resume
         (after an update meanwhile its KV is recomputed by the new weights, unless `keep_kv`). New Generate
         calls are refused (UNAVAILABLE) until `resume`; as a context manager, leaving the block resumes:
-        `with client.pause("keep"): client.update_weights(model.state_dict())`."""
+        `with client.pause("keep"): client.update_weights(model.state_dict())` (unless the server was paused
+        already, `Paused.already_paused`: a pause another caller made is left for it to end)."""
         return self._pause(_pause_request(mode, keep_kv))
 
     def _pause(self, request: pb.PauseRequest) -> Paused:
         response = self._admin.Pause(request, timeout=self._timeout, metadata=self._admin_metadata)
-        return Paused(response.requests, self.resume)
+        return Paused(response.requests, self.resume, response.already_paused)
 
     def resume(self) -> None:
         """Admin: ends a pause; frozen requests go on, new ones are admitted (unless the server sleeps)."""

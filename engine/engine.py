@@ -82,6 +82,16 @@ class EngineInfo:
     pause_mode: str | None = None  # of PAUSE_MODES while paused
 
 
+@dataclass(frozen=True, slots=True)
+class PauseResult:
+    """What `Engine.pause` did: the requests it aborted or froze, and whether generation was paused already (an
+    earlier pause, perhaps another caller's, not yet resumed), which a caller pausing for a span of work leaves
+    paused at its end."""
+
+    requests: int
+    already_paused: bool
+
+
 class Stream:
     """The outputs of one request, for a caller on an ordinary thread. Iterating raises the request's error."""
 
@@ -485,12 +495,13 @@ class Engine:
 
     # pause and resume --------------------------------------------------------------------------------------
 
-    def pause(self, mode: str, keep_kv: bool = False) -> int:
+    def pause(self, mode: str, keep_kv: bool = False) -> PauseResult:
         """Stop generation for a weight update: admission closes at once (until `resume`), then every loop, at a
         step boundary, "abort"s what runs or is queued (FinishReason.ABORTED, partial output), lets it finish
         ("wait": returns once it has), or freezes it ("keep"; an update made meanwhile is served to it after
         the resume, its KV recomputed by the new weights unless `keep_kv`). Returns the requests aborted or
-        frozen. A pause while paused changes the mode: "wait" lets the frozen go on to their end."""
+        frozen, and whether it was paused already. A pause while paused changes the mode: "wait" lets the frozen
+        go on to their end."""
         if mode not in PAUSE_MODES:
             raise InvalidRequest(f"pause mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
         kind = RequestKind.FREEZE_KEEP_KV if mode == "keep" and keep_kv else PAUSE_MODES[mode]
@@ -499,10 +510,11 @@ class Engine:
             self.gateway.close_admission(PAUSE_GATE, "generation is paused (Admin.Pause): send it after Admin.Resume")
         try:
             with self._admin():
+                already_paused = self.pause_mode is not None
                 self.pause_mode = mode
                 answers = self.gateway.control(kind)
                 log.info("paused (%s)", mode)
-                return sum(answer.handled for answer in answers)
+                return PauseResult(sum(answer.handled for answer in answers), already_paused)
         finally:
             with self._pending_lock:
                 self._pauses_pending -= 1

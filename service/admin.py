@@ -13,7 +13,7 @@ import grpc
 import torch
 from google.protobuf.message import DecodeError
 
-from lmgate.engine.engine import Engine
+from lmgate.engine.engine import Engine, PauseResult
 from lmgate.engine.errors import EngineError, InternalError, InvalidRequest
 from lmgate.engine.loading.pushed import TensorSpec, tensor_views
 from lmgate.engine.loading.weight_group import DEFAULT_BUCKET_BYTES, DEFAULT_TIMEOUT
@@ -62,11 +62,11 @@ class AdminServicer(pb_grpc.AdminServicer):
         return pb.WakeupResponse(restored=restored, still_asleep=still_asleep)
 
     async def Pause(self, request: pb.PauseRequest, context: grpc.aio.ServicerContext) -> pb.PauseResponse:
-        def pause(request: pb.PauseRequest) -> int:
+        def pause(request: pb.PauseRequest) -> PauseResult:
             return self.engine.pause(convert.pause_mode(request.mode), request.keep_kv)
 
-        handled = await self._run(context, pause, request, lambda: self._transition("pause"), closes_admission=True)
-        return pb.PauseResponse(requests=handled)
+        done = await self._run(context, pause, request, lambda: self._transition("pause"), closes_admission=True)
+        return pb.PauseResponse(requests=done.requests, already_paused=done.already_paused)
 
     async def Resume(self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext) -> pb.ResumeResponse:
         def resume(request: pb.ResumeRequest) -> None:

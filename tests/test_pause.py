@@ -17,6 +17,7 @@ from lmgate.client import client as client_module
 from lmgate.client.client import AsyncClient, Client
 from lmgate.client.weights import weight_stream
 from lmgate.engine.config import EngineConfig
+from lmgate.engine.engine import PauseResult
 from lmgate.engine.errors import InvalidRequest
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
@@ -231,6 +232,42 @@ def test_pause_refuses_an_unknown_mode_and_resume_without_a_pause_changes_nothin
     assert len(greedy(server, PROMPTS[0], 3)) == 3
 
 
+def test_a_pause_made_inside_another_leaves_the_server_paused_for_its_maker_to_end(server, trainer):
+    """Two admin clients: while one holds `with pause("abort")`, the other's nested `with pause("keep")` and its
+    `update_weights(..., pause="keep")` (sync and async) each find the server paused already (the response says
+    so) and leave it paused: new requests stay refused until the first one's block ends. Resume itself always
+    ends a pause."""
+    state = bf16_state(trainer)
+
+    def refused() -> bool:
+        with pytest.raises(grpc.RpcError) as err:
+            greedy(server, PROMPTS[0], 2)
+        return err.value.code() == grpc.StatusCode.UNAVAILABLE and server.info().paused
+
+    async def from_the_async_client() -> tuple[bool, str]:
+        async with AsyncClient(server.address) as client:
+            async with client.pause("wait") as nested:
+                pass
+            version = await client.update_weights(state, version="async", pause="keep", shared_memory=False)
+            return nested.already_paused, version
+
+    with Client(server.address) as first, Client(server.address) as second:
+        with first.pause("abort") as outer:
+            assert not outer.already_paused
+            with second.pause("keep") as inner:
+                assert inner.already_paused
+            assert refused()
+            assert second.update_weights(state, version="inside", pause="keep", shared_memory=False) == "inside"
+            assert refused() and server.info().weight_version == "inside"
+            assert asyncio.run(from_the_async_client()) == (True, "async")
+            assert refused()
+        assert not server.info().paused and len(greedy(server, PROMPTS[0], 2)) == 2
+        first.pause("keep")
+        second.resume()  # a Resume ends whichever pause
+        assert not server.info().paused and len(greedy(server, PROMPTS[0], 2)) == 2
+    assert_all_free(server)
+
+
 def test_keep_over_rank_processes_freezes_cancels_and_resumes_under_new_weights(process_ranks_server, gguf_path):
     server = process_ranks_server
     streams = Streams(server, PROMPTS[:4])
@@ -308,7 +345,7 @@ def test_an_update_that_pauses_for_its_commit_alone_freezes_what_runs_for_the_in
         seen.clear()
         sent[0] = 0
         assert client.update_weights(state, version="committed", pause="keep", shared_memory=False) == "committed"
-    assert seen == [("pause", "keep", chunks, STREAMS), ("install", "keep")]
+    assert seen == [("pause", "keep", chunks, PauseResult(STREAMS, False)), ("install", "keep")]
     assert not server.info().paused and server.info().weight_version == "committed"
     outputs = streams.join()
     for messages in outputs:
@@ -326,5 +363,5 @@ def test_an_update_that_pauses_for_its_commit_alone_freezes_what_runs_for_the_in
     seen.clear()
     sent[0] = 0
     assert asyncio.run(from_the_async_client()) == "async"
-    assert seen == [("pause", "keep", chunks, 0), ("install", "keep")] and not server.info().paused
+    assert seen == [("pause", "keep", chunks, PauseResult(0, False)), ("install", "keep")] and not server.info().paused
     assert_all_free(server)

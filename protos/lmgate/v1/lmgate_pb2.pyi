@@ -412,10 +412,12 @@ class PauseRequest(_message.Message):
     def __init__(self, mode: _Optional[_Union[PauseMode, str]] = ..., keep_kv: _Optional[bool] = ...) -> None: ...
 
 class PauseResponse(_message.Message):
-    __slots__ = ("requests",)
+    __slots__ = ("requests", "already_paused")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_PAUSED_FIELD_NUMBER: _ClassVar[int]
     requests: int
-    def __init__(self, requests: _Optional[int] = ...) -> None: ...
+    already_paused: bool
+    def __init__(self, requests: _Optional[int] = ..., already_paused: _Optional[bool] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
     __slots__ = ()
