@@ -65,8 +65,17 @@ class AdminServicer(pb_grpc.AdminServicer):
         def pause(request: pb.PauseRequest) -> PauseResult:
             return self.engine.pause(convert.pause_mode(request.mode), request.keep_kv)
 
-        done = await self._run(context, pause, request, lambda: self._transition("pause"), closes_admission=True)
+        done = await self._run(
+            context, pause, request, lambda: self._transition("pause"), closes_admission=True, undo=self._unpause
+        )
         return pb.PauseResponse(requests=done.requests, already_paused=done.already_paused)
+
+    def _unpause(self, done: PauseResult) -> None:
+        """A Pause whose caller left (a deadline, a cancel) before it was made is undone once made: its caller
+        was told it failed, and no one would resume it. One that found the server paused already changed the
+        mode alone, which stays."""
+        if not done.already_paused:
+            self._start(lambda _: self.engine.resume(), None, lambda: self._transition("resume"), False)
 
     async def Resume(self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext) -> pb.ResumeResponse:
         def resume(request: pb.ResumeRequest) -> None:
@@ -198,21 +207,34 @@ class AdminServicer(pb_grpc.AdminServicer):
         arg: Any,
         count: Callable[[], None],
         closes_admission: bool = False,
+        undo: Callable[[Any], None] | None = None,
     ) -> Any:
-        """The engine call's result; a refusal or failure aborts the RPC with its status."""
+        """The engine call's result; a refusal or failure aborts the RPC with its status. `undo`: what undoes
+        the call's result where its caller leaves before it is done (called with it, on the event loop)."""
         denial = admin_denial(context, self.admin_token)
         if denial is not None:
             await context.abort(*denial)
-        self._sleeps_pending += closes_admission  # no await before the task owns it: it always comes down
-        work = asyncio.ensure_future(self._complete(call, arg, count, closes_admission))
-        self._working.add(work)
-        work.add_done_callback(self._forget)
+        work = self._start(call, arg, count, closes_admission)
         try:
             return await asyncio.shield(work)  # a caller that leaves (deadline, cancel) does not stop the call
+        except asyncio.CancelledError:
+            if undo is not None:
+                work.add_done_callback(lambda done: _succeeded(done) and undo(done.result()))
+            raise
         except EngineError as exc:
             await abort(context, exc)
         except Exception as exc:  # a bug (logged by `_forget`): say INTERNAL with its cause, never UNKNOWN
             await abort(context, InternalError(f"{call.__name__} failed: {exc}"))
+
+    def _start(
+        self, call: Callable[[Any], Any], arg: Any, count: Callable[[], None], closes_admission: bool
+    ) -> asyncio.Future:
+        """The engine call as a task held until done (`_complete`)."""
+        self._sleeps_pending += closes_admission  # no await before the task owns it: it always comes down
+        work = asyncio.ensure_future(self._complete(call, arg, count, closes_admission))
+        self._working.add(work)
+        work.add_done_callback(self._forget)
+        return work
 
     async def _complete(
         self, call: Callable[[Any], Any], arg: Any, count: Callable[[], None], closes_admission: bool
@@ -237,6 +259,10 @@ class AdminServicer(pb_grpc.AdminServicer):
             log.warning("admin call failed: %s", error)
         elif error is not None:
             log.error("admin call failed", exc_info=error)
+
+
+def _succeeded(work: asyncio.Future) -> bool:
+    return not work.cancelled() and work.exception() is None
 
 
 def _check_room(buffer: memoryview, received: int, length: int) -> None:

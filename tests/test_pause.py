@@ -6,6 +6,7 @@ computed as a fresh request of the same tokens would be. Afterwards every KV blo
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 
 import grpc
@@ -25,6 +26,7 @@ from tests.serving import ServerThread
 from tests.test_weight_push import bf16_state
 
 STREAMS = 16
+GUARD = 60.0  # seconds: a guard against a hang, never a timing
 MAX_NEW = 40
 PROMPTS = [[504, 3575, 282, 4649 + i, 314] for i in range(STREAMS)]
 
@@ -265,6 +267,49 @@ def test_a_pause_made_inside_another_leaves_the_server_paused_for_its_maker_to_e
         first.pause("keep")
         second.resume()  # a Resume ends whichever pause
         assert not server.info().paused and len(greedy(server, PROMPTS[0], 2)) == 2
+    assert_all_free(server)
+
+
+def test_a_pause_whose_caller_left_before_it_was_made_is_undone(server, monkeypatch):
+    """A Pause whose caller's deadline passes while another admin call holds the engine (a push's install, a
+    long WAIT): the caller sees DEADLINE_EXCEEDED, and the server, which finishes the call, undoes the pause
+    once made, so none stays that no one would resume. One that found the server paused already changed the
+    mode alone: the pause stays its maker's."""
+    engine, made, resumed = server.engine, queue.Queue(), threading.Event()
+    pause, resume = engine.pause, engine.resume
+    monkeypatch.setattr(engine, "pause", lambda *args: made.put(pause(*args)) or made.queue[-1])
+    monkeypatch.setattr(engine, "resume", lambda: resume() or resumed.set())
+
+    def late_pause() -> None:
+        """A pause with a short deadline, made while a thread holds the engine's admin lock."""
+        held, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with engine._admin_lock:
+                held.set()
+                release.wait(GUARD)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        held.wait(GUARD)
+        with Client(server.address, timeout=0.5) as late, pytest.raises(grpc.RpcError) as err:
+            late.pause("keep")
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        release.set()
+        holder.join()
+
+    late_pause()
+    assert made.get(timeout=GUARD) == PauseResult(0, False)  # made once the lock was free, then undone
+    assert resumed.wait(GUARD) and not server.info().paused and len(greedy(server, PROMPTS[0], 2)) == 2
+    resumed.clear()
+    with Client(server.address) as first:
+        first.pause("abort")
+        assert made.get(timeout=GUARD) == PauseResult(0, False)
+        late_pause()
+        assert made.get(timeout=GUARD) == PauseResult(0, True)
+        assert not resumed.is_set() and server.info().paused and server.info().pause_mode == pb.PAUSE_MODE_KEEP
+        first.resume()
+    assert not server.info().paused and len(greedy(server, PROMPTS[0], 2)) == 2
     assert_all_free(server)
 
 
