@@ -313,6 +313,39 @@ def test_a_pause_whose_caller_left_before_it_was_made_is_undone(server, monkeypa
     assert_all_free(server)
 
 
+def test_an_update_made_while_serving_writes_into_the_model_the_one_before_replaced(server, trainer):
+    """On the CPU the model a serving update replaced is kept: the next serving update writes its values into
+    it while streams run on the served one, and switches to it; each answers as the same weights built do. A
+    level-2 sleep lets it go, and the model its wakeup builds on the pushed bytes is not kept."""
+    weights, name = server.engine.ranks.weights, "model.layers.5.mlp.down_proj.weight"
+    other = bf16_state(trainer)
+    other[name] = -other[name]
+    with Client(server.address) as client:
+        client.update_weights(bf16_state(trainer), version="a")  # built: the GGUF's quantized layers are not kept
+        first, trained = weights.model, greedy(server, PROMPTS[0], 8)
+        client.update_weights(other, version="b")  # built, `first` kept
+        second, negated = weights.model, greedy(server, PROMPTS[0], MAX_NEW)
+        assert second is not first and negated != trained
+        streams = Streams(server, PROMPTS[:8])
+        streams.started()
+        client.update_weights(bf16_state(trainer), version="c")  # into `first`, while the streams run on `second`
+        assert weights.model is first
+        for messages in streams.join():
+            assert messages[-1].finish_reason == pb.FINISH_REASON_LENGTH and len(tokens(messages)) == MAX_NEW
+            assert tokens(messages) == tokens(messages, "b") + tokens(messages, "c")
+        assert tokens(streams.messages[0], "b") == negated[: len(tokens(streams.messages[0], "b"))]
+        assert greedy(server, PROMPTS[0], 8) == trained
+        client.update_weights(other, version="d")
+        assert weights.model is second and greedy(server, PROMPTS[0], 8) == negated[:8]
+        client.sleep(2)
+        client.wakeup()
+        woken = weights.model
+        assert woken not in (first, second) and greedy(server, PROMPTS[0], 8) == negated[:8]
+        client.update_weights(bf16_state(trainer), version="e")
+        assert weights.model not in (first, second, woken) and greedy(server, PROMPTS[0], 8) == trained
+    assert_all_free(server)
+
+
 def test_keep_over_rank_processes_freezes_cancels_and_resumes_under_new_weights(process_ranks_server, gguf_path):
     server = process_ranks_server
     streams = Streams(server, PROMPTS[:4])

@@ -492,12 +492,15 @@ def test_kept_buffers_let_go_are_not_received_into_again(monkeypatch):
 
 
 def test_a_push_is_never_received_into_memory_the_served_model_reads(server, trainer):
-    """A model built on a push's own tensors (float32 into a float32 engine: the embedding and the norms are
-    served from the received bytes) keeps that buffer from later pushes: pushes that are not committed, more of
-    them than buffers are kept, change nothing it answers."""
+    """A model built on a push's own tensors (woken from a level-2 sleep: float32 into a float32 engine, the
+    embedding and the norms are served from the received bytes) keeps that buffer from later pushes: pushes
+    that are not committed, more of them than buffers are kept, change nothing it answers."""
     state = {k: v.detach().clone() for k, v in trainer.state_dict().items() if k != "lm_head.weight"}
     with Client(server.address) as client:
         client.update_weights(state, version="float32")
+        client.sleep(2)
+        client.wakeup()
+    assert not server.engine.ranks.weights.model.owns_memory
     served = greedy(server)
     messages = list(weight_stream({k: -v for k, v in state.items()}, "never"))
     for _ in range(3):

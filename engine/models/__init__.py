@@ -52,7 +52,9 @@ def build_model(
     )
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     if device.type == "cpu":
-        if not private:
+        if private:
+            model.owns_memory = False
+        else:
             own_memory(model, weights)
         cpu_linears(model, batch_hint)
     if quantized:

@@ -172,6 +172,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.fused_decode: FusedDecode | None = None  # set by build_model on the CPU (fused_decode.py)
         self.weight_version = ""  # the engine's name for these weights (LocalWeights), reported with their tokens
+        self.owns_memory = True  # False where build_model left it views of a caller's tensors (`private`)
 
     def forward(
         self,
