@@ -15,10 +15,12 @@ For each model, `lmgate serve` as a child process and the trainer's copy of the 
   checkpoint  `model.save_pretrained(dir)` (safetensors, into a fresh directory) and `UpdateWeights(dir)`: the
               save counted, as a trainer that hands weights over by checkpoint pays it.
 Each is timed from the call until Info.weight_version names the new version, `--repeats` times back to back (the
-median, and the fastest), while serving (a second model built beside the first) and inside `with
-client.pause("keep")` (an RL loop's way: the server writes the new values into the tensors it serves). Back to
-back, as an RL loop makes its pushes: the first of each run finds the server's memory as the run before left it
-(a buffer of another kind of push still held, a model built beside the served one), which the next do not.
+median, and the fastest), while serving (on the CPU written into the spare model, the one the update before
+replaced; else a second model built beside the first) and inside `with client.pause("keep")` (an RL loop's way:
+the server writes the new values into the tensors it serves). Back to back, as an RL loop makes its pushes,
+after `--warmup` pushes of the same kind that are printed and not counted: the first pushes find the server's
+memory as the run before left it (a buffer of another kind of push still held, no spare yet, fresh pages to
+receive into), which an RL loop's later ones do not.
 The models: the embedded SmolLM2-135M in float32 (as examples/rl_loop.py serves it) and a Llama-3.2-1B shape
 with random weights in bfloat16 (float32 would need about 5 GB for the trainer's copy and two to three times
 that in the server, of 24 GiB shared). The issue's goal: for the 1B shape, both memory paths at least 3x faster
@@ -164,11 +166,20 @@ def measure(name: str, args: argparse.Namespace, root: str) -> dict:
                 }
                 for path, push in pushes.items():
                     for key in (path, f"{path} paused"):
-                        for i in range(args.repeats):  # back to back, as an RL loop pushes
+                        times = []
+                        for i in range(args.warmup + args.repeats):  # back to back, as an RL loop pushes
                             v = f"{key[0]}{'p' if key != path else ''}{i}"
-                            found[key].append(timed(client, v, push, paused=key != path))
+                            times.append(timed(client, v, push, paused=key != path))
                             shutil.rmtree(os.path.join(root, v), ignore_errors=True)  # a checkpoint's directory
-                        print(f"{name} {key}: " + ", ".join(f"{t:.2f}s" for t in found[key]), flush=True)
+                        found[key] = times[args.warmup :]
+                        if path == "checkpoint":  # the warm-up's saves are not counted either
+                            del saves[len(saves) - len(times) : len(saves) - args.repeats]
+                        first = ", ".join(f"{t:.2f}s" for t in times[: args.warmup])
+                        counted = ", ".join(f"{t:.2f}s" for t in found[key])
+                        print(
+                            f"{name} {key}: {counted}" + (f" (first, not counted: {first})" if first else ""),
+                            flush=True,
+                        )
                 found["save"] = saves
                 if name == "embedded" and args.streams:
                     chunks = functools.partial(client.update_weights, state, shared_memory=False)
@@ -313,6 +324,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", choices=list(SERVERS), default=list(SERVERS))
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="pushes made first on each path, not counted: a server's first pushes take fresh pages for their "
+        "receive buffers and its spare model, once (printed apart)",
+    )
     ap.add_argument("--streams", type=int, default=8, help="streams running across the KEEP pause; 0: none")
     ap.add_argument("--device", default="cpu", help="the server's engine: cpu, cuda or cuda:N")
     ap.add_argument(

@@ -594,7 +594,7 @@ class Engine:
         self._weight_updates += 1
         self.weight_version = name
         self.gateway.control(RequestKind.FLUSH_CACHE)  # every loop has switched (a frozen one too) once answered
-        release_host_memory()  # the replaced model, freed now that no step holds it, leaves the resident set
+        release_host_memory()  # a replaced model not kept as the spare, freed now that no step holds it, goes
         return name
 
     # weights from a trainer's torch.distributed group -----------------------------------------------------

@@ -52,11 +52,11 @@ def build_model(
     )
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     if device.type == "cpu":
+        cpu_linears(model, batch_hint)  # packed layers are copies: what is shared still is copied next
         if private:
             model.owns_memory = False
         else:
             own_memory(model, weights)
-        cpu_linears(model, batch_hint)
     if quantized:
         layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
         for layer in layers:

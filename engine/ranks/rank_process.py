@@ -457,7 +457,7 @@ class RankProcess:
                 "install": lambda: self._install(argument),
                 "report": lambda: None,  # the answer alone: which pushed files this rank let go of
             }[action]()
-            if action in ("drop", "install"):  # a dropped or (for a lone rank) replaced model's memory goes back
+            if action in ("drop", "install"):  # a dropped or replaced model (not kept as the spare) goes back
                 release_host_memory()
         except Exception as exc:
             log.exception("rank %d: weights %s failed", self.spec.rank, action)

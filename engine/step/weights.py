@@ -156,7 +156,7 @@ class LocalWeights:
             spare.weight_version = name
             put_in = functools.partial(self._install, spare)
         else:
-            self._spare = None  # before the build: its memory is the new model's
+            self._spare = spare = None  # before the build: its memory is the new model's
             built = self._build(config, weights, name, private=isinstance(source, PushedWeights) and not self._spares)
             put_in = functools.partial(self._install, built)
         if version is None:
@@ -213,19 +213,24 @@ class LocalWeights:
         )
 
     def _fitted(self, model: LlamaForCausalLM, config: ModelConfig, weights: dict) -> dict:
-        """`weights` as float tensors of this rank's shard, checked to fit `model` before any rank writes a byte."""
-        weights = expand_blocks(weights)
-        if self.tp:
-            weights = shard_weights(weights, config, self.tp.shard)
-        check_fit(weights, model.config)
-        return weights
+        """`weights` as float tensors of this rank's shard, checked to fit `model` before any rank writes a byte;
+        expanded off the calling thread, as loading is (engine/machine/threads.py says why)."""
+
+        def fitted() -> dict:
+            floats = expand_blocks(weights)
+            return shard_weights(floats, config, self.tp.shard) if self.tp else floats
+
+        floats = on_fresh_thread(fitted)
+        check_fit(floats, model.config)
+        return floats
 
     @property
     def _spares(self) -> bool:
         """Whether a replaced model is kept as the next update's spare: on the CPU, where the memory is the
         host's and a build into fresh pages costs most of a serving update (the 1B shape on the 2-core EPYC:
-        2.2 s of 3.0). A model built for a push then owns its memory (no views of the received bytes, which
-        the next push is received into)."""
+        1.9 s in process against 3.0). A model built for a push then owns its memory: a spare that viewed the
+        received bytes would hold their buffer from the pushes after (which would each take fresh pages), and
+        its next update would write into a source a level-2 sleep's wakeup builds from."""
         return self.device.type == "cpu"
 
     def _write(self, model: LlamaForCausalLM, weights: dict, name: str) -> None:
@@ -260,7 +265,8 @@ class LocalWeights:
     def _install(self, model: LlamaForCausalLM | None) -> None:
         """`model` served from the next step on. The one it replaces becomes the spare where it can take the next
         update's values: the engine's next update comes after every loop has switched (its FLUSH_CACHE), so
-        no step still reads it then."""
+        no step still reads it then; a tensor-parallel follower installs between its steps, on the thread
+        that runs them."""
         replaced, self.model = self.model, model
         for runner in self.runners:
             runner.model = model
