@@ -314,16 +314,18 @@ def test_a_pause_whose_caller_left_before_it_was_made_is_undone(server, monkeypa
 
 
 def test_an_update_made_while_serving_writes_into_the_model_the_one_before_replaced(server, trainer):
-    """On the CPU the model a serving update replaced is kept: the next serving update writes its values into
-    it while streams run on the served one, and switches to it; each answers as the same weights built do. A
-    level-2 sleep lets it go, and the model its wakeup builds on the pushed bytes is not kept."""
+    """On the CPU, once updates repeat, the model a serving update replaced is kept: the next serving update
+    writes its values into it while streams run on the served one, and switches to it; each answers as the same
+    weights built do. A level-2 sleep lets it go, and the model its wakeup builds on the pushed bytes is not
+    kept."""
     weights, name = server.engine.ranks.weights, "model.layers.5.mlp.down_proj.weight"
     other = bf16_state(trainer)
     other[name] = -other[name]
     with Client(server.address) as client:
-        client.update_weights(bf16_state(trainer), version="a")  # built: the GGUF's quantized layers are not kept
+        client.update_weights(bf16_state(trainer), version="a")  # built; what one update replaced is not kept
         first, trained = weights.model, greedy(server, PROMPTS[0], 8)
-        client.update_weights(other, version="b")  # built, `first` kept
+        assert weights._spare is None
+        client.update_weights(other, version="b")  # built, `first` kept: updates repeat
         second, negated = weights.model, greedy(server, PROMPTS[0], MAX_NEW)
         assert second is not first and negated != trained
         streams = Streams(server, PROMPTS[:8])

@@ -111,6 +111,7 @@ class LocalWeights:
         self._offloaded = False
         # On the CPU, the model an update replaced while serving: the next such update writes into it
         self._spare: LlamaForCausalLM | None = None
+        self._updated: LlamaForCausalLM | None = None  # the served model, where an update put it in
 
     def offload(self) -> None:
         """Sleep level 1: weights kept in host memory, moved off an accelerator, untouched on the CPU."""
@@ -154,11 +155,11 @@ class LocalWeights:
             self._spare = None  # until `_install` makes the model it replaces the spare
             on_fresh_thread(functools.partial(load_in_place, spare, self._fitted(spare, config, weights)))
             spare.weight_version = name
-            put_in = functools.partial(self._install, spare)
+            put_in = functools.partial(self._install, spare, updated=True)
         else:
             self._spare = spare = None  # before the build: its memory is the new model's
             built = self._build(config, weights, name, private=isinstance(source, PushedWeights) and not self._spares)
-            put_in = functools.partial(self._install, built)
+            put_in = functools.partial(self._install, built, updated=True)
         if version is None:
             put_in()
         else:
@@ -237,7 +238,7 @@ class LocalWeights:
         """`weights` (checked to fit) written into `model`, served from now on as version `name`."""
         on_fresh_thread(lambda: load_in_place(model, weights))
         model.weight_version = name
-        self._install(model)
+        self._install(model, updated=True)
 
     def _build(self, full: ModelConfig, weights: dict, name: str, private: bool = False) -> LlamaForCausalLM:
         """Off the calling thread, as loading is: engine/machine/threads.py says why. A tensor-parallel rank builds its
@@ -262,17 +263,20 @@ class LocalWeights:
             model.reduce_layers_with(self.tp.all_reduce)
         return model
 
-    def _install(self, model: LlamaForCausalLM | None) -> None:
-        """`model` served from the next step on. The one it replaces becomes the spare where it can take the next
-        update's values: the engine's next update comes after every loop has switched (its FLUSH_CACHE), so
-        no step still reads it then; a tensor-parallel follower installs between its steps, on the thread
-        that runs them."""
+    def _install(self, model: LlamaForCausalLM | None, updated: bool = False) -> None:
+        """`model` served from the next step on (`updated`: put in by an update). Where an update replaces a
+        model an update put in (updates repeat, as an RL loop's do; a server updated once keeps one model's
+        memory), the replaced one becomes the spare if it can take the next update's values: the engine's
+        next update comes after every loop has switched (its FLUSH_CACHE), so no step still reads it then; a
+        tensor-parallel follower installs between its steps, on the thread that runs them."""
         replaced, self.model = self.model, model
         for runner in self.runners:
             runner.model = model
             runner.weights_version += 1
-        if model is not None and replaced not in (None, model) and self._spares and _can_be_spare(replaced):
+        repeated = updated and replaced is self._updated and replaced is not model
+        if replaced is not None and repeated and self._spares and _can_be_spare(replaced):
             self._spare = replaced
+        self._updated = model if updated else None
 
 
 def _can_be_spare(model: LlamaForCausalLM) -> bool:
