@@ -57,7 +57,8 @@ def _envoy(replicas: list[str], run_dir: Path, port: int) -> list[str]:
         for address in replicas
     )
     conf = _render("envoy.yaml", run_dir, LMGATE_LISTEN_PORT=str(port), LMGATE_ENDPOINTS=f"[{endpoints}]")
-    return [binary, "-c", str(conf), "--log-level", "warn", "--base-id", str(port)]
+    # No hot restart: it would leave a file in /dev/shm behind every envoy a test stops
+    return [binary, "-c", str(conf), "--log-level", "warn", "--disable-hot-restart"]
 
 
 PROXIES = {"nginx": _nginx, "envoy": _envoy}

@@ -79,8 +79,8 @@ class LocalWeights:
     While no step can run (the engine paused or asleep), a float model's new values are written into the
     tensors it serves instead (`load(in_place=True)`; a rank process checks them as it stages them and writes
     them at the install): no second model in memory, no fresh pages to fault in, and the pause a frozen stream
-    sees is that much shorter. On the CPU the model a serving update replaced is kept, and the next serving
-    update writes into it in the same way (`_spare`): no fresh pages, no build.
+    sees is that much shorter. On the CPU, once updates repeat, the model a serving update replaced is kept,
+    and the next serving update writes into it in the same way (`_spare`): no fresh pages, no build.
 
     New weights come from a `WeightSource`: a checkpoint's path, or `PushedWeights` from a caller's memory.
     Each model carries its `weight_version` (the engine's name for it), which a step's outputs report.
@@ -109,7 +109,7 @@ class LocalWeights:
         # a rank process's loads by version until installed: what puts them in, the `path` and name they followed
         self._staged: dict[int, tuple[Callable[[], None], WeightSource, str]] = {}
         self._offloaded = False
-        # On the CPU, the model an update replaced while serving: the next such update writes into it
+        # On the CPU, once updates repeat, the model a serving update replaced: the next one writes into it
         self._spare: LlamaForCausalLM | None = None
         self._updated: LlamaForCausalLM | None = None  # the served model, where an update put it in
 
