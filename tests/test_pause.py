@@ -6,6 +6,7 @@ computed as a fresh request of the same tokens would be. Afterwards every KV blo
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 
@@ -313,11 +314,12 @@ def test_a_pause_whose_caller_left_before_it_was_made_is_undone(server, monkeypa
     assert_all_free(server)
 
 
-def test_an_update_made_while_serving_writes_into_the_model_the_one_before_replaced(server, trainer):
+def test_an_update_made_while_serving_writes_into_the_model_the_one_before_replaced(server, trainer, caplog):
     """On the CPU, once updates repeat, the model a serving update replaced is kept: the next serving update
     writes its values into it while streams run on the served one, and switches to it; each answers as the same
     weights built do. A level-2 sleep lets it go, and the model its wakeup builds on the pushed bytes is not
-    kept."""
+    kept. The log says once that a model is kept, and its size."""
+    caplog.set_level(logging.INFO, logger="lmgate.engine.step.weights")
     weights, name = server.engine.ranks.weights, "model.layers.5.mlp.down_proj.weight"
     other = bf16_state(trainer)
     other[name] = -other[name]
@@ -339,6 +341,8 @@ def test_an_update_made_while_serving_writes_into_the_model_the_one_before_repla
         assert greedy(server, PROMPTS[0], 8) == trained
         client.update_weights(other, version="d")
         assert weights.model is second and greedy(server, PROMPTS[0], 8) == negated[:8]
+        told = [r.getMessage() for r in caplog.records if "is kept for the next serving update" in r.getMessage()]
+        assert len(told) == 1 and " GB)" in told[0]
         client.sleep(2)
         client.wakeup()
         woken = weights.model

@@ -112,6 +112,7 @@ class LocalWeights:
         # On the CPU, once updates repeat, the model a serving update replaced: the next one writes into it
         self._spare: LlamaForCausalLM | None = None
         self._updated: LlamaForCausalLM | None = None  # the served model, where an update put it in
+        self._spared = False  # a spare was kept since the start or the last level-2 sleep (logged once)
 
     def offload(self) -> None:
         """Sleep level 1: weights kept in host memory, moved off an accelerator, untouched on the CPU."""
@@ -123,7 +124,7 @@ class LocalWeights:
     def drop(self) -> None:
         """Sleep level 2 (and shutdown): the weights freed; only after every loop has stopped stepping."""
         self._staged.clear()  # `path` names the newest already: a restore loads it
-        self._spare = None
+        self._spare, self._spared = None, False
         self._install(None)
 
     def restore(self) -> None:
@@ -275,7 +276,13 @@ class LocalWeights:
             runner.weights_version += 1
         repeated = updated and replaced is self._updated and replaced is not model
         if replaced is not None and repeated and self._spares and _can_be_spare(replaced):
-            self._spare = replaced
+            if not self._spared:
+                log.info(
+                    "updates repeat: the replaced model (%.2f GB) is kept for the next serving update to write into; "
+                    "a level-2 sleep frees it",
+                    count_weight_bytes(replaced) / 1e9,
+                )
+            self._spare, self._spared = replaced, True
         self._updated = model if updated else None
 
 
