@@ -1,6 +1,6 @@
 """Two nodes on one machine: node 1 runs in a network namespace of its own, joined to this one (node 0's) by a
-veth pair, so every request, output and collective between them crosses a real link between two network
-stacks. Needs root and `ip`; skipped with the reason where the machine forbids it."""
+veth pair, so every request, output, collective and pushed weight between them crosses a real link between two
+network stacks. Needs root and `ip`; skipped with the reason where the machine forbids it."""
 
 from __future__ import annotations
 
@@ -14,11 +14,13 @@ import time
 import grpc
 import pytest
 
+from lmgate.client.client import Client
 from lmgate.v1 import lmgate_pb2 as pb
 from lmgate.v1 import lmgate_pb2_grpc as pb_grpc
 from tests.serving import LMGATE, StreamEnds, free_port, serve_process
 from tests.test_rank_processes import rank_pids
 from tests.test_engine import hf_greedy
+from tests.test_weight_push import bf16_state
 
 NEW = 24
 GUARD = 300  # seconds: a guard against a hang, far above what any run takes, never a performance bound
@@ -116,16 +118,29 @@ def greedy(stub: pb_grpc.InferenceStub, prompt: str) -> list[int]:
     ]
 
 
-def test_data_parallel_ranks_on_two_nodes_answer_as_one_node_and_stop_together(node1_netns, hf_model, tokenizer):
-    """One rank per node; requests one at a time go to each rank in turn; SIGTERM to node 0 closes node 1's
-    rank too, and both exit 0."""
+def pushed_reach_node_1(address: str, stub: pb_grpc.InferenceStub, tokenizer, trainer, requests: int) -> None:
+    """Weights pushed from the trainer's memory (a tensor stream to node 0, whose ranks on node 1 get the bytes
+    in their messages) serve on every rank (`requests` reach each of them) as transformers' own model does."""
+    with Client(address) as client:
+        assert client.update_weights(bf16_state(trainer), version="pushed") == "pushed"
+    expected = hf_greedy(trainer, tokenizer.encode(PROMPTS[0]), NEW)
+    assert [greedy(stub, PROMPTS[0]) for _ in range(requests)] == [expected] * requests
+    assert stub.Info(pb.InfoRequest()).weight_version == "pushed"
+
+
+def test_data_parallel_ranks_on_two_nodes_answer_as_one_node_and_stop_together(
+    node1_netns, hf_model, tokenizer, trainer
+):
+    """One rank per node; requests one at a time go to each rank in turn; pushed weights reach both; SIGTERM
+    to node 0 closes node 1's rank too, and both exit 0."""
     node0, node1, address = start_nodes(node1_netns, "--engine-loops", "2")
     try:
         with grpc.insecure_channel(address) as channel:
             stub = pb_grpc.InferenceStub(channel)
             assert stub.Info(pb.InfoRequest()).engine_loops == 2
             got = [greedy(stub, p) for p in PROMPTS]
-        assert got == [hf_greedy(hf_model, tokenizer.encode(p), NEW) for p in PROMPTS]
+            assert got == [hf_greedy(hf_model, tokenizer.encode(p), NEW) for p in PROMPTS]
+            pushed_reach_node_1(address, stub, tokenizer, trainer, requests=2)  # data-parallel ranks take turns
         node0.send_signal(signal.SIGTERM)
         assert node0.wait(timeout=GUARD) == 0
         assert node1.wait(timeout=GUARD) == 0
@@ -133,15 +148,17 @@ def test_data_parallel_ranks_on_two_nodes_answer_as_one_node_and_stop_together(n
         _kill(node1, node0)
 
 
-def test_tensor_parallel_across_two_nodes_and_a_hung_node_ends_every_stream(node1_netns, hf_model, tokenizer):
-    """The model split over the two nodes (all-reduces over the veth); then node 1 stops dead (SIGSTOP: no
-    connection closes, only its silence tells): every stream ends UNAVAILABLE and node 0 exits 1."""
+def test_tensor_parallel_across_two_nodes_and_a_hung_node_ends_every_stream(node1_netns, hf_model, tokenizer, trainer):
+    """The model split over the two nodes (all-reduces over the veth); pushed weights reach both shards; then
+    node 1 stops dead (SIGSTOP: no connection closes, only its silence tells): every stream ends UNAVAILABLE
+    and node 0 exits 1."""
     node0, node1, address = start_nodes(node1_netns, "--tensor-parallel", "2")
     try:
         with grpc.insecure_channel(address) as channel:
             stub = pb_grpc.InferenceStub(channel)
             got = [greedy(stub, p) for p in PROMPTS[:2]]
             assert got == [hf_greedy(hf_model, tokenizer.encode(p), NEW) for p in PROMPTS[:2]]
+            pushed_reach_node_1(address, stub, tokenizer, trainer, requests=1)
             long = pb.SamplingParams(max_new_tokens=2000, ignore_eos=True)  # within the 2048-token context
             streams = [
                 stub.Generate(pb.GenerateRequest(prompt=f"Story {i}:", sampling=long), timeout=GUARD) for i in range(3)
