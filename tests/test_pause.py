@@ -325,11 +325,12 @@ def test_an_update_made_while_serving_writes_into_the_model_the_one_before_repla
     other[name] = -other[name]
     with Client(server.address) as client:
         client.update_weights(bf16_state(trainer), version="a")  # built; what one update replaced is not kept
-        first, trained = weights.model, greedy(server, PROMPTS[0], 8)
+        first, trained, one = weights.model, greedy(server, PROMPTS[0], 8), server.info().weights_bytes
         assert weights._spare is None
         client.update_weights(other, version="b")  # built, `first` kept: updates repeat
         second, negated = weights.model, greedy(server, PROMPTS[0], MAX_NEW)
         assert second is not first and negated != trained
+        assert server.info().weights_bytes == 2 * one  # Info counts what is held: the spare too
         streams = Streams(server, PROMPTS[:8])
         streams.started()
         client.update_weights(bf16_state(trainer), version="c")  # into `first`, while the streams run on `second`
@@ -347,6 +348,7 @@ def test_an_update_made_while_serving_writes_into_the_model_the_one_before_repla
         client.wakeup()
         woken = weights.model
         assert woken not in (first, second) and greedy(server, PROMPTS[0], 8) == negated[:8]
+        assert server.info().weights_bytes == one
         client.update_weights(bf16_state(trainer), version="e")
         assert weights.model not in (first, second, woken) and greedy(server, PROMPTS[0], 8) == trained
     assert_all_free(server)

@@ -189,11 +189,12 @@ class LocalWeights:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of weights on the device (tied tensors once, packed copies included)."""
-        model = self.model  # read once: a rank's "report" may run beside a drop
+        """Bytes of weights held on the device (tied tensors once, packed copies included): the served model's,
+        and the spare's, which is held as long (until a level-2 sleep)."""
+        model, spare = self.model, self._spare  # read once: a rank's "report" may run beside a drop
         if model is None or (self.device.type != "cpu" and self._offloaded):
             return 0
-        return count_weight_bytes(model)
+        return count_weight_bytes(model) + (count_weight_bytes(spare) if spare is not None else 0)
 
     def _config_of(self, ckpt: Checkpoint) -> ModelConfig:
         """The checkpoint's config, as this process's shard of it."""
