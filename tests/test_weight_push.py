@@ -532,7 +532,7 @@ def test_weight_push_reaches_every_rank_process(checkpoint, trainer, saved):
         before = greedy(s)
         with Client(s.address) as client:
             assert client.update_weights(bf16_state(trainer), version="pushed") == "pushed"
-        pushed = [greedy(s) for _ in range(4)]
+        pushed, held = [greedy(s) for _ in range(4)], s.info().weights_bytes
         assert pushed[0] != before and all(p == pushed[0] for p in pushed)
         kept = shared_files() - files
         assert len(kept) == (1 if os.path.isdir(weight_transfer.SHM_DIR) else 0)
@@ -540,6 +540,7 @@ def test_weight_push_reaches_every_rank_process(checkpoint, trainer, saved):
             client.update_weights(saved, version="by-path")
             assert [greedy(s) for _ in range(4)] == pushed
             assert s.info().weight_version == "by-path"
+            assert s.info().weights_bytes == 2 * held  # each rank keeps the pushed model as its spare
             with client.pause("keep"):  # each rank checks, then writes them into the model it serves
                 client.update_weights(bf16_state(trainer), version="paused")
         assert [greedy(s) for _ in range(4)] == pushed and s.info().weight_version == "paused"
