@@ -60,6 +60,24 @@ def test_shared_prefix_reused_and_output_unchanged(cached, uncached):
     assert_all_free(cached)
 
 
+def test_copies_of_a_prompt_sent_at_once_compute_it_once(checkpoint, uncached):
+    """Six prompts sharing 200 tokens, queued together behind a long prefill (its step lets them all arrive),
+    with budget for every one of them: the first computes the shared blocks, the other five wait for them and
+    take them from the cache, and each gets the output it gets alone."""
+    prefix = words(1, 200)
+    prompts = [prefix + words(10 + i, 20) for i in range(6)]
+    with Engine(config(max_batched_tokens=2048), checkpoint=checkpoint) as eng:
+        blocker = eng.submit(words(9, 1500), GREEDY)
+        streams = [eng.submit(p, GREEDY) for p in prompts]
+        outputs = [list(s) for s in streams]
+        assert len(list(blocker)) > 0
+        cached = sorted(outs[-1].usage.cached_tokens for outs in outputs)
+        assert cached[0] == 0 and cached[1] >= 192, cached
+        for prompt, outs in zip(prompts, outputs):
+            assert [t for o in outs for t in o.token_ids] == uncached.generate(prompt, GREEDY).token_ids
+        assert_all_free(eng)
+
+
 def test_sessions_share_system_prompt_blocks(cached, uncached):
     system = [{"role": "system", "content": "You answer in one short sentence. " * 12}]
     a, b = cached.start_session(), cached.start_session()

@@ -3,7 +3,10 @@ its admission under a full cache."""
 
 from __future__ import annotations
 
+import random
 import threading
+
+import pytest
 
 from lmgate.engine.scheduling.block_manager import BlockManager
 from lmgate.engine.gateway.request import Request, RequestKind
@@ -136,3 +139,121 @@ def test_an_idle_sessions_kv_stays_while_dropping_it_would_not_admit_the_head():
     fits = sequence(list(range(300, 320)))  # five blocks: the two free and the session's three
     scheduler.add(fits)
     assert fits in scheduler.schedule() and not idle.block_table and blocks.num_free == 0
+
+
+def computing(scheduler: Scheduler) -> list[Sequence]:
+    """One step as the loop runs it: schedule, compute what was scheduled, key the blocks filled (no sampling:
+    a prefill that reaches its prompt's end draws nothing here)."""
+    batch = scheduler.schedule()
+    for seq in batch:
+        seq.num_computed += seq.num_scheduled
+    scheduler.blocks.cache_full_blocks(batch)
+    return batch
+
+
+def test_prompts_that_share_a_prefill_under_way_wait_for_its_blocks_and_take_them_from_the_cache():
+    """Three copies of a prompt of five blocks and a prompt of its own, queued at once with budget for all: the
+    first copy computes the prompt, the other two wait a step and take its four shared blocks from the cache (its
+    last block holds their last token, which each computes); the prompt of its own, behind them, runs at once."""
+    blocks = BlockManager(64, 16)
+    scheduler = Scheduler(blocks, {}, max_batch_size=8, max_batched_tokens=1024)
+    shared = list(range(1000, 1080))
+    first, second, third = (sequence(shared) for _ in range(3))
+    alone = sequence(list(range(2000, 2080)))
+    for seq in (first, second, third, alone):
+        scheduler.add(seq)
+    assert computing(scheduler) == [first, alone]
+    assert list(scheduler.waiting) == [second, third] and second.follows == (first, 4)
+    assert computing(scheduler) == [second, third]  # the first's and alone's prompts drew their tokens' rows
+    for seq in (second, third):
+        assert seq.num_cached_tokens == 64 and seq.num_scheduled == 16 and seq.block_table[:4] == first.block_table[:4]
+    assert blocks.hit_tokens == 128
+
+
+def test_a_prompt_follows_a_chunked_prefill_until_its_shared_blocks_are_keyed():
+    """A budget of 64 tokens: the first of two prompts that share ten blocks prefills them in three chunks; the
+    second, looked at once the last chunk leaves budget, waits until the first has keyed all ten (it computed
+    two of them beside it), then takes them from the cache."""
+    blocks = BlockManager(64, 16)
+    scheduler = Scheduler(blocks, {}, max_batch_size=8, max_batched_tokens=64)
+    shared = list(range(1000, 1160))
+    first, second = sequence(shared), sequence(shared + [7])
+    scheduler.add(first)
+    scheduler.add(second)
+    for _ in range(3):
+        assert computing(scheduler) == [first] and second.status is SequenceStatus.WAITING
+    assert computing(scheduler) == [second] and second.num_cached_tokens == 160 and second.num_scheduled == 1
+    assert second.block_table[:10] == first.block_table
+
+
+def test_a_follower_runs_on_its_own_once_its_prefill_ends_or_shares_too_little():
+    """Cancelled before its blocks were keyed, the prefill no longer holds its follower back: that computes the
+    prompt itself. A prompt sharing one block (16 tokens, under FOLLOW_MIN_TOKENS) with a prefill under way
+    does not wait for it."""
+    blocks = BlockManager(64, 16)
+    scheduler = Scheduler(blocks, {}, max_batch_size=8, max_batched_tokens=1024)
+    shared = list(range(1000, 1160))
+    first, second = sequence(shared), sequence(shared)
+    scheduler.add(first)
+    scheduler.add(second)
+    assert scheduler.schedule() == [first] and second.follows == (first, 9)
+    scheduler.remove(first)  # cancelled while its step ran: its blocks go back without keys
+    blocks.release(first.block_table)
+    assert computing(scheduler) == [second] and second.num_cached_tokens == 0 and second.follows is None
+    own = sequence(list(range(3000, 3016)) + list(range(4000, 4060)))
+    alike = sequence(list(range(3000, 3016)) + list(range(5000, 5060)))
+    scheduler.add(own)
+    scheduler.add(alike)
+    assert computing(scheduler) == [own, alike] and alike.num_cached_tokens == 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_arrivals_cancels_and_preemptions_share_only_computed_blocks(seed):
+    """Prompts drawn from three shared beginnings arrive alone and in bursts, are cancelled, run and end at random
+    under a small cache (preemptions, evictions) and a random budget. Every position computed writes its token
+    into a shadow of the KV; at every step each running sequence's computed positions must hold its own tokens
+    there, which a block taken from the cache before its prefill computed it would not. Every sequence ends, some
+    having waited for a prefill (`follows`), and then every block is free."""
+    rng = random.Random(seed)
+    bs = 4
+    blocks = BlockManager(48, bs)
+    scheduler = Scheduler(blocks, {}, max_batch_size=6, max_batched_tokens=32)
+    beginnings = [[rng.randrange(1000) for _ in range(rng.randrange(36, 64))] for _ in range(3)]
+    shadow: dict[tuple[int, int], int] = {}  # (block, offset) -> the token whose KV it holds
+    live: list[Sequence] = []
+    finished = followed = 0
+
+    def end(seq: Sequence) -> None:
+        if seq.status is not SequenceStatus.FINISHED:
+            scheduler.remove(seq)
+            blocks.release(seq.block_table)
+        live.remove(seq)
+
+    for step in range(800):
+        if step < 600 and rng.random() < 0.3:
+            beginning = rng.choice(beginnings)
+            for _ in range(rng.choice((1, 1, 2, 4))):
+                seq = sequence(beginning + [rng.randrange(1000) for _ in range(rng.randrange(0, 12))])
+                scheduler.add(seq)
+                live.append(seq)
+        if live and rng.random() < 0.05:
+            end(rng.choice(live))  # cancelled, waiting or running
+        scheduler.max_batched_tokens = rng.randrange(8, 96)
+        for seq in scheduler.schedule():
+            for pos in range(seq.num_computed, seq.num_computed + seq.num_scheduled):
+                shadow[seq.block_table[pos // bs], pos % bs] = seq.token_ids[pos]
+            seq.num_computed += seq.num_scheduled
+            if seq.num_computed == len(seq.token_ids):  # its prompt's last position: it draws a token
+                seq.token_ids.append(rng.randrange(1000))
+        blocks.cache_full_blocks(scheduler.running)
+        followed += any(s.follows is not None for s in scheduler.waiting)
+        for seq in list(scheduler.running):
+            assert all(
+                shadow[seq.block_table[pos // bs], pos % bs] == seq.token_ids[pos] for pos in range(seq.num_computed)
+            )
+            if seq.num_output >= seq.max_new_tokens:
+                end(seq)
+                finished += 1
+    assert not live and finished > 100
+    assert scheduler.num_preemptions > 0 and blocks.hit_tokens > 0 and followed > 0
+    assert blocks.num_free == blocks.num_blocks and not any(blocks.ref_counts)

@@ -85,7 +85,7 @@ class BlockManager:
         """The cached blocks that would extend a sequence whose KV ends at a block boundary with its next
         tokens (never its last token, which must be computed for its logits). Only looks: `take_prefix` takes
         them, once the scheduler knows there is room for the chunk after them."""
-        lookup = self._lookup(seq)
+        lookup = self.lookup(seq)
         found: list[int] = []
         parent = seq.block_hashes[lookup.start - 1] if lookup.start else b""
         for j in lookup:
@@ -100,7 +100,7 @@ class BlockManager:
     def take_prefix(self, seq: Sequence, blocks: list[int]) -> int:
         """Extend the sequence with the blocks `match_prefix` found for it, and count the lookup in the hit
         rate. Returns the tokens taken from the cache."""
-        self.queried_tokens += len(self._lookup(seq)) * self.block_size
+        self.queried_tokens += len(self.lookup(seq)) * self.block_size
         self.retain(blocks)
         seq.block_table.extend(blocks)
         for block in blocks:
@@ -110,6 +110,21 @@ class BlockManager:
         seq.num_computed += len(blocks) * self.block_size
         self.hit_tokens += len(blocks) * self.block_size
         return len(blocks) * self.block_size
+
+    def next_key(self, seq: Sequence, prefix: list[int]) -> tuple[int, BlockKey] | None:
+        """The first block of `seq` that neither its keyed KV nor the cached `prefix` after it (`match_prefix`'s)
+        holds, with its index and key: the block it keys next, once computed. None where its tokens fill no such
+        block, or it keys none."""
+        j = len(seq.block_hashes) + len(prefix)
+        if not self.prefix_caching or not seq.keyable or j >= len(seq.token_ids) // self.block_size:
+            return None
+        if prefix:
+            key = self.keys[prefix[-1]]
+            assert key is not None, "a cached block"
+            parent = chain_digest(key)
+        else:
+            parent = seq.block_hashes[-1] if seq.block_hashes else b""
+        return j, self._key(seq, j, parent)
 
     def num_free_of(self, blocks: Iterable[int]) -> int:
         """How many of these blocks are on the free list: taking a cached block that no one holds uses up a
@@ -167,7 +182,7 @@ class BlockManager:
             self.events = []
         return events
 
-    def _lookup(self, seq: Sequence) -> range:
+    def lookup(self, seq: Sequence) -> range:
         """The block indices of a sequence the prefix cache may supply: from the end of its KV, if that is at
         a block boundary and every block before it is keyed, up to the block that holds its last token. (A turn
         that ended with its step unread hands its session blocks not keyed yet: the next turn keys them.)"""

@@ -14,8 +14,10 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
-from .block_manager import BlockManager
+from .block_manager import BlockKey, BlockManager
 from .sequence import Sequence, SequenceStatus, Session
+
+FOLLOW_MIN_TOKENS = 32  # `Scheduler._follows`: the least a waiting prompt shares with a prefill to wait for it
 
 
 class Scheduler:
@@ -76,17 +78,25 @@ class Scheduler:
         for seq in prefills:
             budget -= self._schedule_prefill(seq, budget)
         admitted = False
-        while self.waiting and budget > 0 and len(self.running) + self.unforked < self.max_batch_size:
-            seq = self.waiting[0]
+        in_flight = self._in_flight(prefills) if self.waiting and self.blocks.prefix_caching else {}
+        i = 0  # the queue's first sequence not passed over (one that follows a prefill waits for it: `_follows`)
+        while i < len(self.waiting) and budget > 0 and len(self.running) + self.unforked < self.max_batch_size:
+            seq = self.waiting[i]
             if seq.num_pending:  # preempted with a token on the device: its prompt is whole once it is read
                 break
             forks = seq.samples.to_fork if seq.samples is not None else 0
             if len(self.running) + self.unforked + 1 + forks > self.max_batch_size:
                 break  # its samples, once forked, must fit in the batch
-            prefix = self._room_to_admit(seq, budget)
-            if prefix is None:
+            if self._still_follows(seq):
+                i += 1
+                continue
+            prefix = self.blocks.match_prefix(seq)
+            if in_flight and self._follows(seq, prefix, in_flight):
+                i += 1
+                continue
+            if not self._room_to_admit(seq, prefix, budget):
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             if self.blocks.take_prefix(seq, prefix):
                 seq.num_cached_tokens = max(seq.num_cached_tokens, min(seq.num_computed, seq.num_prompt_tokens))
             seq.status = SequenceStatus.RUNNING
@@ -95,6 +105,8 @@ class Scheduler:
             self.unforked += forks
             budget -= self._schedule_prefill(seq, budget)
             admitted = True
+            if self.blocks.prefix_caching:
+                self._add_in_flight(seq, in_flight)
         if not prefills and not admitted and preemptions == self.num_preemptions:
             self.decodes_only, self._returned = True, decodes
             return decodes  # each got its token (one that could not was preempted), in running order, and no other
@@ -208,16 +220,64 @@ class Scheduler:
         if seq.samples is not None:
             self.unforked -= seq.samples.to_fork
 
-    def _room_to_admit(self, seq: Sequence, budget: int) -> list[int] | None:
-        """The prefix-cache blocks a waiting sequence starts from, once room for its first chunk after them is
-        sure; None while there is none. A cached block no one holds leaves the free list when taken, so it
-        counts against the room: counted after taking it, a chunk cut by the budget found no room, preempted
-        the sequence just admitted and admitted it again, forever."""
-        prefix = self.blocks.match_prefix(seq)
+    def _room_to_admit(self, seq: Sequence, prefix: list[int], budget: int) -> bool:
+        """Whether there is room for a waiting sequence's first chunk after `prefix`, the prefix-cache blocks it
+        starts from. A cached block no one holds leaves the free list when taken, so it counts against the room:
+        counted after taking it, a chunk cut by the budget found no room, preempted the sequence just admitted
+        and admitted it again, forever."""
         computed = seq.num_computed + len(prefix) * self.blocks.block_size
         chunk = min(len(seq.token_ids) - computed, budget)
         grow = self.blocks.blocks_for(computed + chunk) - len(seq.block_table) - len(prefix)
-        return prefix if self._make_room(grow, seq, taking=prefix) else None
+        return self._make_room(grow, seq, taking=prefix)
+
+    # A prompt that shares blocks with one being prefilled waits for them to be keyed, then takes them from the
+    # prefix cache, instead of computing them beside it: a burst of requests with the same system prompt or
+    # an RL trainer's copies of one prompt compute it once (SGLang deprioritizes such requests in the same way).
+    # Only where they share this many tokens or more: waiting costs the follower a step.
+    def _in_flight(self, prefills: list[Sequence]) -> dict[BlockKey, Sequence]:
+        """The running prefills by the key of the block each will key next."""
+        in_flight: dict[BlockKey, Sequence] = {}
+        for seq in prefills:
+            self._add_in_flight(seq, in_flight)
+        return in_flight
+
+    def _add_in_flight(self, seq: Sequence, in_flight: dict[BlockKey, Sequence]) -> None:
+        found = self.blocks.next_key(seq, []) if seq.status is SequenceStatus.RUNNING else None  # not preempted
+        if found is not None:
+            in_flight.setdefault(found[1], seq)
+
+    def _follows(self, seq: Sequence, prefix: list[int], in_flight: dict[BlockKey, Sequence]) -> bool:
+        """Whether a waiting sequence, past the cached `prefix`, starts with FOLLOW_MIN_TOKENS or more of a
+        running prefill's blocks not keyed yet: it then waits for them (`follows`, `_still_follows`). The first
+        block's key (the digest of all before it, and its tokens) finds the prefill; the tokens after it are
+        compared block by block."""
+        lookup = self.blocks.lookup(seq)  # empty where it takes nothing from the cache (prompt logprobs, say)
+        found = self.blocks.next_key(seq, prefix) if lookup else None
+        leader = in_flight.get(found[1]) if found is not None else None
+        if found is None or leader is None:
+            return False
+        bs, j = self.blocks.block_size, found[0]
+        ids, theirs = seq.token_ids, leader.token_ids
+        stop = min(lookup.stop, len(theirs) // bs)  # blocks it may take; blocks the leader keys
+        end = j + 1  # block j is shared: its key holds the digest of all before it
+        while end < stop and ids[end * bs : (end + 1) * bs] == theirs[end * bs : (end + 1) * bs]:
+            end += 1
+        if j >= stop or (end - j) * bs < FOLLOW_MIN_TOKENS:
+            return False
+        seq.follows = (leader, end)
+        return True
+
+    def _still_follows(self, seq: Sequence) -> bool:
+        """Whether the prefill a waiting sequence follows is still running and has not keyed the blocks they share
+        (`_follows`); once it has (or has ended, or been preempted, or its weights changed), the sequence is
+        looked at again."""
+        if seq.follows is None:
+            return False
+        leader, end = seq.follows
+        if leader.status is SequenceStatus.RUNNING and leader.keyable and len(leader.block_hashes) < end:
+            return True
+        seq.follows = None
+        return False
 
     def _schedule_prefill(self, seq: Sequence, budget: int) -> int:
         chunk = min(seq.num_uncomputed, budget)

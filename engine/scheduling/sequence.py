@@ -105,6 +105,7 @@ class Sequence(HoldsKV):
         "conversation",
         "reply_context",
         "first_scheduled",
+        "follows",
         "index",
         "samples",
         "forks",
@@ -152,6 +153,9 @@ class Sequence(HoldsKV):
         self.conversation: list[dict] | None = None  # a chat turn's messages, this turn's included
         self.reply_context: list[int] | None = None  # a chat turn's ids before its reply, where the front end writes it
         self.first_scheduled: float | None = None  # monotonic time it first ran in a batch
+        # While waiting: the running prefill whose blocks it shares, and the block up to which it waits for their
+        # keys (`Scheduler._follows`)
+        self.follows: tuple[Sequence, int] | None = None
         self.index = 0  # which of the request's samples
         self.samples = Samples(self.params.n) if self.params.n > 1 else None
         self.forks: list[Sequence] = []  # samples forked from it this step, drawing from its last row
