@@ -34,9 +34,10 @@ from .sequence_binding import SequenceBinding
 log = logging.getLogger(__name__)
 
 # An output for a request; or a delta of one token id and nothing else, as (request, token id, the sample's
-# index, the weights' version): most of a step's outputs, which a loop hands over as such, and the signal thread
-# makes outputs of (`token_output`), off the loop's thread.
-Signal = tuple[Request, RequestOutput] | tuple[Request, int, int, str]
+# index, the weights' version), or with the token's text after those (a loop that writes text, no stop string
+# holding it back): most of a step's outputs, which a loop hands over as such, and the signal thread makes
+# outputs of (`token_output`), off the loop's thread.
+Signal = tuple[Request, RequestOutput] | tuple[Request, int, int, str] | tuple[Request, int, int, str, str]
 KvStep = tuple[int, list[RawEvent]]  # a loop's rank and the prefix-cache events of one of its steps
 SLEEP_GATE = "sleep"  # closed from a Sleep until the Wakeup that leaves nothing asleep
 
@@ -364,6 +365,9 @@ class Gateway:
             if len(signal) == 4:  # a token delta
                 request, token, index, version = signal
                 output = token_output(request.request_id, request.session_id, [token], index, version)
+            elif len(signal) == 5:  # and its text
+                request, token, index, version, text = signal
+                output = token_output(request.request_id, request.session_id, [token], index, version, text)
             else:
                 request, output = signal
             if settle_all or output.finish_reason is not None or output.error is not None:

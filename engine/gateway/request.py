@@ -104,12 +104,12 @@ class RequestOutput:
 
 
 def token_output(
-    request_id: str, session_id: int, token_ids: list[int], index: int, weight_version: str
+    request_id: str, session_id: int, token_ids: list[int], index: int, weight_version: str, text: str = ""
 ) -> RequestOutput:
-    """A delta of token ids and nothing else (`RequestOutput.only_tokens`), built positionally (hundreds a step:
-    faster than by name)."""
+    """A delta of token ids and their text, if any, and nothing else (without text: `RequestOutput.only_tokens`),
+    built positionally (hundreds a step: faster than by name)."""
     return RequestOutput(
-        request_id, session_id, token_ids, "", [], None, None, None, index, False, None, None, weight_version
+        request_id, session_id, token_ids, text, [], None, None, None, index, False, None, None, weight_version
     )
 
 

@@ -630,7 +630,8 @@ class EngineLoop:
         """A token per sampling row: hundreds a step on the host's critical path. The common case (a token
         sent at once, its ids alone: no logprobs, no text written here, no grammar, neither the first nor the
         last) leaves as a token delta (`Signal`), of which the signal thread makes the output: for a whole step
-        at once where every row's is (`_plain_tokens`), else row by row."""
+        at once where every row's is (`_plain_tokens`), else row by row, where a token whose text this loop
+        writes, with no stop string to hold it back, leaves as a delta with its text."""
         if not self._plain_tokens(samplers, batch):
             self._update_rows(samplers, batch)
 
@@ -700,9 +701,9 @@ class EngineLoop:
             token_ids.append(token)
             num_tokens = len(token_ids)
             num_output = num_tokens - seq.num_prompt_tokens  # `Sequence.num_output`
+            detok = seq.detokenizer
             if (
-                seq.detokenizer is None  # first: a loop that writes text fails here, at once
-                and interval == 1
+                interval == 1
                 and lp is None
                 and seq.unsent is None
                 and seq.matcher is None
@@ -710,8 +711,12 @@ class EngineLoop:
                 and num_tokens < limit
                 and token not in seq.stop_ids
             ):
-                signal((seq.request, token, seq.index, version))
-                continue
+                if detok is None:
+                    signal((seq.request, token, seq.index, version))
+                    continue
+                if not detok.has_stops:  # its text, all of it, goes with the token
+                    signal((seq.request, token, seq.index, version, detok.step_one(token)[0]))
+                    continue
             out = seq.unsent or self._unsent(seq)
             if out.weight_version != version:  # the tokens of other weights go first, in an output of their own
                 if out.token_ids:
@@ -722,7 +727,7 @@ class EngineLoop:
             out.token_ids.append(token)
             if lp is not None:
                 out.logprobs.append(TokenLogprob(token, lp[0], lp[1]))
-            reason, stop_hit, detok = None, False, seq.detokenizer
+            reason, stop_hit = None, False
             if token in seq.stop_ids:
                 reason = FinishReason.STOP
             else:

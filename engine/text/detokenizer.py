@@ -87,6 +87,11 @@ class IncrementalDetokenizer:
         return self._add(self._next_text(token_id))
 
     @property
+    def has_stops(self) -> bool:
+        """Whether it looks for stop strings (and holds back text that may begin one)."""
+        return bool(self._stop)
+
+    @property
     def text(self) -> str:
         """The text emitted so far: a prefix of the decoded text, without stop strings."""
         return self._decoded[: self._emitted]
