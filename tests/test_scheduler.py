@@ -164,7 +164,7 @@ def test_prompts_that_share_a_prefill_under_way_wait_for_its_blocks_and_take_the
         scheduler.add(seq)
     assert computing(scheduler) == [first, alone]
     assert list(scheduler.waiting) == [second, third] and second.follows == (first, 4)
-    assert computing(scheduler) == [second, third]  # the first's and alone's prompts drew their tokens' rows
+    assert computing(scheduler) == [second, third]  # first and alone computed their prompts (nothing drawn here)
     for seq in (second, third):
         assert seq.num_cached_tokens == 64 and seq.num_scheduled == 16 and seq.block_table[:4] == first.block_table[:4]
     assert blocks.hit_tokens == 128
@@ -172,8 +172,8 @@ def test_prompts_that_share_a_prefill_under_way_wait_for_its_blocks_and_take_the
 
 def test_a_prompt_follows_a_chunked_prefill_until_its_shared_blocks_are_keyed():
     """A budget of 64 tokens: the first of two prompts that share ten blocks prefills them in three chunks; the
-    second, looked at once the last chunk leaves budget, waits until the first has keyed all ten (it computed
-    two of them beside it), then takes them from the cache."""
+    second, looked at once the last chunk leaves budget, waits while that chunk computes the last two, then
+    takes all ten from the cache."""
     blocks = BlockManager(64, 16)
     scheduler = Scheduler(blocks, {}, max_batch_size=8, max_batched_tokens=64)
     shared = list(range(1000, 1160))
