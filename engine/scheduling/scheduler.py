@@ -78,7 +78,7 @@ class Scheduler:
         for seq in prefills:
             budget -= self._schedule_prefill(seq, budget)
         admitted = False
-        in_flight = self._in_flight(prefills) if self.waiting and self.blocks.prefix_caching else {}
+        in_flight = self._in_flight(prefills) if self.waiting and budget > 0 and self.blocks.prefix_caching else {}
         i = 0  # the queue's first sequence not passed over (one that follows a prefill waits for it: `_follows`)
         while i < len(self.waiting) and budget > 0 and len(self.running) + self.unforked < self.max_batch_size:
             seq = self.waiting[i]
